@@ -1,0 +1,39 @@
+"""memadvisor: measure a PyTorch training step, find the fastest configuration that fits a budget.
+
+tuned = memadvisor.optimize(model, sample_batch, budget_gb=8)
+"""
+
+from memadvisor.config import PlanConfig
+from memadvisor.errors import (
+    BadInputError,
+    InfeasibleBudgetError,
+    MemadvisorError,
+    PlanningError,
+    SimulatedOutOfMemoryError,
+)
+from memadvisor.estimate import Candidate, Estimate, estimate
+from memadvisor.planner import Plan
+from memadvisor.profiler import Profile
+from memadvisor.strategy import Advice, Strategy, load_strategies
+from memadvisor.workload import Workload, train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Advice",
+    "BadInputError",
+    "Candidate",
+    "Estimate",
+    "InfeasibleBudgetError",
+    "MemadvisorError",
+    "Plan",
+    "PlanConfig",
+    "PlanningError",
+    "Profile",
+    "SimulatedOutOfMemoryError",
+    "Strategy",
+    "Workload",
+    "estimate",
+    "load_strategies",
+    "train_step",
+]

@@ -1,0 +1,14 @@
+"""The ``memadvisor`` command: one thin module per subcommand."""
+
+from __future__ import annotations
+
+import sys
+
+from memadvisor.cli._app import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(app())

@@ -1,0 +1,72 @@
+"""What the user asks for: the budget and how to plan under it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["GIB", "DeviceKind", "Objective", "PlanConfig", "Precision", "gib_to_bytes"]
+
+GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count in
+
+Objective = Literal["throughput", "largest_batch", "effective_batch"]
+DeviceKind = Literal["auto", "cuda", "simulated"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+def gib_to_bytes(gib: float) -> int:
+    """``8`` -> 8 GiB in bytes."""
+    return int(round(gib * GIB))
+
+
+class PlanConfig(BaseModel):
+    """Everything `plan()` / `optimize()` needs besides the model and its batch."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget_bytes: int = Field(
+        gt=0,
+        description="Bytes the card (or slice) can give to tensors: weights, gradients, "
+        "optimizer state, activations and temporaries. The CUDA context is not in it.",
+    )
+    objective: Objective = Field(
+        "throughput",
+        description="throughput: most samples/s; largest_batch: biggest micro-batch; "
+        "effective_batch: reach `effective_batch` through accumulation at the fastest micro-batch.",
+    )
+    effective_batch: int | None = Field(
+        None, gt=0, description="The batch the user trains with; required by effective_batch."
+    )
+    # 8%: on an H200 `reserved` ran 3-32% above `allocated`, but the estimate models reserved
+    # already; the margin covers what it can't: a step or two of overshoot near the limit
+    # and non-monotone fits (DESIGN.md). Probes confirm the batch on the device anyway.
+    margin_fraction: float = Field(
+        0.08, ge=0.0, lt=0.5, description="Share of the budget the plan keeps free."
+    )
+    device: DeviceKind = Field("auto", description="cuda, the CPU simulated device, or auto.")
+    probe_steps: int = Field(
+        3, ge=2, description="Steps per probe: one step overshoots near the limit (DESIGN.md)."
+    )
+    verify_steps: int = Field(20, ge=1, description="Sustained steps that verify the pick.")
+    timing_steps: int = Field(3, ge=1, description="Steps timed per re-ranked candidate.")
+    rerank_top: int = Field(3, ge=1, description="Best estimated candidates timed on the device.")
+    max_batch: int = Field(65536, gt=0, description="Largest batch size considered.")
+    seed: int = Field(0, description="Seed of the search: the same profile gives the same plan.")
+    strategies: list[str] | None = Field(
+        None, description="Names of the strategies to use; None uses every registered one."
+    )
+
+    @model_validator(mode="after")
+    def _effective_batch_given(self) -> PlanConfig:
+        if self.objective == "effective_batch" and self.effective_batch is None:
+            raise ValueError(
+                "objective='effective_batch' needs effective_batch, the batch you train with; "
+                f"but got {self.effective_batch=}."
+            )
+        return self
+
+    @property
+    def usable_bytes(self) -> int:
+        """The budget less the safety margin: what an estimated peak must stay under."""
+        return int(self.budget_bytes * (1.0 - self.margin_fraction))

@@ -1,0 +1,67 @@
+"""The exceptions memadvisor raises.
+
+One base class, :class:`MemadvisorError`; the CLI catches only these and turns each into one
+message on stderr and the exit code named on its class. Anything else is a bug in memadvisor
+(or in the user's model) and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "BadInputError",
+    "InfeasibleBudgetError",
+    "MemadvisorError",
+    "PlanningError",
+    "SimulatedOutOfMemoryError",
+]
+
+
+class MemadvisorError(Exception):
+    """Base class of every error memadvisor raises on purpose."""
+
+    exit_code: int = 1
+
+
+class BadInputError(MemadvisorError, ValueError):
+    """The model, batch, loss, target or an option is not usable as given."""
+
+    exit_code = 2
+
+
+class InfeasibleBudgetError(MemadvisorError):
+    """No configuration memadvisor knows fits the budget."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, minimum_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
+class PlanningError(MemadvisorError):
+    """Planning failed for a reason that is neither bad input nor the budget."""
+
+    exit_code = 4
+
+
+class SimulatedOutOfMemoryError(MemadvisorError, torch.OutOfMemoryError):
+    """The simulated device's tracked bytes passed its budget.
+
+    It is a ``torch.OutOfMemoryError`` so that code written for a card (ours and the user's)
+    treats it exactly as it treats the CUDA allocator's error.
+    """
+
+    exit_code = 4
+
+    def __init__(self, requested_bytes: int, live_bytes: int, budget_bytes: int) -> None:
+        gib = 2**30
+        super().__init__(
+            f"Simulated device out of memory: tried to allocate {requested_bytes / gib:.3f} GiB "
+            f"with {live_bytes / gib:.3f} GiB already allocated, over the budget of "
+            f"{budget_bytes / gib:.3f} GiB."
+        )
+        self.requested_bytes = requested_bytes
+        self.live_bytes = live_bytes
+        self.budget_bytes = budget_bytes

@@ -1,0 +1,71 @@
+"""The planner's answer: what to run, why, and what was measured to back it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memadvisor.config import PlanConfig
+from memadvisor.estimate import Candidate, Estimate
+from memadvisor.profiler import Profile
+from memadvisor.strategy import Advice
+
+__all__ = ["Measurement", "Plan", "Probe", "Row"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Probe(_Model):
+    """One run of a candidate on the device from a clean state."""
+
+    batch_size: int
+    fits: bool
+    steps: int = Field(description="Steps it ran (all of them when it fits).")
+    peak_bytes: int | None = Field(None, description="Measured peak; None when it ran out.")
+    error: str | None = Field(None, description="The out-of-memory message, when it ran out.")
+    wall_ms: float = 0.0
+
+
+class Measurement(_Model):
+    """A candidate run on the device for some sustained steps."""
+
+    steps: int
+    peak_bytes: int
+    reserved_peak_bytes: int | None = None
+    step_ms: float = Field(description="Median step time.")
+    samples_per_s: float
+
+
+class Row(_Model):
+    """One line of the comparison a person would build by hand (Baseline, +AMP, ...)."""
+
+    label: str
+    candidate: Candidate
+    estimate: Estimate
+    largest_batch: int | None = Field(None, description="Largest batch that fits, this config.")
+    measured: Measurement | None = Field(None, description="None when only estimated.")
+
+
+class Plan(_Model):
+    """The chosen configuration; ``apply_plan(model, plan)`` rewrites a model to it."""
+
+    schema_version: int = 1
+    model_name: str
+    config: PlanConfig
+    device_kind: Literal["cuda", "simulated", "fake"]
+    device_name: str
+    candidate: Candidate = Field(description="The pick.")
+    estimate: Estimate = Field(description="The estimate of the pick.")
+    verified: Measurement | None = Field(None, description="The pick's sustained run.")
+    probes: list[Probe] = Field(default_factory=list)
+    comparison: list[Row] = Field(default_factory=list)
+    advice: list[Advice] = Field(default_factory=list)
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What a person should know: step-downs, fallbacks, what was only estimated.",
+    )
+    plan_wall_ms: float = 0.0
+    profile: Profile | None = Field(None, description="The profile the plan was made from.")

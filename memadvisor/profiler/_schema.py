@@ -1,0 +1,194 @@
+"""What a profiler pass measured: the data every later decision rests on.
+
+Sizes that grow with the batch are stored as :class:`LinearBytes` (``per_sample * b +
+constant``), fitted from two measured batch sizes, so any batch can be read off without
+measuring it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "BlockActivity",
+    "BlockInfo",
+    "DeviceInfo",
+    "LayerRow",
+    "LinearBytes",
+    "LinearMs",
+    "ModuleActivity",
+    "PhasePeak",
+    "Profile",
+    "StepProfile",
+]
+
+ProfilePhase = Literal["forward", "backward", "optimizer", "zero_grad"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LinearBytes(_Model):
+    """Bytes that grow linearly with the batch: ``per_sample_bytes * b + constant_bytes``."""
+
+    per_sample_bytes: float = Field(0.0, description="Bytes added by each sample of the batch.")
+    constant_bytes: float = Field(
+        0.0, description="Bytes at any batch size (may be negative when fitted from two points)."
+    )
+
+    def at(self, batch_size: int) -> int:
+        """The bytes at ``batch_size``, never below zero."""
+        return max(0, int(round(self.per_sample_bytes * batch_size + self.constant_bytes)))
+
+    @classmethod
+    def fit(cls, b1: int, bytes1: int, b2: int, bytes2: int) -> LinearBytes:
+        """The line through two measurements ``(b1, bytes1)`` and ``(b2, bytes2)``."""
+        if b1 == b2:
+            raise ValueError(f"Two distinct batch sizes are needed, but got {b1=} and {b2=}.")
+        slope = (bytes2 - bytes1) / (b2 - b1)
+        return cls(per_sample_bytes=slope, constant_bytes=bytes1 - slope * b1)
+
+
+class LinearMs(_Model):
+    """Milliseconds that grow linearly with the batch: ``per_sample_ms * b + constant_ms``."""
+
+    per_sample_ms: float = 0.0
+    constant_ms: float = 0.0
+
+    def at(self, batch_size: int) -> float:
+        return max(0.0, self.per_sample_ms * batch_size + self.constant_ms)
+
+    @classmethod
+    def fit(cls, b1: int, ms1: float, b2: int, ms2: float) -> LinearMs:
+        if b1 == b2:
+            raise ValueError(f"Two distinct batch sizes are needed, but got {b1=} and {b2=}.")
+        slope = max(0.0, (ms2 - ms1) / (b2 - b1))
+        return cls(per_sample_ms=slope, constant_ms=max(0.0, ms1 - slope * b1))
+
+
+class DeviceInfo(_Model):
+    """The device a profile was measured on (or, for fake tensors, planned for)."""
+
+    kind: Literal["cuda", "cpu", "fake"] = Field(
+        description="cuda: a real card; cpu: real CPU tensors, bytes tracked; fake: FakeTensorMode."
+    )
+    name: str = Field(description="e.g. 'NVIDIA H200' or 'cpu'.")
+    total_bytes: int | None = Field(None, description="The card's memory; None on the CPU.")
+    bf16_supported: bool = False
+    fp16_supported: bool = False
+    torch_version: str = ""
+
+
+class BlockInfo(_Model):
+    """A module the planner may checkpoint (a transformer layer, a ResNet bottleneck)."""
+
+    name: str = Field(description="Qualified name in the model, e.g. 'transformer.h.3'.")
+    type_name: str = Field(description="The module's class name.")
+    param_bytes: int = Field(0, ge=0)
+
+
+class BlockActivity(_Model):
+    """One block in one precision: what it keeps for backward and how long it takes."""
+
+    name: str
+    activation: LinearBytes = Field(
+        description="Saved for backward: unique storages this block "
+        "created (its input is counted to whoever made it)."
+    )
+    input: LinearBytes = Field(description="The block's input: all a checkpointed block keeps.")
+    forward_ms: LinearMs = Field(default_factory=LinearMs)
+    backward_ms: LinearMs = Field(default_factory=LinearMs)
+    forward_transient: LinearBytes = Field(
+        default_factory=LinearBytes,
+        description="Peak above the saved bytes while the block's forward runs (temporaries); "
+        "the transient a recompute adds during backward.",
+    )
+
+
+class ModuleActivity(_Model):
+    """A consumer of activation memory outside the blocks (embedding, LM head, loss)."""
+
+    name: str = Field(description="Module name, or '<loss>' / '<other>' for what no module owns.")
+    type_name: str = ""
+    activation: LinearBytes
+    forward_ms: LinearMs = Field(default_factory=LinearMs)
+
+
+class PhasePeak(_Model):
+    """The highest bytes held during one phase of the step."""
+
+    phase: ProfilePhase
+    allocated: LinearBytes
+    reserved: LinearBytes | None = Field(
+        None,
+        description="CUDA only: the caching allocator's "
+        "reserved bytes, which a memory fraction caps.",
+    )
+
+
+class StepProfile(_Model):
+    """One training step measured in one precision."""
+
+    precision: Literal["fp32", "bf16", "fp16"]
+    blocks: list[BlockActivity] = Field(description="In the order of Profile.blocks.")
+    outside: list[ModuleActivity] = Field(
+        default_factory=list, description="Activation owners that are not blocks."
+    )
+    activation_total: LinearBytes = Field(
+        description="All bytes saved for backward at the end "
+        "of forward, blocks and outside together."
+    )
+    phases: list[PhasePeak] = Field(default_factory=list, description="In step order.")
+    cast_weight_bytes: int = Field(
+        0,
+        ge=0,
+        description="Low-precision weight copies autocast keeps during forward (0 in fp32).",
+    )
+    forward_ms: LinearMs = Field(default_factory=LinearMs)
+    backward_ms: LinearMs = Field(default_factory=LinearMs)
+    optimizer_ms: float = 0.0
+    step_ms: LinearMs = Field(default_factory=LinearMs)
+
+
+class LayerRow(_Model):
+    """One named module in the per-layer table (at the larger measured batch)."""
+
+    name: str
+    type_name: str
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    activation_bytes: int = 0
+
+
+class Profile(_Model):
+    """Everything the estimate needs about one model's training step."""
+
+    schema_version: int = 1
+    model_name: str
+    device: DeviceInfo
+    batch_sizes: tuple[int, int] = Field(description="The two batch sizes measured.")
+    param_bytes: int = Field(ge=0)
+    grad_bytes: int = Field(ge=0, description="Gradients at the end of backward.")
+    optimizer_state_bytes: int = Field(ge=0, description="After the first optimizer step.")
+    buffer_bytes: int = Field(0, ge=0)
+    blocks: list[BlockInfo] = Field(default_factory=list)
+    steps: dict[str, StepProfile] = Field(description="Keyed by precision; 'fp32' always.")
+    layers: list[LayerRow] = Field(default_factory=list)
+    fixed_overhead_bytes: int = Field(
+        0,
+        ge=0,
+        description="Memory outside tracked tensors "
+        "(cuBLAS workspaces, rounding): measured on CUDA.",
+    )
+    fragmentation_ratio: float | None = Field(
+        None, description="CUDA: peak reserved / peak allocated over the step."
+    )
+    profiling_ms: float = Field(0.0, description="Wall time of the profiling pass itself.")
+
+    @property
+    def static_bytes(self) -> int:
+        """Weights, gradients, optimizer state and buffers: what no batch size changes."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.buffer_bytes

@@ -1,0 +1,307 @@
+"""The user's inputs made uniform: a batch of any size, the loss, the optimizer, one training step.
+
+Every stage that runs the model (profiler, probes, timing, verification) runs
+:func:`train_step` on a :class:`Workload`, so they all measure the same step.
+
+Rules (documented in README.md):
+    * ``sample_batch`` is a tensor, a tuple/list, a dict or a HF ``BatchEncoding`` (any
+      ``Mapping``), nested as deep as needed. Its batch size is dim 0 of its first tensor.
+      A batch of size ``b`` repeats or slices the rows of every tensor whose dim 0 is that
+      size; other leaves (0-d tensors, ints, strings) are passed unchanged. Where dim 0 is
+      not the batch, pass ``make_batch(b)``.
+    * The model is called as ``model(batch)`` for a tensor, ``model(**batch)`` for a
+      mapping, and ``model(batch[0])`` for a tuple/list (the ``(inputs, targets)``
+      convention); pass ``forward_fn(model, batch)`` for anything else.
+    * The loss is ``loss_fn(output, batch)`` if given, else ``output.loss`` (HF models),
+      else ``output`` itself when it is a scalar tensor; otherwise :class:`BadInputError`.
+    * The optimizer is ``optimizer_factory(params)``, else AdamW (lr 1e-3): its two state
+      tensors per parameter are what most users pay for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from memadvisor.errors import BadInputError
+
+__all__ = [
+    "LossFn",
+    "MakeBatch",
+    "OptimizerFactory",
+    "Phase",
+    "Workload",
+    "batch_size_of",
+    "resize_batch",
+    "train_step",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+MakeBatch = Callable[[int], Any]
+ForwardFn = Callable[[nn.Module, Any], Any]
+Phase = Literal["forward", "loss", "backward", "optimizer", "zero_grad", "end"]
+PhaseCallback = Callable[[Phase], None]
+
+
+def _tensor_leaves(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensor_leaves(v)
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from _tensor_leaves(v)
+
+
+def batch_size_of(batch: Any) -> int:
+    """Dim 0 of the first tensor in ``batch``.
+
+    Raises:
+        BadInputError: the batch holds no tensor with at least one dimension.
+    """
+    for t in _tensor_leaves(batch):
+        if t.dim() >= 1:
+            return int(t.shape[0])
+    raise BadInputError(
+        f"sample_batch holds no tensor with a batch dimension (got {type(batch).__name__}); "
+        "pass a tensor, a tuple/list or dict of tensors, or make_batch(b)."
+    )
+
+
+def _rebuild_mapping(original: Mapping, items: dict[str, Any]) -> Mapping:
+    try:
+        return type(original)(items)  # dict, OrderedDict, HF BatchEncoding(data)
+    except Exception:  # noqa: BLE001 - a mapping type we can't construct: a plain dict works
+        return items
+
+
+def resize_batch(batch: Any, size: int, sample_size: int) -> Any:
+    """``batch`` with ``size`` rows along dim 0, repeating or slicing its ``sample_size`` rows.
+
+    Raises:
+        BadInputError: a tensor has a dim 0 other than ``sample_size`` (and more than 0 dims).
+    """
+    if size <= 0:
+        raise BadInputError(f"A batch size must be positive, but got {size=}.")
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        if batch.shape[0] != sample_size:
+            raise BadInputError(
+                f"sample_batch mixes batch sizes: a tensor of shape {tuple(batch.shape)} has dim 0 "
+                f"{batch.shape[0]}, the batch is {sample_size}. Pass make_batch(b) when dim 0 is "
+                "not the batch dimension."
+            )
+        if size == sample_size:
+            return batch
+        if size < sample_size:
+            return batch[:size].clone()
+        index = torch.arange(size, device=batch.device) % sample_size
+        return batch.index_select(0, index)
+    if isinstance(batch, Mapping):
+        items = {k: resize_batch(v, size, sample_size) for k, v in batch.items()}
+        return _rebuild_mapping(batch, items)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(resize_batch(v, size, sample_size) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(resize_batch(v, size, sample_size) for v in batch)
+    return batch
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return _rebuild_mapping(batch, {k: _move(v, device) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_move(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_move(v, device) for v in batch)
+    return batch
+
+
+def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclass
+class Workload:
+    """A model and what it takes to train it for one step.
+
+    Not a pydantic model: it holds the user's live objects (module, callables) and never
+    crosses a process boundary; a probe process rebuilds it from the user's factory.
+    """
+
+    model: nn.Module
+    sample_batch: Any
+    loss_fn: LossFn | None = None
+    optimizer_factory: OptimizerFactory | None = None
+    make_batch: MakeBatch | None = None
+    forward_fn: ForwardFn | None = None
+    sample_batch_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise BadInputError(
+                f"model must be a torch.nn.Module, but got {type(self.model).__name__}."
+            )
+        if self.make_batch is not None:
+            self.sample_batch_size = (
+                batch_size_of(self.sample_batch) if _has_tensor(self.sample_batch) else 1
+            )
+        else:
+            self.sample_batch_size = batch_size_of(self.sample_batch)
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    def batch(self, size: int, device: torch.device | str | None = None) -> Any:
+        """A batch of ``size`` samples, on ``device`` if given."""
+        if self.make_batch is not None:
+            if size <= 0:
+                raise BadInputError(f"A batch size must be positive, but got {size=}.")
+            batch = self.make_batch(size)
+        else:
+            batch = resize_batch(self.sample_batch, size, self.sample_batch_size)
+        return batch if device is None else _move(batch, torch.device(device))
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        """Call ``model`` on ``batch`` by the rules in this module's docstring."""
+        if self.forward_fn is not None:
+            return self.forward_fn(model, batch)
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
+            return model(batch[0])
+        return model(batch)
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        """The scalar to call ``backward()`` on.
+
+        Raises:
+            BadInputError: no ``loss_fn`` and the output carries no scalar loss.
+        """
+        if self.loss_fn is not None:
+            loss = self.loss_fn(output, batch)
+        elif isinstance(getattr(output, "loss", None), torch.Tensor):
+            loss = output.loss
+        elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            loss = output["loss"]
+        elif isinstance(output, torch.Tensor) and output.numel() == 1:
+            loss = output
+        else:
+            raise BadInputError(
+                f"Cannot find a loss in the model's output ({_describe(output)}): pass "
+                "loss_fn(output, batch) returning a scalar tensor, e.g. "
+                "loss_fn=lambda out, batch: F.cross_entropy(out, batch[1])."
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise BadInputError(f"The loss must be a scalar tensor, but got {_describe(loss)}.")
+        return loss.reshape(())
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The user's optimizer over ``model``'s trainable parameters, or AdamW."""
+        factory = self.optimizer_factory or _default_optimizer
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise BadInputError("The model has no trainable parameters: nothing to train.")
+        return factory(params)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (CPU for a parameterless model)."""
+        p = next(iter(self.model.parameters()), None)
+        return p.device if p is not None else torch.device("cpu")
+
+
+def _has_tensor(batch: Any) -> bool:
+    return any(t.dim() >= 1 for t in _tensor_leaves(batch))
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def train_step(
+    workload: Workload,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    accumulation_steps: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
+    on_phase: PhaseCallback | None = None,
+) -> float:
+    """One optimizer step: forward, loss, backward (x accumulation), step, ``zero_grad``.
+
+    ``batch`` is one micro-batch; with ``accumulation_steps`` > 1 it is used that many times
+    before the optimizer steps, as gradient accumulation would. Gradients are freed with
+    ``zero_grad(set_to_none=True)`` at the end, so the next step starts without them.
+
+    Returns:
+        The last micro-batch's loss as a float.
+
+    Raises:
+        BadInputError: the model rejects the batch, or no loss can be found.
+    """
+    notify = on_phase or (lambda _phase: None)
+    loss_value = 0.0
+    for _ in range(accumulation_steps):
+        notify("forward")
+        try:
+            output = workload.forward(model, batch)
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, ValueError, IndexError, KeyError) as e:
+            if _is_oom_text(e):
+                raise
+            raise BadInputError(
+                f"The model rejected the batch: {type(e).__name__}: {e}. Check that "
+                "sample_batch is what the model takes (or pass forward_fn / make_batch)."
+            ) from e
+        notify("loss")
+        loss = workload.loss(output, batch)
+        del output
+        if accumulation_steps > 1:
+            loss = loss / accumulation_steps
+        notify("backward")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_value = float(loss.detach())
+        del loss
+    notify("optimizer")
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    notify("zero_grad")
+    optimizer.zero_grad(set_to_none=True)
+    notify("end")
+    return loss_value
+
+
+def _is_oom_text(e: BaseException) -> bool:
+    # The one OOM decision lives in memadvisor.device.is_oom; this guard only keeps an OOM
+    # raised as a plain RuntimeError (cuDNN, cuBLAS) from being reported as bad input.
+    from memadvisor.device import is_oom
+
+    return is_oom(e)
+
+
+@contextlib.contextmanager
+def eval_restored(model: nn.Module) -> Iterator[None]:
+    """Run a block and put back ``model``'s train/eval flags of every submodule."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.train(training)

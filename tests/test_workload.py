@@ -1,0 +1,162 @@
+"""memadvisor.workload: batches of any size, the loss rules, the optimizer, one step."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from memadvisor.errors import BadInputError
+from memadvisor.workload import Workload, batch_size_of, resize_batch, train_step
+
+
+class BatchEncodingLike(dict):
+    """Stands in for HF's BatchEncoding: a dict subclass built from a dict."""
+
+
+def test_tensor_batch_repeats_rows_to_grow_and_slices_to_shrink() -> None:
+    x = torch.arange(6.0).reshape(3, 2)
+    w = Workload(nn.Linear(2, 1), x)
+    assert w.sample_batch_size == 3
+    grown = w.batch(7)
+    assert grown.shape == (7, 2)
+    # rows are the sample's rows in order, repeated: row i == sample row i % 3
+    assert torch.equal(grown, x[torch.arange(7) % 3])
+    assert torch.equal(w.batch(2), x[:2])
+
+
+def test_tuple_batch_resizes_every_batched_tensor_and_keeps_the_rest() -> None:
+    images, labels, scale = torch.randn(4, 3), torch.arange(4), torch.tensor(2.0)
+    out = resize_batch((images, labels, scale, "tag"), 6, 4)
+    assert isinstance(out, tuple)
+    assert out[0].shape == (6, 3) and out[1].tolist() == [0, 1, 2, 3, 0, 1]
+    assert out[2] is scale and out[3] == "tag"
+
+
+def test_list_batch_stays_a_list() -> None:
+    out = resize_batch([torch.zeros(2, 5)], 3, 2)
+    assert isinstance(out, list) and out[0].shape == (3, 5)
+
+
+def test_dict_and_mapping_subclasses_keep_their_type() -> None:
+    batch = BatchEncodingLike(
+        input_ids=torch.ones(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 8)
+    )
+    out = resize_batch(batch, 5, 2)
+    assert type(out) is BatchEncodingLike
+    assert out["input_ids"].shape == (5, 8) and out["attention_mask"].shape == (5, 8)
+    od = resize_batch(OrderedDict(x=torch.ones(2, 1)), 1, 2)
+    assert type(od) is OrderedDict and od["x"].shape == (1, 1)
+
+
+def test_nested_batches_resize_at_every_depth() -> None:
+    batch = {"pair": (torch.ones(2, 3), {"deep": torch.zeros(2)})}
+    out = resize_batch(batch, 4, 2)
+    assert out["pair"][0].shape == (4, 3) and out["pair"][1]["deep"].shape == (4,)
+
+
+def test_mixed_dim0_sizes_are_rejected_with_a_hint_to_pass_make_batch() -> None:
+    with pytest.raises(BadInputError, match="make_batch"):
+        resize_batch((torch.ones(2, 3), torch.ones(5, 3)), 4, 2)
+
+
+def test_batch_without_tensors_is_rejected() -> None:
+    with pytest.raises(BadInputError, match="no tensor"):
+        batch_size_of({"a": 1})
+
+
+def test_make_batch_is_used_when_dim0_is_not_the_batch() -> None:
+    seq_first = torch.randn(10, 2, 4)  # (T, B, C): dim 0 is time, not the batch
+    w = Workload(nn.Linear(4, 4), seq_first, make_batch=lambda b: torch.randn(10, b, 4))
+    assert w.batch(6).shape == (10, 6, 4)
+
+
+def test_non_positive_batch_size_is_rejected() -> None:
+    w = Workload(nn.Linear(2, 1), torch.ones(2, 2))
+    with pytest.raises(BadInputError, match="size=0"):
+        w.batch(0)
+
+
+def test_loss_fn_wins_over_everything() -> None:
+    w = Workload(nn.Linear(2, 1), torch.ones(2, 2), loss_fn=lambda out, batch: torch.tensor(7.0))
+    out = SimpleNamespace(loss=torch.tensor(1.0))
+    assert w.loss(out, None).item() == 7
+
+
+def test_hf_style_output_loss_is_used() -> None:
+    w = Workload(nn.Linear(2, 1), torch.ones(2, 2))
+    assert w.loss(SimpleNamespace(loss=torch.tensor(3.0)), None).item() == 3.0
+    assert w.loss({"loss": torch.tensor(4.0), "logits": torch.ones(2)}, None).item() == 4.0
+
+
+def test_scalar_output_is_the_loss() -> None:
+    w = Workload(nn.Linear(2, 1), torch.ones(2, 2))
+    assert w.loss(torch.tensor([5.0]), None).item() == 5.0
+
+
+def test_no_loss_found_says_to_pass_loss_fn() -> None:
+    w = Workload(nn.Linear(2, 1), torch.ones(2, 2))
+    with pytest.raises(BadInputError, match="pass loss_fn"):
+        w.loss(torch.ones(2, 1), None)
+
+
+def test_non_module_model_is_rejected() -> None:
+    with pytest.raises(BadInputError, match="nn.Module"):
+        Workload(lambda x: x, torch.ones(2))  # type: ignore[arg-type]
+
+
+def test_default_optimizer_is_adamw_and_a_factory_is_honoured() -> None:
+    model = nn.Linear(2, 1)
+    assert isinstance(Workload(model, torch.ones(1, 2)).make_optimizer(model), torch.optim.AdamW)
+    w = Workload(model, torch.ones(1, 2), optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert isinstance(w.make_optimizer(model), torch.optim.SGD)
+
+
+def test_model_is_called_by_batch_form() -> None:
+    class Recorder(nn.Module):
+        def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            self.seen = (args, kwargs)
+            return torch.zeros(())
+
+    m, x = Recorder(), torch.ones(2, 1)
+    w = Workload(m, x)
+    w.forward(m, x)
+    assert m.seen[0][0] is x
+    w.forward(m, (x, torch.zeros(2)))
+    assert m.seen[0] == (x,)  # (inputs, targets): only inputs reach the model
+    w.forward(m, {"input_ids": x})
+    assert m.seen[1] == {"input_ids": x}
+
+
+def test_train_step_runs_phases_in_order_updates_weights_and_frees_grads() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    batch = (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    w = Workload(model, batch, loss_fn=lambda out, b: nn.functional.cross_entropy(out, b[1]))
+    opt = w.make_optimizer(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    phases: list[str] = []
+    loss = train_step(w, model, opt, w.batch(5), on_phase=phases.append)
+    assert phases == ["forward", "loss", "backward", "optimizer", "zero_grad", "end"]
+    assert loss > 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_accumulation_runs_forward_per_micro_batch_and_steps_once() -> None:
+    model = nn.Linear(2, 1)
+    w = Workload(model, torch.ones(2, 2), loss_fn=lambda out, b: out.sum())
+    opt = w.make_optimizer(model)
+    phases: list[str] = []
+    train_step(w, model, opt, w.batch(2), accumulation_steps=3, on_phase=phases.append)
+    assert phases.count("forward") == 3 and phases.count("optimizer") == 1
+
+
+def test_a_batch_the_model_rejects_is_bad_input_naming_the_error() -> None:
+    model = nn.Linear(3, 1)
+    w = Workload(model, torch.ones(2, 5), loss_fn=lambda out, b: out.sum())
+    with pytest.raises(BadInputError, match="rejected the batch"):
+        train_step(w, model, w.make_optimizer(model), w.batch(2))
