@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from memadvisor.config import PlanConfig
+from memadvisor.device._base import Measurement
 from memadvisor.estimate import Candidate, Estimate
 from memadvisor.profiler import Profile
 from memadvisor.strategy import Advice
@@ -27,16 +28,6 @@ class Probe(_Model):
     peak_bytes: int | None = Field(None, description="Measured peak; None when it ran out.")
     error: str | None = Field(None, description="The out-of-memory message, when it ran out.")
     wall_ms: float = 0.0
-
-
-class Measurement(_Model):
-    """A candidate run on the device for some sustained steps."""
-
-    steps: int
-    peak_bytes: int
-    reserved_peak_bytes: int | None = None
-    step_ms: float = Field(description="Median step time.")
-    samples_per_s: float
 
 
 class Row(_Model):
