@@ -239,7 +239,7 @@ def train_step(
     accumulation_steps: int = 1,
     scaler: torch.amp.GradScaler | None = None,
     on_phase: PhaseCallback | None = None,
-) -> float:
+) -> torch.Tensor:
     """One optimizer step: forward, loss, backward (x accumulation), step, ``zero_grad``.
 
     ``batch`` is one micro-batch; with ``accumulation_steps`` > 1 it is used that many times
@@ -247,13 +247,14 @@ def train_step(
     ``zero_grad(set_to_none=True)`` at the end, so the next step starts without them.
 
     Returns:
-        The last micro-batch's loss as a float.
+        The last micro-batch's loss, detached (a tensor, not a float: reading its value would
+        synchronise a CUDA step and is impossible under FakeTensorMode).
 
     Raises:
         BadInputError: the model rejects the batch, or no loss can be found.
     """
     notify = on_phase or (lambda _phase: None)
-    loss_value = 0.0
+    loss_value = torch.zeros(())
     for _ in range(accumulation_steps):
         notify("forward")
         try:
@@ -274,7 +275,7 @@ def train_step(
             loss = loss / accumulation_steps
         notify("backward")
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_value = float(loss.detach())
+        loss_value = loss.detach()
         del loss
     notify("optimizer")
     if scaler is not None:

@@ -141,7 +141,7 @@ def test_train_step_runs_phases_in_order_updates_weights_and_frees_grads() -> No
     phases: list[str] = []
     loss = train_step(w, model, opt, w.batch(5), on_phase=phases.append)
     assert phases == ["forward", "loss", "backward", "optimizer", "zero_grad", "end"]
-    assert loss > 0
+    assert float(loss) > 0
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())
 
