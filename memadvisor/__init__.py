@@ -3,6 +3,7 @@
 tuned = memadvisor.optimize(model, sample_batch, budget_gb=8)
 """
 
+from memadvisor.apply import apply_plan
 from memadvisor.config import PlanConfig
 from memadvisor.errors import (
     BadInputError,
@@ -33,6 +34,7 @@ __all__ = [
     "SimulatedOutOfMemoryError",
     "Strategy",
     "Workload",
+    "apply_plan",
     "estimate",
     "load_strategies",
     "train_step",

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
     from memadvisor.estimate import StepModel
     from memadvisor.profiler import Profile
+    from memadvisor.workload import Workload
 
-__all__ = ["ENTRY_POINT_GROUP", "Advice", "Strategy", "load_strategies"]
+__all__ = ["ENTRY_POINT_GROUP", "Advice", "Check", "Strategy", "load_strategies"]
 
 ENTRY_POINT_GROUP = "memadvisor.strategies"
 
@@ -40,6 +41,20 @@ class Advice(BaseModel):
     sentence: str = Field(description="What to do and why, in plain words.")
     snippet: str = Field("", description="Code to paste into one's own training script.")
     effect: str = Field("", description="Its effect, measured or marked as estimated.")
+
+
+class Check(BaseModel):
+    """What a strategy measured about a choice on the user's own workload (e.g. numerics)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: str = Field(description="The strategy's registered name.")
+    choice: JsonValue = Field(None, description="The choice that was checked.")
+    summary: str = Field(description="One sentence a person reads: what differed, by how much.")
+    passed: bool = Field(description="False when the difference is worth a person's attention.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="The measured numbers, named with their units."
+    )
 
 
 class Strategy(ABC):
@@ -68,6 +83,14 @@ class Strategy(ABC):
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """A sentence and a snippet a person can adopt; None when the choice is neutral."""
+
+    def check(self, workload: Workload, choice: JsonValue) -> Check | None:
+        """Measure ``choice`` on copies of the user's workload (the user's model untouched).
+
+        Optional: the default measures nothing. Precision compares a few steps' losses and
+        gradients with fp32's.
+        """
+        return None
 
     def is_neutral(self, choice: JsonValue) -> bool:
         """True when ``choice`` changes nothing (default: falsy, or 'fp32'/'off')."""

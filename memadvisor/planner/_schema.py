@@ -10,7 +10,7 @@ from memadvisor.config import PlanConfig
 from memadvisor.device._base import Measurement
 from memadvisor.estimate import Candidate, Estimate
 from memadvisor.profiler import Profile
-from memadvisor.strategy import Advice
+from memadvisor.strategy import Advice, Check
 
 __all__ = ["Measurement", "Plan", "Probe", "Row"]
 
@@ -54,6 +54,10 @@ class Plan(_Model):
     probes: list[Probe] = Field(default_factory=list)
     comparison: list[Row] = Field(default_factory=list)
     advice: list[Advice] = Field(default_factory=list)
+    checks: list[Check] = Field(
+        default_factory=list,
+        description="What the chosen strategies measured on the workload (precision numerics).",
+    )
     notes: list[str] = Field(
         default_factory=list,
         description="What a person should know: step-downs, fallbacks, what was only estimated.",

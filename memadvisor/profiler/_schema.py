@@ -187,6 +187,11 @@ class Profile(_Model):
         None, description="CUDA: peak reserved / peak allocated over the step."
     )
     profiling_ms: float = Field(0.0, description="Wall time of the profiling pass itself.")
+    host_bandwidth_bytes_per_ms: float | None = Field(
+        None,
+        description="CUDA: measured pinned host<->device copy bandwidth (the slower "
+        "direction), which prices activation offload; None when not measured.",
+    )
 
     @property
     def static_bytes(self) -> int:

@@ -1,0 +1,195 @@
+"""Activation checkpointing: recompute chosen blocks' forward in backward instead of keeping
+what they saved.
+
+A choice is the list of block names to checkpoint (``[]`` is off). Choices are offered as
+ranked prefixes — the block that frees the most bytes per millisecond of recompute first —
+so a model of n blocks gives n + 1 choices, not 2^n subsets: for a given number of blocks
+the best prefix frees at least as much per ms as any other set of that size.
+
+Applying it installs :class:`CheckpointedForward` on each block (see ``strategies._forward``):
+non-reentrant ``torch.utils.checkpoint.checkpoint`` with the RNG state preserved, so dropout
+draws the same mask in the recompute and gradients equal the unwrapped model's exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import JsonValue
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memadvisor.errors import BadInputError
+from memadvisor.strategy import Advice, Strategy
+from strategies import _forward
+from strategies._format import mib, names_text
+
+if TYPE_CHECKING:
+    from memadvisor.config import PlanConfig
+    from memadvisor.estimate import StepModel
+    from memadvisor.profiler import Profile
+
+__all__ = ["ActivationCheckpointing", "CheckpointedForward", "ranked_blocks"]
+
+# Keyword arguments through which HF decoder layers receive a KV cache. A Cache object is
+# updated in place by forward; a recompute would append the same keys and values twice.
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
+
+
+def _uses_cache(kwargs: dict[str, Any]) -> bool:
+    return bool(kwargs.get("use_cache")) or any(kwargs.get(k) is not None for k in _CACHE_KWARGS)
+
+
+class CheckpointedForward(_forward.ForwardWrapper):
+    """A block's forward that is recomputed in backward when training with grad enabled.
+
+    In ``eval()``, under ``torch.no_grad()`` or ``torch.inference_mode()`` the block runs as
+    it always did: nothing is saved for backward there, so there is nothing to recompute.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self.call_inner(*args, **kwargs)
+        if _uses_cache(kwargs):
+            # HF models turn the cache off when gradient checkpointing trains; we can only
+            # leave this call alone and say so.
+            warnings.warn(
+                f"{type(self.module).__name__} was called with a KV cache while training; it "
+                "runs without checkpointing (a recompute would update the cache twice). Pass "
+                "use_cache=False when training.",
+                stacklevel=2,
+            )
+            return self.call_inner(*args, **kwargs)
+        # Keyword arguments (attention masks, position ids) travel in a partial so none of
+        # their names can collide with checkpoint()'s own keywords.
+        run = functools.partial(self.call_inner, **kwargs) if kwargs else self.call_inner
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def ranked_blocks(profile: Profile) -> list[int]:
+    """Indices of blocks worth checkpointing, most bytes freed per ms recomputed first.
+
+    A block frees what it saves for backward less its input, which a checkpointed block
+    keeps; one that frees nothing is left out. Read at the larger profiled batch, fp32.
+    """
+    step = profile.steps["fp32"]
+    b = max(profile.batch_sizes)
+    scored: list[tuple[float, int]] = []
+    for i, blk in enumerate(step.blocks):
+        freed = blk.activation.at(b) - blk.input.at(b)
+        if freed <= 0:
+            continue
+        # A block too fast to time still costs something: 1 µs keeps the ratio finite.
+        scored.append((freed / max(blk.forward_ms.at(b), 1e-3), i))
+    scored.sort(key=lambda s: (-s[0], s[1]))
+    return [i for _, i in scored]
+
+
+def _block_indices(profile: Profile, names: list[str]) -> list[int]:
+    index = {blk.name: i for i, blk in enumerate(profile.blocks)}
+    unknown = [n for n in names if n not in index]
+    if unknown:
+        raise BadInputError(
+            f"Checkpointing names blocks the profile does not have: {unknown}; its blocks are "
+            f"{sorted(index)}. Use a plan made for this model."
+        )
+    return [index[n] for n in names]
+
+
+def _names(choice: JsonValue) -> list[str]:
+    if choice in (None, False):
+        return []
+    if not (isinstance(choice, list) and all(isinstance(n, str) for n in choice)):
+        raise BadInputError(
+            f"A checkpointing choice is a list of block names, but got {choice=}. "
+            "Example: ['h.0', 'h.1']."
+        )
+    return list(choice)
+
+
+class ActivationCheckpointing(Strategy):
+    """Recompute blocks in backward instead of keeping their activations."""
+
+    name = "checkpointing"
+    effect_order = 50
+
+    def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
+        order = ranked_blocks(profile)
+        names = [profile.blocks[i].name for i in order]
+        position = {blk.name: i for i, blk in enumerate(profile.blocks)}
+        # Each prefix is listed in model order: it reads like the model, and the same set
+        # is always the same JSON value.
+        prefixes: list[JsonValue] = [
+            sorted(names[:k], key=position.__getitem__) for k in range(1, len(names) + 1)
+        ]
+        return [[], *prefixes]
+
+    def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
+        model.checkpoint(_block_indices(profile, _names(choice)))
+
+    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+        """Wrap each named block; applying the same choice twice wraps nothing twice.
+
+        Raises:
+            BadInputError: a name is not a submodule of ``model``.
+        """
+        for name in _names(choice):
+            try:
+                block = model.get_submodule(name)
+            except AttributeError as e:
+                raise BadInputError(
+                    f"Cannot checkpoint {name!r}: {model.__class__.__name__} has no such "
+                    "submodule. Use a plan made for this model."
+                ) from e
+            _forward.install(block, CheckpointedForward)
+        return model
+
+    def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
+        names = _names(choice)
+        if not names:
+            return None
+        step = profile.steps["fp32"]
+        b = max(profile.batch_sizes)
+        freed = recompute_ms = 0.0
+        for i in _block_indices(profile, names):
+            blk = step.blocks[i]
+            freed += blk.activation.at(b) - blk.input.at(b)
+            recompute_ms += blk.forward_ms.at(b)
+        return Advice(
+            strategy=self.name,
+            title=f"Checkpoint {len(names)} of {len(profile.blocks)} blocks",
+            sentence=(
+                f"Recompute the forward of {names_text(names)} during backward instead of "
+                "keeping their activations: only each block's input is kept. Non-reentrant "
+                "checkpointing; dropout draws the same mask in the recompute."
+            ),
+            snippet=_snippet(names),
+            effect=(
+                f"estimated at batch {b}, fp32: about {mib(freed)} MiB of activations freed, "
+                f"+{recompute_ms:.1f} ms of recompute per micro-batch"
+            ),
+        )
+
+
+def _snippet(names: list[str]) -> str:
+    return f"""\
+import functools
+import torch
+from torch.utils.checkpoint import checkpoint
+
+def checkpointed(block):
+    forward = block.forward
+    def run(*args, **kwargs):
+        if block.training and torch.is_grad_enabled():
+            return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
+        return forward(*args, **kwargs)  # eval / no_grad: nothing to recompute
+    block.forward = run
+
+for name in {names!r}:
+    checkpointed(model.get_submodule(name))
+# A Hugging Face model can checkpoint every layer instead:
+# model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+"""
