@@ -1,0 +1,21 @@
+"""How a person meets the result: the terminal report, the Plan as JSON, a self-contained HTML.
+
+print_plan(plan, console)                 the answer, the comparison, the memory, the advice
+print_profile(profile, console)           what the profiler measured
+write_html(render_plan_html(plan), path)  one file that opens offline: charts, tables, advice
+write_plan_json(plan, path)               the Plan, for Plan.model_validate_json + apply_plan
+"""
+
+from memadvisor.report._json import write_plan_json
+from memadvisor.report.html import render_plan_html, render_profile_html, write_html
+from memadvisor.report.terminal import one_line, print_plan, print_profile
+
+__all__ = [
+    "one_line",
+    "print_plan",
+    "print_profile",
+    "render_plan_html",
+    "render_profile_html",
+    "write_html",
+    "write_plan_json",
+]

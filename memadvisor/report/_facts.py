@@ -1,0 +1,423 @@
+"""What the report says, computed once from a Plan or a Profile.
+
+The terminal and the HTML renderers only lay these facts out; neither does arithmetic of
+its own, so the two can never disagree. The facts are pydantic models because the HTML
+embeds them as JSON for its charts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from memadvisor.planner import Plan, Row
+from memadvisor.profiler import Profile, StepProfile
+
+__all__ = [
+    "Answer",
+    "ComparisonLine",
+    "Consumer",
+    "KindLine",
+    "MemorySeries",
+    "PhaseLine",
+    "answer",
+    "checkpointed_blocks",
+    "comparison",
+    "consumers",
+    "kinds_at_plan_peak",
+    "kinds_of_profile",
+    "phases",
+    "plan_precision",
+    "series_from_events",
+    "series_from_phases",
+]
+
+# Strategies the answer names in words of its own; any other non-neutral choice is listed.
+_NAMED_STRATEGIES = ("precision", "checkpointing", "batch_size")
+_NEUTRAL: tuple[JsonValue, ...] = (None, False, 0, [], "off", "fp32", {})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Answer(_Model):
+    """The plan in one screen: what to run and what it buys."""
+
+    model_name: str
+    device_kind: str
+    device_name: str
+    budget_bytes: int
+    usable_bytes: int = Field(description="The budget less the safety margin.")
+    margin_fraction: float
+    objective: str
+    precision: str
+    checkpointed: list[str] = Field(description="Names of the checkpointed blocks.")
+    block_count: int | None = Field(None, description="Blocks the profile found; None unknown.")
+    batch_size: int
+    accumulation_steps: int
+    estimated_peak_bytes: int
+    estimated_peak_phase: str
+    verified_peak_bytes: int | None = None
+    verified_reserved_peak_bytes: int | None = None
+    verified_steps: int | None = None
+    step_ms: float
+    samples_per_s: float
+    measured: bool = Field(description="True when step time and rate come from the device.")
+    baseline_samples_per_s: float | None = None
+    baseline_batch_size: int | None = None
+    baseline_measured: bool = False
+    speedup: float | None = Field(None, description="Plan samples/s over the baseline's.")
+    other_choices: dict[str, str] = Field(
+        default_factory=dict, description="Non-neutral choices of other strategies, as JSON."
+    )
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch_size * self.accumulation_steps
+
+
+class ComparisonLine(_Model):
+    """One row of Baseline / +Checkpointing / +AMP / +Both / Plan."""
+
+    label: str
+    batch_size: int
+    accumulation_steps: int
+    peak_bytes: int = Field(description="Measured peak where a device ran it, else estimated.")
+    estimated_peak_bytes: int
+    step_ms: float
+    samples_per_s: float
+    largest_batch: int | None
+    measured: bool
+    over_budget: bool
+    is_plan: bool
+
+
+class KindLine(_Model):
+    """Bytes of one kind (params, grads, optimizer state, activations, ...)."""
+
+    kind: str
+    nbytes: int
+    share: float = Field(description="Fraction of the total shown next to it.")
+
+
+class Consumer(_Model):
+    """A module (block or not) and the activation bytes it keeps for backward."""
+
+    name: str
+    type_name: str
+    owner: Literal["block", "outside"]
+    activation_bytes: int
+    share: float = Field(description="Fraction of all saved activations.")
+    checkpointed: bool = False
+    kept_bytes: int = Field(description="What it keeps under the plan: its input if checkpointed.")
+    forward_ms: float = Field(0.0, description="Its forward time: what a recompute costs.")
+
+
+class PhaseLine(_Model):
+    """The highest bytes held in one phase of the step."""
+
+    phase: str
+    allocated_bytes: int
+    reserved_bytes: int | None = None
+
+
+class MemorySeries(_Model):
+    """Memory over the step, for the HTML chart."""
+
+    source: Literal["timeline", "phase peaks"]
+    caption: str
+    time_unit: Literal["ms", "step"] = Field(
+        "ms", description="'step' when the profile holds no times: the x axis is only order."
+    )
+    points: list[tuple[float, int, int | None]] = Field(
+        description="(time, allocated bytes, reserved bytes or None), in time order."
+    )
+    spans: list[tuple[str, float, float]] = Field(description="(phase, start, end).")
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+def plan_precision(plan: Plan) -> str:
+    """The pick's precision: the precision strategy's choice, fp32 when it is off."""
+    choice = plan.candidate.choice("precision")
+    return choice if isinstance(choice, str) else "fp32"
+
+
+def checkpointed_blocks(choice: JsonValue, profile: Profile | None) -> list[str]:
+    """Block names a checkpointing choice names: a list of names or of block indices."""
+    if not isinstance(choice, list):
+        return [] if choice in _NEUTRAL else [json.dumps(choice)]
+    names = [b.name for b in profile.blocks] if profile is not None else []
+    out: list[str] = []
+    for item in choice:
+        if isinstance(item, int) and 0 <= item < len(names):
+            out.append(names[item])
+        else:
+            out.append(str(item))
+    return out
+
+
+def _baseline(rows: Sequence[Row]) -> Row | None:
+    for row in rows:
+        if row.label.strip().lower().startswith("baseline"):
+            return row
+    return rows[0] if rows else None
+
+
+def _rate(row: Row) -> tuple[float, bool]:
+    if row.measured is not None:
+        return row.measured.samples_per_s, True
+    return row.estimate.samples_per_s, False
+
+
+def answer(plan: Plan) -> Answer:
+    """The answer a person reads first."""
+    cand, est, ver = plan.candidate, plan.estimate, plan.verified
+    profile = plan.profile
+    measured = ver is not None
+    rate = ver.samples_per_s if ver is not None else est.samples_per_s
+    base = _baseline(plan.comparison)
+    base_rate, base_measured = _rate(base) if base is not None else (None, False)
+    others = {
+        name: json.dumps(choice)
+        for name, choice in cand.choices.items()
+        if name not in _NAMED_STRATEGIES and choice not in _NEUTRAL
+    }
+    return Answer(
+        model_name=plan.model_name,
+        device_kind=plan.device_kind,
+        device_name=plan.device_name,
+        budget_bytes=plan.config.budget_bytes,
+        usable_bytes=plan.config.usable_bytes,
+        margin_fraction=plan.config.margin_fraction,
+        objective=plan.config.objective,
+        precision=plan_precision(plan),
+        checkpointed=checkpointed_blocks(cand.choice("checkpointing"), profile),
+        block_count=len(profile.blocks) if profile is not None else None,
+        batch_size=cand.batch_size,
+        accumulation_steps=cand.accumulation_steps,
+        estimated_peak_bytes=est.peak_bytes,
+        estimated_peak_phase=est.peak_phase,
+        verified_peak_bytes=ver.peak_bytes if ver is not None else None,
+        verified_reserved_peak_bytes=ver.reserved_peak_bytes if ver is not None else None,
+        verified_steps=ver.steps if ver is not None else None,
+        step_ms=ver.step_ms if ver is not None else est.step_ms,
+        samples_per_s=rate,
+        measured=measured,
+        baseline_samples_per_s=base_rate,
+        baseline_batch_size=base.candidate.batch_size if base is not None else None,
+        baseline_measured=base_measured,
+        speedup=rate / base_rate if base_rate else None,
+        other_choices=others,
+        notes=list(plan.notes),
+    )
+
+
+def comparison(plan: Plan) -> list[ComparisonLine]:
+    """The plan's comparison rows, with the pick itself last if the planner left it out."""
+    budget = plan.config.budget_bytes
+    lines = [
+        _line(row, budget, is_plan=row.label.strip().lower() == "plan") for row in plan.comparison
+    ]
+    if not any(line.is_plan for line in lines):
+        pick = Row(
+            label="Plan",
+            candidate=plan.candidate,
+            estimate=plan.estimate,
+            largest_batch=None,
+            measured=plan.verified,
+        )
+        lines.append(_line(pick, budget, is_plan=True))
+    return lines
+
+
+def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
+    m = row.measured
+    peak = m.peak_bytes if m is not None else row.estimate.peak_bytes
+    # The budget caps what the allocator reserves, not only what tensors hold.
+    held = max(peak, (m.reserved_peak_bytes or 0) if m is not None else 0)
+    return ComparisonLine(
+        label=row.label,
+        batch_size=row.candidate.batch_size,
+        accumulation_steps=row.candidate.accumulation_steps,
+        peak_bytes=peak,
+        estimated_peak_bytes=row.estimate.peak_bytes,
+        step_ms=m.step_ms if m is not None else row.estimate.step_ms,
+        samples_per_s=m.samples_per_s if m is not None else row.estimate.samples_per_s,
+        largest_batch=row.largest_batch,
+        measured=m is not None,
+        over_budget=held > budget_bytes,
+        is_plan=is_plan,
+    )
+
+
+def kinds_at_plan_peak(plan: Plan) -> list[KindLine]:
+    """What the pick holds at its estimated peak, by kind; shares are of the estimated peak.
+
+    What the breakdown leaves out of the peak (memory outside tensors, measured on CUDA) is
+    its own line, so the lines add up to the peak the answer states.
+    """
+    breakdown = dict(plan.estimate.breakdown)
+    peak = plan.estimate.peak_bytes
+    rest = peak - sum(breakdown.values())
+    if rest > 0:
+        breakdown["fixed overhead"] = rest
+    order = ("params", "grads", "optimizer_state", "activations", "temporaries")
+    kinds = [k for k in order if k in breakdown] + [k for k in breakdown if k not in order]
+    return [KindLine(kind=k, nbytes=breakdown[k], share=breakdown[k] / (peak or 1)) for k in kinds]
+
+
+# -- the profile ------------------------------------------------------------------------------
+
+
+def _step(profile: Profile, precision: str) -> StepProfile:
+    return profile.steps.get(precision) or profile.steps["fp32"]
+
+
+def kinds_of_profile(profile: Profile, batch_size: int, precision: str = "fp32") -> list[KindLine]:
+    """Weights, gradients, optimizer state, buffers and activations at ``batch_size``."""
+    step = _step(profile, precision)
+    items = [
+        ("params", profile.param_bytes),
+        ("grads", profile.grad_bytes),
+        ("optimizer_state", profile.optimizer_state_bytes),
+        ("buffers", profile.buffer_bytes),
+        ("activations", step.activation_total.at(batch_size)),
+    ]
+    items = [(k, n) for k, n in items if n or k != "buffers"]
+    if step.cast_weight_bytes:
+        items.append(("autocast weight copies", step.cast_weight_bytes))
+    if profile.fixed_overhead_bytes:
+        items.append(("fixed overhead", profile.fixed_overhead_bytes))
+    total = sum(n for _, n in items) or 1
+    return [KindLine(kind=k, nbytes=n, share=n / total) for k, n in items]
+
+
+def consumers(
+    profile: Profile,
+    batch_size: int,
+    precision: str = "fp32",
+    checkpointed: Iterable[str] = (),
+) -> list[Consumer]:
+    """Every activation owner, blocks and not (LM head, loss), largest first.
+
+    What no listed owner accounts for is shown as ``<unattributed>`` when it is more than 1%
+    of the total, so the list always adds up to the step's saved activations.
+    """
+    step = _step(profile, precision)
+    ckpt = set(checkpointed)
+    total = step.activation_total.at(batch_size)
+    types = {b.name: b.type_name for b in profile.blocks}
+    out: list[Consumer] = []
+    for blk in step.blocks:
+        act = blk.activation.at(batch_size)
+        is_ckpt = blk.name in ckpt
+        out.append(
+            Consumer(
+                name=blk.name,
+                type_name=types.get(blk.name, ""),
+                owner="block",
+                activation_bytes=act,
+                share=act / total if total else 0.0,
+                checkpointed=is_ckpt,
+                kept_bytes=blk.input.at(batch_size) if is_ckpt else act,
+                forward_ms=blk.forward_ms.at(batch_size),
+            )
+        )
+    for mod in step.outside:
+        act = mod.activation.at(batch_size)
+        out.append(
+            Consumer(
+                name=mod.name,
+                type_name=mod.type_name,
+                owner="outside",
+                activation_bytes=act,
+                share=act / total if total else 0.0,
+                kept_bytes=act,
+                forward_ms=mod.forward_ms.at(batch_size),
+            )
+        )
+    rest = total - sum(c.activation_bytes for c in out)
+    if total and rest > 0.01 * total:
+        out.append(
+            Consumer(
+                name="<unattributed>",
+                type_name="",
+                owner="outside",
+                activation_bytes=rest,
+                share=rest / total,
+                kept_bytes=rest,
+            )
+        )
+    return sorted(out, key=lambda c: c.activation_bytes, reverse=True)
+
+
+def phases(profile: Profile, batch_size: int, precision: str = "fp32") -> list[PhaseLine]:
+    """The peak of each phase of the step at ``batch_size``, in step order."""
+    return [
+        PhaseLine(
+            phase=p.phase,
+            allocated_bytes=p.allocated.at(batch_size),
+            reserved_bytes=p.reserved.at(batch_size) if p.reserved is not None else None,
+        )
+        for p in _step(profile, precision).phases
+    ]
+
+
+def series_from_phases(profile: Profile, batch_size: int, precision: str = "fp32") -> MemorySeries:
+    """A step chart of the per-phase peaks over the phases' measured durations.
+
+    Without a recorded timeline this is all the profile knows: the highest bytes of each
+    phase, not the curve within it, and the caption says so.
+    """
+    step = _step(profile, precision)
+    durations = {
+        "forward": step.forward_ms.at(batch_size),
+        "backward": step.backward_ms.at(batch_size),
+        "optimizer": step.optimizer_ms,
+    }
+    timed = sum(durations.values()) > 0
+    if not timed:  # no times in the profile: equal widths, the axis shows only order
+        durations = {"forward": 1.0, "backward": 1.0, "optimizer": 0.5}
+    # zero_grad takes microseconds; it still gets a sliver so its level shows.
+    sliver = 0.03 * sum(durations.values())
+    points: list[tuple[float, int, int | None]] = []
+    spans: list[tuple[str, float, float]] = []
+    t = 0.0
+    for line in phases(profile, batch_size, precision):
+        width = durations.get(line.phase, 0.0) or sliver
+        points.append((t, line.allocated_bytes, line.reserved_bytes))
+        points.append((t + width, line.allocated_bytes, line.reserved_bytes))
+        spans.append((line.phase, t, t + width))
+        t += width
+    return MemorySeries(
+        source="phase peaks",
+        caption=f"Peak of each phase of the profiled step ({precision}, batch {batch_size}); "
+        "the curve within a phase needs a recorded timeline.",
+        time_unit="ms" if timed else "step",
+        points=points,
+        spans=spans,
+    )
+
+
+def series_from_events(
+    events: Iterable[tuple[float, int, int | None, str | None]], caption: str
+) -> MemorySeries:
+    """A measured curve from timeline events ``(t_ms, allocated, reserved, phase)``."""
+    points: list[tuple[float, int, int | None]] = []
+    spans: list[tuple[str, float, float]] = []
+    for t_ms, allocated, reserved, phase in sorted(events, key=lambda e: e[0]):
+        points.append((t_ms, allocated, reserved))
+        if phase and (not spans or spans[-1][0] != phase):
+            if spans:
+                spans[-1] = (spans[-1][0], spans[-1][1], t_ms)
+            spans.append((phase, t_ms, t_ms))
+    if spans and points:
+        spans[-1] = (spans[-1][0], spans[-1][1], points[-1][0])
+    return MemorySeries(source="timeline", caption=caption, points=points, spans=spans)

@@ -1,0 +1,211 @@
+"""The HTML report's stylesheet and chart script, inlined into every file it writes.
+
+No library and no CDN: the file must open on a machine with no network (torch's own
+memory viewer loads its script from a CDN and shows nothing offline). The script reads the
+facts the page embeds as JSON and draws SVG with the DOM API.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CSS", "SCRIPT"]
+
+CSS = """
+:root { --ink:#1d2330; --mute:#5d6678; --line:#d9dee8; --bg:#ffffff; --panel:#f5f7fb;
+        --accent:#2f6fdd; --good:#1f8a4c; --warn:#c0392b; --ckpt:#17a2b8; --out:#e67e22; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
+       color: var(--ink); background: var(--bg); }
+main { max-width: 1040px; margin: 0 auto; padding: 24px 28px 48px; }
+h1 { font-size: 22px; margin: 0 0 4px; }
+h2 { font-size: 17px; margin: 30px 0 8px; padding-bottom: 4px;
+     border-bottom: 1px solid var(--line); }
+h3 { font-size: 15px; margin: 0 0 6px; }
+.sub, .note, .caption { color: var(--mute); }
+.note, .caption { font-size: 12.5px; margin: 6px 0 0; }
+dl.answer { display: grid; grid-template-columns: max-content 1fr; gap: 6px 18px;
+            background: var(--panel); border-left: 4px solid var(--good); padding: 14px 18px;
+            margin: 16px 0 0; border-radius: 4px; }
+dl.answer dt { font-weight: 600; }
+dl.answer dd { margin: 0; }
+ul.notes { margin: 10px 0 0; padding-left: 20px; color: #8a5a00; }
+table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
+th, td { text-align: right; padding: 5px 10px; border-bottom: 1px solid var(--line); }
+th:first-child, td:first-child { text-align: left; }
+th { font-weight: 600; color: var(--mute); font-size: 12.5px; }
+tr.plan td { font-weight: 700; background: #eef7f0; }
+td.over { color: var(--warn); font-weight: 600; }
+td.est { color: var(--mute); font-style: italic; }
+.tag { display: inline-block; font-size: 11px; padding: 0 6px; border-radius: 8px;
+       background: var(--line); color: var(--ink); margin-left: 6px; font-weight: 500; }
+.tag.ckpt { background: #d6f1f5; }
+.tag.out { background: #fbe3cc; }
+.chart { width: 100%; height: auto; display: block; background: var(--panel); border-radius: 4px; }
+.charts { display: grid; grid-template-columns: 1fr 1fr; gap: 14px; }
+.advice { background: var(--panel); border-radius: 4px; padding: 12px 16px; margin: 10px 0; }
+.advice p { margin: 0 0 8px; }
+.advice .effect { color: var(--good); font-weight: 600; margin: 8px 0 0; }
+pre { background: #1d2330; color: #e8ecf4; padding: 10px 12px; border-radius: 4px; margin: 0;
+      overflow-x: auto; font: 12.5px/1.45 "DejaVu Sans Mono", Menlo, Consolas, monospace; }
+footer { margin-top: 36px; color: var(--mute); font-size: 12px; }
+"""
+
+SCRIPT = r"""
+(function () {
+  "use strict";
+  var NS = "http://www.w3.org/2000/svg";
+  var data = JSON.parse(document.getElementById("memadvisor-data").textContent);
+  var PHASE_COLORS = { forward: "#dbe8ff", loss: "#efe0ff", backward: "#ffe6d5",
+                       optimizer: "#dcf5e3", zero_grad: "#eeeeee", end: "#f4f4f4" };
+
+  function fmtBytes(n) {
+    var units = [["GiB", 1073741824], ["MiB", 1048576], ["KiB", 1024]];
+    for (var i = 0; i < units.length; i++) {
+      if (Math.abs(n) >= units[i][1]) {
+        var v = n / units[i][1];
+        return (Math.abs(v) < 100 ? v.toFixed(2) : v.toFixed(1)) + " " + units[i][0];
+      }
+    }
+    return Math.round(n) + " B";
+  }
+  function fmtMs(ms) { return ms >= 100 ? ms.toFixed(0) + " ms" : ms.toFixed(1) + " ms"; }
+  function el(tag, attrs, parent, text) {
+    var node = document.createElementNS(NS, tag);
+    for (var k in attrs) { node.setAttribute(k, attrs[k]); }
+    if (text !== undefined) { node.textContent = text; }
+    if (parent) { parent.appendChild(node); }
+    return node;
+  }
+  // Round axis steps: 1, 2 or 5 times a power of two's neighbourhood in bytes reads badly,
+  // so ticks are chosen in the unit the top value is shown in.
+  function niceStep(range, count) {
+    var raw = range / count, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    var steps = [1, 2, 2.5, 5, 10];
+    for (var i = 0; i < steps.length; i++) { if (steps[i] * mag >= raw) { return steps[i] * mag; } }
+    return 10 * mag;
+  }
+  function byteUnit(max) {
+    return max >= 1073741824 ? ["GiB", 1073741824] : max >= 1048576 ? ["MiB", 1048576]
+         : ["KiB", 1024];
+  }
+
+  function drawMemory(svg, series, budget) {
+    var W = 960, H = 340, L = 78, R = 20, T = 22, B = 46;
+    svg.setAttribute("viewBox", "0 0 " + W + " " + H);
+    var pts = series.points;
+    if (!pts.length) { el("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, svg,
+                          "No memory samples recorded."); return; }
+    var t0 = pts[0][0], t1 = pts[pts.length - 1][0];
+    if (t1 <= t0) { t1 = t0 + 1; }
+    var ymax = 0;
+    pts.forEach(function (p) { ymax = Math.max(ymax, p[1], p[2] || 0); });
+    // The budget line is drawn when it is near enough to the data to compare with.
+    var showBudget = budget && budget < 2.5 * ymax;
+    if (showBudget) { ymax = Math.max(ymax, budget); }
+    var unit = byteUnit(ymax), step = niceStep(ymax / unit[1] * 1.08, 5) * unit[1];
+    var top = Math.ceil(ymax * 1.08 / step) * step;
+    function x(t) { return L + (t - t0) / (t1 - t0) * (W - L - R); }
+    function y(v) { return T + (1 - v / top) * (H - T - B); }
+    series.spans.forEach(function (s) {
+      var x0 = x(s[1]), x1 = x(s[2]);
+      el("rect", { x: x0, y: T, width: Math.max(1, x1 - x0), height: H - T - B,
+                   fill: PHASE_COLORS[s[0]] || "#eeeeee", "class": "phase" }, svg);
+      if (x1 - x0 > 44) {
+        el("text", { x: (x0 + x1) / 2, y: T + 14, "text-anchor": "middle", "font-size": 12,
+                     fill: "#5d6678" }, svg, s[0]);
+      }
+    });
+    for (var v = 0; v <= top + 1; v += step) {
+      el("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#d9dee8" }, svg);
+      el("text", { x: L - 8, y: y(v) + 4, "text-anchor": "end", "font-size": 11, fill: "#5d6678" },
+         svg, (v / unit[1]).toFixed(step / unit[1] < 1 ? 1 : 0) + " " + unit[0]);
+    }
+    function path(index) {
+      var d = "";
+      pts.forEach(function (p, i) {
+        if (p[index] === null || p[index] === undefined) { return; }
+        d += (d ? " L" : "M") + x(p[0]).toFixed(1) + "," + y(p[index]).toFixed(1);
+      });
+      return d;
+    }
+    var hasReserved = pts.some(function (p) { return p[2] !== null && p[2] !== undefined; });
+    if (hasReserved) {
+      el("path", { d: path(2), fill: "none", stroke: "#8e44ad", "stroke-width": 2,
+                   "stroke-dasharray": "6 4", "class": "reserved" }, svg);
+    }
+    el("path", { d: path(1), fill: "none", stroke: "#2f6fdd", "stroke-width": 2.5,
+                 "class": "allocated" }, svg);
+    if (showBudget) {
+      el("line", { x1: L, x2: W - R, y1: y(budget), y2: y(budget), stroke: "#c0392b",
+                   "stroke-width": 1.5, "stroke-dasharray": "8 5", "class": "budget" }, svg);
+      el("text", { x: W - R - 4, y: y(budget) - 6, "text-anchor": "end", "font-size": 12,
+                   fill: "#c0392b" }, svg, "budget " + fmtBytes(budget));
+    }
+    var unitLabel = series.time_unit === "ms" ? "time in the step (ms)" : "phases of the step";
+    el("text", { x: (L + W - R) / 2, y: H - 10, "text-anchor": "middle", "font-size": 12,
+                 fill: "#5d6678" }, svg, unitLabel);
+    if (series.time_unit === "ms") {
+      var ts = niceStep(t1 - t0, 8);
+      for (var t = Math.ceil(t0 / ts) * ts; t <= t1; t += ts) {
+        el("text", { x: x(t), y: H - B + 16, "text-anchor": "middle", "font-size": 11,
+                     fill: "#5d6678" }, svg, String(Math.round(t * 10) / 10));
+      }
+    }
+    var lx = L + 8;
+    [["allocated", "#2f6fdd", ""]].concat(hasReserved ? [["reserved", "#8e44ad", "6 4"]] : [])
+      .forEach(function (item) {
+        el("line", { x1: lx, x2: lx + 22, y1: T + 30, y2: T + 30, stroke: item[1],
+                     "stroke-width": 2.5, "stroke-dasharray": item[2] }, svg);
+        el("text", { x: lx + 28, y: T + 34, "font-size": 12 }, svg, item[0]);
+        lx += 110;
+      });
+  }
+
+  function drawBars(svg, items, value, label, color, title) {
+    var W = 470, row = 22, T = 30, L = 150, R = 90;
+    var H = T + items.length * row + 12;
+    svg.setAttribute("viewBox", "0 0 " + W + " " + H);
+    el("text", { x: 8, y: 18, "font-size": 13, "font-weight": 600 }, svg, title);
+    var max = 0;
+    items.forEach(function (it) { max = Math.max(max, value(it)); });
+    if (max <= 0) { max = 1; }
+    items.forEach(function (it, i) {
+      var yy = T + i * row, w = value(it) / max * (W - L - R);
+      var name = it.name.length > 22 ? "…" + it.name.slice(-21) : it.name;
+      el("text", { x: L - 6, y: yy + 14, "text-anchor": "end", "font-size": 11.5 }, svg, name);
+      var parts = color(it);
+      el("rect", { x: L, y: yy + 3, width: Math.max(1, w), height: row - 7, fill: parts[0],
+                   "class": "bar" }, svg);
+      if (parts[1] !== undefined) {
+        el("rect", { x: L, y: yy + 3, width: Math.max(1, parts[1] / max * (W - L - R)),
+                     height: row - 7, fill: parts[2] }, svg);
+      }
+      el("text", { x: L + Math.max(1, w) + 5, y: yy + 14, "font-size": 11, fill: "#5d6678" },
+         svg, label(it));
+    });
+  }
+
+  var memory = document.getElementById("memory-chart");
+  if (memory && data.series) { drawMemory(memory, data.series, data.budget_bytes); }
+
+  var owners = data.consumers || [];
+  var act = document.getElementById("activation-bars");
+  if (act && owners.length) {
+    drawBars(act, owners, function (c) { return c.activation_bytes; },
+      function (c) { return fmtBytes(c.activation_bytes); },
+      function (c) {
+        if (c.checkpointed) { return ["#b9e6ee", c.kept_bytes, "#17a2b8"]; }
+        return [c.owner === "block" ? "#2f6fdd" : "#e67e22"];
+      },
+      "Saved for backward (bytes)");
+  }
+  var rec = document.getElementById("recompute-bars");
+  var blocks = owners.filter(function (c) { return c.owner === "block"; });
+  if (rec && blocks.length) {
+    drawBars(rec, blocks, function (c) { return c.forward_ms; },
+      function (c) { return fmtMs(c.forward_ms); },
+      function (c) { return [c.checkpointed ? "#17a2b8" : "#9aa7bd"]; },
+      "Recompute cost: block forward (ms)");
+  }
+  document.body.setAttribute("data-drawn", "yes");
+})();
+"""

@@ -1,0 +1,336 @@
+"""The report as one self-contained HTML file: charts, tables and advice, no network needed.
+
+Tables and text are written here, so every number is in the page even before its script
+runs; the charts are SVG that the inline script draws from the facts embedded as JSON.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from memadvisor.errors import BadInputError
+from memadvisor.planner import Plan
+from memadvisor.profiler import Profile
+from memadvisor.report import _facts as facts
+from memadvisor.report._html_assets import CSS, SCRIPT
+from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+
+__all__ = ["render_plan_html", "render_profile_html", "write_html"]
+
+_KIND_WORDS = {
+    "params": "weights",
+    "grads": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "temporaries": "temporaries (recompute, workspaces)",
+}
+_BAR_COLORS = "Blue: a block; orange: not a block, which checkpointing cannot reach."
+
+
+def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) -> str:
+    """The plan's report page.
+
+    Args:
+        plan: the planner's answer; its profile (when it carries one) feeds the charts.
+        series: memory over time from a recorded timeline; without one the chart shows the
+            profile's per-phase peaks and says so.
+    """
+    a = facts.answer(plan)
+    profile = plan.profile
+    parts = [
+        f"<h1>memadvisor plan · {_e(a.model_name)}</h1>",
+        f'<p class="sub">on {_e(a.device_name)} ({_e(a.device_kind)}) · budget '
+        f"{fmt_bytes(a.budget_bytes)} · objective {_e(a.objective)}</p>",
+        _answer(a),
+        _section("comparison", "Configurations compared", _comparison(plan)),
+    ]
+    data: dict = {"budget_bytes": a.budget_bytes}
+    if profile is not None:
+        b = max(profile.batch_sizes)
+        series = series or facts.series_from_phases(profile, b, a.precision)
+        owners = facts.consumers(profile, a.batch_size, a.precision, a.checkpointed)
+        data.update(series=series.model_dump(), consumers=[c.model_dump() for c in owners])
+        parts += [
+            _memory_chart(series),
+            _owners_charts(
+                f"Activations by owner at batch {a.batch_size}, {a.precision}. {_BAR_COLORS} "
+                "Light teal: freed by checkpointing; dark teal: the input a checkpointed block "
+                "still keeps."
+            ),
+            _section(
+                "kinds",
+                f"Where the memory goes at the plan's peak ({a.estimated_peak_phase}, estimated)",
+                _kinds(facts.kinds_at_plan_peak(plan)),
+            ),
+            _section(
+                "consumers",
+                f"Top activation owners at batch {a.batch_size}, {a.precision}",
+                _consumers(owners, show_kept=bool(a.checkpointed)),
+                "Blocks can be checkpointed; other owners (an LM head, the loss) cannot.",
+            ),
+            _section(
+                "phases",
+                f"Per-phase peaks of the plain step as profiled (batch {b})",
+                _phases(profile, b, list(profile.steps)),
+                _fragmentation(profile),
+            ),
+        ]
+    parts.append(_section("advice", "Recommendations", _advice(plan)))
+    if plan.probes:
+        probes = ", ".join(f"{p.batch_size} {'fits' if p.fits else 'OOM'}" for p in plan.probes)
+        parts.append(f'<p class="note" id="probes">Probes on {_e(plan.device_name)}: {probes}.</p>')
+    return _page(f"memadvisor plan · {a.model_name}", parts, data)
+
+
+def render_profile_html(
+    profile: Profile, *, batch_size: int | None = None, series: facts.MemorySeries | None = None
+) -> str:
+    """The profile's report page: memory over the step, activation owners, phases."""
+    b = batch_size or max(profile.batch_sizes)
+    series = series or facts.series_from_phases(profile, b)
+    owners = facts.consumers(profile, b)
+    d = profile.device
+    parts = [
+        f"<h1>memadvisor profile · {_e(profile.model_name)}</h1>",
+        f'<p class="sub">on {_e(d.name)} ({_e(d.kind)}) · measured at batch sizes '
+        f"{profile.batch_sizes[0]} and {profile.batch_sizes[1]} · precisions "
+        f"{_e(', '.join(profile.steps))} · profiling took {fmt_ms(profile.profiling_ms)}</p>",
+        _memory_chart(series),
+        _owners_charts(f"Activations by owner at batch {b}, fp32. {_BAR_COLORS}"),
+        _section(
+            "kinds",
+            f"Memory by kind at batch {b}, fp32",
+            _kinds(facts.kinds_of_profile(profile, b)),
+        ),
+        _section(
+            "consumers",
+            f"Top activation owners at batch {b}, fp32",
+            _consumers(owners, show_kept=False),
+            "Blocks can be checkpointed; other owners (an LM head, the loss) cannot.",
+        ),
+        _section(
+            "phases",
+            f"Per-phase peaks at batch {b}",
+            _phases(profile, b, list(profile.steps)),
+            _fragmentation(profile),
+        ),
+    ]
+    data = {
+        "budget_bytes": None,
+        "series": series.model_dump(),
+        "consumers": [c.model_dump() for c in owners],
+    }
+    return _page(f"memadvisor profile · {profile.model_name}", parts, data)
+
+
+def write_html(page: str, path: str | Path) -> Path:
+    """Write a rendered page to ``path``.
+
+    Raises:
+        BadInputError: the file cannot be written (no such folder, no permission).
+    """
+    path = Path(path)
+    try:
+        path.write_text(page, encoding="utf-8")
+    except OSError as e:
+        raise BadInputError(f"Cannot write the HTML report to {str(path)!r}: {e.strerror}.") from e
+    return path
+
+
+# -- pieces -----------------------------------------------------------------------------------
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _page(title: str, parts: Iterable[str], data: dict) -> str:
+    # "<" escaped so no string in the data (a module name, a note) can close the script tag.
+    payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
+    from memadvisor import __version__
+
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{CSS}</style></head>\n<body><main>\n"
+        + "\n".join(parts)
+        + f"\n<footer>memadvisor {_e(__version__)} · one self-contained file: it needs no "
+        "network to open.</footer>\n</main>\n"
+        f'<script type="application/json" id="memadvisor-data">{payload}</script>\n'
+        f"<script>{SCRIPT}</script>\n</body></html>\n"
+    )
+
+
+def _section(anchor: str, title: str, body: str, note: str | None = None) -> str:
+    note_html = f'<p class="note">{_e(note)}</p>' if note else ""
+    return f'<section id="{anchor}"><h2>{_e(title)}</h2>{body}{note_html}</section>'
+
+
+def _table(head: list[str], rows: Iterable[str]) -> str:
+    th = "".join(f"<th>{_e(h)}</th>" for h in head)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _answer(a: facts.Answer) -> str:
+    ckpt = "none"
+    if a.checkpointed:
+        of = f" of {a.block_count}" if a.block_count is not None else ""
+        ckpt = f"{len(a.checkpointed)}{of} blocks: {', '.join(a.checkpointed)}"
+    batch = str(a.batch_size)
+    if a.accumulation_steps > 1:
+        batch += (
+            f" × {a.accumulation_steps} accumulation steps = effective batch {a.effective_batch}"
+        )
+    peak = f"estimated {fmt_bytes(a.estimated_peak_bytes)} (in {a.estimated_peak_phase})"
+    if a.verified_peak_bytes is not None:
+        peak += f" · verified {fmt_bytes(a.verified_peak_bytes)}"
+        if a.verified_reserved_peak_bytes is not None:
+            peak += f" allocated, {fmt_bytes(a.verified_reserved_peak_bytes)} reserved"
+        peak += f" over {a.verified_steps} steps"
+    else:
+        peak += " · not verified on a device"
+    rate = (
+        f"{fmt_rate(a.samples_per_s)} samples/s ({'measured' if a.measured else 'estimated'}), "
+        f"{fmt_ms(a.step_ms)} per step"
+    )
+    if a.speedup is not None and a.baseline_samples_per_s is not None:
+        rate += (
+            f" · {fmt_ratio(a.speedup)} the baseline's {fmt_rate(a.baseline_samples_per_s)} "
+            f"(fp32 at batch {a.baseline_batch_size}, "
+            f"{'measured' if a.baseline_measured else 'estimated'})"
+        )
+    rows = [
+        (
+            "Budget",
+            f"{fmt_bytes(a.budget_bytes)} ({fmt_bytes(a.usable_bytes)} planned after the "
+            f"{a.margin_fraction:.0%} margin)",
+        ),
+        ("Precision", "fp32 (no autocast)" if a.precision == "fp32" else f"{a.precision} autocast"),
+        ("Checkpointed", ckpt),
+        ("Batch", batch),
+        ("Peak", peak),
+        ("Throughput", rate),
+        *a.other_choices.items(),
+    ]
+    dl = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows)
+    notes = "".join(f"<li>{_e(n)}</li>" for n in a.notes)
+    return f'<section id="answer"><dl class="answer">{dl}</dl>' + (
+        f'<ul class="notes">{notes}</ul></section>' if notes else "</section>"
+    )
+
+
+def _comparison(plan: Plan) -> str:
+    rows = []
+    for line in facts.comparison(plan):
+        est = "" if line.measured else ' class="est"'
+        mark = "" if line.measured else "~"
+        batch = str(line.batch_size) + (
+            f"×{line.accumulation_steps}" if line.accumulation_steps > 1 else ""
+        )
+        peak_cls = ' class="over"' if line.over_budget else est
+        rows.append(
+            f"<tr{' class=plan' if line.is_plan else ''}><td>{_e(line.label)}</td><td>{batch}</td>"
+            f"<td{peak_cls}>{mark}{fmt_bytes(line.peak_bytes)}</td>"
+            f"<td{est}>{mark}{fmt_ms(line.step_ms)}</td>"
+            f"<td>{line.largest_batch if line.largest_batch is not None else '—'}</td>"
+            f"<td{est}>{mark}{fmt_rate(line.samples_per_s)}</td>"
+            f"<td>{'measured' if line.measured else 'estimated'}</td></tr>"
+        )
+    table = _table(
+        ["Config", "Batch", "Peak", "Step", "Largest batch", "Samples/s", "Source"], rows
+    )
+    return table + (
+        '<p class="note">~ and grey italics: estimated, not run on the device. A peak in red '
+        "is over the budget.</p>"
+    )
+
+
+def _kinds(lines: list[facts.KindLine]) -> str:
+    rows = (
+        f"<tr><td>{_e(_KIND_WORDS.get(k.kind, k.kind))}</td><td>{fmt_bytes(k.nbytes)}</td>"
+        f"<td>{k.share:.0%}</td></tr>"
+        for k in lines
+    )
+    return _table(["Kind", "Bytes", "Share"], rows)
+
+
+def _consumers(owners: list[facts.Consumer], *, show_kept: bool) -> str:
+    head = ["Module", "Type", "Saved for backward", "Share"]
+    head += ["Kept under the plan"] if show_kept else []
+    head += ["Forward"]
+    rows = []
+    for c in owners:
+        tag = '<span class="tag out">not a block</span>' if c.owner == "outside" else ""
+        kept = ""
+        if show_kept:
+            ckpt = '<span class="tag ckpt">checkpointed</span>' if c.checkpointed else ""
+            kept = f"<td>{fmt_bytes(c.kept_bytes)}{ckpt}</td>"
+        rows.append(
+            f"<tr><td>{_e(c.name)}{tag}</td><td>{_e(c.type_name)}</td>"
+            f"<td>{fmt_bytes(c.activation_bytes)}</td><td>{c.share:.0%}</td>{kept}"
+            f"<td>{fmt_ms(c.forward_ms) if c.forward_ms else '—'}</td></tr>"
+        )
+    return _table(head, rows)
+
+
+def _phases(profile: Profile, b: int, precisions: list[str]) -> str:
+    head = ["Phase"]
+    cells: dict[str, list[str]] = {}
+    for p in precisions:
+        lines = facts.phases(profile, b, p)
+        reserved = any(line.reserved_bytes is not None for line in lines)
+        head += [f"{p} allocated", f"{p} reserved"] if reserved else [p]
+        for line in lines:
+            row = cells.setdefault(line.phase, [])
+            row.append(fmt_bytes(line.allocated_bytes))
+            if reserved:
+                row.append(fmt_bytes(line.reserved_bytes))
+    rows = (
+        f"<tr><td>{_e(phase)}</td>{''.join(f'<td>{v}</td>' for v in values)}</tr>"
+        for phase, values in cells.items()
+    )
+    return _table(head, rows)
+
+
+def _fragmentation(profile: Profile) -> str | None:
+    if profile.fragmentation_ratio is None:
+        return None
+    return (
+        f"Fragmentation: the allocator reserved {profile.fragmentation_ratio:.2f}× what tensors "
+        f"held at the peak; {fmt_bytes(profile.fixed_overhead_bytes)} sat outside tensors "
+        "(cuBLAS workspaces, block rounding)."
+    )
+
+
+def _memory_chart(series: facts.MemorySeries) -> str:
+    return (
+        '<section id="memory"><h2>Memory over the step</h2>'
+        '<svg id="memory-chart" class="chart" role="img" aria-label="memory over time"></svg>'
+        f'<p class="caption">{_e(series.caption)}</p></section>'
+    )
+
+
+def _owners_charts(caption: str) -> str:
+    return (
+        '<section id="blocks"><h2>Activation owners and recompute cost</h2><div class="charts">'
+        '<svg id="activation-bars" class="chart" role="img" aria-label="activation bytes"></svg>'
+        '<svg id="recompute-bars" class="chart" role="img" aria-label="recompute ms"></svg>'
+        f'</div><p class="caption">{_e(caption)}</p></section>'
+    )
+
+
+def _advice(plan: Plan) -> str:
+    if not plan.advice:
+        return "<p>No recommendations: the plain step already fits at its best.</p>"
+    out = []
+    for i, adv in enumerate(plan.advice, 1):
+        snippet = f"<pre><code>{_e(adv.snippet)}</code></pre>" if adv.snippet else ""
+        effect = f'<p class="effect">Effect: {_e(adv.effect)}</p>' if adv.effect else ""
+        out.append(
+            f'<div class="advice"><h3>{i}. {_e(adv.title)}</h3><p>{_e(adv.sentence)}</p>'
+            f"{snippet}{effect}</div>"
+        )
+    return "".join(out)

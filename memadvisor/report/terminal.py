@@ -1,0 +1,377 @@
+"""The report in a terminal (rich): the answer first, then the evidence, then the advice."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from memadvisor.planner import Plan
+from memadvisor.profiler import Profile
+from memadvisor.report import _facts as facts
+from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+
+__all__ = ["one_line", "print_plan", "print_profile"]
+
+_KIND_WORDS = {
+    "params": "weights",
+    "grads": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "temporaries": "temporaries (recompute, workspaces)",
+}
+_ESTIMATED = "~"  # marks a number only estimated, never run on a device
+
+
+_CONSUMERS_NOTE = "Blocks can be checkpointed; other owners (an LM head, the loss) cannot."
+
+
+def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
+    """The whole plan report: answer, comparison, where the memory goes, recommendations."""
+    ans = facts.answer(plan)
+    console.print(_answer_panel(ans))
+    _section(
+        console,
+        "Configurations compared",
+        _comparison_table(plan),
+        f"{_ESTIMATED} estimated (not run on the device); other numbers measured. "
+        "A peak in red is over the budget.",
+    )
+    if plan.profile is None:
+        console.print("[dim]The plan carries no profile: where the memory goes is not shown.[/]")
+    else:
+        profile = plan.profile
+        _section(console, _peak_title(ans), _kinds_table(facts.kinds_at_plan_peak(plan)))
+        _section(
+            console,
+            f"Top activation owners at batch {ans.batch_size}, {ans.precision}",
+            _consumers_table(
+                facts.consumers(profile, ans.batch_size, ans.precision, ans.checkpointed),
+                top=top,
+                show_kept=bool(ans.checkpointed),
+            ),
+            _CONSUMERS_NOTE,
+        )
+        b = max(profile.batch_sizes)
+        _section(
+            console,
+            f"Per-phase peaks of the plain step as profiled (batch {b})",
+            _phases_table(profile, b, list(profile.steps)),
+            _fragmentation_words(profile),
+        )
+    _print_advice(plan, console)
+    if plan.probes:
+        console.print(_probes_line(plan))
+
+
+def print_profile(
+    profile: Profile, console: Console, *, batch_size: int | None = None, top: int = 10
+) -> None:
+    """What the profiler measured: memory by kind, top activation owners, per-phase peaks.
+
+    Args:
+        batch_size: the batch to read the linear fits at; the larger measured one by default.
+    """
+    b = batch_size or max(profile.batch_sizes)
+    precisions = list(profile.steps)
+    console.print(_profile_header(profile))
+    _section(
+        console,
+        f"Memory by kind at batch {b}, fp32",
+        _kinds_table(facts.kinds_of_profile(profile, b)),
+    )
+    _section(
+        console,
+        f"Top activation owners at batch {b}",
+        _profile_consumers(profile, b, precisions, top),
+        _CONSUMERS_NOTE,
+    )
+    _section(
+        console,
+        f"Per-phase peaks at batch {b}",
+        _phases_table(profile, b, precisions),
+        _fragmentation_words(profile),
+    )
+
+
+def _section(console: Console, title: str, table: Table, note: str | None = None) -> None:
+    # Titles and notes printed apart from the table: rich wraps a table's own title and
+    # caption to the table's width, which breaks a sentence over three short lines.
+    console.print()
+    console.print(Text(title, style="bold"))
+    console.print(table)
+    if note:
+        console.print(Text(note, style="dim"))
+
+
+def one_line(plan: Plan) -> str:
+    """The answer in one line, for ``--quiet`` and logs."""
+    a = facts.answer(plan)
+    ckpt = f"{len(a.checkpointed)} blocks checkpointed" if a.checkpointed else "no checkpointing"
+    peak = a.verified_peak_bytes if a.verified_peak_bytes is not None else a.estimated_peak_bytes
+    return (
+        f"{a.model_name}: {a.precision}, {ckpt}, batch {a.batch_size} x {a.accumulation_steps}, "
+        f"peak {fmt_bytes(peak)} {'verified' if a.verified_peak_bytes is not None else 'estimated'}"
+        f" of {fmt_bytes(a.budget_bytes)}, {fmt_rate(a.samples_per_s)} samples/s"
+    )
+
+
+# -- the answer -------------------------------------------------------------------------------
+
+
+def _answer_panel(a: facts.Answer) -> Panel:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row(
+        "Budget",
+        f"{fmt_bytes(a.budget_bytes)} ({fmt_bytes(a.usable_bytes)} planned after the "
+        f"{a.margin_fraction:.0%} margin) · objective: {a.objective}",
+    )
+    grid.add_row(
+        "Precision", "fp32 (no autocast)" if a.precision == "fp32" else f"{a.precision} autocast"
+    )
+    grid.add_row("Checkpointed", _checkpoint_words(a))
+    batch = f"{a.batch_size}"
+    if a.accumulation_steps > 1:
+        batch += (
+            f" × {a.accumulation_steps} accumulation steps = effective batch {a.effective_batch}"
+        )
+    grid.add_row("Batch", batch)
+    grid.add_row("Peak", _peak_words(a))
+    grid.add_row("Throughput", _throughput_words(a))
+    for name, choice in a.other_choices.items():
+        grid.add_row(name, choice)
+    body: list = [grid]
+    body.extend(Text(f"• {note}", style="yellow") for note in a.notes)
+    title = f"[bold]memadvisor plan[/] · {a.model_name} on {a.device_name} ({a.device_kind})"
+    return Panel(Group(*body), title=title, title_align="left", border_style="green")
+
+
+def _checkpoint_words(a: facts.Answer) -> str:
+    if not a.checkpointed:
+        return "none"
+    of = f" of {a.block_count}" if a.block_count is not None else ""
+    return f"{len(a.checkpointed)}{of} blocks: {', '.join(a.checkpointed)}"
+
+
+def _peak_words(a: facts.Answer) -> str:
+    words = f"estimated {fmt_bytes(a.estimated_peak_bytes)} (in {a.estimated_peak_phase})"
+    if a.verified_peak_bytes is None:
+        return words + " · not verified on a device"
+    words += f" · verified {fmt_bytes(a.verified_peak_bytes)}"
+    if a.verified_reserved_peak_bytes is not None:
+        words += f" allocated, {fmt_bytes(a.verified_reserved_peak_bytes)} reserved"
+    return words + f" over {a.verified_steps} steps"
+
+
+def _throughput_words(a: facts.Answer) -> str:
+    how = "measured" if a.measured else "estimated"
+    words = f"{fmt_rate(a.samples_per_s)} samples/s ({how}), {fmt_ms(a.step_ms)} per step"
+    if a.speedup is not None and a.baseline_samples_per_s is not None:
+        base_how = "measured" if a.baseline_measured else "estimated"
+        words += (
+            f" · {fmt_ratio(a.speedup)} the baseline's {fmt_rate(a.baseline_samples_per_s)} "
+            f"(fp32 at batch {a.baseline_batch_size}, {base_how})"
+        )
+    return words
+
+
+def _peak_title(a: facts.Answer) -> str:
+    how = "verified" if a.verified_peak_bytes is not None else "estimated"
+    return (
+        f"Where the memory goes at the plan's peak ({a.estimated_peak_phase}; breakdown "
+        f"estimated, the total {how})"
+    )
+
+
+# -- tables -----------------------------------------------------------------------------------
+
+
+def _comparison_table(plan: Plan) -> Table:
+    table = Table(box=box.SIMPLE_HEAVY)
+    for name in ("Config", "Batch", "Peak", "Step", "Largest batch", "Samples/s"):
+        table.add_column(name, justify="left" if name == "Config" else "right")
+    for line in facts.comparison(plan):
+        mark = "" if line.measured else _ESTIMATED
+        batch = str(line.batch_size)
+        if line.accumulation_steps > 1:
+            batch += f"×{line.accumulation_steps}"
+        peak = Text(mark + fmt_bytes(line.peak_bytes), style="red" if line.over_budget else "")
+        table.add_row(
+            Text(line.label, style="bold green" if line.is_plan else ""),
+            batch,
+            peak,
+            mark + fmt_ms(line.step_ms),
+            str(line.largest_batch) if line.largest_batch is not None else "—",
+            mark + fmt_rate(line.samples_per_s),
+        )
+    return table
+
+
+def _kinds_table(lines: list[facts.KindLine]) -> Table:
+    table = Table(box=box.SIMPLE)
+    table.add_column("Kind")
+    table.add_column("Bytes", justify="right")
+    table.add_column("Share", justify="right")
+    for line in lines:
+        table.add_row(
+            _KIND_WORDS.get(line.kind, line.kind), fmt_bytes(line.nbytes), f"{line.share:.0%}"
+        )
+    return table
+
+
+def _consumers_table(consumers: list[facts.Consumer], *, top: int, show_kept: bool) -> Table:
+    table = Table(box=box.SIMPLE)
+    table.add_column("Module")
+    table.add_column("Type")
+    table.add_column("Saved for backward", justify="right")
+    table.add_column("Share", justify="right")
+    if show_kept:
+        table.add_column("Kept under the plan", justify="right")
+    table.add_column("Forward", justify="right")
+    for c in consumers[:top]:
+        owner = c.type_name + (" (block)" if c.owner == "block" else "")
+        row = [
+            Text(c.name, style="bold" if c.owner == "outside" else ""),
+            owner,
+            fmt_bytes(c.activation_bytes),
+            f"{c.share:.0%}",
+        ]
+        if show_kept:
+            row.append(
+                Text(f"{fmt_bytes(c.kept_bytes)} ckpt", style="cyan")
+                if c.checkpointed
+                else Text(fmt_bytes(c.kept_bytes))
+            )
+        row.append(fmt_ms(c.forward_ms) if c.forward_ms else "—")
+        table.add_row(*row)
+    if len(consumers) > top:
+        rest = consumers[top:]
+        table.add_row(
+            f"… {len(rest)} more",
+            "",
+            fmt_bytes(sum(c.activation_bytes for c in rest)),
+            f"{sum(c.share for c in rest):.0%}",
+            *([""] * (2 if show_kept else 1)),
+        )
+    return table
+
+
+def _profile_consumers(profile: Profile, b: int, precisions: list[str], top: int) -> Table:
+    per_precision = {p: {c.name: c for c in facts.consumers(profile, b, p)} for p in precisions}
+    ordered = facts.consumers(profile, b, "fp32")
+    table = Table(box=box.SIMPLE)
+    table.add_column("Module")
+    table.add_column("Type")
+    table.add_column("Per sample", justify="right")
+    for p in precisions:
+        table.add_column(p, justify="right")
+    table.add_column("Share (fp32)", justify="right")
+    table.add_column("Forward", justify="right")
+    slopes = _per_sample_bytes(profile)
+    for c in ordered[:top]:
+        cells = [
+            Text(c.name, style="bold" if c.owner == "outside" else ""),
+            c.type_name + (" (block)" if c.owner == "block" else ""),
+            fmt_bytes(slopes.get(c.name)) if c.name in slopes else "—",
+        ]
+        for p in precisions:
+            other = per_precision[p].get(c.name)
+            cells.append(fmt_bytes(other.activation_bytes) if other is not None else "—")
+        cells += [f"{c.share:.0%}", fmt_ms(c.forward_ms) if c.forward_ms else "—"]
+        table.add_row(*cells)
+    return table
+
+
+def _per_sample_bytes(profile: Profile) -> dict[str, float]:
+    step = profile.steps["fp32"]
+    out = {b.name: b.activation.per_sample_bytes for b in step.blocks}
+    out.update({m.name: m.activation.per_sample_bytes for m in step.outside})
+    return out
+
+
+def _phases_table(profile: Profile, b: int, precisions: list[str]) -> Table:
+    table = Table(box=box.SIMPLE)
+    table.add_column("Phase")
+    rows: dict[str, list[str]] = {}
+    for p in precisions:
+        lines = facts.phases(profile, b, p)
+        reserved = any(line.reserved_bytes is not None for line in lines)
+        table.add_column(f"{p} allocated" if reserved else p, justify="right")
+        if reserved:
+            table.add_column(f"{p} reserved", justify="right")
+        for line in lines:
+            cells = rows.setdefault(line.phase, [])
+            cells.append(fmt_bytes(line.allocated_bytes))
+            if reserved:
+                cells.append(fmt_bytes(line.reserved_bytes))
+    for phase, cells in rows.items():
+        table.add_row(phase, *cells)
+    return table
+
+
+def _fragmentation_words(profile: Profile) -> str | None:
+    if profile.fragmentation_ratio is None:
+        return None
+    return (
+        f"Fragmentation: the allocator reserved {profile.fragmentation_ratio:.2f}× what tensors "
+        f"held at the peak; {fmt_bytes(profile.fixed_overhead_bytes)} sat outside tensors "
+        "(cuBLAS workspaces, block rounding)."
+    )
+
+
+def _profile_header(profile: Profile) -> Panel:
+    d = profile.device
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    total = f", {fmt_bytes(d.total_bytes)}" if d.total_bytes else ""
+    grid.add_row("Device", f"{d.name} ({d.kind}{total}), torch {d.torch_version or '?'}")
+    grid.add_row(
+        "Measured at", f"batch sizes {profile.batch_sizes[0]} and {profile.batch_sizes[1]}"
+    )
+    grid.add_row("Precisions", ", ".join(profile.steps))
+    grid.add_row(
+        "Blocks",
+        f"{len(profile.blocks)} ({profile.blocks[0].type_name})"
+        if profile.blocks
+        else "none found",
+    )
+    grid.add_row("Profiling took", fmt_ms(profile.profiling_ms))
+    return Panel(
+        grid,
+        title=f"[bold]memadvisor profile[/] · {profile.model_name}",
+        title_align="left",
+        border_style="blue",
+    )
+
+
+def _print_advice(plan: Plan, console: Console) -> None:
+    if not plan.advice:
+        console.print("[dim]No recommendations: the plain step already fits at its best.[/]")
+        return
+    console.print()
+    console.print(Text("Recommendations", style="bold"))
+    for i, advice in enumerate(plan.advice, 1):
+        body: list = [Text(advice.sentence)]
+        if advice.snippet:
+            body.append(
+                Syntax(advice.snippet, "python", theme="ansi_dark", background_color="default")
+            )
+        if advice.effect:
+            body.append(Text(f"Effect: {advice.effect}", style="green"))
+        console.print(
+            Panel(
+                Group(*body), title=f"{i}. {advice.title}", title_align="left", border_style="cyan"
+            )
+        )
+
+
+def _probes_line(plan: Plan) -> str:
+    parts = [f"{p.batch_size} {'fits' if p.fits else 'OOM'}" for p in plan.probes]
+    took = fmt_ms(plan.plan_wall_ms)
+    return f"[dim]Probes on {plan.device_name}: {', '.join(parts)}; planning took {took}.[/]"
