@@ -1,0 +1,588 @@
+"""A step's memory over time, per module: one format and one set of exports for every recorder.
+
+The profiler and the training-loop monitor both record :class:`TimelineEvent` s through
+:class:`ModuleEventRecorder` (module enter/exit in forward and backward, phase marks, memory
+samples) and hand back a :class:`Timeline`, which
+
+* saves and loads as JSON (a pydantic model),
+* exports to speedscope (https://www.speedscope.app): module frames weighted by the bytes
+  allocated inside them, or laid out in time,
+* summarises each module as :class:`LayerStats` (calls, duration, peak, allocations).
+
+Known limitations:
+    * Backward enter/exit come from gradient hooks on a module's outputs and inputs (the way
+      ``torch.distributed._tools.mod_tracker`` finds them), so a module whose inputs need no
+      gradient (an embedding fed token ids, the root model) has no backward *exit*: its frame
+      closes when the next module outside it starts, or at the end of the recording.
+    * Memory is read at events only; bytes allocated and freed between two events are not
+      seen (a CPU :class:`~memadvisor.memory.MemoryMeter` listener adds an ``alloc`` event per
+      allocation where that matters).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+__all__ = [
+    "SPEEDSCOPE_SCHEMA_URL",
+    "EventKind",
+    "LayerStats",
+    "MemoryReader",
+    "ModuleEventRecorder",
+    "Pass",
+    "Timeline",
+    "TimelineEvent",
+    "cuda_memory_reader",
+    "meter_memory_reader",
+]
+
+SPEEDSCOPE_SCHEMA_URL = "https://www.speedscope.app/file-format-schema.json"
+
+EventKind = Literal["enter", "exit", "phase", "alloc", "sample"]
+Pass = Literal["forward", "backward"]
+
+# () -> (allocated_bytes, reserved_bytes | None[, cumulative allocation count | None])
+MemoryReader = Callable[[], tuple]
+
+_NO_MODULE = "(outside modules)"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TimelineEvent(_Model):
+    """One moment of a recording: a module entered or left, a phase began, memory sampled."""
+
+    t_ms: float = Field(description="Milliseconds since the recording started.")
+    kind: EventKind = Field(
+        description="enter/exit: a module's forward or backward; phase: a training-step phase "
+        "began; alloc: an allocation (CPU meter); sample: a plain memory reading."
+    )
+    phase: str | None = Field(
+        None, description="For kind='phase': forward, loss, backward, optimizer, zero_grad, end."
+    )
+    module: str | None = Field(
+        None, description="Qualified module name for enter/exit; '' is the model itself."
+    )
+    pass_: Pass | None = Field(None, description="For enter/exit: forward or backward.")
+    allocated_bytes: int = Field(ge=0, description="Bytes held by tensors at this moment.")
+    reserved_bytes: int | None = Field(
+        None, description="CUDA caching allocator's reserved bytes; None on the CPU."
+    )
+    allocations: int | None = Field(
+        None,
+        description="Cumulative number of allocations so far, where the reader counts them "
+        "(the CPU meter does; on CUDA only when asked, it costs a stats call).",
+    )
+
+    @property
+    def fragmentation(self) -> float | None:
+        """Share of reserved bytes not held by tensors: ``1 - allocated / reserved``."""
+        if not self.reserved_bytes:
+            return None
+        return max(0.0, 1.0 - self.allocated_bytes / self.reserved_bytes)
+
+
+class LayerStats(_Model):
+    """One module in one pass, summed over every call in a timeline."""
+
+    module: str = Field(description="Qualified module name; '' is the model itself.")
+    pass_: Pass
+    calls: int = Field(ge=0, description="Completed enter/exit pairs.")
+    total_ms: float = Field(ge=0, description="Wall time inside the module, children included.")
+    peak_allocated_bytes: int = Field(ge=0, description="Highest reading while inside.")
+    peak_reserved_bytes: int | None = None
+    net_allocated_bytes: int = Field(
+        description="Allocated at exit minus at enter, summed over calls: what the module left "
+        "behind (its output and saved activations in forward; negative when it frees)."
+    )
+    allocations: int | None = Field(
+        None, description="Allocations made while inside, where the reader counts them."
+    )
+
+
+class Timeline(_Model):
+    """Events of one recording, in the order they were recorded."""
+
+    events: list[TimelineEvent] = Field(default_factory=list)
+    device: str = Field(description="e.g. 'cuda:0' or 'cpu'.")
+    model_name: str = Field(description="Shown for the model itself (module '').")
+    dropped_events: int = Field(
+        0, ge=0, description="Events the bounded buffer dropped (the oldest ones)."
+    )
+
+    # -- per-module statistics --------------------------------------------------------------
+
+    def layer_stats(self) -> list[LayerStats]:
+        """Per module and pass: calls, time, peak and net bytes, allocations (first-seen order)."""
+        open_spans: dict[tuple[str, str], list[list]] = {}
+        stats: dict[tuple[str, str], dict[str, Any]] = {}
+        for ev in self._sorted_events():
+            for spans in open_spans.values():
+                for span in spans:  # [t, allocated, allocations, peak_alloc, peak_reserved]
+                    span[3] = max(span[3], ev.allocated_bytes)
+                    if ev.reserved_bytes is not None:
+                        span[4] = max(span[4] or 0, ev.reserved_bytes)
+            if ev.kind not in ("enter", "exit") or ev.module is None or ev.pass_ is None:
+                continue
+            key = (ev.module, ev.pass_)
+            if ev.kind == "enter":
+                open_spans.setdefault(key, []).append(
+                    [ev.t_ms, ev.allocated_bytes, ev.allocations, ev.allocated_bytes,
+                     ev.reserved_bytes]
+                )  # fmt: skip
+                stats.setdefault(key, _empty_stats())
+                continue
+            if not open_spans.get(key):
+                continue  # its enter was dropped from the buffer
+            t0, alloc0, count0, peak, peak_reserved = open_spans[key].pop()
+            s = stats[key]
+            s["calls"] += 1
+            s["total_ms"] += max(0.0, ev.t_ms - t0)
+            s["peak_allocated_bytes"] = max(s["peak_allocated_bytes"], peak)
+            if peak_reserved is not None:
+                s["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0, peak_reserved)
+            s["net_allocated_bytes"] += ev.allocated_bytes - alloc0
+            if count0 is not None and ev.allocations is not None:
+                s["allocations"] = (s["allocations"] or 0) + ev.allocations - count0
+        return [LayerStats(module=m, pass_=p, **s) for (m, p), s in stats.items()]
+
+    # -- speedscope -------------------------------------------------------------------------
+
+    def to_speedscope(self, weight: Literal["bytes", "ms"] = "bytes") -> dict:
+        """The timeline as a speedscope file (https://www.speedscope.app/file-format-schema.json).
+
+        Args:
+            weight: ``"bytes"``: a sampled profile whose stacks are module frames (under the
+                step phase, when phases were marked) weighted by the bytes allocated while that
+                stack was innermost, i.e. the sum of rises in allocated bytes between readings.
+                ``"ms"``: an evented profile in milliseconds, a flame chart in time.
+
+        Raises:
+            ValueError: ``weight`` is neither ``"bytes"`` nor ``"ms"``.
+        """
+        if weight not in ("bytes", "ms"):
+            raise ValueError(f"weight must be 'bytes' or 'ms', but got {weight=}.")
+        frames: dict[str, int] = {}
+
+        def frame(name: str) -> int:
+            return frames.setdefault(name, len(frames))
+
+        profile = self._evented_ms(frame) if weight == "ms" else self._sampled_bytes(frame)
+        return {
+            "$schema": SPEEDSCOPE_SCHEMA_URL,
+            "shared": {"frames": [{"name": name} for name in frames]},
+            "profiles": [profile],
+            "name": f"{self.model_name} on {self.device}",
+            "activeProfileIndex": 0,
+            "exporter": "memadvisor",
+        }
+
+    def _evented_ms(self, frame: Callable[[str], int]) -> dict:
+        out: list[dict] = []
+        events = self._sorted_events()
+        for t_ms, opened, closed in _stack_changes(events):
+            for name in closed:
+                out.append({"type": "C", "frame": frame(self._frame_name(name)), "at": t_ms})
+            for name in opened:
+                out.append({"type": "O", "frame": frame(self._frame_name(name)), "at": t_ms})
+        start = events[0].t_ms if events else 0.0
+        end = events[-1].t_ms if events else 0.0
+        return {
+            "type": "evented",
+            "name": f"{self.model_name}: time per module",
+            "unit": "milliseconds",
+            "startValue": start,
+            "endValue": end,
+            "events": out,
+        }
+
+    def _sampled_bytes(self, frame: Callable[[str], int]) -> dict:
+        weights: dict[tuple[int, ...], int] = {}
+        for stack, rise_bytes in self.bytes_by_stack():
+            key = tuple(frame(self._frame_name(f)) for f in stack) or (frame(_NO_MODULE),)
+            weights[key] = weights.get(key, 0) + rise_bytes
+        total = sum(weights.values())
+        return {
+            "type": "sampled",
+            "name": f"{self.model_name}: bytes allocated per module",
+            "unit": "bytes",
+            "startValue": 0,
+            "endValue": total,
+            "samples": [list(k) for k in weights],
+            "weights": list(weights.values()),
+        }
+
+    def bytes_by_stack(self) -> Iterator[tuple[tuple[_Frame, ...], int]]:
+        """``(stack, bytes)`` for every rise in allocated bytes, charged to the open stack."""
+        events = self._sorted_events()
+        stack: tuple[_Frame, ...] = ()
+        previous: int | None = None
+        for ev, after in zip(events, _stacks_after(events), strict=True):
+            if previous is not None and ev.allocated_bytes > previous:
+                yield stack, ev.allocated_bytes - previous
+            previous = ev.allocated_bytes
+            stack = after
+
+    def _frame_name(self, f: _Frame) -> str:
+        kind, name, pass_ = f
+        if kind == "phase":
+            return f"[{name}]"
+        shown = name if name else self.model_name
+        return f"{shown} (backward)" if pass_ == "backward" else shown
+
+    def _sorted_events(self) -> list[TimelineEvent]:
+        # Events are appended under one lock with the time read inside it, so they are already
+        # in time order; a stable sort keeps that order and repairs a hand-made timeline.
+        return sorted(self.events, key=lambda e: e.t_ms)
+
+
+# A speedscope frame: ("phase", phase_name, None) or ("module", qualified_name, pass).
+_Frame = tuple[str, str, str | None]
+
+
+def _empty_stats() -> dict[str, Any]:
+    return {
+        "calls": 0,
+        "total_ms": 0.0,
+        "peak_allocated_bytes": 0,
+        "peak_reserved_bytes": None,
+        "net_allocated_bytes": 0,
+        "allocations": None,
+    }
+
+
+def _is_ancestor_or_self(ancestor: str, name: str) -> bool:
+    return ancestor == "" or name == ancestor or name.startswith(ancestor + ".")
+
+
+def _apply(stack: list[_Frame], ev: TimelineEvent) -> None:
+    """Move ``stack`` past ``ev``, repairing the nesting that backward hooks cannot promise."""
+    if ev.kind == "phase":
+        stack.clear()  # a new phase closes everything the last one left open
+        if ev.phase and ev.phase != "end":
+            stack.append(("phase", ev.phase, None))
+        return
+    if ev.kind not in ("enter", "exit") or ev.module is None:
+        return
+    me: _Frame = ("module", ev.module, ev.pass_)
+    if ev.kind == "enter":
+        lifted: list[_Frame] = []
+        if ev.pass_ == "backward":
+            while stack and stack[-1][0] == "module" and stack[-1][2] == "backward":
+                top = stack[-1][1]
+                if _is_ancestor_or_self(top, ev.module):
+                    break
+                if _is_ancestor_or_self(ev.module, top):
+                    # A parent and its last child share an output tensor, and the child's hook
+                    # on it was registered (so fires) first: the parent goes beneath it.
+                    lifted.append(stack.pop())
+                else:
+                    # A module with no backward exit (its inputs need no grad) ends where a
+                    # module outside its subtree begins.
+                    stack.pop()
+        stack.append(me)
+        stack.extend(reversed(lifted))
+        return
+    if me in stack:  # an exit whose enter was dropped from the buffer is ignored
+        del stack[len(stack) - 1 - stack[::-1].index(me) :]
+
+
+def _stacks_after(events: list[TimelineEvent]) -> Iterator[tuple[_Frame, ...]]:
+    stack: list[_Frame] = []
+    for ev in events:
+        _apply(stack, ev)
+        yield tuple(stack)
+
+
+def _stack_changes(
+    events: list[TimelineEvent],
+) -> Iterator[tuple[float, list[_Frame], list[_Frame]]]:
+    """``(t_ms, opened, closed)`` per event (closed innermost first); all closed at the end."""
+    before: tuple[_Frame, ...] = ()
+    for ev, after in zip(events, _stacks_after(events), strict=True):
+        common = 0
+        while common < min(len(before), len(after)) and before[common] == after[common]:
+            common += 1
+        closed = list(reversed(before[common:]))
+        opened = list(after[common:])
+        if closed or opened:
+            yield ev.t_ms, opened, closed
+        before = after
+    if before:
+        yield events[-1].t_ms, [], list(reversed(before))
+
+
+# -- memory readers ------------------------------------------------------------------------------
+
+
+def cuda_memory_reader(
+    device: torch.device | str | int | None = None, *, count_allocations: bool = False
+) -> MemoryReader:
+    """Read the CUDA caching allocator's allocated and reserved bytes (about 1 us each).
+
+    Args:
+        device: the card; the current one if None.
+        count_allocations: also read the cumulative allocation count, which costs a full
+            ``torch.cuda.memory_stats`` call (tens of microseconds) per reading.
+    """
+    allocated = torch.cuda.memory_allocated
+    reserved = torch.cuda.memory_reserved
+    if not count_allocations:
+        return lambda: (allocated(device), reserved(device))
+
+    def read() -> tuple[int, int, int]:
+        count = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0)
+        return allocated(device), reserved(device), int(count)
+
+    return read
+
+
+def meter_memory_reader(meter: Any) -> MemoryReader:
+    """Read a :class:`~memadvisor.memory.MemoryMeter`'s live bytes and allocation count."""
+    return lambda: (meter.live_bytes, None, meter.allocations)
+
+
+# -- the recorder ------------------------------------------------------------------------------
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    # A hand-rolled flatten (tensors, tuples, lists, dicts, HF ModelOutput which is a Mapping)
+    # instead of torch.utils._pytree, which is private.
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _tensors_in(v)
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors_in(obj) if t.requires_grad]
+
+
+class ModuleEventRecorder:
+    """Hooks every module of a model and records enter/exit events with memory readings.
+
+    Forward enter/exit come from forward pre/post hooks. Backward enter is a gradient hook on
+    the module's outputs (fires when the first output gradient is ready); backward exit is a
+    hook on its inputs that need grad (fires when all their gradients are computed). Tensor
+    hooks, unlike ``register_full_backward_hook``, wrap nothing, so in-place ops on a module's
+    output (``ReLU(inplace=True)``) and checkpointed blocks keep working: a reentrant
+    checkpoint's recomputation runs the hooks again and its inner backward fires them.
+
+    Events go to a bounded buffer (the newest ``max_events`` are kept, the rest counted in
+    :attr:`dropped_events`); :meth:`record` is safe to call from any thread.
+
+    Args:
+        model: the model; every named module is hooked.
+        memory_reader: ``() -> (allocated_bytes, reserved_bytes | None[, allocations])``,
+            e.g. :func:`cuda_memory_reader` or :func:`meter_memory_reader`.
+        max_events: buffer bound.
+        backward: also record backward enter/exit (registers gradient hooks each forward).
+        device: shown in the timeline; the model's parameter device if None.
+        model_name: shown for the model itself; its class name if None.
+
+    Raises:
+        ValueError: ``max_events`` is not positive.
+
+    Example::
+
+        with ModuleEventRecorder(model, cuda_memory_reader()) as rec:
+            train_step(workload, model, opt, batch, on_phase=rec.mark_phase)
+        rec.timeline().to_speedscope()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        memory_reader: MemoryReader,
+        *,
+        max_events: int = 100_000,
+        backward: bool = True,
+        device: str | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        if max_events <= 0:
+            raise ValueError(f"max_events must be positive, but got {max_events=}.")
+        self.model = model
+        self.memory_reader = memory_reader
+        self.max_events = max_events
+        self.backward = backward
+        if device is None:
+            p = next(iter(model.parameters()), None)
+            device = str(p.device) if p is not None else "cpu"
+        self.device = device
+        self.model_name = model_name or type(model).__name__
+        self.dropped_events = 0
+        self._buffer: deque[tuple] = deque(maxlen=max_events)
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._handles: list[Any] = []
+        self._listeners: list[Callable[[str, str, str], None]] = []
+        self._t0_ns = time.perf_counter_ns()
+        self._active = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> ModuleEventRecorder:
+        """Install the hooks (again, after :meth:`close`); the clock keeps running."""
+        if self._active:
+            return self
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+            self._handles.append(
+                module.register_forward_hook(self._post_hook(name), always_call=True)
+            )
+        self._active = True
+        return self
+
+    def close(self) -> None:
+        """Remove every hook this recorder installed. Recorded events are kept."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._active = False
+
+    def __enter__(self) -> ModuleEventRecorder:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    # -- recording --------------------------------------------------------------------------
+
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        module: str | None = None,
+        pass_: Pass | None = None,
+        phase: str | None = None,
+    ) -> None:
+        """Append one event with the current time and memory reading (thread-safe)."""
+        reading = self.memory_reader()
+        allocations = reading[2] if len(reading) > 2 else None
+        with self._lock:
+            # The clock is read under the lock so the buffer is in time order.
+            t_ns = time.perf_counter_ns() - self._t0_ns
+            if len(self._buffer) == self.max_events:
+                self.dropped_events += 1
+            self._buffer.append(
+                (t_ns, kind, phase, module, pass_, reading[0], reading[1], allocations)
+            )
+
+    def mark_phase(self, phase: str) -> None:
+        """Record the start of a training-step phase; fits ``train_step(on_phase=...)``."""
+        self.record("phase", phase=phase)
+
+    def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        """Call ``listener(kind, module, pass_)`` on every module enter/exit, after recording."""
+        self._listeners.append(listener)
+
+    def current_module(self) -> str | None:
+        """The innermost module whose forward is running in the calling thread."""
+        stack = getattr(self._local, "stack", None)
+        return stack[-1] if stack else None
+
+    def clear(self) -> None:
+        """Drop the recorded events and the dropped count."""
+        with self._lock:
+            self._buffer.clear()
+            self.dropped_events = 0
+
+    def __len__(self) -> int:
+        return len(self._buffer)
+
+    def events(self) -> list[TimelineEvent]:
+        """A copy of the buffer as :class:`TimelineEvent` s."""
+        with self._lock:
+            rows = list(self._buffer)
+        return [
+            TimelineEvent(
+                t_ms=t_ns / 1e6,
+                kind=kind,
+                phase=phase,
+                module=module,
+                pass_=pass_,
+                allocated_bytes=allocated,
+                reserved_bytes=reserved,
+                allocations=allocations,
+            )
+            for t_ns, kind, phase, module, pass_, allocated, reserved, allocations in rows
+        ]
+
+    def timeline(self) -> Timeline:
+        """Everything recorded so far as a :class:`Timeline`."""
+        return Timeline(
+            events=self.events(),
+            device=self.device,
+            model_name=self.model_name,
+            dropped_events=self.dropped_events,
+        )
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _emit(self, kind: EventKind, name: str, pass_: Pass) -> None:
+        self.record(kind, module=name, pass_=pass_)
+        for listener in self._listeners:
+            listener(kind, name, pass_)
+
+    def _pre_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            stack = getattr(self._local, "stack", None)
+            if stack is None:
+                stack = self._local.stack = []
+            stack.append(name)
+            self._emit("enter", name, "forward")
+            if self.backward and torch.is_grad_enabled():
+                inputs = _grad_tensors(args)
+                if inputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, lambda _grads: self._emit("exit", name, "backward"), mode="all"
+                    )
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            stack = getattr(self._local, "stack", None)
+            if stack and name in stack:  # always_call: also runs after an exception
+                del stack[len(stack) - 1 - stack[::-1].index(name) :]
+            self._emit("exit", name, "forward")
+            if self.backward and torch.is_grad_enabled():
+                self._hook_backward_enter(name, output)
+
+        return hook
+
+    def _hook_backward_enter(self, name: str, output: Any) -> None:
+        # A pre-hook on the node that made the output, not a tensor hook: the engine runs a
+        # node's tensor hooks before its node hooks, so the next module's backward *exit*
+        # (a tensor hook on that same tensor, its input) is recorded before this enter.
+        nodes = {id(t.grad_fn): t.grad_fn for t in _grad_tensors(output) if t.grad_fn is not None}
+        if not nodes:
+            return
+        fired = [False]
+
+        def enter(_grad_outputs: Any) -> None:
+            if not fired[0]:  # once per forward call, at the first output gradient
+                fired[0] = True
+                self._emit("enter", name, "backward")
+
+        for node in nodes.values():
+            node.register_prehook(enter)
