@@ -33,6 +33,8 @@ from memadvisor.errors import SimulatedOutOfMemoryError
 __all__ = ["MemoryMeter", "storage_bytes", "unique_storage_bytes"]
 
 AllocationListener = Callable[[int, int], None]  # (delta_bytes, live_bytes)
+# (storage, nbytes): a storage counted for the first time; id(storage) is the meter's key.
+StorageListener = Callable[[torch.UntypedStorage, int], None]
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
@@ -77,6 +79,7 @@ class MemoryMeter(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
         self._listeners: list[AllocationListener] = []
+        self._storage_listeners: list[StorageListener] = []
 
     # -- counting ---------------------------------------------------------------------------
 
@@ -100,6 +103,14 @@ class MemoryMeter(TorchDispatchMode):
         """Call ``listener(delta_bytes, live_bytes)`` after every change to the live bytes."""
         self._listeners.append(listener)
 
+    def add_storage_listener(self, listener: StorageListener) -> None:
+        """Call ``listener(storage, nbytes)`` when a storage is first counted.
+
+        Made inside the meter or adopted; the profiler uses it to attribute each storage to
+        the module that made it. ``id(storage)`` is the key the meter counts it under.
+        """
+        self._storage_listeners.append(listener)
+
     def _track(self, storage: torch.UntypedStorage, *, enforce: bool) -> int:
         key = id(storage)
         with self._lock:
@@ -114,6 +125,8 @@ class MemoryMeter(TorchDispatchMode):
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             self.allocations += 1
             live = self.live_bytes
+        for storage_listener in self._storage_listeners:
+            storage_listener(storage, nbytes)
         for listener in self._listeners:
             listener(nbytes, live)
         return nbytes
