@@ -1,0 +1,225 @@
+"""Activation checkpointing: exact gradients, unchanged keys, pickles, no recompute in eval."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memadvisor.config import PlanConfig
+from memadvisor.errors import BadInputError
+from memadvisor.estimate import StepModel
+from strategies import _forward
+from strategies.checkpointing import ActivationCheckpointing, CheckpointedForward
+
+CKPT = ActivationCheckpointing()
+CONFIG = PlanConfig(budget_bytes=2**30)
+
+
+def _gpt(gpt_example, dropout: float = 0.1) -> tuple[nn.Module, tuple, object]:
+    built = gpt_example.build(batch_size=3, dropout=dropout, block_size=16, n_layer=3)
+    return built["model"], built["sample_batch"], built["loss_fn"]
+
+
+def _grads(model: nn.Module, batch, loss_fn, seed: int = 7) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss_fn(model(batch[0]), batch).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _count_calls(module: nn.Module) -> list[int]:
+    calls = [0]
+    # A pre-hook: a recompute stops early (early_stop) once it has what backward needs, so
+    # a forward hook of the block's last module may never fire during it.
+    module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_gradients_equal_the_original_exactly_in_fp32_with_dropout(gpt_example) -> None:
+    """Recompute replays the RNG: dropout masks and so gradients are bit-identical."""
+    model, batch, loss_fn = _gpt(gpt_example, dropout=0.2)
+    tuned = CKPT.apply(copy.deepcopy(model), ["h.0", "h.2"], None)
+    expected, got = _grads(model, batch, loss_fn), _grads(tuned, batch, loss_fn)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def test_recompute_happens_in_training(gpt_example) -> None:
+    """In train mode with grad enabled a checkpointed block's forward runs twice per step."""
+    model, batch, loss_fn = _gpt(gpt_example)
+    CKPT.apply(model, ["h.1"], None)
+    calls = _count_calls(model.h[1].mlp)
+    loss_fn(model(batch[0]), batch).backward()
+    assert calls[0] == 2
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "inference_mode"])
+def test_no_recompute_in_eval_or_without_grad(gpt_example, mode: str) -> None:
+    """eval(), no_grad and inference_mode run each block once and save nothing to recompute."""
+    model, batch, loss_fn = _gpt(gpt_example)
+    CKPT.apply(model, ["h.0", "h.1", "h.2"], None)
+    calls = _count_calls(model.h[1].mlp)
+    if mode == "eval":
+        model.eval()
+        loss_fn(model(batch[0]), batch).backward()  # grad enabled, but eval: no checkpoint
+    else:
+        ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+        with ctx:
+            model(batch[0])
+    assert calls[0] == 1
+
+
+def test_parameter_names_and_state_dict_keys_are_unchanged(gpt_example) -> None:
+    model, _, _ = _gpt(gpt_example)
+    before = (list(model.state_dict()), [n for n, _ in model.named_parameters()])
+    CKPT.apply(model, ["h.0", "h.1"], None)
+    assert (list(model.state_dict()), [n for n, _ in model.named_parameters()]) == before
+
+
+def test_torch_save_load_round_trip_and_load_state_dict_into_the_original_class(
+    gpt_example,
+) -> None:
+    """A saved tuned model loads back still checkpointed; its weights load into a plain GPT."""
+    model, batch, loss_fn = _gpt(gpt_example, dropout=0.1)
+    tuned = CKPT.apply(copy.deepcopy(model), ["h.1"], None)
+    buf = io.BytesIO()
+    torch.save(tuned, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    wrapper = loaded.h[1].__dict__["forward"]
+    assert isinstance(wrapper, CheckpointedForward) and wrapper.module is loaded.h[1]
+    calls = _count_calls(loaded.h[1].mlp)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            _grads(loaded, batch, loss_fn).values(),
+            _grads(model, batch, loss_fn).values(),
+            strict=True,
+        )
+    )
+    assert calls[0] == 2  # still checkpointed after loading
+
+    buf = io.BytesIO()
+    torch.save(tuned.state_dict(), buf)
+    buf.seek(0)
+    plain = gpt_example.GPT(model.cfg)
+    plain.load_state_dict(torch.load(buf), strict=True)
+    for (n, a), b in zip(plain.state_dict().items(), tuned.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_deepcopy_binds_the_wrapper_to_the_copy(gpt_example) -> None:
+    model, _, _ = _gpt(gpt_example)
+    CKPT.apply(model, ["h.0"], None)
+    twin = copy.deepcopy(model)
+    assert twin.h[0].forward.module is twin.h[0]
+
+
+def test_applying_twice_does_not_wrap_twice(gpt_example) -> None:
+    model, batch, loss_fn = _gpt(gpt_example)
+    CKPT.apply(model, ["h.0"], None)
+    CKPT.apply(model, ["h.0", "h.1"], None)
+    assert len(list(_forward.wrappers(model.h[0]))) == 1
+    calls = _count_calls(model.h[0].mlp)
+    loss_fn(model(batch[0]), batch).backward()
+    assert calls[0] == 2  # one forward, one recompute: not a recompute of a recompute
+
+
+def test_unknown_block_is_bad_input(gpt_example) -> None:
+    model, _, _ = _gpt(gpt_example)
+    with pytest.raises(BadInputError, match="no such submodule"):
+        CKPT.apply(model, ["h.9"], None)
+    with pytest.raises(BadInputError, match="list of block names"):
+        CKPT.apply(model, "h.0", None)
+
+
+# -- HF-style decoder layers --------------------------------------------------------------------
+
+
+def _hf_grads(model: nn.Module, batch, seed: int = 3, output_attentions: bool = False):
+    model.zero_grad(set_to_none=True)
+    ids, mask = batch
+    torch.manual_seed(seed)
+    logits, attentions = model(ids, mask, output_attentions=output_attentions)
+    loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+    if attentions:
+        loss = loss + sum(a.square().mean() for a in attentions)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("output_attentions", [False, True])
+def test_hf_style_layer_with_kwargs_and_tuple_outputs_gives_exact_gradients(
+    hf_model, hf_batch, output_attentions: bool
+) -> None:
+    """Keyword masks/position ids reach the layer, tuples come back, gradients are exact."""
+    tuned = CKPT.apply(copy.deepcopy(hf_model), ["layers.0", "layers.1", "layers.2"], None)
+    loss_a, expected = _hf_grads(hf_model, hf_batch, output_attentions=output_attentions)
+    loss_b, got = _hf_grads(tuned, hf_batch, output_attentions=output_attentions)
+    assert torch.equal(loss_a, loss_b)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    assert tuned.layers[1].calls == 2  # forward + recompute
+
+
+def test_hf_style_layer_with_a_kv_cache_is_not_recomputed(hf_model, toy_cache_class) -> None:
+    """A cache updated in place would be appended twice by a recompute: the call runs plain."""
+    CKPT.apply(hf_model, ["layers.0"], None)
+    layer = hf_model.layers[0]
+    cache = toy_cache_class()
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match="KV cache"):
+        out, returned = layer(x, past_key_value=cache, use_cache=True)
+    out.sum().backward()
+    assert returned is cache and len(cache.keys) == 1 and layer.calls == 1
+
+
+# -- choices, effect, explain -------------------------------------------------------------------
+
+
+def test_choices_are_ranked_prefixes_by_bytes_freed_per_ms(profile_factory) -> None:
+    """(activation - input) / forward_ms ranks blocks; a block that frees nothing is left out."""
+    # per sample: (activation MiB, input MiB, forward ms)
+    profile = profile_factory([(10, 2, 4), (10, 2, 1), (3, 3, 1), (20, 2, 2)])
+    # freed per ms: 2.0, 8.0, none, 9.0 -> order layers.3, layers.1, layers.0
+    assert CKPT.choices(profile, CONFIG) == [
+        [],
+        ["layers.3"],
+        ["layers.1", "layers.3"],
+        ["layers.0", "layers.1", "layers.3"],
+    ]
+
+
+def test_effect_marks_the_named_blocks_checkpointed(profile_factory) -> None:
+    profile = profile_factory([(10, 2, 1)] * 3)
+    model = StepModel(profile, batch_size=4)
+    CKPT.effect(profile, ["layers.0", "layers.2"], model)
+    assert model.checkpointed == [True, False, True]
+    with pytest.raises(BadInputError, match="does not have"):
+        CKPT.effect(profile, ["layers.7"], model)
+
+
+def test_explain_is_none_when_off_and_its_snippet_checkpoints_exactly(
+    profile_factory, gpt_example
+) -> None:
+    """The pasted snippet gives the same gradients and does recompute (runs twice)."""
+    profile = profile_factory([(10, 2, 1)] * 3)
+    assert CKPT.explain([], profile) is None
+    advice = CKPT.explain(["layers.0", "layers.2"], profile)
+    assert advice.title == "Checkpoint 2 of 3 blocks"
+    assert "32.0 MiB" in advice.effect  # (10 - 2) MiB x 2 samples x 2 blocks
+
+    model, batch, loss_fn = _gpt(gpt_example, dropout=0.1)
+    pasted = copy.deepcopy(model)
+    snippet = advice.snippet.replace("['layers.0', 'layers.2']", "['h.0', 'h.2']")
+    exec(snippet, {"model": pasted})  # noqa: S102 - the advice is code meant to be run
+    calls = _count_calls(pasted.h[2].mlp)
+    expected, got = _grads(model, batch, loss_fn), _grads(pasted, batch, loss_fn)
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
+    assert calls[0] == 2

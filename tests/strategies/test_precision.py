@@ -1,0 +1,148 @@
+"""Precision: offered only where the device has it, autocast applied with keys unchanged,
+and a numerics check that measures (and reports) the drift from fp32."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from memadvisor.config import PlanConfig
+from memadvisor.errors import BadInputError
+from memadvisor.estimate import Candidate, StepModel, estimate
+from memadvisor.strategy import load_strategies
+from memadvisor.workload import Workload
+from strategies import _forward
+from strategies.precision import Precision, check_numerics, precision_of
+
+PRECISION = Precision()
+CONFIG = PlanConfig(budget_bytes=2**30)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize(
+    ("bf16", "fp16", "expected"),
+    [(True, True, ["fp32", "bf16"]), (False, True, ["fp32", "fp16"]), (False, False, ["fp32"])],
+)
+def test_offers_bf16_else_fp16_and_never_what_the_device_lacks(
+    profile_factory, bf16: bool, fp16: bool, expected: list[str]
+) -> None:
+    profile = profile_factory([(10, 2, 1)], bf16=bf16, fp16=fp16)
+    assert PRECISION.choices(profile, CONFIG) == expected
+
+
+def test_apply_runs_the_forward_under_autocast_with_keys_unchanged() -> None:
+    model = _mlp()
+    keys = list(model.state_dict())
+    x = torch.randn(4, 8)
+    assert model(x).dtype == torch.float32
+    PRECISION.apply(model, "bf16", None)
+    assert model(x).dtype == torch.bfloat16
+    assert list(model.state_dict()) == keys
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32
+    assert precision_of(model) == "bf16"
+
+
+def test_apply_twice_updates_and_fp32_takes_it_off() -> None:
+    model = _mlp()
+    PRECISION.apply(model, "bf16", None)
+    PRECISION.apply(model, "fp16", None)
+    assert len(list(_forward.wrappers(model))) == 1 and precision_of(model) == "fp16"
+    PRECISION.apply(model, "fp32", None)
+    assert "forward" not in model.__dict__ and model(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_apply_refuses_a_precision_the_profiled_device_lacks(profile_factory) -> None:
+    profile = profile_factory([(10, 2, 1)], bf16=False, fp16=True)
+    with pytest.raises(BadInputError, match="not supported"):
+        PRECISION.apply(_mlp(), "bf16", profile)
+    with pytest.raises(BadInputError, match="one of"):
+        PRECISION.apply(_mlp(), "int8", None)
+
+
+def test_autocast_model_pickles_and_keeps_its_precision() -> None:
+    model = PRECISION.apply(_mlp(), "bf16", None)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded(torch.randn(2, 8)).dtype == torch.bfloat16
+    assert pickle.loads(pickle.dumps(model)).forward.module is not model
+
+
+def test_effect_reads_the_bf16_step_and_runs_before_other_strategies(profile_factory) -> None:
+    """Precision's effect resets activation numbers, so it must run first (effect_order)."""
+    profile = profile_factory([(10, 2, 1), (10, 2, 1)])
+    model = StepModel(profile, batch_size=4)
+    PRECISION.effect(profile, "bf16", model)
+    assert model.precision == "bf16"
+    assert model.block_activation_bytes == [20 * 2**20, 20 * 2**20]  # halved from 40 MiB
+    strategies = load_strategies()
+    assert min(strategies, key=lambda s: s.effect_order).name == "precision"
+    # With checkpointing too, the estimate is the same whichever order the list has.
+    cand = Candidate(batch_size=4, choices={"precision": "bf16", "checkpointing": ["layers.0"]})
+    assert estimate(profile, cand, strategies) == estimate(profile, cand, strategies[::-1])
+
+
+def test_explain_bf16_has_no_scaler_and_fp16_shows_the_grad_scaler(profile_factory) -> None:
+    profile = profile_factory([(10, 2, 1)])
+    assert PRECISION.explain("fp32", profile) is None
+    bf16 = PRECISION.explain("bf16", profile)
+    fp16 = PRECISION.explain("fp16", profile)
+    assert "torch.bfloat16" in bf16.snippet and "GradScaler" not in bf16.snippet
+    assert "GradScaler" in fp16.snippet and "scaler.scale(loss).backward()" in fp16.snippet
+    assert "measured" in bf16.effect
+
+
+def _workload() -> Workload:
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    return Workload(
+        model=_mlp(),
+        sample_batch=(x, y),
+        loss_fn=lambda out, batch: nn.functional.cross_entropy(out.float(), batch[1]),
+    )
+
+
+def test_numerics_check_reports_a_nonzero_bf16_difference_and_leaves_the_model_alone() -> None:
+    workload = _workload()
+    before = copy.deepcopy(workload.model.state_dict())
+    rng = torch.get_rng_state()
+    check = check_numerics(workload, "bf16", steps=3)
+    assert check.strategy == "precision" and check.choice == "bf16"
+    assert 0 < check.metrics["loss_rel_diff_max"] < 0.05
+    assert 0 < check.metrics["grad_rel_diff_max"] < 0.25
+    assert check.passed and "bf16 vs fp32 over 3 steps" in check.summary
+    after = workload.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "forward" not in workload.model.__dict__  # the user's model was not wrapped
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_numerics_check_is_zero_for_identical_runs_so_the_difference_is_real() -> None:
+    """The fp32 reference is deterministic: bf16's difference is not run-to-run noise."""
+    from strategies.precision import _train_copy
+
+    workload = _workload()
+    assert _train_copy(workload, "fp32", 2, 0)[0] == _train_copy(workload, "fp32", 2, 0)[0]
+
+
+def test_check_method_runs_the_numerics_check_only_for_low_precision() -> None:
+    workload = _workload()
+    assert PRECISION.check(workload, "fp32") is None
+    assert PRECISION.check(workload, "fp16").choice == "fp16"
+
+
+def test_numerics_check_rejects_bad_input() -> None:
+    with pytest.raises(BadInputError, match="bf16"):
+        check_numerics(_workload(), "fp32")
+    with pytest.raises(BadInputError, match="steps"):
+        check_numerics(_workload(), "bf16", steps=0)

@@ -1,0 +1,237 @@
+"""apply_candidate / apply_plan rewrite a model to a pick; a third party's strategy plugs in."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import memadvisor
+from memadvisor.apply import apply_candidate, run_checks
+from memadvisor.config import PlanConfig
+from memadvisor.errors import BadInputError
+from memadvisor.estimate import Candidate, Estimate, estimate
+from memadvisor.planner import Plan
+from memadvisor.profiler import (
+    BlockActivity,
+    BlockInfo,
+    DeviceInfo,
+    LinearBytes,
+    Profile,
+    StepProfile,
+)
+from memadvisor.strategy import load_strategies
+from memadvisor.workload import Workload
+from strategies import _forward
+
+MIB = 2**20
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.GELU()) for _ in range(3)
+        )
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _profile() -> Profile:
+    act = LinearBytes(per_sample_bytes=MIB)
+    step = StepProfile(
+        precision="fp32",
+        blocks=[BlockActivity(name=f"blocks.{i}", activation=act, input=act) for i in range(3)],
+        activation_total=LinearBytes(per_sample_bytes=3 * MIB),
+    )
+    return Profile(
+        model_name="Net",
+        device=DeviceInfo(kind="cpu", name="cpu", bf16_supported=True),
+        batch_sizes=(1, 2),
+        param_bytes=MIB,
+        grad_bytes=MIB,
+        optimizer_state_bytes=2 * MIB,
+        blocks=[BlockInfo(name=f"blocks.{i}", type_name="Sequential") for i in range(3)],
+        steps={"fp32": step},
+    )
+
+
+CANDIDATE = Candidate(
+    batch_size=4,
+    choices={
+        "precision": "bf16",
+        "checkpointing": ["blocks.0", "blocks.2"],
+        "optimizer_habits": "advice",
+    },
+)
+
+
+def _rewrites(model: nn.Module) -> dict[str, list[tuple[str, dict]]]:
+    """Each module's installed forward wrappers and their options: the rewrite, as data."""
+    out = {}
+    for name, module in model.named_modules():
+        found = [
+            (type(w).__name__, {k: v for k, v in vars(w).items() if k not in ("module", "inner")})
+            for w in _forward.wrappers(module)
+        ]
+        if found:
+            out[name] = found
+    return out
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    torch.manual_seed(5)
+    model(torch.randn(4, 8)).float().sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_apply_plan_from_json_gives_the_same_rewrite_as_apply_candidate() -> None:
+    """A plan saved as JSON and loaded back rewrites a model exactly as optimize() would."""
+    plan = Plan(
+        model_name="Net",
+        config=PlanConfig(budget_bytes=2**30),
+        device_kind="simulated",
+        device_name="cpu",
+        candidate=CANDIDATE,
+        estimate=Estimate(
+            peak_bytes=1, peak_phase="backward", breakdown={}, step_ms=1.0, samples_per_s=1.0
+        ),
+        profile=_profile(),
+    )
+    loaded = Plan.model_validate_json(plan.model_dump_json())
+    by_plan = memadvisor.apply_plan(_net(), loaded)
+    by_candidate = apply_candidate(_net(), CANDIDATE, profile=_profile())
+    assert (
+        _rewrites(by_plan)
+        == _rewrites(by_candidate)
+        == {
+            "": [("AutocastForward", {"precision": "bf16"})],
+            "blocks.0": [("CheckpointedForward", {})],
+            "blocks.2": [("CheckpointedForward", {})],
+        }
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(_grads(by_plan), _grads(by_candidate), strict=True)
+    )
+    assert by_plan.memadvisor_plan == loaded
+    assert list(by_plan.state_dict()) == list(_net().state_dict())
+
+
+def test_apply_candidate_is_idempotent_and_skips_neutral_choices() -> None:
+    model = apply_candidate(_net(), CANDIDATE)
+    once = _rewrites(model)
+    apply_candidate(model, CANDIDATE)
+    assert _rewrites(model) == once
+    off = Candidate(batch_size=4, choices={"precision": "fp32", "checkpointing": []})
+    assert _rewrites(apply_candidate(_net(), off)) == {}
+
+
+def test_unknown_strategy_is_bad_input_naming_it() -> None:
+    with pytest.raises(BadInputError, match="not_installed"):
+        apply_candidate(_net(), Candidate(batch_size=1, choices={"not_installed": 1}))
+    with pytest.raises(BadInputError, match="torch.nn.Module"):
+        apply_candidate("model", CANDIDATE)  # type: ignore[arg-type]
+
+
+def test_run_checks_collects_the_precision_numerics_check() -> None:
+    x = torch.randn(8, 8)
+    workload = Workload(model=_net(), sample_batch=x, loss_fn=lambda out, _b: out.float().mean())
+    checks = run_checks(workload, CANDIDATE)
+    assert [c.strategy for c in checks] == ["precision"]
+    assert checks[0].metrics["loss_rel_diff_max"] > 0
+
+
+# -- a third-party strategy through the entry-point group ----------------------------------------
+
+TOY_MODULE = """
+from memadvisor.strategy import Advice, Strategy
+
+
+class Toy(Strategy):
+    name = "toy_pad"
+
+    def choices(self, profile, config):
+        return ["off", "pad"]
+
+    def effect(self, profile, choice, model):
+        for phase in ("forward", "backward", "optimizer"):  # held through the whole step
+            model.add_bytes(phase, 123 * 2**20)
+        model.add_ms(5.0)
+
+    def apply(self, model, choice, profile):
+        object.__setattr__(model, "toy_applied", choice)
+        return model
+
+    def explain(self, choice, profile):
+        return Advice(strategy=self.name, title="Pad", sentence="Pad it.")
+"""
+
+
+@pytest.fixture
+def toy_entry_point(tmp_path: Path):
+    """A package 'toy_memadvisor' installed only as a dist-info directory on sys.path."""
+    (tmp_path / "toy_memadvisor.py").write_text(TOY_MODULE)
+    info = tmp_path / "toy_memadvisor-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-memadvisor\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        textwrap.dedent("""\
+            [memadvisor.strategies]
+            toy_pad = toy_memadvisor:Toy
+            """)
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("toy_memadvisor", None)
+
+
+def test_a_third_party_strategy_is_found_estimated_and_applied(toy_entry_point) -> None:
+    strategies = load_strategies()
+    names = [s.name for s in strategies]
+    assert "toy_pad" in names and "checkpointing" in names
+    profile = _profile()
+    with_toy = Candidate(batch_size=2, choices={"toy_pad": "pad"})
+    base = estimate(profile, Candidate(batch_size=2), strategies)
+    padded = estimate(profile, with_toy, strategies)
+    assert padded.peak_bytes - base.peak_bytes == 123 * MIB
+    assert padded.step_ms == pytest.approx(base.step_ms + 5.0)
+    assert apply_candidate(_net(), with_toy).toy_applied == "pad"
+
+
+def test_a_third_party_strategy_is_offered_by_the_planner(toy_entry_point) -> None:
+    """The planner's search space holds the toy's choices with no change to memadvisor."""
+    space_module = pytest.importorskip("memadvisor.planner._space")
+    space = space_module.SearchSpace(_profile(), load_strategies(), PlanConfig(budget_bytes=2**30))
+    assert space.options["toy_pad"] == ["off", "pad"]
+
+
+def test_checkpointed_copy_trains_like_the_original() -> None:
+    """A model rewritten by apply_candidate keeps training to the same weights (fp32)."""
+    candidate = Candidate(batch_size=4, choices={"checkpointing": ["blocks.0", "blocks.1"]})
+    a, b = _net(), apply_candidate(_net(), candidate)
+    for model in (a, b):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(9)
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert copy.deepcopy(b).blocks[0].forward.module is not b.blocks[0]
