@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,9 +33,12 @@ from torch import nn
 
 __all__ = [
     "SPEEDSCOPE_SCHEMA_URL",
+    "CudaMemoryReader",
     "EventKind",
     "LayerStats",
     "MemoryReader",
+    "MemoryReading",
+    "MeterMemoryReader",
     "ModuleEventRecorder",
     "Pass",
     "Timeline",
@@ -49,7 +52,7 @@ SPEEDSCOPE_SCHEMA_URL = "https://www.speedscope.app/file-format-schema.json"
 EventKind = Literal["enter", "exit", "phase", "alloc", "sample"]
 Pass = Literal["forward", "backward"]
 
-# () -> (allocated_bytes, reserved_bytes | None[, cumulative allocation count | None])
+# () -> (allocated_bytes, reserved_bytes | None[, allocations | None[, peak since last | None]])
 MemoryReader = Callable[[], tuple]
 
 _NO_MODULE = "(outside modules)"
@@ -83,6 +86,12 @@ class TimelineEvent(_Model):
         description="Cumulative number of allocations so far, where the reader counts them "
         "(the CPU meter does; on CUDA only when asked, it costs a stats call).",
     )
+    peak_allocated_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Highest allocated bytes since the previous event, where the reader "
+        "tracks it: a peak between two events (inside a leaf module) is then not missed.",
+    )
 
     @property
     def fragmentation(self) -> float | None:
@@ -108,6 +117,9 @@ class LayerStats(_Model):
     allocations: int | None = Field(
         None, description="Allocations made while inside, where the reader counts them."
     )
+    peak_rise_bytes: int = Field(
+        0, ge=0, description="Highest rise above the bytes at enter, over calls."
+    )
 
 
 class Timeline(_Model):
@@ -127,9 +139,10 @@ class Timeline(_Model):
         open_spans: dict[tuple[str, str], list[list]] = {}
         stats: dict[tuple[str, str], dict[str, Any]] = {}
         for ev in self._sorted_events():
+            high = max(ev.allocated_bytes, ev.peak_allocated_bytes or 0)
             for spans in open_spans.values():
                 for span in spans:  # [t, allocated, allocations, peak_alloc, peak_reserved]
-                    span[3] = max(span[3], ev.allocated_bytes)
+                    span[3] = max(span[3], high)
                     if ev.reserved_bytes is not None:
                         span[4] = max(span[4] or 0, ev.reserved_bytes)
             if ev.kind not in ("enter", "exit") or ev.module is None or ev.pass_ is None:
@@ -152,6 +165,7 @@ class Timeline(_Model):
             if peak_reserved is not None:
                 s["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0, peak_reserved)
             s["net_allocated_bytes"] += ev.allocated_bytes - alloc0
+            s["peak_rise_bytes"] = max(s["peak_rise_bytes"], peak - alloc0)
             if count0 is not None and ev.allocations is not None:
                 s["allocations"] = (s["allocations"] or 0) + ev.allocations - count0
         return [LayerStats(module=m, pass_=p, **s) for (m, p), s in stats.items()]
@@ -258,6 +272,7 @@ def _empty_stats() -> dict[str, Any]:
         "peak_reserved_bytes": None,
         "net_allocated_bytes": 0,
         "allocations": None,
+        "peak_rise_bytes": 0,
     }
 
 
@@ -325,31 +340,102 @@ def _stack_changes(
 # -- memory readers ------------------------------------------------------------------------------
 
 
-def cuda_memory_reader(
-    device: torch.device | str | int | None = None, *, count_allocations: bool = False
-) -> MemoryReader:
-    """Read the CUDA caching allocator's allocated and reserved bytes (about 1 us each).
+class MemoryReading(NamedTuple):
+    """What a :data:`MemoryReader` returns; a plain ``(allocated, reserved)`` tuple also works."""
+
+    allocated_bytes: int
+    reserved_bytes: int | None = None
+    allocations: int | None = None
+    peak_allocated_bytes: int | None = None  # highest since the previous reading
+
+
+class CudaMemoryReader:
+    """Reads the CUDA caching allocator's counters (about 1 us each; no synchronisation).
 
     Args:
         device: the card; the current one if None.
         count_allocations: also read the cumulative allocation count, which costs a full
             ``torch.cuda.memory_stats`` call (tens of microseconds) per reading.
+        interval_peaks: also read the peak since the previous reading, by resetting the
+            allocator's peak counters at every reading. Code that reads
+            ``torch.cuda.max_memory_allocated`` meanwhile should read :attr:`max_allocated_bytes`
+            instead, the running maximum of what this reader saw.
     """
-    allocated = torch.cuda.memory_allocated
-    reserved = torch.cuda.memory_reserved
-    if not count_allocations:
-        return lambda: (allocated(device), reserved(device))
 
-    def read() -> tuple[int, int, int]:
-        count = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0)
-        return allocated(device), reserved(device), int(count)
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *,
+        count_allocations: bool = False,
+        interval_peaks: bool = False,
+    ) -> None:
+        self.device = device
+        self.count_allocations = count_allocations
+        self.interval_peaks = interval_peaks
+        self.max_allocated_bytes = 0
+        self.max_reserved_bytes = 0
 
-    return read
+    def __call__(self) -> MemoryReading:
+        d = self.device
+        allocated = torch.cuda.memory_allocated(d)
+        reserved = torch.cuda.memory_reserved(d)
+        count = None
+        if self.count_allocations:
+            count = int(torch.cuda.memory_stats(d).get("allocation.all.allocated", 0))
+        peak = None
+        if self.interval_peaks:
+            peak = torch.cuda.max_memory_allocated(d)
+            self.max_reserved_bytes = max(
+                self.max_reserved_bytes, torch.cuda.max_memory_reserved(d)
+            )
+            torch.cuda.reset_peak_memory_stats(d)
+            self.max_allocated_bytes = max(self.max_allocated_bytes, peak)
+        return MemoryReading(allocated, reserved, count, peak)
+
+    def reset_max(self) -> None:
+        """Start the running maxima again (e.g. at each training iteration)."""
+        self.max_allocated_bytes = 0
+        self.max_reserved_bytes = 0
 
 
-def meter_memory_reader(meter: Any) -> MemoryReader:
-    """Read a :class:`~memadvisor.memory.MemoryMeter`'s live bytes and allocation count."""
-    return lambda: (meter.live_bytes, None, meter.allocations)
+class MeterMemoryReader:
+    """Reads a :class:`~memadvisor.memory.MemoryMeter`: live bytes and allocation count.
+
+    Args:
+        meter: the meter.
+        interval_peaks: also read the peak since the previous reading (resets the meter's
+            peak at each reading; :attr:`max_allocated_bytes` keeps the running maximum).
+    """
+
+    def __init__(self, meter: Any, *, interval_peaks: bool = False) -> None:
+        self.meter = meter
+        self.interval_peaks = interval_peaks
+        self.max_allocated_bytes = 0
+        self.max_reserved_bytes = 0
+
+    def __call__(self) -> MemoryReading:
+        meter = self.meter
+        peak = None
+        if self.interval_peaks:
+            peak = meter.peak_bytes
+            meter.reset_peak()
+            self.max_allocated_bytes = max(self.max_allocated_bytes, peak)
+        return MemoryReading(meter.live_bytes, None, meter.allocations, peak)
+
+    def reset_max(self) -> None:
+        self.max_allocated_bytes = 0
+
+
+def cuda_memory_reader(
+    device: torch.device | str | int | None = None, *, count_allocations: bool = False
+) -> CudaMemoryReader:
+    """A :class:`CudaMemoryReader` of allocated and reserved bytes."""
+    return CudaMemoryReader(device, count_allocations=count_allocations)
+
+
+def meter_memory_reader(meter: Any) -> MeterMemoryReader:
+    """A :class:`MeterMemoryReader` of a meter's live bytes and allocation count."""
+    return MeterMemoryReader(meter)
 
 
 # -- the recorder ------------------------------------------------------------------------------
@@ -474,17 +560,24 @@ class ModuleEventRecorder:
         module: str | None = None,
         pass_: Pass | None = None,
         phase: str | None = None,
+        reading: tuple | None = None,
     ) -> None:
-        """Append one event with the current time and memory reading (thread-safe)."""
-        reading = self.memory_reader()
+        """Append one event with the current time and memory reading (thread-safe).
+
+        Args:
+            reading: a reading already taken (saves a second one); the reader's if None.
+        """
+        if reading is None:
+            reading = self.memory_reader()
         allocations = reading[2] if len(reading) > 2 else None
+        peak = reading[3] if len(reading) > 3 else None
         with self._lock:
             # The clock is read under the lock so the buffer is in time order.
             t_ns = time.perf_counter_ns() - self._t0_ns
             if len(self._buffer) == self.max_events:
                 self.dropped_events += 1
             self._buffer.append(
-                (t_ns, kind, phase, module, pass_, reading[0], reading[1], allocations)
+                (t_ns, kind, phase, module, pass_, reading[0], reading[1], allocations, peak)
             )
 
     def mark_phase(self, phase: str) -> None:
@@ -509,10 +602,17 @@ class ModuleEventRecorder:
     def __len__(self) -> int:
         return len(self._buffer)
 
-    def events(self) -> list[TimelineEvent]:
-        """A copy of the buffer as :class:`TimelineEvent` s."""
+    @property
+    def recorded_total(self) -> int:
+        """Events recorded since the last :meth:`clear`, kept or dropped."""
+        return len(self._buffer) + self.dropped_events
+
+    def events(self, last: int | None = None) -> list[TimelineEvent]:
+        """A copy of the buffer (its ``last`` events, if given) as :class:`TimelineEvent` s."""
         with self._lock:
             rows = list(self._buffer)
+        if last is not None:
+            rows = rows[len(rows) - min(last, len(rows)) :]
         return [
             TimelineEvent(
                 t_ms=t_ns / 1e6,
@@ -523,14 +623,15 @@ class ModuleEventRecorder:
                 allocated_bytes=allocated,
                 reserved_bytes=reserved,
                 allocations=allocations,
+                peak_allocated_bytes=peak,
             )
-            for t_ns, kind, phase, module, pass_, allocated, reserved, allocations in rows
+            for t_ns, kind, phase, module, pass_, allocated, reserved, allocations, peak in rows
         ]
 
-    def timeline(self) -> Timeline:
-        """Everything recorded so far as a :class:`Timeline`."""
+    def timeline(self, last: int | None = None) -> Timeline:
+        """Everything recorded so far (or the ``last`` events) as a :class:`Timeline`."""
         return Timeline(
-            events=self.events(),
+            events=self.events(last),
             device=self.device,
             model_name=self.model_name,
             dropped_events=self.dropped_events,

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memadvisor.memory import MemoryMeter
 from memadvisor.timeline import (
+    MeterMemoryReader,
     ModuleEventRecorder,
     Timeline,
     TimelineEvent,
@@ -322,3 +323,33 @@ def test_mark_phase_records_phases_for_the_export():
     jsonschema.validate(doc, SCHEMA)
     names = {f["name"] for f in doc["shared"]["frames"]}
     assert {"[forward]", "[optimizer]", "Tiny", "fc1"} <= names
+
+
+def test_interval_peaks_reveal_a_temporary_freed_inside_a_leaf_module():
+    """A (2, 8) fp32 temporary (64 B) made and freed inside one module is seen only with
+    interval peaks: peak_rise = temp 64 B + output 8 B; without, only the output's 8 B."""
+
+    class Temp(nn.Module):
+        def forward(self, x):
+            return (x * 2).sum(dim=1)  # (2, 8) temporary, (2,) output
+
+    rises = {}
+    for interval_peaks in (False, True):
+        model = nn.Sequential(Temp())
+        meter = MemoryMeter()
+        reader = MeterMemoryReader(meter, interval_peaks=interval_peaks)
+        x = torch.randn(2, 8)
+        with ModuleEventRecorder(model, reader) as rec, meter:
+            model(x)
+        stats = {s.module: s for s in rec.timeline().layer_stats()}
+        rises[interval_peaks] = stats["0"].peak_rise_bytes
+    assert rises == {False: 2 * 4, True: 2 * 8 * 4 + 2 * 4}
+
+
+def test_events_last_returns_only_the_newest():
+    """events(last=n) is the newest n events; recorded_total counts kept and dropped."""
+    _, rec = _meter_recorder(Tiny(), max_events=3)
+    for i in range(5):
+        rec.record("sample", phase=str(i))
+    assert [e.phase for e in rec.events(last=2)] == ["3", "4"]
+    assert rec.recorded_total == 5
