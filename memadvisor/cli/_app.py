@@ -1,15 +1,22 @@
-"""The typer application and the one place that turns MemadvisorError into an exit code."""
+"""The typer application and the one place that turns an exception into an exit code.
+
+Exit codes: 0 ok; 2 bad input (BadInputError, and typer's own usage errors); 3 no
+configuration fits the budget (InfeasibleBudgetError); 4 planning failed (any other
+MemadvisorError); 1 anything unexpected, which is a bug in memadvisor or in the model.
+"""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from enum import Enum
 from typing import Any, TypeVar
 
+import click
 import typer
 from rich.console import Console
 
-from memadvisor.errors import MemadvisorError
+from memadvisor.errors import BadInputError, MemadvisorError
 
 app = typer.Typer(
     name="memadvisor",
@@ -18,29 +25,111 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
 )
+# Progress, notes and errors go to stderr so stdout holds only the report.
 err_console = Console(stderr=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+UNEXPECTED_EXIT_CODE = 1
+
+
+class DeviceOption(str, Enum):
+    """Where probes and verification run."""
+
+    auto = "auto"
+    cuda = "cuda"
+    simulated = "simulated"
+
+
+TARGET_HELP = (
+    "path/to/file.py:factory or package.module:factory; the factory returns (model, "
+    "sample_batch) or a dict with 'model', 'sample_batch' and optionally 'loss_fn', "
+    "'optimizer', 'make_batch', 'forward_fn'."
+)
+DEBUG_HELP = "Show the traceback of an error."
+QUIET_HELP = "No progress bars and no full report: only the one-line answer and errors."
+DEVICE_HELP = (
+    "cuda: the real card, the budget emulated with a memory fraction; simulated: CPU tensors "
+    "whose bytes are tracked against the budget; auto: cuda when there is one."
+)
+
 
 def handle_errors(fn: F) -> F:
-    """Turn a MemadvisorError into one message on stderr and its exit code.
+    """Turn an exception into one message on stderr and its exit code.
 
-    The traceback is shown only with ``--debug``; other exceptions keep theirs (they are bugs).
+    A MemadvisorError exits with its class's ``exit_code``; anything else is unexpected and
+    exits with 1. The traceback is shown only with ``--debug`` (the error is re-raised).
     """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
+            raise  # typer's own exits and usage errors carry their codes already
         except MemadvisorError as e:
             if kwargs.get("debug"):
                 raise
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            _print_error(str(e))
             raise typer.Exit(e.exit_code) from None
+        except Exception as e:
+            if kwargs.get("debug"):
+                raise
+            _print_error(
+                f"unexpected {type(e).__name__}: {e}. This is a bug in memadvisor or in the "
+                "model; rerun with --debug for the traceback."
+            )
+            raise typer.Exit(UNEXPECTED_EXIT_CODE) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _print_error(message: str) -> None:
+    err_console.print(
+        f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True
+    )
+
+
+def resolve_device(device: DeviceOption) -> str:
+    """``cuda`` or ``simulated``: where this machine can run what was asked.
+
+    Raises:
+        BadInputError: ``cuda`` was asked for on a machine without a CUDA device.
+    """
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if device is DeviceOption.cuda and not has_cuda:
+        raise BadInputError(
+            "--device cuda, but torch sees no CUDA device here; use --device simulated (or "
+            "auto) to run on the CPU simulated device."
+        )
+    if device is DeviceOption.auto:
+        return "cuda" if has_cuda else DeviceOption.simulated.value
+    return device.value
+
+
+def announce_device(kind: str, *, quiet: bool) -> None:
+    """Say in one line that the work runs on the CPU simulated device, not a card."""
+    if kind == DeviceOption.simulated.value and not quiet:
+        err_console.print(
+            "No GPU in use: running on the CPU simulated device (tensor bytes tracked against "
+            "the budget).",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def out_console() -> Console:
+    """The console the report prints to (stdout), made per command so tests capture it."""
+    return Console()
+
+
+def say_written(what: str, path: object, *, quiet: bool) -> None:
+    if not quiet:
+        err_console.print(f"Wrote {what} to {path}", highlight=False, soft_wrap=True)
 
 
 from memadvisor.cli import plan as _plan  # noqa: E402,F401  (registers the command)

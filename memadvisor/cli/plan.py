@@ -1,25 +1,162 @@
-"""``memadvisor plan TARGET --budget-gb N``."""
+"""``memadvisor plan TARGET --budget-gb N``: the fastest configuration that fits the budget."""
 
 from __future__ import annotations
 
+import math
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from memadvisor.cli._app import app, handle_errors
-from memadvisor.errors import PlanningError
-from memadvisor.target import load_target
-
-
-@app.command(
-    epilog="Examples:\n\n"
-    "  memadvisor plan examples/gpt.py:build --budget-gb 0.5\n\n"
-    "  memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json"
+from memadvisor.cli._app import (
+    DEBUG_HELP,
+    DEVICE_HELP,
+    QUIET_HELP,
+    TARGET_HELP,
+    DeviceOption,
+    app,
+    handle_errors,
+    out_console,
+    resolve_device,
+    say_written,
 )
+from memadvisor.config import PlanConfig, gib_to_bytes
+from memadvisor.errors import BadInputError
+
+
+class ObjectiveOption(str, Enum):
+    throughput = "throughput"
+    largest_batch = "largest_batch"
+    effective_batch = "effective_batch"
+
+
+EPILOG = """[bold]Examples[/]
+
+  memadvisor plan examples/gpt.py:build --budget-gb 1
+
+  memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
+
+  memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
+
+A saved plan applies to a fresh model with
+memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
+
+Exit codes: 0 ok, 2 bad input, 3 nothing fits the budget, 4 planning failed, 1 a bug.
+"""
+
+
+@app.command(epilog=EPILOG)
 @handle_errors
 def plan(
-    target: str = typer.Argument(..., help="path/to/file.py:factory or package.module:factory"),
-    budget_gb: float = typer.Option(..., "--budget-gb", help="Memory budget in GiB (2^30)."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    target: Annotated[str, typer.Argument(help=TARGET_HELP, show_default=False)],
+    budget_gb: Annotated[
+        float,
+        typer.Option(
+            "--budget-gb",
+            help="Memory budget in GiB (2^30 bytes) for weights, gradients, optimizer state and "
+            "activations; the CUDA context is not in it.",
+            show_default=False,
+        ),
+    ],
+    objective: Annotated[
+        ObjectiveOption | None,
+        typer.Option(
+            "--objective",
+            metavar="OBJECTIVE",
+            help="throughput (most samples/s), largest_batch, or effective_batch (reach "
+            "--effective-batch by accumulation at the fastest micro-batch). Default: throughput, "
+            "or effective_batch when --effective-batch is given.",
+            show_default=False,
+        ),
+    ] = None,
+    effective_batch: Annotated[
+        int | None,
+        typer.Option("--effective-batch", help="The batch you train with, kept by accumulation."),
+    ] = None,
+    device: Annotated[
+        DeviceOption, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)
+    ] = DeviceOption.auto,
+    margin: Annotated[
+        float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
+    ] = 0.08,
+    json_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--json", help="Write the Plan as JSON here (for apply_plan).", show_default=False
+        ),
+    ] = None,
+    html_path: Annotated[
+        Path | None,
+        typer.Option("--html", help="Write a self-contained HTML report here.", show_default=False),
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
-    """Find the fastest configuration of TARGET's training step that fits the budget."""
-    load_target(target)
-    raise PlanningError("The planner has not landed yet (issue 6): nothing to plan with.")
+    """Find the fastest configuration of TARGET's training step that fits the budget.
+
+    Profiles one step, searches checkpointing, precision, batch size and the other
+    strategies on the estimate, confirms the batch by OOM probes on the device, verifies the
+    pick over sustained steps, and prints the plan with advice you can adopt by hand.
+    """
+    config = _config(budget_gb, objective, effective_batch, margin, device)
+    from memadvisor.planner import plan_workload
+    from memadvisor.target import load_target
+
+    workload = load_target(target)
+    # The planner says in one line when it plans on the CPU simulated device.
+    result = plan_workload(workload, config, target=target, progress=not quiet)
+    if json_path is not None:
+        from memadvisor.report import write_plan_json
+
+        say_written("the plan", write_plan_json(result, json_path), quiet=quiet)
+    if html_path is not None:
+        from memadvisor.report import render_plan_html, write_html
+
+        say_written("the HTML report", write_html(render_plan_html(result), html_path), quiet=quiet)
+    from memadvisor.report import one_line, print_plan
+
+    console = out_console()
+    if quiet:
+        console.print(one_line(result), highlight=False, soft_wrap=True)
+    else:
+        print_plan(result, console)
+
+
+def _config(
+    budget_gb: float,
+    objective: ObjectiveOption | None,
+    effective_batch: int | None,
+    margin: float,
+    device: DeviceOption,
+) -> PlanConfig:
+    """The PlanConfig the options describe.
+
+    Raises:
+        BadInputError: an option is out of range, or the objective lacks what it needs.
+    """
+    if not (math.isfinite(budget_gb) and gib_to_bytes(budget_gb) > 0):
+        raise BadInputError(
+            f"--budget-gb must be a positive number of GiB, e.g. 8, but got {budget_gb=}."
+        )
+    if not 0.0 <= margin < 0.5:
+        raise BadInputError(f"--margin must be at least 0 and below 0.5, but got {margin=}.")
+    if effective_batch is not None and effective_batch <= 0:
+        raise BadInputError(f"--effective-batch must be positive, but got {effective_batch=}.")
+    if objective is None:
+        objective = (
+            ObjectiveOption.effective_batch
+            if effective_batch is not None
+            else ObjectiveOption.throughput
+        )
+    if objective is ObjectiveOption.effective_batch and effective_batch is None:
+        raise BadInputError(
+            "--objective effective_batch needs --effective-batch N, the batch you train with."
+        )
+    return PlanConfig(
+        budget_bytes=gib_to_bytes(budget_gb),
+        objective=objective.value,
+        effective_batch=effective_batch,
+        margin_fraction=margin,
+        device=resolve_device(device),  # type: ignore[arg-type]
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
@@ -33,6 +33,7 @@ __all__ = [
     "plan_precision",
     "series_from_events",
     "series_from_phases",
+    "series_from_timeline",
 ]
 
 # Strategies the answer names in words of its own; any other non-neutral choice is listed.
@@ -412,12 +413,53 @@ def series_from_events(
     """A measured curve from timeline events ``(t_ms, allocated, reserved, phase)``."""
     points: list[tuple[float, int, int | None]] = []
     spans: list[tuple[str, float, float]] = []
+    current: str | None = None
     for t_ms, allocated, reserved, phase in sorted(events, key=lambda e: e[0]):
         points.append((t_ms, allocated, reserved))
-        if phase and (not spans or spans[-1][0] != phase):
-            if spans:
-                spans[-1] = (spans[-1][0], spans[-1][1], t_ms)
-            spans.append((phase, t_ms, t_ms))
-    if spans and points:
-        spans[-1] = (spans[-1][0], spans[-1][1], points[-1][0])
+        if phase != current:
+            if current is not None:
+                spans[-1] = (current, spans[-1][1], t_ms)
+            if phase is not None:
+                spans.append((phase, t_ms, t_ms))
+            current = phase
+    if current is not None:
+        spans[-1] = (current, spans[-1][1], points[-1][0])
     return MemorySeries(source="timeline", caption=caption, points=points, spans=spans)
+
+
+def series_from_timeline(timeline: Any, *, max_points: int = 2000) -> MemorySeries:
+    """The measured curve of a :class:`memadvisor.timeline.Timeline`, phases from its marks.
+
+    Long recordings are thinned to ``max_points``, keeping the highest reading of each slice
+    of time: a chart's job here is to show the peaks, which averaging would hide.
+    """
+    events = sorted(timeline.events, key=lambda ev: ev.t_ms)
+    rows: list[tuple[float, int, int | None, str | None]] = []
+    phase: str | None = None
+    for ev in events:
+        if ev.kind == "phase" and ev.phase:
+            phase = None if ev.phase == "end" else ev.phase
+        rows.append((ev.t_ms, ev.allocated_bytes, ev.reserved_bytes, phase))
+    if len(rows) > max_points:
+        rows = _thin(rows, max_points)
+    dropped = getattr(timeline, "dropped_events", 0)
+    caption = f"Recorded timeline of {timeline.model_name} on {timeline.device}"
+    caption += f" ({dropped} oldest events dropped by the buffer)." if dropped else "."
+    return series_from_events(rows, caption)
+
+
+def _thin(
+    rows: list[tuple[float, int, int | None, str | None]], max_points: int
+) -> list[tuple[float, int, int | None, str | None]]:
+    t0, t1 = rows[0][0], rows[-1][0]
+    width = (t1 - t0) / max_points or 1.0
+    kept: dict[int, tuple[float, int, int | None, str | None]] = {}
+    marks = []  # where the phase changes: kept whatever their bytes, or the bands would move
+    for i, row in enumerate(rows):
+        if i == 0 or row[3] != rows[i - 1][3]:
+            marks.append(row)
+            continue
+        bucket = int((row[0] - t0) / width)
+        if bucket not in kept or row[1] > kept[bucket][1]:
+            kept[bucket] = row
+    return sorted([*marks, *kept.values()], key=lambda r: r[0])

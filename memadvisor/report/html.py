@@ -79,6 +79,13 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
             ),
         ]
     parts.append(_section("advice", "Recommendations", _advice(plan)))
+    if plan.checks:
+        items = "".join(
+            f"<li><b>{_e(c.strategy)}</b> ({'passed' if c.passed else 'look at this'}): "
+            f"{_e(c.summary)}</li>"
+            for c in plan.checks
+        )
+        parts.append(_section("checks", "Checks on your workload", f"<ul>{items}</ul>"))
     if plan.probes:
         probes = ", ".join(f"{p.batch_size} {'fits' if p.fits else 'OOM'}" for p in plan.probes)
         parts.append(f'<p class="note" id="probes">Probes on {_e(plan.device_name)}: {probes}.</p>')

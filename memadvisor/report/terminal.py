@@ -63,6 +63,13 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
             _fragmentation_words(profile),
         )
     _print_advice(plan, console)
+    for check in plan.checks:
+        mark, style = ("passed", "green") if check.passed else ("look at this", "yellow")
+        console.print(
+            Text.assemble(
+                ("Check ", "bold"), (f"({check.strategy}, {mark}): ", style), check.summary
+            )
+        )
     if plan.probes:
         console.print(_probes_line(plan))
 
