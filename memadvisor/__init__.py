@@ -13,6 +13,7 @@ from memadvisor.errors import (
     SimulatedOutOfMemoryError,
 )
 from memadvisor.estimate import Candidate, Estimate, estimate
+from memadvisor.monitor import Monitor, trace
 from memadvisor.planner import Plan
 from memadvisor.profiler import Profile
 from memadvisor.strategy import Advice, Strategy, load_strategies
@@ -27,6 +28,7 @@ __all__ = [
     "Estimate",
     "InfeasibleBudgetError",
     "MemadvisorError",
+    "Monitor",
     "Plan",
     "PlanConfig",
     "PlanningError",
@@ -37,5 +39,6 @@ __all__ = [
     "apply_plan",
     "estimate",
     "load_strategies",
+    "trace",
     "train_step",
 ]

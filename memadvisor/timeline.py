@@ -517,6 +517,7 @@ class ModuleEventRecorder:
         self._local = threading.local()
         self._handles: list[Any] = []
         self._listeners: list[Callable[[str, str, str], None]] = []
+        self._output_listeners: list[Callable[[str, Any], None]] = []
         self._t0_ns = time.perf_counter_ns()
         self._active = False
 
@@ -587,6 +588,10 @@ class ModuleEventRecorder:
     def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
         """Call ``listener(kind, module, pass_)`` on every module enter/exit, after recording."""
         self._listeners.append(listener)
+
+    def add_output_listener(self, listener: Callable[[str, Any], None]) -> None:
+        """Call ``listener(module_name, output)`` after each module's forward returns."""
+        self._output_listeners.append(listener)
 
     def current_module(self) -> str | None:
         """The innermost module whose forward is running in the calling thread."""
@@ -666,6 +671,8 @@ class ModuleEventRecorder:
             if stack and name in stack:  # always_call: also runs after an exception
                 del stack[len(stack) - 1 - stack[::-1].index(name) :]
             self._emit("exit", name, "forward")
+            for listener in self._output_listeners:
+                listener(name, output)
             if self.backward and torch.is_grad_enabled():
                 self._hook_backward_enter(name, output)
 
