@@ -15,7 +15,7 @@ from memadvisor.errors import (
 from memadvisor.estimate import Candidate, Estimate, estimate
 from memadvisor.monitor import Monitor, trace
 from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
+from memadvisor.profiler import Profile, profile
 from memadvisor.strategy import Advice, Strategy, load_strategies
 from memadvisor.workload import Workload, train_step
 
@@ -39,6 +39,7 @@ __all__ = [
     "apply_plan",
     "estimate",
     "load_strategies",
+    "profile",
     "trace",
     "train_step",
 ]

@@ -1,5 +1,7 @@
 """Profiler: one instrumented training step measured at two small batch sizes."""
 
+from memadvisor.profiler._blocks import find_blocks
+from memadvisor.profiler._profile import as_optimizer_factory, profile, profile_workload
 from memadvisor.profiler._schema import (
     BlockActivity,
     BlockInfo,
@@ -24,4 +26,8 @@ __all__ = [
     "PhasePeak",
     "Profile",
     "StepProfile",
+    "as_optimizer_factory",
+    "find_blocks",
+    "profile",
+    "profile_workload",
 ]

@@ -106,6 +106,11 @@ class BlockActivity(_Model):
         description="Peak above the saved bytes while the block's forward runs (temporaries); "
         "the transient a recompute adds during backward.",
     )
+    output: LinearBytes = Field(
+        default_factory=LinearBytes,
+        description="The block's outputs that it made (part of its activation when the next "
+        "block saves them): what a checkpointed successor's input shares with this block.",
+    )
 
 
 class ModuleActivity(_Model):
@@ -154,13 +159,22 @@ class StepProfile(_Model):
 
 
 class LayerRow(_Model):
-    """One named module in the per-layer table (at the larger measured batch)."""
+    """One named module in the per-layer table (fp32, at the larger measured batch).
+
+    Bytes include the module's submodules (parameters and gradients counted once per
+    storage, so tied weights are not doubled); ``self_activation_bytes`` does not.
+    """
 
     name: str
     type_name: str
     param_bytes: int = 0
     grad_bytes: int = 0
-    activation_bytes: int = 0
+    activation_bytes: int = Field(
+        0, description="Saved for backward by this module and its submodules (made by them)."
+    )
+    self_activation_bytes: int = Field(
+        0, description="Saved for backward and made by this module itself, not a submodule."
+    )
 
 
 class Profile(_Model):

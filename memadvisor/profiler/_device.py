@@ -1,0 +1,112 @@
+"""Where the profile runs, what that device supports, and how its memory is read."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import nn
+
+from memadvisor._torch_private import fake_mode_active, is_fake
+from memadvisor.errors import BadInputError
+from memadvisor.profiler._schema import DeviceInfo
+
+__all__ = ["AUTOCAST_DTYPES", "DeviceChoice", "Target", "resolve_target"]
+
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Target:
+    """The device a profile runs on: a ``torch.device`` and whether its tensors are fake."""
+
+    def __init__(self, device: torch.device, fake: bool) -> None:
+        self.device = device
+        self.fake = fake
+
+    @property
+    def kind(self) -> Literal["cuda", "cpu", "fake"]:
+        if self.fake:
+            return "fake"
+        return "cuda" if self.device.type == "cuda" else "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        """A real card: its allocator's counters and CUDA events are read."""
+        return not self.fake and self.device.type == "cuda"
+
+    def supports(self, precision: str) -> bool:
+        """Whether autocast on this device runs ``precision`` ('fp32' always)."""
+        if precision == "fp32":
+            return True
+        dtype = AUTOCAST_DTYPES.get(precision)
+        if dtype is None:
+            return False
+        if self.is_cuda:
+            if dtype is torch.bfloat16:
+                return torch.cuda.is_bf16_supported()
+            return True
+        if self.fake:
+            # Fake tensors plan for a device that may not be here: autocast's own support
+            # for the device type is all that can be said.
+            return torch.amp.is_autocast_available(self.device.type)
+        return _cpu_autocast_runs(dtype)
+
+    def info(self) -> DeviceInfo:
+        if self.is_cuda:
+            props = torch.cuda.get_device_properties(self.device)
+            name, total = props.name, int(props.total_memory)
+        else:
+            name = f"fake {self.device.type}" if self.fake else "cpu"
+            total = None
+        return DeviceInfo(
+            kind=self.kind,
+            name=name,
+            total_bytes=total,
+            bf16_supported=self.supports("bf16"),
+            fp16_supported=self.supports("fp16"),
+            torch_version=torch.__version__,
+        )
+
+
+def _cpu_autocast_runs(dtype: torch.dtype) -> bool:
+    # CPU autocast silently disables itself (with a warning) for a dtype it does not support:
+    # run one tiny matmul and look at the result's dtype.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                out = torch.ones(2, 2) @ torch.ones(2, 2)
+        except (RuntimeError, ValueError):
+            return False
+    return out.dtype == dtype
+
+
+def resolve_target(model: nn.Module, device: str) -> Target:
+    """The device to profile on.
+
+    ``"auto"``: under ``FakeTensorMode`` (or with fake parameters) the parameters' device,
+    fake; else CUDA when it is available (a model on the CPU is copied to the card, as its
+    training would run there), else the CPU.
+
+    Raises:
+        BadInputError: ``device`` is not auto/cpu/cuda, or ``"cuda"`` without a CUDA device.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise BadInputError(f"device must be 'auto', 'cpu' or 'cuda', but got {device=}.")
+    first = next(iter(model.parameters()), None)
+    fake = fake_mode_active() or (first is not None and is_fake(first))
+    if fake:
+        if device == "auto":
+            return Target(first.device if first is not None else torch.device("cpu"), True)
+        return Target(torch.device(device), True)
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise BadInputError(
+                "device='cuda' was asked for, but this torch sees no CUDA device: pass "
+                "device='cpu' (tensor bytes are tracked at allocation there)."
+            )
+        on_card = first is not None and first.device.type == "cuda"
+        return Target(first.device if on_card else torch.device("cuda"), False)
+    return Target(torch.device("cpu"), False)

@@ -1,0 +1,477 @@
+"""The profiling pass: a private copy of the model, metered and timed steps, a Profile.
+
+How a pass runs (``profile_workload``):
+    1. The blocks are chosen (:func:`~memadvisor.profiler._blocks.find_blocks`) and the model
+       is cloned onto the device; the caller's model, gradients and optimizer are never used.
+    2. One plain warm-up step, so the optimizer's state exists: every measured step is a
+       steady-state step (weights + optimizer state + this step's activations).
+    3. For each precision (fp32, then autocast bf16/fp16 around the model's forward, as the
+       precision strategy applies it) and each of the two batch sizes: one metered step
+       (:class:`~memadvisor.profiler._memory_step.MemoryStep`), then two timed steps
+       (:class:`~memadvisor.profiler._timing_step.TimingStep`, the faster reading kept).
+    4. Every size that grows with the batch is fitted through its two measurements.
+
+The RNG states are put back at the end. Under ``FakeTensorMode`` no step is timed (fake ops
+take no real time) and every time is 0.
+
+Batch sizes: by default the sample batch's size ``n`` and ``2n``; where that runs out of
+memory on a card, ``(n/2, n)`` and so on down to ``(1, 2)``. Two sizes separate what each
+sample adds from what any batch costs (a block that saves a constant-size tensor).
+
+Known limitations:
+    * The private copy costs one more copy of the weights on the device while profiling.
+    * Two timed steps per size: times on a busy or throttled device are rough.
+    * On CUDA the allocator's cache is emptied before each metered step, so reserved bytes
+      (and the fragmentation ratio) are those of a first step, not of a long run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memadvisor.errors import BadInputError
+from memadvisor.profiler._blocks import BlockSpec, find_blocks
+from memadvisor.profiler._device import AUTOCAST_DTYPES, Target, resolve_target
+from memadvisor.profiler._memory_step import (
+    LOSS_OWNER,
+    OTHER_OWNER,
+    MemoryMeasurement,
+    MemoryStep,
+    tensors_in,
+)
+from memadvisor.profiler._progress import ProgressArg, ProgressReporter
+from memadvisor.profiler._schema import (
+    BlockActivity,
+    BlockInfo,
+    LayerRow,
+    LinearBytes,
+    LinearMs,
+    ModuleActivity,
+    PhasePeak,
+    Profile,
+    StepProfile,
+)
+from memadvisor.profiler._state import clone_module, rng_restored
+from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
+from memadvisor.workload import Workload, train_step
+
+__all__ = ["as_optimizer_factory", "profile", "profile_workload"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+TIMED_STEPS = 2  # per batch size and precision; the faster reading of each number is kept
+
+
+def profile(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: Any = None,
+    make_batch: Callable[[int], Any] | None = None,
+    forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+    blocks: BlockSpec | None = None,
+    device: str = "auto",
+    precisions: Sequence[str] | None = None,
+    batch_sizes: tuple[int, int] | None = None,
+    progress: ProgressArg = None,
+) -> Profile:
+    """Measure one training step of ``model``: memory per block, per layer and per phase.
+
+    Args:
+        model: the model to train; it is not changed (a copy is profiled).
+        sample_batch: one batch as the model takes it (see :mod:`memadvisor.workload`).
+        loss_fn: ``loss_fn(output, batch)``; default: ``output.loss`` or a scalar output.
+        optimizer: an optimizer factory ``f(params)``, or an optimizer whose class and
+            defaults are reused; default AdamW.
+        make_batch: ``make_batch(b)`` for batches whose dim 0 is not the batch.
+        forward_fn: ``forward_fn(model, batch)`` when the model is not called as the
+            workload rules say.
+        blocks: which modules are blocks (names, globs, class names or types); detected if None.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        precisions: subset of fp32/bf16/fp16; default fp32 and, where supported, bf16.
+        batch_sizes: the two batch sizes to measure; default ``(n, 2n)`` for a sample of n.
+        progress: ``progress(description, done, total)`` or a rich ``Progress``.
+
+    Returns:
+        The :class:`~memadvisor.profiler.Profile`.
+
+    Raises:
+        BadInputError: an input is unusable (the message says which and what to pass).
+    """
+    workload = Workload(
+        model=model,
+        sample_batch=sample_batch,
+        loss_fn=loss_fn,
+        optimizer_factory=as_optimizer_factory(optimizer),
+        make_batch=make_batch,
+        forward_fn=forward_fn,
+    )
+    return profile_workload(
+        workload,
+        blocks=blocks,
+        device=device,
+        precisions=precisions,
+        batch_sizes=batch_sizes,
+        progress=progress,
+    )
+
+
+def as_optimizer_factory(optimizer: Any) -> Callable[[Iterable[nn.Parameter]], Any] | None:
+    """A factory ``f(params)`` from a factory, an optimizer instance (its class and defaults
+    over new parameters; its state is never touched) or None.
+
+    Raises:
+        BadInputError: ``optimizer`` is none of those.
+    """
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        return lambda params: cls(params, **defaults)
+    if callable(optimizer):
+        return optimizer
+    raise BadInputError(
+        "optimizer must be a factory f(params) -> torch.optim.Optimizer or an optimizer, "
+        f"but got {type(optimizer).__name__}."
+    )
+
+
+def profile_workload(
+    workload: Workload,
+    *,
+    blocks: BlockSpec | None = None,
+    device: str = "auto",
+    precisions: Sequence[str] | None = None,
+    batch_sizes: tuple[int, int] | None = None,
+    progress: ProgressArg = None,
+) -> Profile:
+    """Profile ``workload``'s training step (see the module docstring for how).
+
+    Raises:
+        BadInputError: an unknown or unsupported precision, bad batch sizes or block
+            patterns, a device that is not there, or a model that rejects its batch.
+    """
+    # memadvisor.device imports the profiler's schema: imported here, not at the top.
+    from memadvisor.device import is_oom
+
+    started = time.perf_counter()
+    if not isinstance(workload, Workload):
+        raise BadInputError(
+            f"profile_workload takes a memadvisor Workload, but got {type(workload).__name__}: "
+            "call memadvisor.profile(model, sample_batch, ...) for plain inputs."
+        )
+    target = resolve_target(workload.model, device)
+    chosen = _precisions(precisions, target)
+    block_names = find_blocks(workload.model, blocks)
+    pairs = _batch_pairs(batch_sizes, workload.sample_batch_size)
+    with rng_restored(uses_cuda=target.is_cuda):
+        for k, pair in enumerate(pairs):
+            try:
+                result = _Pass(workload, target, block_names, chosen, pair, progress).run()
+            except Exception as e:
+                if not is_oom(e) or k == len(pairs) - 1:
+                    raise
+                # Too big for the card at these sizes: free it all and try the halves.
+                del e
+                _release(target)
+                continue
+            result.profiling_ms = (time.perf_counter() - started) * 1000.0
+            return result
+    raise AssertionError("unreachable: the last pair either returns or raises")
+
+
+def _precisions(precisions: Sequence[str] | None, target: Target) -> list[str]:
+    if precisions is None:
+        return ["fp32", "bf16"] if target.supports("bf16") else ["fp32"]
+    if isinstance(precisions, str):
+        precisions = [precisions]
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise BadInputError(f"precisions are among {PRECISIONS}, but got {unknown=}.")
+    unsupported = [p for p in precisions if not target.supports(p)]
+    if unsupported:
+        raise BadInputError(
+            f"Autocast on {target.kind} does not run {unsupported}: leave them out of "
+            "precisions (fp32 always runs)."
+        )
+    # fp32 always, first: every other precision is read against it.
+    return ["fp32"] + [p for p in dict.fromkeys(precisions) if p != "fp32"]
+
+
+def _batch_pairs(batch_sizes: tuple[int, int] | None, sample_size: int) -> list[tuple[int, int]]:
+    if batch_sizes is not None:
+        sizes = tuple(batch_sizes)
+        if (
+            len(sizes) != 2
+            or not all(isinstance(b, int) and b > 0 for b in sizes)
+            or sizes[0] == sizes[1]
+        ):
+            raise BadInputError(
+                f"batch_sizes must be two distinct positive ints, but got {batch_sizes=}."
+            )
+        return [(min(sizes), max(sizes))]
+    n = max(1, sample_size)
+    pairs = [(n, 2 * n)]
+    while n > 1:
+        n //= 2
+        pairs.append((n, 2 * n))
+    return pairs
+
+
+def _release(target: Target) -> None:
+    gc.collect()
+    if target.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def _autocast(workload: Workload, precision: str, target: Target) -> Workload:
+    """``workload`` with the model's forward under autocast (the loss stays outside it, as
+    the precision strategy applies it: on the model's forward)."""
+    if precision == "fp32":
+        return workload
+    dtype, device_type = AUTOCAST_DTYPES[precision], target.device.type
+
+    def forward_fn(model: nn.Module, batch: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return workload.forward(model, batch)
+
+    return dataclasses.replace(workload, forward_fn=forward_fn)
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], keep: Callable[[torch.Tensor], bool]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if keep(t):
+            st = t.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+class _Pass:
+    """One profiling pass at one pair of batch sizes."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        target: Target,
+        block_names: list[str],
+        precisions: list[str],
+        sizes: tuple[int, int],
+        progress: ProgressArg,
+    ) -> None:
+        self.workload = workload
+        self.target = target
+        self.block_names = block_names
+        self.precisions = precisions
+        self.sizes = sizes
+        timed = 0 if target.fake else TIMED_STEPS
+        self.progress = ProgressReporter(progress, 1 + len(precisions) * 2 * (1 + timed))
+        self.timed_steps = timed
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        return not self.target.is_cuda or t.device.type == "cuda"
+
+    def run(self) -> Profile:
+        wl, b1, b2 = self.workload, *self.sizes
+        model = clone_module(wl.model).to(self.target.device)
+        optimizer = wl.make_optimizer(model)
+        self.progress.begin(f"warm-up step, batch {b1}")
+        train_step(wl, model, optimizer, wl.batch(b1, self.target.device))
+        self.progress.advance(f"warm-up step, batch {b1}")
+        state_bytes = _unique_bytes(
+            (t for s in optimizer.state.values() for t in tensors_in(s)), self._on_device
+        )
+        steps: dict[str, StepProfile] = {}
+        memory_fp32: MemoryMeasurement | None = None
+        for precision in self.precisions:
+            step_wl = _autocast(wl, precision, self.target)
+            mem = [self._metered(model, optimizer, step_wl, b, precision) for b in self.sizes]
+            owners = sorted({o for m in mem for o in m.outside} - {LOSS_OWNER, OTHER_OWNER})
+            timing = [
+                self._timed(model, optimizer, step_wl, b, precision, owners) for b in self.sizes
+            ]
+            steps[precision] = self._step_profile(precision, model, mem, timing)
+            if precision == "fp32":
+                memory_fp32 = mem[1]
+        assert memory_fp32 is not None  # fp32 is always measured first
+        return Profile(
+            model_name=type(wl.model).__name__,
+            device=self.target.info(),
+            batch_sizes=(b1, b2),
+            param_bytes=_unique_bytes(model.parameters(), self._on_device),
+            grad_bytes=memory_fp32.grad_bytes,
+            optimizer_state_bytes=state_bytes,
+            buffer_bytes=_unique_bytes(model.buffers(), self._on_device),
+            blocks=[
+                BlockInfo(
+                    name=name,
+                    type_name=type(model.get_submodule(name)).__name__,
+                    param_bytes=_unique_bytes(
+                        model.get_submodule(name).parameters(), self._on_device
+                    ),
+                )
+                for name in self.block_names
+            ],
+            steps=steps,
+            layers=self._layers(model, memory_fp32),
+            fixed_overhead_bytes=self._fixed_overhead(memory_fp32),
+            fragmentation_ratio=self._fragmentation(memory_fp32),
+        )
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _metered(
+        self, model: nn.Module, optimizer: Any, wl: Workload, b: int, precision: str
+    ) -> MemoryMeasurement:
+        what = f"metered step, {precision}, batch {b}"
+        self.progress.begin(what)
+        batch = self.workload.batch(b, self.target.device)
+        result = MemoryStep(model, self.block_names, self.target).run(wl, optimizer, batch)
+        self.progress.advance(what)
+        return result
+
+    def _timed(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        wl: Workload,
+        b: int,
+        precision: str,
+        owners: list[str],
+    ) -> TimingMeasurement | None:
+        if not self.timed_steps:
+            return None
+        runs = []
+        batch = self.workload.batch(b, self.target.device)
+        stepper = TimingStep(model, self.block_names, owners, self.target)
+        for _ in range(self.timed_steps):
+            what = f"timed step, {precision}, batch {b}"
+            self.progress.begin(what)
+            runs.append(stepper.run(wl, optimizer, batch))
+            self.progress.advance(what)
+        return TimingMeasurement.fastest(runs)
+
+    # -- fitting ----------------------------------------------------------------------------
+
+    def _bytes(self, value1: int, value2: int) -> LinearBytes:
+        b1, b2 = self.sizes
+        return LinearBytes.fit(b1, value1, b2, value2)
+
+    def _ms(self, times: list[TimingMeasurement | None], read: Callable) -> LinearMs:
+        b1, b2 = self.sizes
+        if times[0] is None or times[1] is None:
+            return LinearMs()
+        return LinearMs.fit(b1, read(times[0]), b2, read(times[1]))
+
+    def _step_profile(
+        self,
+        precision: str,
+        model: nn.Module,
+        mem: list[MemoryMeasurement],
+        timing: list[TimingMeasurement | None],
+    ) -> StepProfile:
+        m1, m2 = mem
+        blocks = [
+            BlockActivity(
+                name=name,
+                activation=self._bytes(m1.block_activation[i], m2.block_activation[i]),
+                input=self._bytes(m1.block_input[i], m2.block_input[i]),
+                output=self._bytes(m1.block_output[i], m2.block_output[i]),
+                forward_transient=self._bytes(m1.block_transient[i], m2.block_transient[i]),
+                forward_ms=self._ms(timing, lambda t, i=i: t.block_forward_ms[i]),
+                backward_ms=self._ms(timing, lambda t, i=i: t.block_backward_ms[i]),
+            )
+            for i, name in enumerate(self.block_names)
+        ]
+        outside = []
+        for owner in {o for m in mem for o in m.outside}:
+            a1, a2 = m1.outside.get(owner, 0), m2.outside.get(owner, 0)
+            if owner == LOSS_OWNER:
+                forward = self._ms(timing, lambda t: t.loss_ms)
+            elif owner == OTHER_OWNER:
+                forward = LinearMs()
+            else:
+                forward = self._ms(timing, lambda t, o=owner: t.module_forward_ms.get(o, 0.0))
+            type_name = "" if owner.startswith("<") else type(model.get_submodule(owner)).__name__
+            outside.append(
+                ModuleActivity(
+                    name=owner,
+                    type_name=type_name,
+                    activation=self._bytes(a1, a2),
+                    forward_ms=forward,
+                )
+            )
+        # Largest first: the report and the advice lead with what holds the most.
+        outside.sort(key=lambda m: m.activation.at(self.sizes[1]), reverse=True)
+        phases = [
+            PhasePeak(
+                phase=phase,
+                allocated=self._bytes(m1.phases[phase][0], m2.phases[phase][0]),
+                reserved=(
+                    self._bytes(m1.phases[phase][1], m2.phases[phase][1])
+                    if m1.phases[phase][1] is not None and m2.phases[phase][1] is not None
+                    else None
+                ),
+            )
+            for phase in m2.phases
+            if phase in m1.phases
+        ]
+        optimizer_ms = (
+            sum(t.optimizer_ms for t in timing if t is not None) / len(timing)
+            if all(t is not None for t in timing)
+            else 0.0
+        )
+        return StepProfile(
+            precision=precision,
+            blocks=blocks,
+            outside=outside,
+            activation_total=self._bytes(m1.activation_total, m2.activation_total),
+            phases=phases,
+            cast_weight_bytes=m2.cast_weight_bytes,
+            forward_ms=self._ms(timing, lambda t: t.forward_ms),
+            backward_ms=self._ms(timing, lambda t: t.backward_ms),
+            optimizer_ms=optimizer_ms,
+            step_ms=self._ms(timing, lambda t: t.step_ms),
+        )
+
+    def _layers(self, model: nn.Module, mem: MemoryMeasurement) -> list[LayerRow]:
+        names = [n for n, _ in model.named_modules() if n]
+        rows = []
+        for name in names:
+            module = model.get_submodule(name)
+            prefix = name + "."
+            inclusive = sum(
+                v for k, v in mem.module_activation.items() if k == name or k.startswith(prefix)
+            )
+            rows.append(
+                LayerRow(
+                    name=name,
+                    type_name=type(module).__name__,
+                    param_bytes=_unique_bytes(module.parameters(), self._on_device),
+                    grad_bytes=mem.module_grad.get(name, 0),
+                    activation_bytes=inclusive,
+                    self_activation_bytes=mem.module_activation.get(name, 0),
+                )
+            )
+        return rows
+
+    def _fixed_overhead(self, mem: MemoryMeasurement) -> int:
+        if mem.allocator_peak_bytes is None:
+            return 0
+        # What the allocator held at its peak beyond the tensors the meter saw: cuBLAS
+        # workspaces (made again in the step) and the allocator's rounding.
+        return max(0, mem.allocator_peak_bytes - mem.tracked_peak_bytes)
+
+    def _fragmentation(self, mem: MemoryMeasurement) -> float | None:
+        if not self.target.is_cuda:
+            return None
+        allocated = max((a for a, _ in mem.phases.values()), default=0)
+        reserved = max((r or 0 for _, r in mem.phases.values()), default=0)
+        return reserved / allocated if allocated > 0 else None
