@@ -1,5 +1,18 @@
 """Planner: search the strategies' choices on the estimate, probe the device, verify the pick."""
 
+from memadvisor.planner._plan import plan_workload
+from memadvisor.planner._probe import BatchSearch, find_batch, safe_below
+from memadvisor.planner._progress import Progress
 from memadvisor.planner._schema import Measurement, Plan, Probe, Row
 
-__all__ = ["Measurement", "Plan", "Probe", "Row"]
+__all__ = [
+    "BatchSearch",
+    "Measurement",
+    "Plan",
+    "Probe",
+    "Progress",
+    "Row",
+    "find_batch",
+    "plan_workload",
+    "safe_below",
+]

@@ -28,6 +28,12 @@ class Probe(_Model):
     peak_bytes: int | None = Field(None, description="Measured peak; None when it ran out.")
     error: str | None = Field(None, description="The out-of-memory message, when it ran out.")
     wall_ms: float = 0.0
+    stage: Literal["probe", "timing", "verify", "compare"] = Field(
+        "probe",
+        description="probe: searching the batch; timing: re-ranking the best candidates; "
+        "verify: the pick's sustained run; compare: a comparison row's own batch search.",
+    )
+    candidate: Candidate | None = Field(None, description="What ran (batch and choices).")
 
 
 class Row(_Model):

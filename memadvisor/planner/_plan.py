@@ -1,0 +1,393 @@
+"""plan_workload: profile, check the budget, search, probe and re-rank, verify, compare.
+
+Each stage hands the next a whole object (Profile, Scored, Confirmed), so the flow reads
+top to bottom in :func:`plan_workload`; :class:`_Prober` holds what every device run shares
+(the device, the probe log, the notes).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from memadvisor.config import PlanConfig
+from memadvisor.device import Device, Measurement
+from memadvisor.errors import BadInputError
+from memadvisor.estimate import Candidate, estimate
+from memadvisor.planner._budget import check_static_fits, infeasible
+from memadvisor.planner._compare import hand_configurations
+from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
+from memadvisor.planner._progress import Progress, Stage
+from memadvisor.planner._schema import Plan, Probe, Row
+from memadvisor.planner._search import search
+from memadvisor.planner._space import Scored, SearchSpace, rank_key
+from memadvisor.planner._state import preserved_state
+from memadvisor.profiler import Profile
+from memadvisor.strategy import Advice, Strategy, load_strategies
+from memadvisor.workload import Workload
+
+__all__ = ["plan_workload"]
+
+SIMULATED_NOTE = (
+    "No CUDA device: this plan is for the simulated CPU device. It enforces the budget on "
+    "the tracked bytes of real CPU tensors; times are CPU times."
+)
+# Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
+_MARGIN_STEP_DOWNS = 3
+
+
+@dataclass
+class _Confirmed:
+    """A candidate the device ran: its batch as probed, and its measured step."""
+
+    scored: Scored
+    candidate: Candidate
+    largest_batch: int  # the largest micro-batch the probes allow (before the objective's pick)
+    measured: Measurement
+    search: BatchSearch
+
+
+class _Prober:
+    """Runs candidates on the device, logs every run, and steps down when one runs out."""
+
+    def __init__(
+        self, device: Device, workload: Workload, space: SearchSpace, config: PlanConfig
+    ) -> None:
+        self.device, self.workload, self.space, self.config = device, workload, space, config
+        self.probes: list[Probe] = []
+        self.notes: list[str] = []
+        self.bar: Stage | None = None
+
+    def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
+        record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
+        self.probes.append(record)
+        if self.bar is not None:
+            self.bar.advance()
+            self.bar.describe(
+                f"{stage}: batch {candidate.batch_size} {'fits' if record.fits else 'ran out'}"
+            )
+        return measured
+
+    def largest(self, scored: Scored, stage: str) -> tuple[BatchSearch, dict[int, Measurement]]:
+        """Probe the largest micro-batch of ``scored``'s choices, bracketed by its estimate."""
+        cfg = self.config
+        choices = scored.candidate.choices
+        # A fitting probe doubles as the candidate's timing: run enough steps for both.
+        steps = max(cfg.probe_steps, cfg.timing_steps)
+        measured: dict[int, Measurement] = {}
+
+        def fits(batch: int) -> bool:
+            m = self.run(Candidate(batch_size=batch, choices=choices), steps, stage)
+            if m is not None:
+                measured[batch] = m
+            return m is not None
+
+        upper = self.space.upper_batch(scored)
+        found = find_batch(fits, scored.largest_batch, upper, cfg.margin_fraction, cfg.max_batch)
+        return found, measured
+
+    def confirm(self, scored: Scored, stage: str = "probe") -> _Confirmed | None:
+        """The candidate at the batch the device allows, timed; None when batch 1 fails."""
+        found, measured = self.largest(scored, stage)
+        if found.batch < 1:
+            return None
+        batch, accumulation = self.space.batch_for(found.batch)
+        candidate = Candidate(
+            batch_size=batch, accumulation_steps=accumulation, choices=scored.candidate.choices
+        )
+        m = measured.get(batch) if accumulation == 1 else None
+        if m is None:  # the pick itself was not run (margin below a failure, or accumulation)
+            timing_stage = "timing" if stage == "probe" else stage
+            candidate, m = self.stepping_down(candidate, self.config.timing_steps, timing_stage)
+            if m is None:
+                return None
+        return _Confirmed(scored, candidate, found.batch, m, found)
+
+    def stepping_down(
+        self, candidate: Candidate, steps: int, stage: str
+    ) -> tuple[Candidate, Measurement | None]:
+        """Run ``candidate``; while it runs out, take the margin below and try again."""
+        failures = 0
+        while True:
+            measured = self.run(candidate, steps, stage)
+            if measured is not None:
+                return candidate, measured
+            failures += 1
+            failed = candidate.batch_size
+            micro = (
+                safe_below(failed, self.config.margin_fraction)
+                if failures <= _MARGIN_STEP_DOWNS
+                else failed // 2
+            )
+            batch, accumulation = self.space.batch_for(micro)
+            if batch < 1:
+                return candidate, None
+            self.notes.append(
+                f"Batch {failed} ran out of memory during {stage} ({steps} steps from a clean "
+                f"state) though shorter probes fitted; stepped down to batch {batch}."
+            )
+            candidate = Candidate(
+                batch_size=batch, accumulation_steps=accumulation, choices=candidate.choices
+            )
+
+
+def _measured_key(space: SearchSpace, c: _Confirmed) -> tuple:
+    return rank_key(
+        space.config.objective,
+        c.candidate.batch_size,
+        c.measured.samples_per_s,
+        c.scored.active,
+        c.scored.choices_json,
+    )
+
+
+def _resolve_kind(config: PlanConfig, device: Device | None) -> str:
+    if device is not None:
+        return device.kind
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "simulated"
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise BadInputError(
+            "device='cuda' needs a CUDA device, but torch.cuda.is_available() is False; use "
+            "device='simulated' (or 'auto') to plan on the CPU."
+        )
+    return config.device
+
+
+def _profile(workload: Workload, kind: str, ui: Progress) -> Profile:
+    from memadvisor.profiler import profile_workload  # lands with the profiler (issue 3)
+
+    with ui.stage("profiling", total=None):
+        return profile_workload(workload, device="cuda" if kind == "cuda" else "cpu")
+
+
+def _make_device(kind: str, config: PlanConfig, target: str | None, profile: Profile) -> Device:
+    if kind == "cuda":
+        from memadvisor.device.cuda import CudaDevice
+
+        return CudaDevice(
+            config.budget_bytes, target=target, profile=profile, strategy_names=config.strategies
+        )
+    from memadvisor.device.simulated import SimulatedDevice  # lands with issue 4
+
+    return SimulatedDevice(config.budget_bytes)
+
+
+def _advice(strategies: Sequence[Strategy], candidate: Candidate, profile: Profile) -> list[Advice]:
+    out = []
+    for s in strategies:
+        choice = candidate.choices.get(s.name)
+        if choice is None or s.is_neutral(choice):
+            continue
+        advice = s.explain(choice, profile)
+        if advice is not None:
+            out.append(advice)
+    return out
+
+
+def _checks(strategies: Sequence[Strategy], candidate: Candidate, workload: Workload) -> list:
+    out = []
+    for s in strategies:
+        choice = candidate.choices.get(s.name)
+        check = getattr(s, "check", None)
+        if choice is None or s.is_neutral(choice) or check is None:
+            continue
+        result = check(workload, choice)
+        if result is not None:
+            out.append(result)
+    return out
+
+
+def _rows(
+    space: SearchSpace, prober: _Prober | None, plan_row: Row, ui: Progress
+) -> tuple[list[Row], list[str]]:
+    """Baseline, +Checkpointing, +AMP, +Both (measured when ``prober``), then the plan."""
+    configs = hand_configurations(space)
+    rows: list[Row] = []
+    estimated: list[str] = []
+    with ui.stage("comparison", total=None) as bar:
+        if prober is not None:
+            prober.bar = bar  # counts the rows' probes
+        for label, choices in configs:
+            bar.describe(f"comparison: {label}")
+            scored = space.score_choices(choices)
+            if scored is None:  # not even batch 1 by the estimate: shown with batch 1's peak
+                cand = Candidate(batch_size=1, choices=choices)
+                est = estimate(space.profile, cand, space.strategies)
+                rows.append(Row(label=label, candidate=cand, estimate=est, largest_batch=0))
+                estimated.append(label)
+                continue
+            row = Row(
+                label=label,
+                candidate=scored.candidate,
+                estimate=scored.estimate,
+                largest_batch=scored.largest_batch,
+            )
+            if prober is not None:
+                confirmed = prober.confirm(scored, stage="compare")
+                if confirmed is None:
+                    row = row.model_copy(update={"largest_batch": 0})
+                else:
+                    est = estimate(space.profile, confirmed.candidate, space.strategies)
+                    row = Row(
+                        label=label,
+                        candidate=confirmed.candidate,
+                        estimate=est,
+                        largest_batch=confirmed.largest_batch,
+                        measured=confirmed.measured,
+                    )
+            else:
+                estimated.append(label)
+            rows.append(row)
+    rows.append(plan_row)
+    notes = []
+    if estimated:
+        notes.append(
+            f"Comparison rows {', '.join(estimated)} are estimated, not run on the device; "
+            "the Plan row is measured."
+        )
+    return rows, notes
+
+
+def plan_workload(
+    workload: Workload,
+    config: PlanConfig,
+    *,
+    target: str | None = None,
+    profile: Profile | None = None,
+    device: Device | None = None,
+    progress: bool | Progress = True,
+    strategies: Sequence[Strategy] | None = None,
+    measure_comparison: bool | None = None,
+) -> Plan:
+    """The fastest configuration of ``workload``'s training step that fits the budget.
+
+    Args:
+        workload: the model and its step; its model, optimizer state and RNG are untouched.
+        config: the budget, objective and search settings.
+        target: ``"file.py:factory"`` when there is one: CUDA probes rebuild the workload
+            from it in fresh processes.
+        profile: a profile already made (else the workload is profiled first).
+        device: where probes run (else CUDA when available, or the simulated CPU device).
+        progress: show progress bars on stderr (or a :class:`Progress` to share).
+        strategies: strategy instances (else ``load_strategies(config.strategies)``).
+        measure_comparison: run the hand configurations on the device too; by default
+            only where runs are cheap (not CUDA, whose every run is a fresh process).
+
+    Raises:
+        InfeasibleBudgetError: the budget cannot hold the model at batch 1 (the message and
+            ``minimum_bytes`` say what would).
+        BadInputError: the workload, target or config cannot be used as given.
+        PlanningError: a device run failed for a reason other than memory.
+    """
+    started = time.perf_counter()
+    ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
+    owned: Device | None = None
+    with preserved_state(workload.model):
+        try:
+            kind = _resolve_kind(config, device)
+            notes: list[str] = []
+            if kind == "simulated" and device is None:
+                ui.note(SIMULATED_NOTE)
+                notes.append(SIMULATED_NOTE)
+            chosen = (
+                list(strategies) if strategies is not None else load_strategies(config.strategies)
+            )
+            if profile is None:
+                profile = _profile(workload, kind, ui)
+            space = SearchSpace(profile, chosen, config)
+            check_static_fits(profile, config, space.cheapest_peak_bytes())
+
+            with ui.stage("search", total=None) as bar:
+                ranked = search(space, config.seed, bar.advance)
+            if not ranked:
+                raise infeasible(
+                    profile,
+                    config,
+                    space.cheapest_peak_bytes(),
+                    "By the estimate no configuration fits even batch 1.",
+                )
+
+            if device is None:
+                device = owned = _make_device(kind, config, target, profile)
+            prober = _Prober(device, workload, space, config)
+            top = ranked[: config.rerank_top]
+            with ui.stage("probes", total=None) as bar:
+                prober.bar = bar
+                confirmed = [c for c in (prober.confirm(s) for s in top) if c is not None]
+            if not confirmed:
+                raise infeasible(
+                    profile,
+                    config,
+                    space.cheapest_peak_bytes(),
+                    f"On the device not even batch 1 fitted for the {len(top)} best "
+                    "configurations by the estimate.",
+                )
+            # Stable: equal measurements keep the estimate's order.
+            best = min(confirmed, key=lambda c: _measured_key(space, c))
+
+            with ui.stage("verify", total=None) as bar:
+                prober.bar = bar
+                pick, verified = prober.stepping_down(best.candidate, config.verify_steps, "verify")
+            if verified is None:
+                raise infeasible(
+                    profile,
+                    config,
+                    space.cheapest_peak_bytes(),
+                    f"The pick ran out of memory within {config.verify_steps} sustained steps "
+                    "even at batch 1.",
+                )
+            pick_estimate = estimate(profile, pick, chosen)
+            largest = (
+                best.largest_batch
+                if pick.batch_size == best.candidate.batch_size
+                else pick.batch_size
+            )
+            plan_row = Row(
+                label="Plan",
+                candidate=pick,
+                estimate=pick_estimate,
+                largest_batch=largest,
+                measured=verified,
+            )
+            if measure_comparison is None:
+                measure_comparison = device.kind != "cuda"
+            rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
+
+            if best.search.lowest_failure is None and best.search.probe_count > 1:
+                notes.append(
+                    f"The device held batch {best.search.largest_fit}, the estimate's largest "
+                    "under the whole budget; the plan did not probe higher."
+                )
+            notes += prober.notes + getattr(device, "notes", []) + row_notes
+            return Plan(
+                model_name=profile.model_name,
+                config=config,
+                device_kind=device.kind,
+                device_name=device.name,
+                candidate=pick,
+                estimate=pick_estimate,
+                verified=verified,
+                probes=prober.probes,
+                comparison=rows,
+                advice=_advice(chosen, pick, profile),
+                checks=_checks(chosen, pick, workload),
+                notes=notes,
+                plan_wall_ms=(time.perf_counter() - started) * 1e3,
+                profile=profile,
+            )
+        finally:
+            if owned is not None and hasattr(owned, "close"):
+                owned.close()
+            _release_cached_memory()
+
+
+def _release_cached_memory() -> None:
+    # What the probes freed goes back: the allocator holds no more than before planning.
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

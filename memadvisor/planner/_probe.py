@@ -1,0 +1,167 @@
+"""Find the largest batch that really fits: few probes, bracketed by the estimate.
+
+Each probe is one :meth:`Device.run` from a clean state for more than one step; the device
+decides nothing about memory, :func:`memadvisor.device.is_oom` does. The search:
+
+1. Probe ``start``, the estimate's largest batch under the usable budget (budget less margin).
+2. If it fits, probe ``upper`` once, the estimate's largest batch under the *whole* budget
+   (one step above the bracket). Both fit: the device has at least the room the estimate
+   promised; take ``upper``. Only ``start`` fits: take it, kept below ``upper`` by the margin.
+3. If ``start`` fails, the estimate was optimistic. Probe the highest batch that could still
+   be picked, the margin below the failure; a fit ends the search. A second failure means
+   the estimate is far off: halve until something fits, then bisect.
+
+Near the limit fitting is deterministic but not monotone (ResNet-50 bf16 on an H200: 354
+fits, 355 fails, 356 fits; DESIGN.md), so a fit above a failure proves nothing about the
+batches around it. The pick therefore stays the margin below the *lowest* failure seen,
+never on a lucky island above it. When the estimate is right a model needs two probes.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memadvisor.device import Device, Measurement, is_oom
+from memadvisor.estimate import Candidate
+from memadvisor.planner._schema import Probe
+from memadvisor.workload import Workload
+
+__all__ = ["BatchSearch", "find_batch", "probe", "safe_below"]
+
+TryBatch = Callable[[int], bool]
+
+
+def safe_below(failing_batch: int, margin_fraction: float) -> int:
+    """The largest batch the plan may take when ``failing_batch`` ran out of memory.
+
+    ``margin_fraction`` below it, and at least one below: ``safe_below(100, 0.08) == 92``,
+    ``safe_below(2, 0.08) == 1``, ``safe_below(1, 0.08) == 0`` (nothing fits).
+    """
+    return max(0, min(failing_batch - 1, int(failing_batch * (1.0 - margin_fraction))))
+
+
+@dataclass
+class BatchSearch:
+    """What probing found: the pick and the evidence for it."""
+
+    batch: int = 0
+    largest_fit: int = 0
+    lowest_failure: int | None = None
+    tried: list[tuple[int, bool]] = field(default_factory=list)
+
+    @property
+    def probe_count(self) -> int:
+        return len(self.tried)
+
+
+def find_batch(
+    fits: TryBatch, start: int, upper: int, margin_fraction: float, max_batch: int
+) -> BatchSearch:
+    """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
+
+    Args:
+        fits: runs batch ``b`` on the device from a clean state; True when it fits.
+        start: the estimate's largest batch under the usable budget.
+        upper: the estimate's largest batch under the whole budget (the bracket's top).
+        margin_fraction: how far below the lowest failure the pick stays.
+        max_batch: no batch above this is tried.
+
+    Returns:
+        The search; ``batch == 0`` when not even batch 1 fits.
+
+    Raises:
+        ValueError: ``max_batch`` is not positive.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be positive, but got {max_batch=}.")
+    search = BatchSearch()
+
+    def run(b: int) -> bool:
+        ok = fits(b)
+        search.tried.append((b, ok))
+        if ok:
+            search.largest_fit = max(search.largest_fit, b)
+        else:
+            search.lowest_failure = (
+                b if search.lowest_failure is None else min(search.lowest_failure, b)
+            )
+        return ok
+
+    start = min(max(start, 1), max_batch)
+    upper = min(max(upper, start + 1), max_batch)
+    lo, hi = 0, None  # the largest fit below every failure, the lowest failure
+    if run(start):
+        lo = start
+        if upper > start:
+            if run(upper):
+                lo = upper
+            else:
+                hi = upper
+    else:
+        hi = start
+        failures_before_a_fit = 1
+        while lo < safe_below(hi, margin_fraction):
+            target = safe_below(hi, margin_fraction)
+            if lo == 0 and failures_before_a_fit == 1:
+                b = target  # the estimate was a little optimistic: its margin below
+            elif lo == 0:
+                b = min(max(1, hi // 2), target)  # far off: halve
+            else:
+                b = min((lo + hi) // 2, target)
+            if run(b):
+                lo = b
+            else:
+                hi = b
+                if lo == 0:
+                    failures_before_a_fit += 1
+    search.batch = lo if hi is None else min(lo, safe_below(hi, margin_fraction))
+    return search
+
+
+def probe(
+    device: Device, workload: Workload, candidate: Candidate, steps: int, *, stage: str = "probe"
+) -> tuple[Probe, Measurement | None]:
+    """Run ``candidate`` on ``device`` for ``steps`` steps; an out-of-memory is an answer.
+
+    Returns:
+        The probe record, and the measurement when it fit.
+
+    Raises:
+        Exception: anything :func:`memadvisor.device.is_oom` does not call an out-of-memory,
+            re-raised unchanged.
+    """
+    t0 = time.perf_counter()
+    try:
+        measured = device.run(workload, candidate, steps)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        steps_run = int(getattr(e, "memadvisor_steps_completed", 0))
+        del e
+        # The traceback held the failed step's frames and tensors; free them before the next
+        # probe so its clean state is clean.
+        gc.collect()
+        record = Probe(
+            batch_size=candidate.batch_size,
+            fits=False,
+            steps=steps_run,
+            error=message[:500],
+            wall_ms=(time.perf_counter() - t0) * 1e3,
+            stage=stage,
+            candidate=candidate,
+        )
+        return record, None
+    record = Probe(
+        batch_size=candidate.batch_size,
+        fits=True,
+        steps=measured.steps,
+        peak_bytes=measured.peak_bytes,
+        wall_ms=(time.perf_counter() - t0) * 1e3,
+        stage=stage,
+        candidate=candidate,
+    )
+    return record, measured

@@ -1,0 +1,78 @@
+"""What the planner shows while it works: one rich progress bar per stage, and notes.
+
+``Progress(enabled=False)`` shows nothing (tests, library use that wants silence); the
+planner calls the same methods either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.progress import Progress as _RichProgress
+
+__all__ = ["Progress", "Stage"]
+
+
+class Stage:
+    """One stage's bar: ``advance()`` after each unit of work, ``describe()`` to say what."""
+
+    def __init__(self, bar: _RichProgress | None, task: int | None) -> None:
+        self._bar, self._task = bar, task
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.advance(self._task, n)
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=text)
+
+    def grow(self, total: int) -> None:
+        """Raise the stage's total (probing does not know its probe count up front)."""
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, total=total)
+
+
+class Progress:
+    """Stages (profiling, search, probes, verify) on stderr, and one-line notes."""
+
+    def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
+        self.enabled = enabled
+        self.console = console or Console(stderr=True)
+        self._bar: _RichProgress | None = None
+
+    def note(self, text: str) -> None:
+        """One line the user should see (e.g. that the plan is for the simulated device)."""
+        if self.enabled:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    @contextlib.contextmanager
+    def stage(self, description: str, total: int | None = None) -> Iterator[Stage]:
+        """A bar for the duration of the block; ``total=None`` shows a spinner."""
+        if not self.enabled:
+            yield Stage(None, None)
+            return
+        bar = _RichProgress(
+            SpinnerColumn(),
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
+        with bar:
+            task = bar.add_task(description, total=total)
+            stage = Stage(bar, task)
+            yield stage
+            if total is not None:
+                bar.update(task, completed=bar.tasks[task].total)
