@@ -73,3 +73,17 @@ def test_is_oom_recognises_cuda_messages_and_nothing_else() -> None:
     assert is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert not is_oom(RuntimeError("size mismatch"))
     assert not is_oom(ValueError("CUDA out of memory"))
+
+
+def test_storage_listeners_hear_each_new_storage_once_with_its_key() -> None:
+    """A storage listener gets every storage the meter starts counting (made or adopted),
+    keyed as the meter keys it, and never a view of one it already counts."""
+    heard: list[tuple[int, int]] = []
+    meter = MemoryMeter()
+    meter.add_storage_listener(lambda st, n: heard.append((id(st), n)))
+    w = torch.empty(10)
+    meter.adopt([w, w])
+    with meter:
+        x = torch.empty(100)
+        _view = x[1:]
+    assert heard == [(id(w.untyped_storage()), 40), (id(x.untyped_storage()), 400)]

@@ -170,8 +170,10 @@ class MemoryStep:
     ) -> MemoryMeasurement:
         """One step of ``workload`` on ``batch``; the model and optimizer carry on from it."""
         self._reset()
-        gc.collect()  # cyclic garbage from earlier steps must not be freed inside this one
         if self.target.is_cuda:
+            # The allocator counts every tensor of the process: cyclic garbage from earlier
+            # steps must not be freed inside this one. (The meter sees only this step's.)
+            gc.collect()
             torch.cuda.synchronize(self.target.device)
             # cuBLAS makes its workspaces again at the first matmul of each thread, as in a
             # fresh process, so the allocator's peak includes them.
