@@ -7,14 +7,30 @@ other modules import from here, never from ``torch._*`` directly.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 __all__ = [
+    "TorchPrivateAPIError",
+    "autocast_registrations",
+    "below_cpu_autocast",
     "clear_cublas_workspaces",
+    "compile_modes",
+    "cuda_memory_counters",
+    "dynamo_counters",
+    "fake_copy",
     "fake_mode_active",
+    "fake_tensor_mode",
+    "inductor_backend",
+    "inductor_cache_dir",
     "is_fake",
+    "memory_snapshot",
+    "memory_snapshot_html",
+    "record_memory_history",
 ]
 
 
@@ -48,3 +64,282 @@ def clear_cublas_workspaces() -> bool:
         return False
     clear()
     return True
+
+
+class TorchPrivateAPIError(ImportError):
+    """A private torch API memadvisor relies on is missing from this torch build."""
+
+
+def _missing(what: str, error: Exception) -> TorchPrivateAPIError:
+    return TorchPrivateAPIError(
+        f"memadvisor needs {what}, which this torch ({torch.__version__}) does not provide "
+        f"({type(error).__name__}: {error}). Install a torch from 2.11 on, or report the "
+        "version so memadvisor/_torch_private.py can follow the move."
+    )
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """A new ``torch._subclasses.fake_tensor.FakeTensorMode(**kwargs)``.
+
+    Raises:
+        TorchPrivateAPIError: this torch has no FakeTensorMode there.
+    """
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as e:  # pragma: no cover - moved in a future torch
+        raise _missing("torch._subclasses.fake_tensor.FakeTensorMode", e) from e
+    return FakeTensorMode(**kwargs)
+
+
+def autocast_registrations(device_type: str) -> set[str]:
+    """Names of the aten ops with an autocast kernel for ``device_type`` ('cpu' or 'cuda').
+
+    Read from the dispatcher (``torch._C._dispatch_get_registrations_for_dispatch_key``),
+    so it follows the installed torch. CUDA's registrations are compiled into CPU-only
+    builds too, which is what lets a CPU emulate CUDA's autocast policy.
+
+    Raises:
+        TorchPrivateAPIError: the dispatcher introspection API is gone.
+    """
+    key = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}[device_type]
+    try:
+        return set(torch._C._dispatch_get_registrations_for_dispatch_key(key))
+    except AttributeError as e:  # pragma: no cover - moved in a future torch
+        raise _missing("torch._C._dispatch_get_registrations_for_dispatch_key", e) from e
+
+
+@contextmanager
+def below_cpu_autocast() -> Iterator[None]:
+    """Run ops with CPU autocast's kernels skipped, as autocast's own kernels call through.
+
+    Wraps ``torch._C._ExcludeDispatchKeyGuard(DispatchKeySet(DispatchKey.AutocastCPU))``.
+
+    Raises:
+        TorchPrivateAPIError: the guard or the dispatch key is gone.
+    """
+    try:
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+        guard = torch._C._ExcludeDispatchKeyGuard(keys)
+    except AttributeError as e:  # pragma: no cover - moved in a future torch
+        raise _missing("torch._C._ExcludeDispatchKeyGuard (AutocastCPU)", e) from e
+    with guard:
+        yield
+
+
+def fake_copy(obj: Any, mode: Any) -> Any:
+    """``copy.deepcopy(obj)`` with every tensor in it made a fake tensor of ``mode``.
+
+    Real tensors become fake (no memory); fake ones get fresh fake storages of ``mode``
+    (a plain deepcopy of a fake tensor lands in a new mode, which no op can mix with the
+    old one). Shared tensors (tied weights) stay shared. Wraps
+    ``torch._subclasses.fake_tensor.FakeCopyMode``.
+
+    Raises:
+        TorchPrivateAPIError: this torch has no FakeCopyMode.
+    """
+    import copy
+
+    try:
+        from torch._subclasses.fake_tensor import FakeCopyMode
+    except ImportError as e:  # pragma: no cover - moved in a future torch
+        raise _missing("torch._subclasses.fake_tensor.FakeCopyMode", e) from e
+    with FakeCopyMode(mode):
+        return copy.deepcopy(obj)
+
+
+def record_memory_history(enabled: bool, *, max_entries: int = 100_000) -> None:
+    """Start (or stop) the CUDA allocator's history of every alloc and free, with stacks.
+
+    Wraps ``torch.cuda.memory._record_memory_history``.
+
+    Raises:
+        ImportError: this torch has no such call.
+    """
+    try:
+        record = torch.cuda.memory._record_memory_history
+    except AttributeError as e:  # pragma: no cover - moved in a future torch
+        raise _gone("torch.cuda.memory._record_memory_history", e) from e
+    if enabled:
+        record(enabled="all", max_entries=max_entries)
+    else:
+        record(enabled=None)
+
+
+def memory_snapshot() -> dict:
+    """The CUDA allocator's snapshot: segments, blocks and the recorded history.
+
+    Wraps ``torch.cuda.memory._snapshot``; the dict pickles to the file that
+    https://pytorch.org/memory_viz loads.
+
+    Raises:
+        ImportError: this torch has no such call.
+    """
+    try:
+        return torch.cuda.memory._snapshot()
+    except AttributeError as e:  # pragma: no cover - moved in a future torch
+        raise _gone("torch.cuda.memory._snapshot", e) from e
+
+
+def memory_snapshot_html(snapshot: dict) -> str:
+    """torch's own viewer page for ``snapshot`` (``torch.cuda._memory_viz.trace_plot``).
+
+    The page embeds the snapshot but loads torch's viewer script from a CDN, so it needs a
+    network connection to open (torch ships no copy of the script).
+
+    Raises:
+        ImportError: this torch has no such module.
+    """
+    try:
+        from torch.cuda._memory_viz import trace_plot
+    except ImportError as e:  # pragma: no cover - moved in a future torch
+        raise _gone("torch.cuda._memory_viz.trace_plot", e) from e
+    return trace_plot(snapshot)
+
+
+def cuda_memory_counters(device: torch.device | str | int | None = None) -> dict[str, int]:
+    """The CUDA caching allocator's counters from one stats call.
+
+    ``torch.cuda.memory_allocated``, ``max_memory_allocated``, ``memory_reserved`` ... each
+    build and flatten the whole ``memory_stats`` dict (tens of microseconds apiece); this reads
+    the nested dict of ``torch._C._cuda_memoryStats`` once. Falls back to the public
+    ``torch.cuda.memory_stats`` where that call is gone.
+
+    Returns:
+        ``allocated``, ``allocated_peak``, ``reserved``, ``reserved_peak`` (bytes) and
+        ``allocations`` (cumulative count of allocations).
+    """
+    if device is None:
+        index = torch.cuda.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        d = torch.device(device)
+        index = d.index if d.index is not None else torch.cuda.current_device()
+    stats_fn: Any = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats_fn is not None:
+        s = stats_fn(index)
+        allocated, reserved = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+        return {
+            "allocated": allocated["current"],
+            "allocated_peak": allocated["peak"],
+            "reserved": reserved["current"],
+            "reserved_peak": reserved["peak"],
+            "allocations": s["allocation"]["all"]["allocated"],
+        }
+    flat = torch.cuda.memory_stats(index)  # pragma: no cover - moved in a future torch
+    return {  # pragma: no cover
+        "allocated": flat.get("allocated_bytes.all.current", 0),
+        "allocated_peak": flat.get("allocated_bytes.all.peak", 0),
+        "reserved": flat.get("reserved_bytes.all.current", 0),
+        "reserved_peak": flat.get("reserved_bytes.all.peak", 0),
+        "allocations": flat.get("allocation.all.allocated", 0),
+    }
+
+
+def _gone(what: str, error: Exception) -> ImportError:
+    return ImportError(
+        f"memadvisor needs {what}, which this torch ({torch.__version__}) does not provide "
+        f"({type(error).__name__}: {error}). Install a torch from 2.11 on."
+    )
+
+
+# -- torch.compile: modes, the inductor backend, dynamo's counters, the on-disk cache ------
+
+
+def compile_modes() -> dict[str, dict[str, Any]]:
+    """Each ``torch.compile`` mode and the inductor options it sets.
+
+    Wraps ``torch._inductor.list_mode_options()``, so it follows the installed torch.
+
+    Raises:
+        TorchPrivateAPIError: this torch has no such call.
+    """
+    try:
+        from torch._inductor import list_mode_options
+    except ImportError as e:  # pragma: no cover - moved in a future torch
+        raise _missing("torch._inductor.list_mode_options", e) from e
+    return dict(list_mode_options())
+
+
+class _BudgetedInductor:
+    """Inductor with ``torch._functorch.config.activation_memory_budget`` patched while it runs.
+
+    The partitioner reads the budget when AOTAutograd splits the joint graph, which happens
+    inside the backend call at the forward's compile; patching there scopes the budget to
+    this backend's graphs instead of setting it for the whole process.
+    """
+
+    def __init__(self, inner: Any, budget: float) -> None:
+        self.inner = inner
+        self.budget = budget
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.inner(gm, example_inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        # dynamo asks a backend for compiler_name, get_compiler_config(), reset(): inductor's.
+        return getattr(self.inner, name)
+
+
+_BACKENDS: dict[tuple[str, float | None], Any] = {}
+
+
+def inductor_backend(mode: str, activation_memory_budget: float | None = None) -> Any:
+    """The inductor backend ``torch.compile(mode=mode)`` uses, for ``backend=``.
+
+    One object per ``(mode, activation_memory_budget)`` for the life of the process: dynamo
+    tells backends apart by identity, so a compiled function reuses its graphs across model
+    copies with the same settings and recompiles for different ones. Wraps
+    ``torch._TorchCompileInductorWrapper`` and, with a budget, patches
+    ``torch._functorch.config.activation_memory_budget`` around each graph's compile.
+
+    Raises:
+        TorchPrivateAPIError: this torch has no such wrapper.
+    """
+    key = (mode, activation_memory_budget)
+    if key not in _BACKENDS:
+        wrapper: Any = getattr(torch, "_TorchCompileInductorWrapper", None)
+        if wrapper is None:  # pragma: no cover - moved in a future torch
+            raise _missing("torch._TorchCompileInductorWrapper", AttributeError(key))
+        inner = wrapper(mode, None, None)
+        _BACKENDS[key] = (
+            inner
+            if activation_memory_budget is None
+            else _BudgetedInductor(inner, activation_memory_budget)
+        )
+    return _BACKENDS[key]
+
+
+def dynamo_counters() -> dict[str, dict[str, int]]:
+    """A copy of ``torch._dynamo.utils.counters`` (graphs, graph breaks, cache hits so far).
+
+    Process-wide and cumulative: compare two copies to see what one compile did. Empty
+    where this torch has no such counters.
+    """
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - moved in a future torch
+        return {}
+    return {group: dict(counts) for group, counts in counters.items()}
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its on-disk caches: ``$TORCHINDUCTOR_CACHE_DIR``, else its default.
+
+    Unlike ``torch._inductor.runtime.cache_dir_utils.cache_dir()``, creates nothing and sets
+    no environment variable.
+    """
+    configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if configured:
+        return os.path.abspath(configured)
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # pragma: no cover - moved in a future torch: its documented default
+        import getpass
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return os.path.abspath(default_cache_dir())

@@ -1,6 +1,7 @@
 """Profiler: one instrumented training step measured at two small batch sizes."""
 
 from memadvisor.profiler._blocks import find_blocks
+from memadvisor.profiler._export import record_timeline, write_memory_snapshot
 from memadvisor.profiler._profile import as_optimizer_factory, profile, profile_workload
 from memadvisor.profiler._schema import (
     BlockActivity,
@@ -30,4 +31,6 @@ __all__ = [
     "find_blocks",
     "profile",
     "profile_workload",
+    "record_timeline",
+    "write_memory_snapshot",
 ]

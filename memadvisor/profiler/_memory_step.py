@@ -10,7 +10,9 @@ tag and are not activations.
 
 Peaks per phase come from the meter on the CPU and under fake tensors, and from the caching
 allocator's counters on CUDA (``reset_peak_memory_stats`` at each phase boundary), taken
-relative to what the process held outside this step, so they read as a fresh process would.
+relative to what the process held outside this step's tensors. That leaves out cuBLAS's
+workspaces, made in the warm-up step and held since: the pass measures them once and adds
+them back (``_profile._Pass``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from memadvisor._torch_private import clear_cublas_workspaces
 from memadvisor.memory import MemoryMeter
 from memadvisor.profiler._device import Target
 from memadvisor.profiler._graph import saved_storages
@@ -175,9 +176,6 @@ class MemoryStep:
             # steps must not be freed inside this one. (The meter sees only this step's.)
             gc.collect()
             torch.cuda.synchronize(self.target.device)
-            # cuBLAS makes its workspaces again at the first matmul of each thread, as in a
-            # fresh process, so the allocator's peak includes them.
-            clear_cublas_workspaces()
             torch.cuda.empty_cache()
         params = [p for p in self.model.parameters()]
         meter = _StepMeter({id(p.untyped_storage()) for p in params})

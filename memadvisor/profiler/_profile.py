@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memadvisor._torch_private import clear_cublas_workspaces
 from memadvisor.errors import BadInputError
 from memadvisor.profiler._blocks import BlockSpec, find_blocks
 from memadvisor.profiler._device import AUTOCAST_DTYPES, Target, resolve_target
@@ -62,7 +63,7 @@ from memadvisor.profiler._state import clone_module, rng_restored
 from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
 from memadvisor.workload import Workload, train_step
 
-__all__ = ["as_optimizer_factory", "profile", "profile_workload"]
+__all__ = ["as_optimizer_factory", "autocast_workload", "profile", "profile_workload"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 TIMED_STEPS = 2  # per batch size and precision; the faster reading of each number is kept
@@ -178,12 +179,12 @@ def profile_workload(
             except Exception as e:
                 if not is_oom(e) or k == len(pairs) - 1:
                     raise
-                # Too big for the card at these sizes: free it all and try the halves.
-                del e
-                _release(target)
-                continue
-            result.profiling_ms = (time.perf_counter() - started) * 1000.0
-            return result
+            else:
+                result.profiling_ms = (time.perf_counter() - started) * 1000.0
+                return result
+            # Too big for the card at these sizes: free it all (now that the exception, and
+            # the frames holding the copy, are gone) and try the halves.
+            _release(target)
     raise AssertionError("unreachable: the last pair either returns or raises")
 
 
@@ -231,7 +232,7 @@ def _release(target: Target) -> None:
         torch.cuda.empty_cache()
 
 
-def _autocast(workload: Workload, precision: str, target: Target) -> Workload:
+def autocast_workload(workload: Workload, precision: str, target: Target) -> Workload:
     """``workload`` with the model's forward under autocast (the loss stays outside it, as
     the precision strategy applies it: on the model's forward)."""
     if precision == "fp32":
@@ -274,6 +275,7 @@ class _Pass:
         timed = 0 if target.fake else TIMED_STEPS
         self.progress = ProgressReporter(progress, 1 + len(precisions) * 2 * (1 + timed))
         self.timed_steps = timed
+        self.workspace_bytes = 0
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return not self.target.is_cuda or t.device.type == "cuda"
@@ -288,19 +290,18 @@ class _Pass:
         state_bytes = _unique_bytes(
             (t for s in optimizer.state.values() for t in tensors_in(s)), self._on_device
         )
-        steps: dict[str, StepProfile] = {}
-        memory_fp32: MemoryMeasurement | None = None
+        measured = {}
         for precision in self.precisions:
-            step_wl = _autocast(wl, precision, self.target)
+            step_wl = autocast_workload(wl, precision, self.target)
             mem = [self._metered(model, optimizer, step_wl, b, precision) for b in self.sizes]
             owners = sorted({o for m in mem for o in m.outside} - {LOSS_OWNER, OTHER_OWNER})
             timing = [
                 self._timed(model, optimizer, step_wl, b, precision, owners) for b in self.sizes
             ]
-            steps[precision] = self._step_profile(precision, model, mem, timing)
-            if precision == "fp32":
-                memory_fp32 = mem[1]
-        assert memory_fp32 is not None  # fp32 is always measured first
+            measured[precision] = (mem, timing)
+        self.workspace_bytes = self._measure_workspaces()
+        steps = {p: self._step_profile(p, model, *m_t) for p, m_t in measured.items()}
+        memory_fp32 = measured["fp32"][0][1]
         return Profile(
             model_name=type(wl.model).__name__,
             device=self.target.info(),
@@ -358,6 +359,22 @@ class _Pass:
             self.progress.advance(what)
         return TimingMeasurement.fastest(runs)
 
+    def _measure_workspaces(self) -> int:
+        """cuBLAS's workspaces (one per thread that ran matmuls: main and autograd).
+
+        Made in the warm-up step and held since, they sat in every metered step's baseline;
+        a training process holds them all along, so they are added back to each phase.
+        Measured as what freeing them gives back; the next matmul makes them again.
+        """
+        if not self.target.is_cuda:
+            return 0
+        dev = self.target.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        if not clear_cublas_workspaces():
+            return 0
+        return max(0, before - torch.cuda.memory_allocated(dev))
+
     # -- fitting ----------------------------------------------------------------------------
 
     def _bytes(self, value1: int, value2: int) -> LinearBytes:
@@ -410,12 +427,13 @@ class _Pass:
             )
         # Largest first: the report and the advice lead with what holds the most.
         outside.sort(key=lambda m: m.activation.at(self.sizes[1]), reverse=True)
+        ws = self.workspace_bytes
         phases = [
             PhasePeak(
                 phase=phase,
-                allocated=self._bytes(m1.phases[phase][0], m2.phases[phase][0]),
+                allocated=self._bytes(m1.phases[phase][0] + ws, m2.phases[phase][0] + ws),
                 reserved=(
-                    self._bytes(m1.phases[phase][1], m2.phases[phase][1])
+                    self._bytes(m1.phases[phase][1] + ws, m2.phases[phase][1] + ws)
                     if m1.phases[phase][1] is not None and m2.phases[phase][1] is not None
                     else None
                 ),
@@ -465,13 +483,15 @@ class _Pass:
     def _fixed_overhead(self, mem: MemoryMeasurement) -> int:
         if mem.allocator_peak_bytes is None:
             return 0
-        # What the allocator held at its peak beyond the tensors the meter saw: cuBLAS
-        # workspaces (made again in the step) and the allocator's rounding.
-        return max(0, mem.allocator_peak_bytes - mem.tracked_peak_bytes)
+        # What the allocator held at its peak beyond the tensors the meter saw: cuBLAS's
+        # workspaces and the allocator's rounding of each block.
+        rounding = max(0, mem.allocator_peak_bytes - mem.tracked_peak_bytes)
+        return self.workspace_bytes + rounding
 
     def _fragmentation(self, mem: MemoryMeasurement) -> float | None:
         if not self.target.is_cuda:
             return None
-        allocated = max((a for a, _ in mem.phases.values()), default=0)
-        reserved = max((r or 0 for _, r in mem.phases.values()), default=0)
+        ws = self.workspace_bytes
+        allocated = max((a + ws for a, _ in mem.phases.values()), default=0)
+        reserved = max(((r or 0) + ws for _, r in mem.phases.values()), default=0)
         return reserved / allocated if allocated > 0 else None

@@ -1,0 +1,180 @@
+"""Fake tensors: profile and probe a model far larger than this machine, using no memory.
+
+Under ``FakeTensorMode`` every tensor has a shape, a dtype and a storage size but no data, and
+every op computes only the shapes of its outputs. The :class:`~memadvisor.memory.MemoryMeter`
+counts fake storages exactly as real ones (DESIGN.md), so a 7B model's training step can be
+metered on a laptop: its weights alone would need 27 GB, its AdamW state 54 GB more.
+
+    workload = fake_workload(lambda: build(preset="7b"))       # examples/llama.py
+    profile = profile_fake(workload)                           # the profiler, in the mode
+    FakeDevice(budget_bytes=80 * GIB).run(workload, candidate, steps=2)
+
+A :class:`FakeWorkload` keeps the ``FakeTensorMode`` its tensors belong to: everything that
+touches them (the profiler, the device) runs inside that mode (:meth:`FakeWorkload.fake`).
+
+Planning for CUDA from here: fake tensors are CPU tensors (fake CUDA tensors cannot run
+backward without a card), so the CPU's defaults would apply where a card's differ. Two
+are fixed here: autocast follows CUDA's policy (:mod:`memadvisor.device._autocast`,
+entered by :meth:`FakeWorkload.fake`), and when the workload brings no optimizer, AdamW is
+made with ``foreach=True`` as it defaults on CUDA (its temporaries take one copy of all
+parameters during the step; the CPU's per-tensor loop takes two of the largest only).
+
+Known limitations:
+    * Times mean nothing: fake ops cost microseconds each whatever their size.
+    * Ops without a fake (meta) kernel raise; custom CUDA kernels need ``register_fake``.
+    * Data-dependent control flow (``if loss > 0``, ``.item()``, ``nonzero``) cannot run.
+    * A user-given optimizer keeps its CPU defaults (pass ``foreach=True`` to match a card).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from memadvisor._torch_private import fake_copy, fake_tensor_mode, is_fake
+from memadvisor.device._autocast import cuda_autocast_policy
+from memadvisor.device.simulated import SimulatedDevice, tensor_leaves
+from memadvisor.errors import BadInputError
+from memadvisor.target import workload_from_result
+from memadvisor.workload import Workload
+
+if TYPE_CHECKING:
+    from memadvisor.profiler import Profile
+
+__all__ = ["FakeDevice", "FakeWorkload", "fake_workload", "profile_fake"]
+
+PlanFor = Literal["cuda", "cpu"]
+
+
+def _foreach_adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    # Workload's default (AdamW, lr 1e-3) with the foreach implementation CUDA picks itself.
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
+@dataclass
+class FakeWorkload(Workload):
+    """A workload whose model and batch are fake tensors of ``fake_mode``.
+
+    Build one with :func:`fake_workload`. Anything that runs it must do so inside
+    :meth:`fake`.
+    """
+
+    fake_mode: Any = None
+    plan_for: PlanFor = "cuda"
+
+    @contextlib.contextmanager
+    def fake(self) -> Iterator[None]:
+        """Enter this workload's fake mode (and CUDA's autocast policy when planning CUDA)."""
+        policy = cuda_autocast_policy() if self.plan_for == "cuda" else contextlib.nullcontext()
+        with self.fake_mode, policy:
+            yield
+
+    def fresh_model(self) -> nn.Module:
+        """A copy of the model on fresh fake storages of the same mode (ties kept)."""
+        model = fake_copy(self.model, self.fake_mode)
+        for p in model.parameters():
+            p.grad = None
+        return model
+
+    @property
+    def param_bytes(self) -> int:
+        """The bytes the model's parameters would take on a card."""
+        return sum(p.untyped_storage().nbytes() for p in _unique(self.model.parameters()))
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def fake_workload(
+    source: Callable[[], Any] | Workload, *, plan_for: PlanFor = "cuda"
+) -> FakeWorkload:
+    """A workload of fake tensors, from a factory or from a (small, real) workload.
+
+    Args:
+        source: a zero-argument factory returning what a target factory returns
+            (``(model, batch)`` or a dict with ``model``, ``sample_batch``, ``loss_fn``...),
+            called inside a new ``FakeTensorMode`` so that even a 7B model costs no memory;
+            or a real :class:`Workload`, whose model and batch are copied to fake tensors.
+        plan_for: ``"cuda"`` (default) plans a card's step: CUDA's autocast policy, and a
+            foreach AdamW when the workload brings no optimizer. ``"cpu"`` keeps the CPU's.
+
+    Raises:
+        BadInputError: the factory's result is not a workload, or ``plan_for`` is unknown.
+    """
+    if plan_for not in ("cuda", "cpu"):
+        raise BadInputError(f"plan_for is 'cuda' or 'cpu', but got {plan_for=}.")
+    mode = fake_tensor_mode()
+    if isinstance(source, Workload):
+        real = source
+        model = fake_copy(real.model, mode)
+        sample_batch = fake_copy(real.sample_batch, mode)
+    else:
+        with mode:
+            real = workload_from_result(source(), origin="the fake workload's factory")
+        model, sample_batch = real.model, real.sample_batch
+    if not all(is_fake(t) for t in [*model.parameters(), *tensor_leaves(sample_batch)]):
+        raise BadInputError(
+            "The factory made some tensors outside the fake mode (e.g. a model built once and "
+            "cached at import time); build the model and the batch inside the factory."
+        )
+    optimizer = real.optimizer_factory
+    if optimizer is None and plan_for == "cuda":
+        optimizer = _foreach_adamw
+    fields = {f.name: getattr(real, f.name) for f in dataclasses.fields(Workload) if f.init}
+    fields.update(model=model, sample_batch=sample_batch, optimizer_factory=optimizer)
+    return FakeWorkload(**fields, fake_mode=mode, plan_for=plan_for)
+
+
+def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
+    """The profiler's pass over a fake workload, run inside its fake mode.
+
+    ``kwargs`` go to :func:`memadvisor.profiler.profile_workload`.
+
+    Raises:
+        BadInputError: ``workload`` is not a :class:`FakeWorkload`.
+    """
+    if not isinstance(workload, FakeWorkload):
+        raise BadInputError(
+            f"profile_fake needs a FakeWorkload (see fake_workload), but got "
+            f"{type(workload).__name__}."
+        )
+    from memadvisor.profiler import profile_workload  # the profiler imports the device layer
+
+    kwargs.setdefault("device", "cpu")
+    with workload.fake():
+        return profile_workload(workload, **kwargs)
+
+
+class FakeDevice(SimulatedDevice):
+    """A simulated card of any size for fake workloads: the budget enforced, no memory used.
+
+    Peaks are exact tensor bytes, as on :class:`SimulatedDevice`; step times are not
+    meaningful (see the module's limitations).
+    """
+
+    kind: ClassVar[Literal["simulated", "fake"]] = "fake"
+
+    def __init__(self, budget_bytes: int, **kwargs: Any) -> None:
+        kwargs.setdefault("name", "simulated card (fake tensors)")
+        super().__init__(budget_bytes, **kwargs)
+
+    def _context(self, workload: Workload) -> contextlib.AbstractContextManager:
+        if not isinstance(workload, FakeWorkload):
+            raise BadInputError(
+                f"FakeDevice runs FakeWorkloads (see fake_workload), but got "
+                f"{type(workload).__name__}; use SimulatedDevice for real tensors."
+            )
+        return workload.fake_mode
+
+    def _fresh_model(self, workload: Workload) -> nn.Module:
+        return workload.fresh_model()  # a FakeWorkload: _context, which runs first, checked

@@ -1,0 +1,179 @@
+"""A card simulated on the CPU: tensor bytes tracked as they come and go, the budget enforced.
+
+CI has no GPU, yet probing, verification and the estimate's accuracy must be tested
+honestly. :class:`SimulatedDevice` trains real CPU tensors (or fake ones, see
+:mod:`memadvisor.device.fake`) under a :class:`~memadvisor.memory.MemoryMeter` whose budget
+is the card's: the op that would take the live bytes past it raises
+:class:`~memadvisor.errors.SimulatedOutOfMemoryError`, a ``torch.OutOfMemoryError`` that
+:func:`~memadvisor.device.is_oom` recognises, as the CUDA allocator raises its own.
+
+Clean state is exact here, not approximated: every run meters a fresh copy of the model
+with a fresh meter, so nothing a previous run left behind (a fragmented cache, a leaked
+tensor) can change the next one's answer, which on a card needs a fresh process.
+
+Known limitations (what the meter sees is tensor bytes, as ``memory_allocated`` counts):
+    * No allocator: no 512-byte block rounding, no cached blocks, no fragmentation, so a
+      card fails somewhat earlier than this device (reserved ran 3-32% above allocated on
+      an H200, DESIGN.md). The planner's margin covers it.
+    * No cuBLAS workspaces or CUDA context (~69-77 MiB of workspaces on an H200).
+    * Step times are the CPU's, slowed by the meter: good for ranking nothing; the CUDA
+      device times steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from memadvisor.device._autocast import cuda_autocast_policy
+from memadvisor.device._base import Device, Measurement
+from memadvisor.device._oom import is_oom
+from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError
+from memadvisor.estimate import Candidate
+from memadvisor.memory import MemoryMeter
+from memadvisor.profiler import Profile
+from memadvisor.workload import Workload, train_step
+
+__all__ = ["AutocastPolicy", "SimulatedDevice", "tensor_leaves"]
+
+AutocastPolicy = Literal["cuda", "cpu"]
+
+
+def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) batch, optimizer state or output."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensor_leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensor_leaves(v)
+    elif hasattr(obj, "items"):  # a Mapping that is not a dict (HF BatchEncoding)
+        for _, v in obj.items():
+            yield from tensor_leaves(v)
+
+
+class SimulatedDevice(Device):
+    """A card of ``budget_bytes`` simulated on the CPU; every run on a fresh copy.
+
+    Args:
+        budget_bytes: what the simulated card gives to tensors.
+        profile: passed to ``apply_candidate`` (strategies may check a choice against it).
+        strategy_names: the strategies candidates are applied with; None loads the ones
+            each candidate names.
+        autocast_policy: ``"cuda"`` (default) casts under bf16/fp16 autocast as a card
+            would (:mod:`memadvisor.device._autocast`); ``"cpu"`` keeps CPU autocast's own
+            policy. The profile the estimate reads should be measured with the same one.
+        name: how reports name this device.
+    """
+
+    kind: ClassVar[Literal["simulated", "fake"]] = "simulated"
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        profile: Profile | None = None,
+        strategy_names: Sequence[str] | None = None,
+        autocast_policy: AutocastPolicy = "cuda",
+        name: str = "simulated card (CPU)",
+    ) -> None:
+        super().__init__(budget_bytes, name)
+        if autocast_policy not in ("cuda", "cpu"):
+            raise BadInputError(f"autocast_policy is 'cuda' or 'cpu', but got {autocast_policy=}.")
+        self.profile = profile
+        self.strategy_names = list(strategy_names) if strategy_names is not None else None
+        self.autocast_policy = autocast_policy
+        self.notes: list[str] = []
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
+        """Train a fresh copy of ``workload``'s model ``steps`` steps under the budget.
+
+        The caller's model, its gradients and the RNG state are left as they were.
+
+        Raises:
+            SimulatedOutOfMemoryError: the step (or the weights alone) pass the budget;
+                ``memadvisor_steps_completed`` on it says how many steps finished.
+            BadInputError: ``steps`` < 1, or the candidate does not fit the model.
+        """
+        if steps < 1:
+            raise BadInputError(f"A run needs at least one step, but got {steps=}.")
+        times_ms: list[float] = []
+        meter = MemoryMeter(self.budget_bytes)
+        try:
+            with torch.random.fork_rng(devices=[]), self._context(workload):
+                model = self._apply(self._fresh_model(workload), candidate)
+                optimizer = workload.make_optimizer(model)
+                batch = workload.batch(candidate.batch_size)
+                # On a card the weights and the batch are in memory before the step starts.
+                meter.adopt(model.parameters())
+                meter.adopt(model.buffers())
+                meter.adopt(tensor_leaves(batch))
+                if meter.live_bytes > self.budget_bytes:
+                    raise SimulatedOutOfMemoryError(meter.live_bytes, 0, self.budget_bytes)
+                with self._policy(), meter:
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        train_step(
+                            workload,
+                            model,
+                            optimizer,
+                            batch,
+                            accumulation_steps=candidate.accumulation_steps,
+                        )
+                        times_ms.append((time.perf_counter() - t0) * 1e3)
+        except Exception as e:
+            if is_oom(e):
+                e.memadvisor_steps_completed = len(times_ms)  # type: ignore[attr-defined]
+            raise
+        # The first step creates the optimizer state: not a steady step.
+        step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
+        samples = candidate.batch_size * candidate.accumulation_steps
+        return Measurement(
+            steps=steps,
+            peak_bytes=meter.peak_bytes,
+            reserved_peak_bytes=None,
+            step_ms=step_ms,
+            samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        )
+
+    # -- pieces a fake device replaces ------------------------------------------------------
+
+    def _context(self, workload: Workload) -> contextlib.AbstractContextManager:
+        """Where the run's tensors are made (the fake device enters its FakeTensorMode)."""
+        return contextlib.nullcontext()
+
+    def _fresh_model(self, workload: Workload) -> nn.Module:
+        model = copy.deepcopy(workload.model)
+        # A copied .grad would be accumulated into without being counted (it predates the
+        # meter); a fresh run starts without gradients, as train_step leaves them.
+        for p in model.parameters():
+            p.grad = None
+        return model
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _apply(self, model: nn.Module, candidate: Candidate) -> nn.Module:
+        if not candidate.choices:
+            return model
+        from memadvisor.apply import apply_candidate  # strategies build on the device layer
+        from memadvisor.strategy import load_strategies
+
+        names = self.strategy_names if self.strategy_names is not None else list(candidate.choices)
+        strategies = load_strategies(names)
+        return apply_candidate(model, candidate, strategies, profile=self.profile)
+
+    def _policy(self) -> contextlib.AbstractContextManager:
+        return (
+            cuda_autocast_policy() if self.autocast_policy == "cuda" else contextlib.nullcontext()
+        )
