@@ -1,4 +1,4 @@
-"""CUDA's autocast policy emulated on the CPU: what each op saves for backward, and in which dtype."""
+"""CUDA autocast emulated on the CPU: what each op saves for backward, and in which dtype."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SimulatedDevice: exact tensor bytes of a fresh copy's steps, the budget enforced like a card's."""
+"""SimulatedDevice: exact tensor bytes of a fresh copy's steps; the budget enforced as on a card."""
 
 from __future__ import annotations
 
