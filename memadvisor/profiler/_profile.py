@@ -3,12 +3,14 @@
 How a pass runs (``profile_workload``):
     1. The blocks are chosen (:func:`~memadvisor.profiler._blocks.find_blocks`) and the model
        is cloned onto the device; the caller's model, gradients and optimizer are never used.
-    2. One plain warm-up step, so the optimizer's state exists: every measured step is a
-       steady-state step (weights + optimizer state + this step's activations).
-    3. For each precision (fp32, then autocast bf16/fp16 around the model's forward, as the
-       precision strategy applies it) and each of the two batch sizes: one metered step
-       (:class:`~memadvisor.profiler._memory_step.MemoryStep`), then two timed steps
+    2. For each precision (fp32, then autocast bf16/fp16 around the model's forward, as the
+       precision strategy applies it): one plain warm-up step, so the optimizer's state
+       exists and every measured step is a steady-state step (weights + optimizer state +
+       this step's activations); then for each of the two batch sizes one metered step
+       (:class:`~memadvisor.profiler._memory_step.MemoryStep`) and two timed steps
        (:class:`~memadvisor.profiler._timing_step.TimingStep`, the faster reading kept).
+    3. On CUDA, cuBLAS's workspaces (held since the warm-up, so in every metered step's
+       baseline) are measured by freeing them, and added to every phase peak.
     4. Every size that grows with the batch is fitted through its two measurements.
 
 The RNG states are put back at the end. Under ``FakeTensorMode`` no step is timed (fake ops
@@ -273,7 +275,7 @@ class _Pass:
         self.precisions = precisions
         self.sizes = sizes
         timed = 0 if target.fake else TIMED_STEPS
-        self.progress = ProgressReporter(progress, 1 + len(precisions) * 2 * (1 + timed))
+        self.progress = ProgressReporter(progress, len(precisions) * (1 + 2 * (1 + timed)))
         self.timed_steps = timed
         self.workspace_bytes = 0
 
@@ -284,21 +286,24 @@ class _Pass:
         wl, b1, b2 = self.workload, *self.sizes
         model = clone_module(wl.model).to(self.target.device)
         optimizer = wl.make_optimizer(model)
-        self.progress.begin(f"warm-up step, batch {b1}")
-        train_step(wl, model, optimizer, wl.batch(b1, self.target.device))
-        self.progress.advance(f"warm-up step, batch {b1}")
-        state_bytes = _unique_bytes(
-            (t for s in optimizer.state.values() for t in tensors_in(s)), self._on_device
-        )
         measured = {}
         for precision in self.precisions:
             step_wl = autocast_workload(wl, precision, self.target)
+            # A plain step first: the optimizer's state, and whatever a precision's first step
+            # makes and keeps (cuBLAS/cuBLASLt workspaces), exist before anything is measured.
+            what = f"warm-up step, {precision}, batch {b2}"
+            self.progress.begin(what)
+            train_step(step_wl, model, optimizer, wl.batch(b2, self.target.device))
+            self.progress.advance(what)
             mem = [self._metered(model, optimizer, step_wl, b, precision) for b in self.sizes]
             owners = sorted({o for m in mem for o in m.outside} - {LOSS_OWNER, OTHER_OWNER})
             timing = [
                 self._timed(model, optimizer, step_wl, b, precision, owners) for b in self.sizes
             ]
             measured[precision] = (mem, timing)
+        state_bytes = _unique_bytes(
+            (t for s in optimizer.state.values() for t in tensors_in(s)), self._on_device
+        )
         self.workspace_bytes = self._measure_workspaces()
         steps = {p: self._step_profile(p, model, *m_t) for p, m_t in measured.items()}
         memory_fp32 = measured["fp32"][0][1]
