@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import memadvisor
 from memadvisor.errors import BadInputError
 from memadvisor.profiler import Profile, profile_workload
-from memadvisor.workload import Workload
+from memadvisor.workload import Workload, train_step
 
 W = 64  # width
 C = 32  # rows of the constant-size tensor block 1 keeps
@@ -375,3 +375,43 @@ def test_cuda_is_refused_where_there_is_none() -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(BadInputError, match="device='cpu'"):
         profile_workload(stack_workload(), device="cuda")
+
+
+# -- CUDA (skipped without a card) --------------------------------------------------------------
+
+
+def _plain_cuda_step(wl: Workload, b: int) -> tuple[int, int]:
+    """(peak, forward growth) of one steady-state step, read from the allocator itself."""
+    import copy
+
+    base = torch.cuda.memory_allocated()
+    model = copy.deepcopy(wl.model).cuda()
+    opt = wl.make_optimizer(model)
+    batch = wl.batch(b, "cuda")
+    for _ in range(3):  # optimizer state and cuBLAS workspaces exist from here on
+        train_step(wl, model, opt, batch)
+    marks: dict[str, int] = {}
+
+    def on_phase(phase: str) -> None:
+        marks[phase] = torch.cuda.memory_allocated()
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    train_step(wl, model, opt, batch, on_phase=on_phase)
+    return torch.cuda.max_memory_allocated() - base, marks["backward"] - marks["forward"]
+
+
+@pytest.mark.gpu
+def test_cuda_profile_matches_the_allocator_for_the_same_step() -> None:
+    """On a card the profile's peak equals max_memory_allocated of the same step (2%), and
+    its saved activations equal the allocator's growth over forward (5%)."""
+    torch.manual_seed(0)
+    wide = Workload(Stack(), torch.randn(256, W), loss_fn=stack_loss)
+    p = profile_workload(wide, device="cuda", precisions=["fp32"])
+    assert p.device.kind == "cuda" and p.fragmentation_ratio >= 1.0
+    step = p.steps["fp32"]
+    assert all(ph.reserved is not None for ph in step.phases)
+    b = p.batch_sizes[1]
+    peak, growth = _plain_cuda_step(wide, b)
+    assert abs(max(ph.allocated.at(b) for ph in step.phases) - peak) <= 0.02 * peak
+    assert abs(step.activation_total.at(b) - growth) <= 0.05 * growth
