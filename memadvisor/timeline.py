@@ -31,6 +31,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from memadvisor._torch_private import cuda_memory_counters
+
 __all__ = [
     "SPEEDSCOPE_SCHEMA_URL",
     "CudaMemoryReader",
@@ -84,7 +86,7 @@ class TimelineEvent(_Model):
     allocations: int | None = Field(
         None,
         description="Cumulative number of allocations so far, where the reader counts them "
-        "(the CPU meter does; on CUDA only when asked, it costs a stats call).",
+        "(the CPU meter and the CUDA reader, when asked).",
     )
     peak_allocated_bytes: int | None = Field(
         None,
@@ -350,12 +352,12 @@ class MemoryReading(NamedTuple):
 
 
 class CudaMemoryReader:
-    """Reads the CUDA caching allocator's counters (about 1 us each; no synchronisation).
+    """Reads the CUDA caching allocator's counters in one stats call (no synchronisation).
 
     Args:
         device: the card; the current one if None.
-        count_allocations: also read the cumulative allocation count, which costs a full
-            ``torch.cuda.memory_stats`` call (tens of microseconds) per reading.
+        count_allocations: also report the cumulative allocation count (free: every number
+            comes from one stats call).
         interval_peaks: also read the peak since the previous reading, by resetting the
             allocator's peak counters at every reading. Code that reads
             ``torch.cuda.max_memory_allocated`` meanwhile should read :attr:`max_allocated_bytes`
@@ -376,21 +378,15 @@ class CudaMemoryReader:
         self.max_reserved_bytes = 0
 
     def __call__(self) -> MemoryReading:
-        d = self.device
-        allocated = torch.cuda.memory_allocated(d)
-        reserved = torch.cuda.memory_reserved(d)
-        count = None
-        if self.count_allocations:
-            count = int(torch.cuda.memory_stats(d).get("allocation.all.allocated", 0))
+        c = cuda_memory_counters(self.device)  # one stats call for every number
         peak = None
         if self.interval_peaks:
-            peak = torch.cuda.max_memory_allocated(d)
-            self.max_reserved_bytes = max(
-                self.max_reserved_bytes, torch.cuda.max_memory_reserved(d)
-            )
-            torch.cuda.reset_peak_memory_stats(d)
+            peak = c["allocated_peak"]
             self.max_allocated_bytes = max(self.max_allocated_bytes, peak)
-        return MemoryReading(allocated, reserved, count, peak)
+            self.max_reserved_bytes = max(self.max_reserved_bytes, c["reserved_peak"])
+            torch.cuda.reset_peak_memory_stats(self.device)
+        count = c["allocations"] if self.count_allocations else None
+        return MemoryReading(c["allocated"], c["reserved"], count, peak)
 
     def reset_max(self) -> None:
         """Start the running maxima again (e.g. at each training iteration)."""

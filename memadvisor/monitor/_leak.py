@@ -39,29 +39,30 @@ class LeakCheck:
         self.warmup = warmup
         self._seen = 0
         self._ends: deque[int] = deque(maxlen=window + 1)
+        self._rises = 0
 
     def add(self, allocated_bytes: int) -> None:
         """Add the allocated bytes at the end of one iteration."""
         self._seen += 1
-        if self._seen > self.warmup:
-            self._ends.append(allocated_bytes)
+        if self._seen <= self.warmup:
+            return
+        ends = self._ends
+        if ends and allocated_bytes > ends[-1]:
+            self._rises = min(self._rises + 1, self.window)
+        else:
+            self._rises = 0
+        ends.append(allocated_bytes)
 
     @property
     def rises(self) -> int:
         """Consecutive rises at the end of the history (at most ``window``)."""
-        ends = list(self._ends)
-        n = 0
-        for a, b in zip(reversed(ends[:-1]), reversed(ends[1:]), strict=True):
-            if b <= a:
-                break
-            n += 1
-        return n
+        return self._rises
 
     @property
     def growth_bytes(self) -> int:
-        ends = list(self._ends)
-        n = self.rises
-        return ends[-1] - ends[-1 - n] if n else 0
+        """Growth over the current run of rises."""
+        n = self._rises
+        return self._ends[-1] - self._ends[-1 - n] if n else 0
 
     @property
     def flagged(self) -> bool:

@@ -163,8 +163,7 @@ class Monitor:
             )
         now = time.perf_counter()
         self.iteration += 1
-        allocated, reserved = self.source.read()
-        peak_allocated, peak_reserved = self.source.take_peaks()
+        allocated, reserved, peak_allocated, peak_reserved = self.source.take()
         self.recorder.record("sample", phase=f"iteration {self.iteration}",
                              reading=(allocated, reserved))  # fmt: skip
         measured = False
@@ -191,8 +190,9 @@ class Monitor:
             self._leak = self.leak_check.report(self._suspects() if self.leak_check.flagged else [])
         elif self._leak.iterations:
             self._leak = LeakReport(flagged=False, iterations=0, growth_bytes=0)
-        self._write_csv(rec, measured)
-        if self.print_period and self.iteration % self.print_period == 0:
+        printing = bool(self.print_period) and self.iteration % self.print_period == 0
+        self._write_csv(rec, measured, flush=printing)
+        if printing:
             self.print()
         self._maybe_start_probe(self.iteration + 1)
         self._last_time = time.perf_counter()  # the monitor's own time is not the loop's
@@ -222,7 +222,7 @@ class Monitor:
             if self._csv is not None:
                 row = step_row(summary, self._leak)
                 row["scope"] = "epoch"
-                self._csv.write(row)
+                self._csv.write(row, flush=True)
             if self.print_period:
                 self.console.print(
                     f"[bold]epoch {self.epoch}[/bold]: {len(recs)} iterations, peak allocated "
@@ -310,11 +310,11 @@ class Monitor:
             "other_bytes": max(0, peak_allocated - weights - grads - saved - (optim or 0)),
         }
 
-    def _write_csv(self, rec: IterationRecord, measured: bool) -> None:
+    def _write_csv(self, rec: IterationRecord, measured: bool, *, flush: bool) -> None:
         if self._csv is None:
             return
-        self._csv.write(step_row(rec, self._leak))
+        self._csv.write(step_row(rec, self._leak), flush=flush and not measured)
         if measured and self.layers:
             for i, la in enumerate(self.layers):
                 row = layer_row(rec.iteration, rec.epoch, la)
-                self._csv.write(row, flush=i == len(self.layers) - 1)
+                self._csv.write(row, flush=flush and i == len(self.layers) - 1)

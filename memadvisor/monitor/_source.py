@@ -7,10 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from memadvisor._torch_private import cuda_memory_counters
 from memadvisor.memory import MemoryMeter
 from memadvisor.timeline import CudaMemoryReader, MeterMemoryReader
 
-__all__ = ["CudaSource", "MemorySource", "MeterSource", "source_for"]
+__all__ = ["CudaSource", "MemorySource", "MeterSource", "model_device", "source_for"]
 
 
 class MemorySource:
@@ -19,17 +20,16 @@ class MemorySource:
     device: str
     reader: Any  # CudaMemoryReader | MeterMemoryReader, with interval peaks
 
-    def read(self) -> tuple[int, int | None]:
-        """``(allocated_bytes, reserved_bytes | None)`` now."""
-        raise NotImplementedError
+    def take(self) -> tuple[int, int | None, int, int | None]:
+        """``(allocated, reserved, peak allocated, peak reserved)``, then start new peaks.
 
-    def take_peaks(self) -> tuple[int, int | None]:
-        """Peaks since the last call, then start new ones."""
+        Reserved bytes are None on the CPU; peaks cover the time since the last call.
+        """
         raise NotImplementedError
 
 
 class CudaSource(MemorySource):
-    """The caching allocator's counters: a few microseconds, no synchronisation."""
+    """The caching allocator's counters: one stats call, no synchronisation."""
 
     def __init__(self, device: torch.device, *, count_allocations: bool = False) -> None:
         self.device = str(device)
@@ -39,18 +39,15 @@ class CudaSource(MemorySource):
         )
         torch.cuda.reset_peak_memory_stats(self._index)
 
-    def read(self) -> tuple[int, int | None]:
-        return torch.cuda.memory_allocated(self._index), torch.cuda.memory_reserved(self._index)
-
-    def take_peaks(self) -> tuple[int, int | None]:
-        d = self._index
+    def take(self) -> tuple[int, int | None, int, int | None]:
+        c = cuda_memory_counters(self._index)
         # Event hooks reset the allocator's peaks at each reading; their running maxima
         # hold what those resets took away.
-        allocated = max(torch.cuda.max_memory_allocated(d), self.reader.max_allocated_bytes)
-        reserved = max(torch.cuda.max_memory_reserved(d), self.reader.max_reserved_bytes)
-        torch.cuda.reset_peak_memory_stats(d)
+        peak_allocated = max(c["allocated_peak"], self.reader.max_allocated_bytes)
+        peak_reserved = max(c["reserved_peak"], self.reader.max_reserved_bytes)
+        torch.cuda.reset_peak_memory_stats(self._index)
         self.reader.reset_max()
-        return allocated, reserved
+        return c["allocated"], c["reserved"], peak_allocated, peak_reserved
 
 
 class MeterSource(MemorySource):
@@ -61,14 +58,12 @@ class MeterSource(MemorySource):
         self.meter = meter
         self.reader = MeterMemoryReader(meter, interval_peaks=True)
 
-    def read(self) -> tuple[int, int | None]:
-        return self.meter.live_bytes, None
-
-    def take_peaks(self) -> tuple[int, int | None]:
-        allocated = max(self.meter.peak_bytes, self.reader.max_allocated_bytes)
+    def take(self) -> tuple[int, int | None, int, int | None]:
+        live = self.meter.live_bytes
+        peak = max(self.meter.peak_bytes, self.reader.max_allocated_bytes)
         self.meter.reset_peak()
         self.reader.reset_max()
-        return allocated, None
+        return live, None, peak, None
 
 
 def model_device(model: nn.Module) -> torch.device:
