@@ -46,6 +46,7 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "cuda_memory_reader",
+    "iter_tensors",
     "meter_memory_reader",
 ]
 
@@ -437,21 +438,21 @@ def meter_memory_reader(meter: Any) -> MeterMemoryReader:
 # -- the recorder ------------------------------------------------------------------------------
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    # A hand-rolled flatten (tensors, tuples, lists, dicts, HF ModelOutput which is a Mapping)
-    # instead of torch.utils._pytree, which is private.
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's inputs or outputs: tensors, tuples, lists, mappings (HF
+    ``ModelOutput`` is one). Hand-rolled because ``torch.utils._pytree`` is private."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Mapping):
         for v in obj.values():
-            yield from _tensors_in(v)
+            yield from iter_tensors(v)
     elif isinstance(obj, (tuple, list)):
         for v in obj:
-            yield from _tensors_in(v)
+            yield from iter_tensors(v)
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in _tensors_in(obj) if t.requires_grad]
+    return [t for t in iter_tensors(obj) if t.requires_grad]
 
 
 class ModuleEventRecorder:

@@ -353,3 +353,20 @@ def test_events_last_returns_only_the_newest():
         rec.record("sample", phase=str(i))
     assert [e.phase for e in rec.events(last=2)] == ["3", "4"]
     assert rec.recorded_total == 5
+
+
+@pytest.mark.gpu
+def test_cuda_reader_matches_the_allocator_and_tracks_interval_peaks():
+    """One stats call gives what torch.cuda.memory_allocated/reserved give; with interval
+    peaks, a 4 MiB temporary freed between two readings shows in the second's peak."""
+    from memadvisor.timeline import CudaMemoryReader
+
+    reader = CudaMemoryReader(interval_peaks=True, count_allocations=True)
+    first = reader()
+    assert first.allocated_bytes == torch.cuda.memory_allocated()
+    assert first.reserved_bytes == torch.cuda.memory_reserved()
+    tmp = torch.empty(2**20, device="cuda")  # 4 MiB
+    del tmp
+    second = reader()
+    assert second.peak_allocated_bytes >= first.allocated_bytes + 4 * 2**20
+    assert second.allocations == first.allocations + 1

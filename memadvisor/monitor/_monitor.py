@@ -39,7 +39,10 @@ class Monitor:
     check flags allocated memory that ends each iteration higher, and names the layers whose
     tensors outlive their iteration.
 
-    On CUDA the allocator's counters are read. On the CPU bytes are tracked by a
+    On CUDA the allocator's counters are read, and its peak counters are reset at every
+    record() (and at every hook on measured iterations) to give per-iteration peaks: code
+    that reads ``torch.cuda.max_memory_allocated`` itself sees peaks since the last record().
+    On the CPU bytes are tracked by a
     :class:`~memadvisor.memory.MemoryMeter`, which only sees what runs inside it: run the
     loop inside ``with monitor:`` (harmless, and the same code, on CUDA).
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from memadvisor.monitor._schema import LayerMemory, LeakSuspect
-from memadvisor.timeline import ModuleEventRecorder, Timeline, _tensors_in
+from memadvisor.timeline import ModuleEventRecorder, Timeline, iter_tensors
 
 __all__ = ["LayerProbe", "ProbeResult"]
 
@@ -145,7 +145,7 @@ class LayerProbe:
         return t  # no copy: the hook only looks
 
     def _on_output(self, name: str, output: Any) -> None:
-        for t in _tensors_in(output):
+        for t in iter_tensors(output):
             st = t.untyped_storage()
             if id(st) not in self._param_storages:
                 self._track(name, st)

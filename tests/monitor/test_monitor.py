@@ -239,3 +239,56 @@ def test_cuda_monitor_matches_allocator_and_cpu_layer_numbers():
     layers = {la.module: (la.weight_bytes, la.saved_bytes) for la in monitor.layers}
     assert layers == {"": (0, 0), "fc1": (160, 32), "act": (0, 64), "fc2": (72, 0)}
     monitor.close()
+
+
+def test_measuring_layers_keeps_no_tensor_alive():
+    """Iterations measured per layer end at the same allocated bytes as unmeasured ones."""
+    torch.manual_seed(0)
+    model = Tiny()
+    monitor = Monitor(model, print_period=2, console=_quiet())
+    _train(model, monitor, 6)
+    ends = {r.layers_measured: r.allocated_bytes for r in list(monitor.history)[1:]}
+    assert ends[True] == ends[False]
+
+
+def test_checkpointed_blocks_hide_their_saved_tensors_but_not_their_weights():
+    """A checkpointed Linear saves nothing the monitor sees (recomputed in backward); its
+    weights and gradients are still counted, and backward still runs."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.inner, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    model = Net()
+    monitor = Monitor(model, print_period=1, console=_quiet())
+    _train(model, monitor, 2)
+    layers = {la.module: la for la in monitor.layers}
+    assert (layers["inner"].saved_bytes, layers["inner"].weight_bytes) == (0, 160)
+    assert layers["inner"].grad_bytes == 160
+    assert layers["head"].saved_bytes == 2 * 8 * 4  # inner's output, saved by head
+
+
+def test_monitor_timeline_exports_like_the_profiler():
+    """The monitor's timeline (samples every iteration, module events when measured) is the
+    shared Timeline: both speedscope exports validate against the schema."""
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parents[1] / "data" / "speedscope_schema.json").read_text())
+    model = Tiny()
+    monitor = Monitor(model, print_period=2, console=_quiet())
+    _train(model, monitor, 4)
+    tl = monitor.timeline()
+    assert sum(e.kind == "sample" for e in tl.events) == 4
+    assert any(e.kind == "enter" and e.pass_ == "backward" for e in tl.events)
+    for weight in ("bytes", "ms"):
+        jsonschema.validate(tl.to_speedscope(weight), schema)
