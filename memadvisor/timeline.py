@@ -513,6 +513,7 @@ class ModuleEventRecorder:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._handles: list[Any] = []
+        self._leaf_handles: list[Any] = []
         self._listeners: list[Callable[[str, str, str], None]] = []
         self._output_listeners: list[Callable[[str, Any], None]] = []
         self._t0_ns = time.perf_counter_ns()
@@ -534,9 +535,10 @@ class ModuleEventRecorder:
 
     def close(self) -> None:
         """Remove every hook this recorder installed. Recorded events are kept."""
-        for handle in self._handles:
+        for handle in self._handles + self._leaf_handles:
             handle.remove()
         self._handles.clear()
+        self._leaf_handles.clear()
         self._active = False
 
     def __enter__(self) -> ModuleEventRecorder:
@@ -654,13 +656,26 @@ class ModuleEventRecorder:
             stack.append(name)
             self._emit("enter", name, "forward")
             if self.backward and torch.is_grad_enabled():
-                inputs = _grad_tensors(args)
-                if inputs:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        inputs, lambda _grads: self._emit("exit", name, "backward"), mode="all"
-                    )
+                self._hook_backward_exit(name, args)
 
         return hook
+
+    def _hook_backward_exit(self, name: str, args: Any) -> None:
+        inputs = _grad_tensors(args)
+        if not inputs:
+            return
+        fired = [False]
+
+        def exit_(_grads: Any) -> None:
+            if not fired[0]:  # once per forward call
+                fired[0] = True
+                self._emit("exit", name, "backward")
+
+        handle = torch.autograd.graph.register_multi_grad_hook(inputs, exit_, mode="all")
+        if any(t.grad_fn is None for t in inputs):
+            # A hook on a leaf (an input made with requires_grad=True) outlives the graph: it
+            # would fire again in every later backward. Removed at close().
+            self._leaf_handles.append(handle)
 
     def _post_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:

@@ -370,3 +370,19 @@ def test_cuda_reader_matches_the_allocator_and_tracks_interval_peaks():
     second = reader()
     assert second.peak_allocated_bytes >= first.allocated_bytes + 4 * 2**20
     assert second.allocations == first.allocations + 1
+
+
+def test_a_leaf_input_reused_across_steps_gets_one_backward_exit_per_step():
+    """An input made with requires_grad=True and fed every step: one backward exit of the
+    first layer per backward (its hooks would otherwise pile up), none after close()."""
+    model = Tiny()
+    _, rec = _meter_recorder(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    with rec:
+        for _ in range(3):
+            model(x).sum().backward()
+    exits = [e for e in rec.events() if (e.kind, e.module, e.pass_) == ("exit", "fc1", "backward")]
+    assert len(exits) == 3
+    n = len(rec)
+    model(x).sum().backward()
+    assert len(rec) == n
