@@ -67,6 +67,10 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: Order in which effects are applied to the StepModel (precision runs first).
     effect_order: ClassVar[int] = 50
+    #: True when the eager profile does not predict this strategy's choices (torch.compile):
+    #: its ``effect()`` leaves the estimate as eager, so the planner must not rank a
+    #: non-neutral choice on the estimate but measure candidates with it on the device.
+    measured_only: ClassVar[bool] = False
 
     @abstractmethod
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:

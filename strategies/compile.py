@@ -1,0 +1,293 @@
+"""torch.compile: the model's forward (and so its backward) compiled by inductor.
+
+Measured on an H200 under 8 GB (ViT-B/16, bf16, batch 92): 2041 samples/s eager, 2948
+compiled, at the same peak (7.6 vs 7.7 GB); the first compiled step took 26 s.
+
+Choices:
+    * ``"off"``.
+    * ``"default"``: ``torch.compile`` in its default mode.
+    * ``{"mode": "default", "activation_memory_budget": 0.5}``: the same, with the min-cut
+      partitioner told to keep at most half the activations for backward and recompute the
+      rest. For a compiled model this is the recompute knob: it recomputes cheap pointwise
+      ops inside the fused graph, where block checkpointing recomputes whole blocks. Block
+      checkpointing under compile is still offered (the two strategies combine), so the
+      device's measurements say which is better.
+
+Offered only for a profile measured on CUDA. Compiled memory and speed are not predicted by
+the eager profile (fusion removes intermediates, the partitioner chooses what to save):
+:attr:`Compile.measured_only` is True and :meth:`Compile.effect` leaves the estimate as
+eager, so compiled candidates must be measured on the device. The simulated CPU device
+cannot measure them: under its ``TorchDispatchMode`` dynamo runs the model eagerly
+(measured here: the same 23 allocations and peak bytes as eager), and a fake-tensor
+profile has no device to run on at all.
+
+Other modes, accepted as choices but not offered by default:
+    * ``"max-autotune-no-cudagraphs"``: benchmarks matmul and kernel configurations while
+      compiling. Minutes of compile per process and shape (each probe is one), for a few
+      percent on matmul-bound models: worth it for a long run, not for every probe. Offer it
+      through ``Compile(choices=[...])`` when the plan is for weeks of training.
+    * ``"reduce-overhead"`` and ``"max-autotune"``: CUDA graphs. They remove launch
+      overhead (small batches, many small kernels) but keep static input and output buffers
+      and a private memory pool alive between steps, which a memory planner must count and
+      which every input shape pays again; the probes measure this when asked, but a card
+      that is already full rarely has the room.
+
+Applying installs :class:`~strategies._compiled_forward.CompiledForward` on the model's root
+module: parameter names and ``state_dict`` keys are unchanged (``torch.compile(model)``
+would add ``_orig_mod.``), and the wrappers other strategies installed (autocast,
+checkpointed blocks) are compiled with the model.
+
+Known limitations:
+    * The loss (the workload's ``loss_fn``) stays outside the compiled region.
+    * Each process compiles again (seconds to minutes); inductor's on-disk cache
+      (:mod:`memadvisor.compile_cache`) only helps where the same graph is compiled at the
+      same shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
+from torch import nn
+
+from memadvisor.errors import BadInputError
+from memadvisor.strategy import Advice, Check, Strategy
+from strategies import _forward
+from strategies._compile_trial import (
+    MAX_GRAPH_BREAKS,
+    STRATEGY_NAME,
+    CompileResult,
+    try_compile,
+)
+from strategies._compiled_forward import MODES, CompileChoice, CompiledForward, parse_choice
+
+if TYPE_CHECKING:
+    from memadvisor.config import PlanConfig
+    from memadvisor.estimate import StepModel
+    from memadvisor.profiler import Profile
+    from memadvisor.workload import Workload
+
+__all__ = [
+    "DEFAULT_CHOICES",
+    "MAX_GRAPH_BREAKS",
+    "MODES",
+    "Compile",
+    "CompileChoice",
+    "CompileResult",
+    "CompiledForward",
+    "measured_variants",
+    "parse_choice",
+    "try_compile",
+]
+
+#: The compiled choices offered by default. Each one the planner measures costs a compile in
+#: every probe process, so two: the default mode, and the default mode recomputing half.
+DEFAULT_CHOICES: tuple[JsonValue, ...] = (
+    "default",
+    {"mode": "default", "activation_memory_budget": 0.5},
+)
+# What check() calls fine: compiled fp32 should match eager to rounding; dropout under
+# inductor draws other masks, which moves the loss by up to a few percent on small batches.
+LOSS_TOLERANCE = 0.02
+
+
+class Compile(Strategy):
+    """Compile the model's forward with torch.compile (inductor).
+
+    Args:
+        choices: the compiled choices to offer (``"off"`` is always first); default
+            :data:`DEFAULT_CHOICES`.
+
+    Raises:
+        BadInputError: a choice is not a compile choice.
+    """
+
+    name = STRATEGY_NAME
+    # After every strategy that wraps the forward (precision 0, checkpointing 50, offload
+    # 60): compiling wraps what they installed, so they are compiled with the model.
+    effect_order = 80
+    measured_only = True
+
+    def __init__(self, choices: Sequence[JsonValue] | None = None) -> None:
+        offered = DEFAULT_CHOICES if choices is None else tuple(choices)
+        parsed = [parse_choice(c) for c in offered]
+        # Normalised, so the same setting is always the same JSON in a plan.
+        self.offered: list[JsonValue] = [p.to_json() for p in parsed if p is not None]
+        self.results: dict[CompileChoice, CompileResult] = {}
+
+    def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
+        if profile.device.kind != "cuda":
+            return ["off"]  # nothing here can measure a compiled step (module docstring)
+        return ["off", *self.offered]
+
+    def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
+        """Nothing: the estimate stays eager's (measured_only), for a valid choice.
+
+        Eager is a safe bracket to start probing from: compiling kept ViT-B/16's peak
+        (7.6 vs 7.7 GB), and a partitioner budget below 1 only lowers it.
+        """
+        parse_choice(choice)
+
+    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+        """Compile ``model``'s forward in place ('off' takes a previous compile off).
+
+        Lazy: nothing compiles until the first forward. Applying twice updates the settings.
+
+        Raises:
+            BadInputError: ``choice`` is not a compile choice.
+        """
+        parsed = parse_choice(choice)
+        if parsed is None:
+            _forward.remove(model, CompiledForward)
+            return model
+        _forward.install(
+            model,
+            CompiledForward,
+            mode=parsed.mode,
+            activation_memory_budget=parsed.activation_memory_budget,
+        )
+        return model
+
+    def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
+        """The advice; its effect quotes the trial :meth:`check` ran, when there was one."""
+        parsed = parse_choice(choice)
+        if parsed is None:
+            return None
+        return advice(parsed, self.results.get(parsed))
+
+    def check(self, workload: Workload, choice: JsonValue) -> Check | None:
+        """Compile ``choice`` on copies of the workload and compare with eager (see try_compile).
+
+        The result is kept: :meth:`explain` quotes its compile time afterwards.
+        """
+        parsed = parse_choice(choice)
+        if parsed is None:
+            return None
+        result = try_compile(workload, parsed.to_json())
+        self.results[parsed] = result
+        close = result.loss_rel_diff is not None and result.loss_rel_diff <= LOSS_TOLERANCE
+        summary = result.summary
+        if result.ok and not close:
+            summary += (
+                f" The first loss differs from eager's by more than {LOSS_TOLERANCE:.0%} "
+                "(dropout draws differ under inductor; without dropout this is worth a look)."
+            )
+        metrics = {
+            "batch_size": float(result.batch_size),
+            "eager_step_ms": result.eager_step_ms,
+            "graphs": float(result.graphs),
+            "graph_breaks": float(result.graph_breaks),
+        }
+        optional = {
+            "first_step_ms": result.first_step_ms,
+            "compiled_step_ms": result.compiled_step_ms,
+            "compile_ms": result.compile_ms,
+            "loss_rel_diff": result.loss_rel_diff,
+            "grad_rel_diff": result.grad_rel_diff,
+        }
+        metrics |= {k: float(v) for k, v in optional.items() if v is not None}
+        return Check(
+            strategy=self.name,
+            choice=parsed.to_json(),
+            summary=summary,
+            passed=result.ok and close,
+            metrics=metrics,
+        )
+
+
+def advice(choice: CompileChoice, result: CompileResult | None = None) -> Advice:
+    """The advice for ``choice``, quoting ``result`` (a trial at some batch) when given."""
+    budget = choice.activation_memory_budget
+    title = "torch.compile" + (f" ({choice.mode} mode)" if choice.mode != "default" else "")
+    sentence = (
+        "Compile the model with torch.compile: inductor fuses its operations into fewer, "
+        "larger kernels, which speeds up the step; the first step compiles (once per process "
+        "and input shape). Train through the compiled module and save the original's "
+        "state_dict, whose keys stay as they are."
+    )
+    if budget is not None:
+        title += f", activation memory budget {budget:g}"
+        sentence += (
+            f" Set the partitioner's activation memory budget to {budget:g} before the first "
+            "step: it keeps at most that share of the activations for backward and recomputes "
+            "the rest inside the compiled graph (the compiled form of activation checkpointing)."
+        )
+    if result is not None and result.ok:
+        first_s, compile_s = (result.first_step_ms or 0) / 1e3, (result.compile_ms or 0) / 1e3
+        effect = (
+            f"measured at batch {result.batch_size}: first step {first_s:.1f} s (about "
+            f"{compile_s:.1f} s of compiling, once), then {result.compiled_step_ms:.1f} ms a "
+            f"step vs {result.eager_step_ms:.1f} ms eager; the plan's throughput is the steady "
+            "state"
+        )
+    else:
+        effect = (
+            "not estimated: compiled memory and speed are measured on the device; the first "
+            "step also compiles, seconds to minutes once per process and input shape"
+        )
+    return Advice(
+        strategy=STRATEGY_NAME,
+        title=title,
+        sentence=sentence,
+        snippet=_snippet(choice),
+        effect=effect,
+    )
+
+
+def _snippet(choice: CompileChoice) -> str:
+    lines = ["import torch", ""]
+    budget = choice.activation_memory_budget
+    if budget is not None:
+        lines += [
+            "import torch._functorch.config",
+            "",
+            "# Before the first compiled step: keep at most this share of the activations for",
+            "# backward, recompute the rest in the compiled backward.",
+            f"torch._functorch.config.activation_memory_budget = {budget:g}",
+        ]
+    mode = f', mode="{choice.mode}"' if choice.mode != "default" else ""
+    lines += [
+        f"compiled = torch.compile(model{mode})  # shares model's parameters; compiles on 1st call",
+        "",
+        "loss = loss_fn(compiled(inputs), targets)  # train through `compiled`",
+        "loss.backward()",
+        "optimizer.step()",
+        "optimizer.zero_grad(set_to_none=True)",
+        "",
+        '# Save `model`, not `compiled`, whose state_dict keys gain an "_orig_mod." prefix.',
+        'torch.save(model.state_dict(), "checkpoint.pt")',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def measured_variants(
+    choices: dict[str, JsonValue],
+    strategies: Sequence[Strategy],
+    profile: Profile,
+    config: PlanConfig,
+) -> list[dict[str, JsonValue]]:
+    """``choices`` once with each non-neutral choice of each ``measured_only`` strategy.
+
+    The planner's estimate ranks only eager combinations (a measured-only choice leaves the
+    estimate as it was, so ranking on it would only tie); this gives the combinations to
+    measure on the device next to an eager one: the top eager combination, compiled each
+    way the compile strategy offers.
+
+    Raises:
+        BadInputError: ``choices`` already holds a measured-only strategy's choice.
+    """
+    measured = [s for s in strategies if s.measured_only]
+    given = [s.name for s in measured if s.name in choices]
+    if given:
+        raise BadInputError(
+            f"measured_variants takes an eager combination, but got one choosing {given}: "
+            "pass the combination without them."
+        )
+    variants = []
+    for strategy in measured:
+        for choice in strategy.choices(profile, config):
+            if not strategy.is_neutral(choice):
+                variants.append({**choices, strategy.name: choice})
+    return variants

@@ -1,0 +1,287 @@
+"""torch.compile strategy: offered on CUDA profiles only, left to the device to measure, applied
+with keys unchanged and eager's loss, advice a person can paste, and a failure to compile
+reported as an answer (the plan stays eager) rather than raised.
+
+Inductor compiles on this machine's gcc: a cold compile of the tiny MLP takes several seconds,
+a warm one (inductor's on-disk cache) about one. Tests that compile share one model class and
+input shape so the later ones load what the first compiled; those that need other graphs
+are marked slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from memadvisor.config import PlanConfig
+from memadvisor.errors import BadInputError
+from memadvisor.estimate import Candidate, estimate
+from memadvisor.strategy import load_strategies
+from memadvisor.workload import Workload
+from strategies import _forward
+from strategies.compile import (
+    Compile,
+    CompiledForward,
+    measured_variants,
+    parse_choice,
+    try_compile,
+)
+from strategies.precision import Precision
+
+COMPILE = Compile()
+CONFIG = PlanConfig(budget_bytes=2**30)
+BUDGET_HALF = {"mode": "default", "activation_memory_budget": 0.5}
+
+
+def _mlp() -> nn.Sequential:
+    # A torch container on top: the case model.compile() silently leaves eager.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _workload(model: nn.Module | None = None) -> Workload:
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    return Workload(
+        model=model if model is not None else _mlp(),
+        sample_batch=(x, y),
+        loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
+    )
+
+
+def _eager_backend(gm, example_inputs):
+    """A backend that runs the captured graph as it is: dynamo's tracing without inductor."""
+    return gm.forward
+
+
+# -- choices, effect, registration -----------------------------------------------------------
+
+
+def test_offered_only_on_cuda_profiles(profile_factory) -> None:
+    """CPU and fake profiles get 'off' alone: nothing there can measure a compiled step."""
+    assert COMPILE.choices(profile_factory([(10, 2, 1)], kind="cpu"), CONFIG) == ["off"]
+    assert COMPILE.choices(profile_factory([(10, 2, 1)], kind="fake"), CONFIG) == ["off"]
+    cuda = COMPILE.choices(profile_factory([(10, 2, 1)], kind="cuda"), CONFIG)
+    assert cuda == ["off", "default", BUDGET_HALF]
+    assert COMPILE.is_neutral(cuda[0]) and not any(COMPILE.is_neutral(c) for c in cuda[1:])
+
+
+def test_choices_are_normalised_and_malformed_ones_refused() -> None:
+    """A budget-free mapping is the mode alone; unknown modes, keys and budgets are refused."""
+    assert Compile(choices=[{"mode": "default"}]).offered == ["default"]
+    assert parse_choice("off") is None
+    assert parse_choice(BUDGET_HALF).activation_memory_budget == 0.5
+    for bad in ("turbo", {"mode": "default", "activation_memory_budget": 1.5}, {"fullgraph": 1}, 3):
+        with pytest.raises(BadInputError, match="compile choice"):
+            parse_choice(bad)
+
+
+def test_registered_measured_only_and_leaves_the_estimate_as_eager(profile_factory) -> None:
+    """The entry point loads it; it is the one measured-only strategy; estimates are eager's."""
+    strategies = load_strategies()
+    assert [s.name for s in strategies if s.measured_only] == ["compile"]
+    profile = profile_factory([(10, 2, 1), (20, 4, 2)], kind="cuda")
+    eager = estimate(profile, Candidate(batch_size=8), strategies)
+    for choice in COMPILE.choices(profile, CONFIG)[1:]:
+        compiled = estimate(
+            profile, Candidate(batch_size=8, choices={"compile": choice}), strategies
+        )
+        assert compiled == eager
+
+
+def test_measured_variants_compile_the_eager_combination_each_offered_way(profile_factory) -> None:
+    profile = profile_factory([(10, 2, 1)], kind="cuda")
+    strategies = [Precision(), COMPILE]
+    variants = measured_variants({"precision": "bf16"}, strategies, profile, CONFIG)
+    assert variants == [
+        {"precision": "bf16", "compile": "default"},
+        {"precision": "bf16", "compile": BUDGET_HALF},
+    ]
+    with pytest.raises(BadInputError, match="eager combination"):
+        measured_variants({"compile": "default"}, strategies, profile, CONFIG)
+
+
+# -- apply ------------------------------------------------------------------------------------
+
+
+def test_apply_keeps_keys_pickles_and_off_takes_it_off() -> None:
+    """Lazy and in place: same keys, same parameters; a copy or pickle carries the settings."""
+    model = _mlp()
+    keys = list(model.state_dict())
+    assert COMPILE.apply(model, BUDGET_HALF, None) is model
+    COMPILE.apply(model, "default", None)  # applying again updates, never stacks
+    assert list(model.state_dict()) == keys
+    assert [type(w) for w in _forward.wrappers(model)] == [CompiledForward]
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        wrapper = _forward.find_wrapper(clone, CompiledForward)
+        assert wrapper is not None and wrapper.choice == parse_choice("default")
+    COMPILE.apply(model, "off", None)
+    assert "forward" not in model.__dict__
+
+
+def test_compiled_model_trains_like_eager_with_its_keys() -> None:
+    """apply(): dynamo captures a graph (nn.Sequential too) and the step matches eager's."""
+    eager, compiled = _mlp(), COMPILE.apply(_mlp(), "default", None)
+    keys = list(eager.state_dict())
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    losses = []
+    for model in (eager, compiled):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for pe, pc in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-6)
+    assert list(compiled.state_dict()) == keys
+
+
+# -- trial, check, advice ---------------------------------------------------------------------
+
+
+def test_check_compiles_reports_compile_time_and_explain_quotes_it() -> None:
+    """The trial compiles one graph with no breaks, matches eager, and times the first step."""
+    strategy = Compile()
+    workload = _workload()
+    before = [p.detach().clone() for p in workload.model.parameters()]
+    check = strategy.check(workload, "default")
+    assert check is not None and check.passed, check.summary
+    m = check.metrics
+    assert m["graphs"] >= 1 and m["graph_breaks"] == 0
+    assert m["loss_rel_diff"] < 1e-5 and m["grad_rel_diff"] < 1e-4
+    assert m["first_step_ms"] > m["compiled_step_ms"] and m["compile_ms"] > 0
+    # The user's model is untouched.
+    assert all(torch.equal(a, b) for a, b in zip(before, workload.model.parameters(), strict=True))
+    advice = strategy.explain("default", profile=None)  # the profile is not read
+    assert f"{m['first_step_ms'] / 1e3:.1f} s" in advice.effect
+    assert strategy.explain("off", profile=None) is None
+
+
+def test_advice_snippet_runs_and_keeps_the_models_keys(tmp_path, monkeypatch) -> None:
+    """The pasted snippet trains through torch.compile and saves the original's keys."""
+    monkeypatch.chdir(tmp_path)
+    budgeted = COMPILE.explain(BUDGET_HALF, profile=None)
+    assert "torch._functorch.config.activation_memory_budget = 0.5" in budgeted.snippet
+    assert "0.5" in budgeted.title and "not estimated" in budgeted.effect
+    model = _mlp()
+    names = {
+        "model": model,
+        "loss_fn": nn.functional.mse_loss,
+        "inputs": torch.randn(8, 16),
+        "targets": torch.randn(8, 4),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+    }
+    exec(COMPILE.explain("default", profile=None).snippet, names)
+    assert names["compiled"] is not model
+    assert not torch.equal(model[0].weight, _mlp()[0].weight)  # the step trained `model`
+    assert list(torch.load(tmp_path / "checkpoint.pt")) == list(_mlp().state_dict())
+
+
+def test_backend_failure_is_an_answer_not_an_error(monkeypatch) -> None:
+    """An exception while compiling: ok=False with the cause; nothing raised."""
+
+    def exploding_backend(mode, budget=None):
+        def backend(gm, example_inputs):
+            raise RuntimeError("inductor exploded on purpose")
+
+        return backend
+
+    monkeypatch.setattr("memadvisor._torch_private.inductor_backend", exploding_backend)
+    result = try_compile(_workload(), "default")
+    assert not result.ok and not result.out_of_memory
+    assert "inductor exploded on purpose" in result.error
+    assert "Planned eager" in result.summary
+
+
+class _OpaqueMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_opaque(self.a(x)))
+
+
+@torch.compiler.disable
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x)
+
+
+class _Opaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
+def test_graph_breaks_past_the_limit_and_no_graph_at_all_are_not_ok(monkeypatch) -> None:
+    """A break between the layers counts (limit 0: not ok); a wholly skipped forward: no graph."""
+    monkeypatch.setattr(
+        "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: _eager_backend
+    )
+    broken = try_compile(_workload(_OpaqueMiddle()), "default", max_graph_breaks=0)
+    assert broken.graph_breaks >= 1 and broken.graphs >= 2
+    assert not broken.ok and "graph breaks" in broken.reason
+    assert try_compile(_workload(_OpaqueMiddle()), "default").ok  # under the default limit
+
+    skipped = try_compile(_workload(_Opaque()), "default")
+    assert skipped.graphs == 0 and not skipped.ok and "no graph" in skipped.reason
+
+
+def test_try_compile_refuses_off_and_a_single_step() -> None:
+    with pytest.raises(BadInputError, match="compiled choice"):
+        try_compile(_workload(), "off")
+    with pytest.raises(BadInputError, match="at least 2 steps"):
+        try_compile(_workload(), "default", steps=1)
+
+
+# -- the partitioner's budget ------------------------------------------------------------------
+
+
+class _Deep(nn.Module):
+    """Pointwise ops between the matmuls: what the partitioner may recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(32, 256), nn.Linear(256, 256), nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gelu = nn.functional.gelu
+        return self.c(gelu(self.b(gelu(self.a(x)))))
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, float]:
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).square().mean()
+    loss.backward()
+    return sum(sizes), loss.item()
+
+
+@pytest.mark.slow
+def test_activation_memory_budget_makes_the_compiled_graph_keep_less() -> None:
+    """Budget 0 keeps fewer activation bytes than the default; the loss is the same.
+
+    The budget is scoped to the choice's backend: compiling with it first does not change
+    what the default choice keeps afterwards (both run in this one process).
+    """
+    x = torch.randn(64, 32)
+    low_bytes, low_loss = _saved_bytes(
+        COMPILE.apply(_Deep(), {"activation_memory_budget": 0.0}, None), x
+    )
+    default_bytes, default_loss = _saved_bytes(COMPILE.apply(_Deep(), "default", None), x)
+    assert low_bytes < 0.8 * default_bytes
+    assert low_loss == pytest.approx(default_loss, rel=1e-5)
