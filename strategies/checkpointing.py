@@ -35,12 +35,38 @@ if TYPE_CHECKING:
 __all__ = ["ActivationCheckpointing", "CheckpointedForward", "ranked_blocks"]
 
 # Keyword arguments through which HF decoder layers receive a KV cache. A Cache object is
-# updated in place by forward; a recompute would append the same keys and values twice.
+# updated in place by forward: a recompute would append the same keys and values again.
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
+_warned: set[str] = set()
 
 
-def _uses_cache(kwargs: dict[str, Any]) -> bool:
-    return bool(kwargs.get("use_cache")) or any(kwargs.get(k) is not None for k in _CACHE_KWARGS)
+def _without_mutable_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with in-place KV caches dropped, as HF's own gradient checkpointing does.
+
+    HF models build a cache whenever ``use_cache`` (True in most configs), in training too;
+    ``GradientCheckpointingLayer`` then passes ``use_cache=False`` and no cache to the layer
+    unless it sets ``_can_checkpoint_with_cache`` (a layer that only reads the cache). A
+    cache of plain tensors (older models' ``layer_past`` tuples) is never written, so the
+    recompute is harmless and it is kept.
+    """
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return kwargs
+    dropped = [k for k in _CACHE_KWARGS if hasattr(kwargs.get(k), "update")]
+    if not dropped:
+        return kwargs
+    kwargs = {**kwargs, **dict.fromkeys(dropped)}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    name = type(module).__name__
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"{name} is checkpointed while training with a KV cache: it runs with "
+            f"{', '.join(dropped)}=None and use_cache=False (a recompute would update the cache "
+            "twice), as Hugging Face's gradient checkpointing does.",
+            stacklevel=3,
+        )
+    return kwargs
 
 
 class CheckpointedForward(_forward.ForwardWrapper):
@@ -53,16 +79,7 @@ class CheckpointedForward(_forward.ForwardWrapper):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
             return self.call_inner(*args, **kwargs)
-        if _uses_cache(kwargs):
-            # HF models turn the cache off when gradient checkpointing trains; we can only
-            # leave this call alone and say so.
-            warnings.warn(
-                f"{type(self.module).__name__} was called with a KV cache while training; it "
-                "runs without checkpointing (a recompute would update the cache twice). Pass "
-                "use_cache=False when training.",
-                stacklevel=2,
-            )
-            return self.call_inner(*args, **kwargs)
+        kwargs = _without_mutable_cache(self.module, kwargs)
         # Keyword arguments (attention masks, position ids) travel in a partial so none of
         # their names can collide with checkpoint()'s own keywords.
         run = functools.partial(self.call_inner, **kwargs) if kwargs else self.call_inner

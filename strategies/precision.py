@@ -278,13 +278,19 @@ def check_numerics(workload: Workload, precision: str, steps: int = 3, seed: int
         _relative(float((lo - ref).norm()), float(ref.norm()))
         for lo, ref in zip(low_grads, ref_grads, strict=True)
     ]
+    # Direction as well as size: a drift that only rescales the gradient matters less.
+    grad_cosines = [
+        float(torch.nn.functional.cosine_similarity(lo, ref, dim=0)) if ref.numel() else 1.0
+        for lo, ref in zip(low_grads, ref_grads, strict=True)
+    ]
     loss_diff = max(loss_diffs)
     grad_diff = max(grad_diffs, default=0.0)
     finite = all(math.isfinite(x) for x in (*low_losses, loss_diff, grad_diff))
     passed = finite and loss_diff <= LOSS_TOLERANCE and grad_diff <= GRAD_TOLERANCE
     summary = (
         f"{precision} vs fp32 over {steps} steps on the sample batch: losses differ by at most "
-        f"{loss_diff:.2%}, gradients by {grad_diff:.2%} (relative L2)"
+        f"{loss_diff:.2%}, gradients by {grad_diff:.2%} (relative L2; cosine similarity at "
+        f"least {min(grad_cosines, default=1.0):.4f})"
     )
     if not finite:
         summary += "; the low-precision run produced inf/nan: keep fp32 or find the overflow"
@@ -302,6 +308,7 @@ def check_numerics(workload: Workload, precision: str, steps: int = 3, seed: int
             "steps": float(steps),
             "loss_rel_diff_max": loss_diff,
             "grad_rel_diff_max": grad_diff,
+            "grad_cosine_min": min(grad_cosines, default=1.0),
             "loss_fp32_first": ref_losses[0],
             f"loss_{precision}_first": low_losses[0],
         },

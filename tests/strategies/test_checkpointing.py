@@ -13,7 +13,7 @@ from torch import nn
 from memadvisor.config import PlanConfig
 from memadvisor.errors import BadInputError
 from memadvisor.estimate import StepModel
-from strategies import _forward
+from strategies import _forward, checkpointing
 from strategies.checkpointing import ActivationCheckpointing, CheckpointedForward
 
 CKPT = ActivationCheckpointing()
@@ -21,7 +21,9 @@ CONFIG = PlanConfig(budget_bytes=2**30)
 
 
 def _gpt(gpt_example, dropout: float = 0.1) -> tuple[nn.Module, tuple, object]:
-    built = gpt_example.build(batch_size=3, dropout=dropout, block_size=16, n_layer=3)
+    built = gpt_example.build(
+        batch_size=3, dropout=dropout, block_size=16, n_layer=3, vocab_size=256
+    )
     return built["model"], built["sample_batch"], built["loss_fn"]
 
 
@@ -168,16 +170,60 @@ def test_hf_style_layer_with_kwargs_and_tuple_outputs_gives_exact_gradients(
     assert tuned.layers[1].calls == 2  # forward + recompute
 
 
-def test_hf_style_layer_with_a_kv_cache_is_not_recomputed(hf_model, toy_cache_class) -> None:
-    """A cache updated in place would be appended twice by a recompute: the call runs plain."""
+def test_an_in_place_kv_cache_is_dropped_in_training_as_hf_does(hf_model, toy_cache_class) -> None:
+    """A cache updated in place would be appended twice by the recompute: like HF's own
+    checkpointing, the layer runs with no cache and use_cache=False, and is checkpointed."""
+    checkpointing._warned.clear()
     CKPT.apply(hf_model, ["layers.0"], None)
     layer = hf_model.layers[0]
     cache = toy_cache_class()
     x = torch.randn(2, 5, 16, requires_grad=True)
     with pytest.warns(UserWarning, match="KV cache"):
-        out, returned = layer(x, past_key_value=cache, use_cache=True)
-    out.sum().backward()
-    assert returned is cache and len(cache.keys) == 1 and layer.calls == 1
+        outputs = layer(x, past_key_value=cache, use_cache=True)
+    outputs[0].sum().backward()
+    assert len(outputs) == 1 and cache.keys == [] and layer.calls == 2
+
+
+def test_a_kv_cache_is_used_as_given_in_eval(hf_model, toy_cache_class) -> None:
+    CKPT.apply(hf_model, ["layers.0"], None)
+    hf_model.eval()
+    cache = toy_cache_class()
+    _, returned = hf_model.layers[0](torch.randn(2, 5, 16), past_key_value=cache, use_cache=True)
+    assert returned is cache and len(cache.keys) == 1
+
+
+def test_a_real_hf_llama_checkpoints_exactly_with_masks_dropout_and_its_default_cache() -> None:
+    """transformers' LlamaForCausalLM (use_cache on by default builds a DynamicCache in
+    training): gradients equal the unwrapped model's exactly and every layer recomputes."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.1,
+        use_cache=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    tuned = CKPT.apply(copy.deepcopy(model), ["model.layers.0", "model.layers.1"], None)
+    ids = torch.randint(0, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    calls = _count_calls(tuned.model.layers[1].self_attn)
+    results = []
+    for m in (model, tuned):
+        torch.manual_seed(1)
+        out = m(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    assert calls[0] == 2
+    assert list(tuned.state_dict()) == list(model.state_dict())
 
 
 # -- choices, effect, explain -------------------------------------------------------------------

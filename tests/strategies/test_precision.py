@@ -120,6 +120,7 @@ def test_numerics_check_reports_a_nonzero_bf16_difference_and_leaves_the_model_a
     assert check.strategy == "precision" and check.choice == "bf16"
     assert 0 < check.metrics["loss_rel_diff_max"] < 0.05
     assert 0 < check.metrics["grad_rel_diff_max"] < 0.25
+    assert 0.9 < check.metrics["grad_cosine_min"] < 1.0
     assert check.passed and "bf16 vs fp32 over 3 steps" in check.summary
     after = workload.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
