@@ -21,7 +21,7 @@ from memadvisor.memory import MemoryMeter
 from memadvisor.profiler._device import Target, resolve_target
 from memadvisor.profiler._memory_step import tensors_in
 from memadvisor.profiler._profile import PRECISIONS, autocast_workload
-from memadvisor.profiler._state import clone_module, rng_restored
+from memadvisor.profiler._state import private_model, rng_restored
 from memadvisor.timeline import (
     CudaMemoryReader,
     MeterMemoryReader,
@@ -60,8 +60,11 @@ def record_timeline(
     """
     target = resolve_target(workload.model, device)
     step_wl, b = _checked(workload, target, precision, batch_size)
-    with rng_restored(uses_cuda=target.is_cuda):
-        model, optimizer = _warm_copy(step_wl, target, b)
+    with (
+        rng_restored(uses_cuda=target.is_cuda),
+        private_model(workload.model, target.device) as model,
+    ):
+        optimizer = _warmed_optimizer(step_wl, model, target, b)
         batch = workload.batch(b, target.device)
         kwargs: dict[str, Any] = {
             "max_events": max_events,
@@ -111,8 +114,8 @@ def write_memory_snapshot(
             "record_timeline() for a memory timeline on any device."
         )
     step_wl, b = _checked(workload, target, precision, batch_size)
-    with rng_restored(uses_cuda=True):
-        model, optimizer = _warm_copy(step_wl, target, b)
+    with rng_restored(uses_cuda=True), private_model(workload.model, target.device) as model:
+        optimizer = _warmed_optimizer(step_wl, model, target, b)
         batch = workload.batch(b, target.device)
         record_memory_history(True, max_entries=max_entries)
         try:
@@ -146,9 +149,8 @@ def _checked(
     return autocast_workload(workload, precision, target), b
 
 
-def _warm_copy(workload: Workload, target: Target, b: int) -> tuple[Any, Any]:
-    """A private copy on the device and its optimizer, after one step (so state exists)."""
-    model = clone_module(workload.model).to(target.device)
+def _warmed_optimizer(workload: Workload, model: Any, target: Target, b: int) -> Any:
+    """The model's optimizer, after one step (so its state exists, as in steady state)."""
     optimizer = workload.make_optimizer(model)
     train_step(workload, model, optimizer, workload.batch(b, target.device))
-    return model, optimizer
+    return optimizer

@@ -2,7 +2,9 @@
 
 How a pass runs (``profile_workload``):
     1. The blocks are chosen (:func:`~memadvisor.profiler._blocks.find_blocks`) and the model
-       is cloned onto the device; the caller's model, gradients and optimizer are never used.
+       is cloned onto the device; the caller's model, gradients and optimizer are never used
+       (a model that cannot be deep-copied is profiled in place and put back:
+       :func:`~memadvisor.profiler._state.private_model`).
     2. For each precision (fp32, then autocast bf16/fp16 around the model's forward, as the
        precision strategy applies it): one plain warm-up step, so the optimizer's state
        exists and every measured step is a steady-state step (weights + optimizer state +
@@ -61,7 +63,7 @@ from memadvisor.profiler._schema import (
     Profile,
     StepProfile,
 )
-from memadvisor.profiler._state import clone_module, rng_restored
+from memadvisor.profiler._state import private_model, rng_restored
 from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
 from memadvisor.workload import Workload, train_step
 
@@ -283,8 +285,11 @@ class _Pass:
         return not self.target.is_cuda or t.device.type == "cuda"
 
     def run(self) -> Profile:
+        with private_model(self.workload.model, self.target.device) as model:
+            return self._run(model)
+
+    def _run(self, model: nn.Module) -> Profile:
         wl, b1, b2 = self.workload, *self.sizes
-        model = clone_module(wl.model).to(self.target.device)
         optimizer = wl.make_optimizer(model)
         measured = {}
         for precision in self.precisions:

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["clone_module", "rng_restored"]
+from memadvisor.errors import BadInputError
+
+__all__ = ["clone_module", "private_model", "rng_restored"]
 
 
 def clone_module(model: nn.Module) -> nn.Module:
@@ -35,6 +37,77 @@ def clone_module(model: nn.Module) -> nn.Module:
             if isinstance(value, torch.Tensor) and id(value) not in memo:
                 memo[id(value)] = value.detach().clone()
     return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def private_model(model: nn.Module, device: torch.device) -> Iterator[nn.Module]:
+    """A model to profile on ``device``: a clone (:func:`clone_module`), or where the model
+    cannot be deep-copied, the model itself, with its tensors put back afterwards.
+
+    The fallback saves every parameter, buffer, gradient and tensor attribute (on the host,
+    so the card's numbers are not disturbed) and restores them in place (values) and by
+    reference (gradients, buffers and attributes a forward reassigned). Non-tensor state a
+    forward changes (a Python counter) is not restored.
+
+    Raises:
+        BadInputError: the model cannot be copied and is not on ``device`` (moving the
+            caller's own model is not ours to do).
+    """
+    try:
+        clone = clone_module(model)
+    except Exception as e:  # noqa: BLE001 - any deepcopy failure: fall back, said in the error
+        copy_error = e
+    else:
+        yield clone.to(device)
+        return
+    first = next(iter(model.parameters()), None)
+    if first is not None and first.device.type != device.type:
+        raise BadInputError(
+            f"The model cannot be deep-copied ({type(copy_error).__name__}: {copy_error}), so "
+            f"it is profiled in place, and it is on {first.device}, not {device}: move it to "
+            f"{device} first, or pass device='{first.device.type}'."
+        ) from copy_error
+    saved = _Snapshot(model)
+    try:
+        yield model
+    finally:
+        saved.restore()
+
+
+class _Snapshot:
+    """Every tensor of a model, saved on the host, and where each one was held."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [(p, _host(p), p.grad) for p in _unique(model.parameters())]
+        self.tensors = [(t, _host(t)) for t in _unique(model.buffers())]
+        self.slots: list[tuple[dict[str, Any], str, Any]] = []
+        for module in model.modules():
+            for d in (module._buffers, vars(module)):
+                self.slots += [(d, k, v) for k, v in d.items() if isinstance(v, torch.Tensor)]
+            self.tensors += [
+                (v, _host(v))
+                for v in vars(module).values()
+                if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
+            ]
+        for p, _, _ in self.params:
+            p.grad = None  # the step starts without gradients, as train_step leaves them
+
+    def restore(self) -> None:
+        for d, key, value in self.slots:
+            d[key] = value
+        with torch.no_grad():
+            for t, host in [(p, h) for p, h, _ in self.params] + self.tensors:
+                t.copy_(host)
+        for p, _, grad in self.params:
+            p.grad = grad
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _unique(tensors: Any) -> list[torch.Tensor]:
+    return list({id(t): t for t in tensors}.values())
 
 
 @contextlib.contextmanager
