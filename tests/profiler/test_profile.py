@@ -415,3 +415,36 @@ def test_cuda_profile_matches_the_allocator_for_the_same_step() -> None:
     peak, growth = _plain_cuda_step(wide, b)
     assert abs(max(ph.allocated.at(b) for ph in step.phases) - peak) <= 0.02 * peak
     assert abs(step.activation_total.at(b) - growth) <= 0.05 * growth
+
+
+class FitsUpTo(nn.Module):
+    """Raises the allocator's out-of-memory error above a batch size, as a small card would."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.blocks(x).sum()
+
+
+def test_sizes_that_run_out_of_memory_are_halved_until_they_fit() -> None:
+    """A sample of 4 tries (4, 8); 8 does not fit, so (2, 4) is measured."""
+    p = profile_workload(
+        Workload(FitsUpTo(limit=5), torch.randn(4, W)), device="cpu", precisions=["fp32"]
+    )
+    assert p.batch_sizes == (2, 4)
+
+
+def test_explicit_sizes_that_do_not_fit_raise_the_out_of_memory_error() -> None:
+    """Sizes the caller chose are not changed behind their back."""
+    with pytest.raises(torch.OutOfMemoryError):
+        profile_workload(
+            Workload(FitsUpTo(limit=5), torch.randn(4, W)),
+            device="cpu",
+            precisions=["fp32"],
+            batch_sizes=(4, 8),
+        )
