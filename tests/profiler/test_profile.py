@@ -317,7 +317,7 @@ def test_gpt_lm_head_and_loss_outweigh_every_block(examples_dir: Path) -> None:
         from gpt import build
     finally:
         sys.path.remove(str(examples_dir))
-    parts = build(batch_size=1, n_layer=2, block_size=16, vocab_size=8192)
+    parts = build(batch_size=1, n_layer=2, block_size=16, vocab_size=8192, n_embd=64, n_head=2)
     p = memadvisor.profile(
         parts["model"], parts["sample_batch"], loss_fn=parts["loss_fn"], device="cpu",
         precisions=["fp32"], batch_sizes=(1, 2),
