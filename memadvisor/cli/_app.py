@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from enum import Enum
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -60,7 +61,7 @@ def handle_errors(fn: F) -> F:
     """Turn an exception into one message on stderr and its exit code.
 
     A MemadvisorError exits with its class's ``exit_code``; anything else is unexpected and
-    exits with 1. The traceback is shown only with ``--debug`` (the error is re-raised).
+    exits with 1. With ``--debug`` the traceback is printed too, and the exit code is the same.
     """
 
     @functools.wraps(fn)
@@ -70,20 +71,23 @@ def handle_errors(fn: F) -> F:
         except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
             raise  # typer's own exits and usage errors carry their codes already
         except MemadvisorError as e:
-            if kwargs.get("debug"):
-                raise
-            _print_error(str(e))
-            raise typer.Exit(e.exit_code) from None
+            _fail(str(e), e.exit_code, debug=kwargs.get("debug", False))
         except Exception as e:
-            if kwargs.get("debug"):
-                raise
-            _print_error(
+            _fail(
                 f"unexpected {type(e).__name__}: {e}. This is a bug in memadvisor or in the "
-                "model; rerun with --debug for the traceback."
+                "model; rerun with --debug for the traceback.",
+                UNEXPECTED_EXIT_CODE,
+                debug=kwargs.get("debug", False),
             )
-            raise typer.Exit(UNEXPECTED_EXIT_CODE) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _fail(message: str, exit_code: int, *, debug: bool) -> None:
+    if debug:
+        err_console.print_exception()
+    _print_error(message)
+    raise typer.Exit(exit_code) from None
 
 
 def _print_error(message: str) -> None:
@@ -125,6 +129,38 @@ def announce_device(kind: str, *, quiet: bool) -> None:
 def out_console() -> Console:
     """The console the report prints to (stdout), made per command so tests capture it."""
     return Console()
+
+
+def check_output_paths(**paths: Path | None) -> None:
+    """Fail before the long work, not after it, when an output file cannot be written.
+
+    Raises:
+        BadInputError: an output's folder does not exist, or the path is a folder.
+    """
+    for option, path in paths.items():
+        if path is None:
+            continue
+        flag = "--" + option.replace("_", "-")
+        if path.is_dir():
+            raise BadInputError(f"{flag} must name a file, but {str(path)!r} is a folder.")
+        if not path.parent.is_dir():
+            raise BadInputError(
+                f"{flag} {str(path)!r}: the folder {str(path.parent)!r} does not exist; "
+                "create it or write elsewhere."
+            )
+
+
+def write_text(path: Path, text: str, what: str, *, quiet: bool) -> None:
+    """Write an output file and say so on stderr.
+
+    Raises:
+        BadInputError: the file cannot be written.
+    """
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise BadInputError(f"Cannot write {what} to {str(path)!r}: {e.strerror}.") from e
+    say_written(what, path, quiet=quiet)
 
 
 def say_written(what: str, path: object, *, quiet: bool) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,13 +16,20 @@ from memadvisor.cli._app import (
     TARGET_HELP,
     DeviceOption,
     app,
+    check_output_paths,
+    err_console,
     handle_errors,
     out_console,
     resolve_device,
-    say_written,
+    write_text,
 )
 from memadvisor.config import PlanConfig, gib_to_bytes
 from memadvisor.errors import BadInputError
+
+if TYPE_CHECKING:
+    from memadvisor.planner import Plan
+    from memadvisor.report import MemorySeries
+    from memadvisor.workload import Workload
 
 
 class ObjectiveOption(str, Enum):
@@ -88,7 +95,12 @@ def plan(
     ] = None,
     html_path: Annotated[
         Path | None,
-        typer.Option("--html", help="Write a self-contained HTML report here.", show_default=False),
+        typer.Option(
+            "--html",
+            help="Write a self-contained HTML report here, with one step of the plan recorded "
+            "for its memory chart.",
+            show_default=False,
+        ),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
@@ -100,27 +112,27 @@ def plan(
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
     config = _config(budget_gb, objective, effective_batch, margin, device)
+    check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
+    from memadvisor.report import one_line, print_plan
     from memadvisor.target import load_target
 
     workload = load_target(target)
     # The planner says in one line when it plans on the CPU simulated device.
     result = plan_workload(workload, config, target=target, progress=not quiet)
     if json_path is not None:
-        from memadvisor.report import write_plan_json
-
-        say_written("the plan", write_plan_json(result, json_path), quiet=quiet)
-    if html_path is not None:
-        from memadvisor.report import render_plan_html, write_html
-
-        say_written("the HTML report", write_html(render_plan_html(result), html_path), quiet=quiet)
-    from memadvisor.report import one_line, print_plan
-
+        write_text(json_path, result.model_dump_json(indent=2) + "\n", "the plan", quiet=quiet)
     console = out_console()
     if quiet:
         console.print(one_line(result), highlight=False, soft_wrap=True)
     else:
         print_plan(result, console)
+    if html_path is not None:
+        from memadvisor.report import render_plan_html
+
+        series = _planned_step(workload, result, debug=debug)
+        page = render_plan_html(result, series=series)
+        write_text(html_path, page, "the HTML report", quiet=quiet)
 
 
 def _config(
@@ -159,4 +171,41 @@ def _config(
         effective_batch=effective_batch,
         margin_fraction=margin,
         device=resolve_device(device),  # type: ignore[arg-type]
+    )
+
+
+def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> MemorySeries | None:
+    """One micro-batch step of the plan, recorded module by module, for the HTML chart.
+
+    The CLI built this model from the factory for this command alone, so the plan is applied
+    to it in place. None (the chart then shows the profile's per-phase peaks) when the step
+    cannot be recorded: the plan is already made and printed, and a chart is not worth
+    losing it over.
+    """
+    from memadvisor.apply import apply_plan
+    from memadvisor.profiler import record_timeline
+    from memadvisor.report import series_from_timeline
+    from memadvisor.report._facts import answer
+
+    a = answer(plan)
+    device = {"cuda": "cuda", "simulated": "cpu"}.get(plan.device_kind, "auto")
+    try:
+        apply_plan(workload.model, plan)
+        # fp32 here: the applied plan's own autocast wraps the forward already.
+        timeline = record_timeline(workload, batch_size=a.batch_size, device=device)
+    except Exception as e:
+        if debug:
+            raise
+        err_console.print(
+            f"note: the plan's step could not be recorded for the HTML chart ({type(e).__name__}: "
+            f"{e}); the chart shows the profile's per-phase peaks instead.",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return None
+    ckpt = f"{len(a.checkpointed)} blocks checkpointed" if a.checkpointed else "no checkpointing"
+    return series_from_timeline(
+        timeline,
+        caption=f"One step of the plan ({a.precision}, {ckpt}, micro-batch {a.batch_size}) "
+        f"recorded module by module on {timeline.device}.",
     )

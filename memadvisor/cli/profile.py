@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from memadvisor.cli._app import (
     DEBUG_HELP,
@@ -15,11 +26,13 @@ from memadvisor.cli._app import (
     DeviceOption,
     announce_device,
     app,
+    check_output_paths,
     err_console,
     handle_errors,
     out_console,
     resolve_device,
     say_written,
+    write_text,
 )
 from memadvisor.errors import BadInputError
 
@@ -98,36 +111,59 @@ def profile(
     """Measure TARGET's training step: memory by kind, per block, per owner and per phase."""
     if batch_size is not None and batch_size <= 0:
         raise BadInputError(f"--batch-size must be positive, but got {batch_size=}.")
+    check_output_paths(
+        json=json_path,
+        html=html_path,
+        timeline=timeline_path,
+        speedscope=speedscope_path,
+        cuda_snapshot=cuda_snapshot_path,
+    )
     kind = resolve_device(device)
     if cuda_snapshot_path is not None and kind != "cuda":
         raise BadInputError(
             "--cuda-snapshot records the CUDA caching allocator, but this profile runs on the "
-            "CPU; drop the option or run on a machine with a GPU."
+            "CPU simulated device; drop the option or run on a machine with a GPU."
         )
-    from memadvisor.profiler import profile_workload
+    from memadvisor.profiler import profile_workload, record_timeline, write_memory_snapshot
+    from memadvisor.report import one_line_profile, print_profile
     from memadvisor.target import load_target
 
     workload = load_target(target)
     announce_device(kind, quiet=quiet)
-    with (
-        err_console.status("Profiling one training step…", spinner="dots")
-        if not quiet
-        else _nothing()
-    ):
-        result = profile_workload(workload, blocks=blocks or None, device=_profiler_device(kind))
-    from memadvisor.report import print_profile
-
+    on = _profiler_device(kind)
+    with _progress(quiet) as bar:
+        result = profile_workload(workload, blocks=blocks or None, device=on, progress=bar)
     if json_path is not None:
-        say_written("the profile", _write(json_path, result.model_dump_json(indent=2)), quiet=quiet)
+        write_text(json_path, result.model_dump_json(indent=2) + "\n", "the profile", quiet=quiet)
+    timeline = None
+    b = batch_size or max(result.batch_sizes)  # the batch every number below is read at
+    if timeline_path or speedscope_path or html_path:
+        # One more step, recorded module by module (the profile's own steps are not traced).
+        timeline = record_timeline(workload, batch_size=b, device=on)
+    if timeline_path is not None:
+        write_text(timeline_path, timeline.model_dump_json() + "\n", "the timeline", quiet=quiet)
+    if speedscope_path is not None:
+        flame = json.dumps(timeline.to_speedscope(weight="bytes")) + "\n"
+        write_text(speedscope_path, flame, "the speedscope flame graph", quiet=quiet)
+    if cuda_snapshot_path is not None:
+        path = write_memory_snapshot(workload, cuda_snapshot_path, batch_size=b)
+        say_written("the CUDA allocator snapshot (open it at pytorch.org/memory_viz)", path,
+                    quiet=quiet)  # fmt: skip
     if html_path is not None:
-        from memadvisor.report import render_profile_html, write_html
+        from memadvisor.report import render_profile_html, series_from_timeline
 
-        page = render_profile_html(result, batch_size=batch_size)
-        say_written("the HTML report", write_html(page, html_path), quiet=quiet)
+        caption = (
+            f"One training step of {result.model_name} at batch {b} (fp32), recorded module "
+            f"by module on {timeline.device}."
+        )
+        series = series_from_timeline(timeline, caption=caption)
+        page = render_profile_html(result, batch_size=b, series=series)
+        write_text(html_path, page, "the HTML report", quiet=quiet)
     console = out_console()
     if quiet:
-        return
-    print_profile(result, console, batch_size=batch_size)
+        console.print(one_line_profile(result), highlight=False, soft_wrap=True)
+    else:
+        print_profile(result, console, batch_size=b)
 
 
 def _profiler_device(kind: str) -> str:
@@ -135,17 +171,20 @@ def _profiler_device(kind: str) -> str:
     return "cpu" if kind == "simulated" else kind
 
 
-def _write(path: Path, text: str) -> Path:
-    try:
-        path.write_text(text + "\n", encoding="utf-8")
-    except OSError as e:
-        raise BadInputError(f"Cannot write {str(path)!r}: {e.strerror}.") from e
-    return path
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+@contextlib.contextmanager
+def _progress(quiet: bool) -> Iterator[Progress | None]:
+    """A rich bar on stderr that the profiler advances step by step; none with --quiet."""
+    if quiet:
+        yield None
+        return
+    bar = Progress(
+        SpinnerColumn(),
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,  # gone when done: the report says how long profiling took
+    )
+    with bar:
+        yield bar

@@ -6,16 +6,20 @@ write_html(render_plan_html(plan), path)  one file that opens offline: charts, t
 write_plan_json(plan, path)               the Plan, for Plan.model_validate_json + apply_plan
 """
 
+from memadvisor.report._facts import MemorySeries, series_from_timeline
 from memadvisor.report._json import write_plan_json
 from memadvisor.report.html import render_plan_html, render_profile_html, write_html
-from memadvisor.report.terminal import one_line, print_plan, print_profile
+from memadvisor.report.terminal import one_line, one_line_profile, print_plan, print_profile
 
 __all__ = [
+    "MemorySeries",
     "one_line",
+    "one_line_profile",
     "print_plan",
     "print_profile",
     "render_plan_html",
     "render_profile_html",
+    "series_from_timeline",
     "write_html",
     "write_plan_json",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "checkpointed_blocks",
     "comparison",
     "consumers",
+    "device_runs",
     "kinds_at_plan_peak",
     "kinds_of_profile",
     "phases",
@@ -258,6 +259,26 @@ def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
     )
 
 
+_RUN_STAGES = {"timing": "timed", "verify": "verifying", "compare": "for the comparison rows"}
+
+
+def device_runs(plan: Plan, *, shown: int = 8) -> str:
+    """The device runs behind the plan in a sentence: the batch probes first, by outcome."""
+    search = [p for p in plan.probes if p.stage == "probe"]
+    parts = []
+    if search:
+        outcomes = ", ".join(
+            f"{p.batch_size} {'fits' if p.fits else 'OOM'}" for p in search[:shown]
+        )
+        more = f", … {len(search) - shown} more" if len(search) > shown else ""
+        parts.append(f"{len(search)} batch probes ({outcomes}{more})")
+    for stage, words in _RUN_STAGES.items():
+        count = sum(p.stage == stage for p in plan.probes)
+        if count:
+            parts.append(f"{count} {words}")
+    return f"Runs on {plan.device_name}: " + ", ".join(parts)
+
+
 def kinds_at_plan_peak(plan: Plan) -> list[KindLine]:
     """What the pick holds at its estimated peak, by kind; shares are of the estimated peak.
 
@@ -427,7 +448,9 @@ def series_from_events(
     return MemorySeries(source="timeline", caption=caption, points=points, spans=spans)
 
 
-def series_from_timeline(timeline: Any, *, max_points: int = 2000) -> MemorySeries:
+def series_from_timeline(
+    timeline: Any, *, caption: str | None = None, max_points: int = 2000
+) -> MemorySeries:
     """The measured curve of a :class:`memadvisor.timeline.Timeline`, phases from its marks.
 
     Long recordings are thinned to ``max_points``, keeping the highest reading of each slice
@@ -443,8 +466,11 @@ def series_from_timeline(timeline: Any, *, max_points: int = 2000) -> MemorySeri
     if len(rows) > max_points:
         rows = _thin(rows, max_points)
     dropped = getattr(timeline, "dropped_events", 0)
-    caption = f"Recorded timeline of {timeline.model_name} on {timeline.device}"
-    caption += f" ({dropped} oldest events dropped by the buffer)." if dropped else "."
+    caption = (
+        caption or f"One training step of {timeline.model_name} recorded on {timeline.device}."
+    )
+    if dropped:
+        caption += f" The buffer dropped the {dropped} oldest events."
     return series_from_events(rows, caption)
 
 

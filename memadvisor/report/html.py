@@ -87,8 +87,7 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
         )
         parts.append(_section("checks", "Checks on your workload", f"<ul>{items}</ul>"))
     if plan.probes:
-        probes = ", ".join(f"{p.batch_size} {'fits' if p.fits else 'OOM'}" for p in plan.probes)
-        parts.append(f'<p class="note" id="probes">Probes on {_e(plan.device_name)}: {probes}.</p>')
+        parts.append(f'<p class="note" id="probes">{_e(facts.device_runs(plan))}.</p>')
     return _page(f"memadvisor plan · {a.model_name}", parts, data)
 
 

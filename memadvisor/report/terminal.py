@@ -14,7 +14,7 @@ from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
-__all__ = ["one_line", "print_plan", "print_profile"]
+__all__ = ["one_line", "one_line_profile", "print_plan", "print_profile"]
 
 _KIND_WORDS = {
     "params": "weights",
@@ -26,7 +26,10 @@ _KIND_WORDS = {
 _ESTIMATED = "~"  # marks a number only estimated, never run on a device
 
 
-_CONSUMERS_NOTE = "Blocks can be checkpointed; other owners (an LM head, the loss) cannot."
+_CONSUMERS_NOTE = (
+    "* not a block: checkpointing cannot reach it (an LM head, the loss); blocks can be "
+    "checkpointed."
+)
 
 
 def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
@@ -126,6 +129,20 @@ def one_line(plan: Plan) -> str:
     )
 
 
+def one_line_profile(profile: Profile) -> str:
+    """What a step holds in one line, for ``--quiet`` and logs."""
+    b = max(profile.batch_sizes)
+    step = profile.steps["fp32"]
+    peak = max((p.allocated.at(b) for p in step.phases), default=0)
+    per_sample = step.activation_total.per_sample_bytes
+    static = fmt_bytes(profile.static_bytes)
+    return (
+        f"{profile.model_name}: weights, grads and optimizer state {static}, activations "
+        f"{fmt_bytes(per_sample)} per sample (fp32), peak {fmt_bytes(peak)} at batch {b}, "
+        f"{len(profile.blocks)} blocks"
+    )
+
+
 # -- the answer -------------------------------------------------------------------------------
 
 
@@ -201,7 +218,7 @@ def _peak_title(a: facts.Answer) -> str:
 def _comparison_table(plan: Plan) -> Table:
     table = Table(box=box.SIMPLE_HEAVY)
     for name in ("Config", "Batch", "Peak", "Step", "Largest batch", "Samples/s"):
-        table.add_column(name, justify="left" if name == "Config" else "right")
+        table.add_column(name, justify="left" if name == "Config" else "right", no_wrap=True)
     for line in facts.comparison(plan):
         mark = "" if line.measured else _ESTIMATED
         batch = str(line.batch_size)
@@ -222,8 +239,8 @@ def _comparison_table(plan: Plan) -> Table:
 def _kinds_table(lines: list[facts.KindLine]) -> Table:
     table = Table(box=box.SIMPLE)
     table.add_column("Kind")
-    table.add_column("Bytes", justify="right")
-    table.add_column("Share", justify="right")
+    table.add_column("Bytes", justify="right", no_wrap=True)
+    table.add_column("Share", justify="right", no_wrap=True)
     for line in lines:
         table.add_row(
             _KIND_WORDS.get(line.kind, line.kind), fmt_bytes(line.nbytes), f"{line.share:.0%}"
@@ -233,18 +250,17 @@ def _kinds_table(lines: list[facts.KindLine]) -> Table:
 
 def _consumers_table(consumers: list[facts.Consumer], *, top: int, show_kept: bool) -> Table:
     table = Table(box=box.SIMPLE)
-    table.add_column("Module")
-    table.add_column("Type")
-    table.add_column("Saved for backward", justify="right")
-    table.add_column("Share", justify="right")
+    table.add_column("Module", no_wrap=True)
+    table.add_column("Type", no_wrap=True, overflow="ellipsis")
+    table.add_column("Saved", justify="right", no_wrap=True)
+    table.add_column("Share", justify="right", no_wrap=True)
     if show_kept:
-        table.add_column("Kept under the plan", justify="right")
-    table.add_column("Forward", justify="right")
+        table.add_column("Kept by plan", justify="right", no_wrap=True)
+    table.add_column("Forward", justify="right", no_wrap=True)
     for c in consumers[:top]:
-        owner = c.type_name + (" (block)" if c.owner == "block" else "")
         row = [
-            Text(c.name, style="bold" if c.owner == "outside" else ""),
-            owner,
+            _owner_name(c),
+            c.type_name,
             fmt_bytes(c.activation_bytes),
             f"{c.share:.0%}",
         ]
@@ -268,22 +284,28 @@ def _consumers_table(consumers: list[facts.Consumer], *, top: int, show_kept: bo
     return table
 
 
+def _owner_name(c: facts.Consumer) -> Text:
+    if c.owner == "outside":
+        return Text(f"{c.name} *", style="bold")
+    return Text(c.name)
+
+
 def _profile_consumers(profile: Profile, b: int, precisions: list[str], top: int) -> Table:
     per_precision = {p: {c.name: c for c in facts.consumers(profile, b, p)} for p in precisions}
     ordered = facts.consumers(profile, b, "fp32")
     table = Table(box=box.SIMPLE)
-    table.add_column("Module")
-    table.add_column("Type")
-    table.add_column("Per sample", justify="right")
+    table.add_column("Module", no_wrap=True)
+    table.add_column("Type", no_wrap=True, overflow="ellipsis")
+    table.add_column("Per sample", justify="right", no_wrap=True)
     for p in precisions:
-        table.add_column(p, justify="right")
-    table.add_column("Share (fp32)", justify="right")
-    table.add_column("Forward", justify="right")
+        table.add_column(p, justify="right", no_wrap=True)
+    table.add_column("Share", justify="right", no_wrap=True)
+    table.add_column("Forward", justify="right", no_wrap=True)
     slopes = _per_sample_bytes(profile)
     for c in ordered[:top]:
         cells = [
-            Text(c.name, style="bold" if c.owner == "outside" else ""),
-            c.type_name + (" (block)" if c.owner == "block" else ""),
+            _owner_name(c),
+            c.type_name,
             fmt_bytes(slopes.get(c.name)) if c.name in slopes else "—",
         ]
         for p in precisions:
@@ -308,9 +330,9 @@ def _phases_table(profile: Profile, b: int, precisions: list[str]) -> Table:
     for p in precisions:
         lines = facts.phases(profile, b, p)
         reserved = any(line.reserved_bytes is not None for line in lines)
-        table.add_column(f"{p} allocated" if reserved else p, justify="right")
+        table.add_column(f"{p} allocated" if reserved else p, justify="right", no_wrap=True)
         if reserved:
-            table.add_column(f"{p} reserved", justify="right")
+            table.add_column(f"{p} reserved", justify="right", no_wrap=True)
         for line in lines:
             cells = rows.setdefault(line.phase, [])
             cells.append(fmt_bytes(line.allocated_bytes))
@@ -379,6 +401,5 @@ def _print_advice(plan: Plan, console: Console) -> None:
 
 
 def _probes_line(plan: Plan) -> str:
-    parts = [f"{p.batch_size} {'fits' if p.fits else 'OOM'}" for p in plan.probes]
     took = fmt_ms(plan.plan_wall_ms)
-    return f"[dim]Probes on {plan.device_name}: {', '.join(parts)}; planning took {took}.[/]"
+    return f"[dim]{facts.device_runs(plan)}; planning took {took}.[/]"

@@ -8,7 +8,7 @@ import pytest
 
 from memadvisor.config import GIB
 from memadvisor.estimate import Candidate
-from memadvisor.planner import Measurement, Plan
+from memadvisor.planner import Measurement, Plan, Probe
 from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
 
@@ -159,3 +159,19 @@ def test_timeline_series_follows_the_phase_marks_and_thins_to_the_peaks() -> Non
     assert series.spans[1][1:] == (2, 8)
     assert len(series.points) <= 501 + 4  # a point per slice, and the phase marks
     assert max(p[1] for p in series.points) == 66  # the highest reading survives thinning
+
+
+def test_device_runs_lists_the_batch_probes_and_counts_the_other_stages(plan: Plan) -> None:
+    extra = [
+        Probe(batch_size=6, fits=True, steps=3, stage="timing"),
+        Probe(batch_size=12, fits=True, steps=20, stage="verify"),
+        *(Probe(batch_size=b, fits=b < 9, steps=3, stage="compare") for b in (8, 9)),
+    ]
+    many = [Probe(batch_size=b, fits=True, steps=3) for b in range(20, 30)]
+    text = facts.device_runs(plan.model_copy(update={"probes": [*plan.probes, *extra]}))
+    assert text == (
+        "Runs on NVIDIA H200: 3 batch probes (14 OOM, 13 OOM, 12 fits), 1 timed, 1 verifying, "
+        "2 for the comparison rows"
+    )
+    long = facts.device_runs(plan.model_copy(update={"probes": many}), shown=2)
+    assert long == "Runs on NVIDIA H200: 10 batch probes (20 fits, 21 fits, … 8 more)"

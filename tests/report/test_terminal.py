@@ -90,7 +90,7 @@ def test_recommendations_carry_their_snippet_and_effect(plan: Plan) -> None:
         if adv.effect:
             assert f"Effect: {adv.effect}" in advice
     assert "Check (precision, passed)" in advice
-    assert "Probes on NVIDIA H200: 14 OOM, 13 OOM, 12 fits" in advice
+    assert "Runs on NVIDIA H200: 3 batch probes (14 OOM, 13 OOM, 12 fits)" in advice
 
 
 def test_plan_without_a_profile_says_so_instead_of_the_memory_section(plan: Plan) -> None:

@@ -1,0 +1,104 @@
+"""Tiny training jobs the CLI tests load by path: each one a few milliseconds a step.
+
+``memadvisor plan tests/cli/factories.py:mlp --budget-gb 0.01`` plans a four-block MLP.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memadvisor.target import load_factory
+
+WIDTH = 64
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _example(name: str) -> ModuleType:
+    # load_factory registers the module the way the CLI does (dataclasses need sys.modules).
+    return sys.modules[load_factory(f"{EXAMPLES / name}.py:build").__module__]
+
+
+def gpt() -> dict:
+    """examples/gpt.py shrunk to seconds on a CPU: 2 blocks, a 2048-token vocabulary.
+
+    Its LM head and loss still outweigh a block, as in the full example.
+    """
+    return _example("gpt").build(
+        batch_size=2, block_size=16, vocab_size=2048, n_layer=2, n_head=2, n_embd=32
+    )
+
+
+def cnn() -> dict:
+    """examples/cnn.py's SmallResNet at 8 channels and 2 bottlenecks, 16x16 images."""
+    module = _example("cnn")
+    built = module.build(batch_size=2)
+    torch.manual_seed(0)
+    built["model"] = module.SmallResNet(channels=8, width=4, depth=2)
+    images, labels = built["sample_batch"]
+    built["sample_batch"] = (images[:, :, :16, :16].contiguous(), labels)
+    return built
+
+
+class Block(nn.Module):
+    """Linear + ReLU with a residual: what a person would checkpoint."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.fc(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, depth: int = 4, width: int = WIDTH, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))  # (B, classes)
+
+
+def _cross_entropy(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(logits, batch[1])
+
+
+def mlp() -> dict:
+    """Four residual blocks of width 64: ~70 KiB of weights, batch 8."""
+    torch.manual_seed(0)
+    return {
+        "model": MLP(),
+        "sample_batch": (torch.randn(8, WIDTH), torch.randint(0, 10, (8,))),
+        "loss_fn": _cross_entropy,
+    }
+
+
+def wide() -> dict:
+    """32 MiB of weights (Linear 2048 -> 4096): with AdamW ~128 MiB before any activation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 1))
+    return {"model": model, "sample_batch": torch.randn(2, 2048), "loss_fn": _sum_loss}
+
+
+def _sum_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return output.sum()
+
+
+def rejects_batch() -> dict:
+    """A model of width 4 given rows of 5 features: its forward fails on the sample."""
+    return {"model": nn.Linear(4, 4), "sample_batch": torch.randn(2, 5), "loss_fn": _sum_loss}
+
+
+def raises() -> dict:
+    raise RuntimeError("the dataset at /data/train is not mounted")
+
+
+def not_a_model() -> tuple:
+    return "a string, not an nn.Module", torch.randn(2, 4)

@@ -1,0 +1,76 @@
+"""Exit codes and error messages: one place turns every exception into both."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from memadvisor.cli._app import handle_errors
+from memadvisor.errors import BadInputError, InfeasibleBudgetError, PlanningError
+
+
+def _app_raising(error: Exception) -> typer.Typer:
+    app = typer.Typer()
+
+    @app.command()
+    @handle_errors
+    def run(debug: bool = typer.Option(False, "--debug")) -> None:
+        raise error
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (BadInputError("bad target"), 2),
+        (InfeasibleBudgetError("needs 3 GiB"), 3),
+        (PlanningError("probes disagree"), 4),
+        (ZeroDivisionError("division by zero"), 1),  # unexpected: a bug
+    ],
+)
+def test_each_error_kind_has_its_exit_code_and_one_line_on_stderr(
+    error: Exception, code: int
+) -> None:
+    result = CliRunner().invoke(_app_raising(error), [], env={"COLUMNS": "200"})
+    assert result.exit_code == code
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(error) in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unexpected_error_is_named_and_points_to_debug() -> None:
+    result = CliRunner().invoke(_app_raising(KeyError("x")), [], env={"COLUMNS": "200"})
+    assert "unexpected KeyError" in result.stderr and "--debug" in result.stderr
+
+
+def test_debug_adds_the_traceback_and_keeps_the_exit_code() -> None:
+    result = CliRunner().invoke(_app_raising(BadInputError("bad target")), ["--debug"])
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr and "error: bad target" in result.stderr
+
+
+def test_the_installed_command_exits_with_the_code_in_a_real_process(tmp_path) -> None:
+    """The console script's path (python -m memadvisor.cli), not only the in-process runner."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memadvisor.cli",
+            "plan",
+            "no/such/file.py:build",
+            "--budget-gb",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().startswith("error: No such file: 'no/such/file.py'")

@@ -1,0 +1,180 @@
+"""``memadvisor plan``: end to end on the CPU simulated device, and every bad input refused.
+
+The end-to-end runs use the examples shrunk by tests/cli/factories.py (a few seconds on a
+CPU); the bad-input cases fail before any planning, so they are fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memadvisor
+from memadvisor.config import gib_to_bytes
+from memadvisor.planner import Plan
+from memadvisor.report._units import fmt_bytes, fmt_rate
+from memadvisor.target import load_target
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+def _one_error_line(result) -> str:
+    """The error: one line, the last on stderr (a note on the device may precede it)."""
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    return errors[0]
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+
+def test_plan_gpt_example_prints_the_answer_and_writes_a_plan_apply_plan_loads(
+    cli, factory, tmp_path
+) -> None:
+    json_path, html_path = tmp_path / "plan.json", tmp_path / "plan.html"
+    result = cli(
+        "plan", factory("gpt"), "--budget-gb", "0.004", "--json", str(json_path),
+        "--html", str(html_path),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    plan = Plan.model_validate_json(json_path.read_text())
+    out = result.stdout
+    # The answer first, with the plan's own numbers.
+    assert out.index("Budget") < out.index("Configurations compared")
+    assert out.index("Configurations compared") < out.index("Where the memory goes")
+    assert f"{fmt_bytes(plan.config.budget_bytes)} (" in out
+    assert f"verified {fmt_bytes(plan.verified.peak_bytes)}" in out
+    assert fmt_rate(plan.verified.samples_per_s) in out
+    assert plan.verified.peak_bytes <= plan.config.budget_bytes
+    # The loss over the vocabulary is not a block, and the report names it.
+    assert "<loss> *" in out
+    for label in ("Baseline", "+Checkpointing", "Plan"):
+        assert label in out
+    # The JSON is the Plan: apply_plan rewrites a fresh model from the same factory.
+    fresh = load_target(factory("gpt")).model
+    keys = set(fresh.state_dict())
+    tuned = memadvisor.apply_plan(fresh, plan)
+    assert set(tuned.state_dict()) == keys
+    # The HTML has the same numbers, and nothing to fetch.
+    page = html_path.read_text()
+    assert fmt_bytes(plan.verified.peak_bytes) in page and "<script src" not in page
+    assert "One step of the plan" in page  # its chart is the plan's own recorded step
+    if NO_CUDA:
+        assert "simulated" in result.stderr  # says where it planned, in one line
+
+
+def test_plan_quiet_prints_only_the_one_line_answer(cli, factory) -> None:
+    result = cli("plan", factory("cnn"), "--budget-gb", "0.002", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    budget = fmt_bytes(gib_to_bytes(0.002))
+    assert len(lines) == 1 and "samples/s" in lines[0] and f"of {budget}," in lines[0]
+    assert result.stderr == ""  # no progress bars, no notes
+
+
+def test_plan_effective_batch_is_kept_by_accumulation(cli, factory, tmp_path) -> None:
+    json_path = tmp_path / "plan.json"
+    result = cli(
+        "plan", factory("mlp"), "--budget-gb", "0.0006", "--effective-batch", "512",
+        "--json", str(json_path), "--quiet",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    plan = Plan.model_validate_json(json_path.read_text())
+    assert plan.config.objective == "effective_batch" and plan.config.effective_batch == 512
+    assert plan.candidate.batch_size * plan.candidate.accumulation_steps >= 512
+
+
+def test_plan_budget_below_the_weights_exits_3_and_names_the_minimum(cli, factory) -> None:
+    # 32 MiB of weights: with gradients and AdamW state ~128 MiB before any activation.
+    result = cli("plan", factory("wide"), "--budget-gb", "0.01")
+    assert result.exit_code == 3
+    assert "GiB" in _one_error_line(result) or "MiB" in _one_error_line(result)
+    assert result.stdout == ""
+
+
+def test_plan_a_batch_the_model_rejects_is_bad_input(cli, factory) -> None:
+    result = cli("plan", factory("rejects_batch"), "--budget-gb", "1")
+    assert result.exit_code == 2
+    assert "rejected the batch" in _one_error_line(result)
+
+
+# -- bad input, refused before any work -------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["0", "-1", "nan", "1e-12"])
+def test_plan_non_positive_budget_is_bad_input(cli, factory, budget: str) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", budget)
+    assert result.exit_code == 2
+    assert "--budget-gb must be a positive number of GiB" in _one_error_line(result)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("examples/gpt.py", "TARGET must be 'path/to/file.py:factory'"),
+        ("no/such/file.py:build", "No such file: 'no/such/file.py'"),
+        ("no_such_package.module:build", "Cannot import module 'no_such_package.module'"),
+    ],
+)
+def test_plan_bad_target_is_bad_input(cli, target: str, message: str) -> None:
+    result = cli("plan", target, "--budget-gb", "1")
+    assert result.exit_code == 2
+    assert message in _one_error_line(result)
+
+
+def test_plan_factory_that_raises_is_bad_input_with_its_message(cli, factory) -> None:
+    result = cli("plan", factory("raises"), "--budget-gb", "1")
+    assert result.exit_code == 2
+    line = _one_error_line(result)
+    assert "RuntimeError" in line and "the dataset at /data/train is not mounted" in line
+
+
+def test_plan_factory_returning_no_model_is_bad_input(cli, factory) -> None:
+    result = cli("plan", factory("not_a_model"), "--budget-gb", "1")
+    assert result.exit_code == 2
+    assert "model must be a torch.nn.Module" in _one_error_line(result)
+
+
+def test_plan_missing_factory_name_is_bad_input(cli, factory) -> None:
+    result = cli("plan", factory("no_such_factory"), "--budget-gb", "1")
+    assert result.exit_code == 2
+    assert "has no callable 'no_such_factory'" in _one_error_line(result)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--margin", "0.7"], "--margin must be at least 0 and below 0.5"),
+        (["--objective", "effective_batch"], "needs --effective-batch N"),
+        (["--effective-batch", "0"], "--effective-batch must be positive"),
+        (["--json", "/no/such/folder/plan.json"], "the folder '/no/such/folder' does not exist"),
+    ],
+)
+def test_plan_bad_option_is_bad_input(cli, factory, args: list[str], message: str) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", *args)
+    assert result.exit_code == 2
+    assert message in _one_error_line(result)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has a CUDA device")
+def test_plan_device_cuda_without_a_gpu_is_bad_input(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--device", "cuda")
+    assert result.exit_code == 2
+    assert "--device simulated" in _one_error_line(result)
+
+
+def test_plan_unknown_objective_is_a_usage_error(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--objective", "fastest")
+    assert result.exit_code == 2
+    assert "fastest" in result.stderr
+
+
+def test_plan_help_ends_with_examples_and_exit_codes(cli) -> None:
+    result = cli("plan", "--help")
+    assert result.exit_code == 0
+    text = result.stdout
+    assert text.index("Examples") > text.index("--budget-gb")
+    assert "memadvisor plan examples/gpt.py:build --budget-gb 1" in text
+    assert "3 nothing fits the budget" in text
