@@ -74,7 +74,9 @@ class TimelineEvent(_Model):
         "began; alloc: an allocation (CPU meter); sample: a plain memory reading."
     )
     phase: str | None = Field(
-        None, description="For kind='phase': forward, loss, backward, optimizer, zero_grad, end."
+        None,
+        description="For kind='phase': forward, loss, backward, optimizer, zero_grad, end; "
+        "for kind='sample': an optional label (the monitor writes 'iteration N').",
     )
     module: str | None = Field(
         None, description="Qualified module name for enter/exit; '' is the model itself."

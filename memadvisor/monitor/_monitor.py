@@ -119,7 +119,6 @@ class Monitor:
         self._last_probe_iteration = -(10**9)
         self._totals: dict[str, int | None] = {}
         self._last_time: float | None = None
-        self._epoch_start = 0
         self._inside = False
         self._leak = LeakReport(flagged=False, iterations=0, growth_bytes=0)
         self._maybe_start_probe(1)
