@@ -32,6 +32,7 @@ from memadvisor.errors import SimulatedOutOfMemoryError
 
 __all__ = ["MemoryMeter", "storage_bytes", "unique_storage_bytes"]
 
+_LIFT_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 AllocationListener = Callable[[int, int], None]  # (delta_bytes, live_bytes)
 # (storage, nbytes): a storage counted for the first time; id(storage) is the meter's key.
 StorageListener = Callable[[torch.UntypedStorage, int], None]
@@ -147,11 +148,17 @@ class MemoryMeter(TorchDispatchMode):
         out = func(*args, **kwargs)
         # A view or in-place result shares an input's storage: this op allocated nothing for it,
         # even when that input was made before the meter started (and so is not counted).
-        inputs = {
-            id(t.untyped_storage())
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"
-        }
+        # The exception is lift_fresh: torch.tensor(...) builds its tensor outside the dispatcher
+        # and only "lifts" it through this op, so the shared storage is in fact brand new.
+        inputs = (
+            set()
+            if func in _LIFT_OPS
+            else {
+                id(t.untyped_storage())
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            }
+        )
         new: dict[int, torch.UntypedStorage] = {}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":

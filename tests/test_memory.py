@@ -87,3 +87,12 @@ def test_storage_listeners_hear_each_new_storage_once_with_its_key() -> None:
         x = torch.empty(100)
         _view = x[1:]
     assert heard == [(id(w.untyped_storage()), 40), (id(x.untyped_storage()), 400)]
+
+
+def test_tensors_built_from_python_values_are_counted() -> None:
+    """torch.tensor(...) reaches the dispatcher only through lift_fresh: it is still new memory."""
+    meter = MemoryMeter()
+    with meter:
+        t = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert meter.live_bytes == 16
+    del t
