@@ -29,6 +29,7 @@ from torch import nn
 from memadvisor.memory import MemoryMeter
 from memadvisor.profiler._device import Target
 from memadvisor.profiler._graph import saved_storages
+from memadvisor.profiler._walk import BackwardWalk
 from memadvisor.workload import Workload, train_step
 
 __all__ = ["LOSS_OWNER", "OTHER_OWNER", "MemoryMeasurement", "MemoryStep", "tensors_in"]
@@ -57,6 +58,13 @@ class MemoryMeasurement:
     grad_bytes: int
     tracked_peak_bytes: int
     allocator_peak_bytes: int | None
+    # The backward walk (memadvisor.profiler._walk), relative to end_of_forward.
+    block_cast: list[int] = dataclasses.field(default_factory=list)
+    block_output_kept: list[int] = dataclasses.field(default_factory=list)
+    block_backward_start: list[int | None] = dataclasses.field(default_factory=list)
+    block_backward_peak: list[int | None] = dataclasses.field(default_factory=list)
+    end_of_forward: int | None = None
+    backward_head_peak: int | None = None
 
 
 @dataclasses.dataclass
@@ -179,6 +187,7 @@ class MemoryStep:
             torch.cuda.empty_cache()
         params = [p for p in self.model.parameters()]
         meter = _StepMeter({id(p.untyped_storage()) for p in params})
+        self.walk = BackwardWalk(meter, self.n_blocks, self._current_block)
         on_device = self._on_device
         meter.adopt(t for t in params if on_device(t))
         meter.adopt(t for t in self.model.buffers() if on_device(t))
@@ -190,7 +199,7 @@ class MemoryStep:
         self.peaks = _PhasePeaks(meter, self.target)
         handles = self._install_hooks()
         try:
-            with meter:
+            with meter, self.walk.saving():
                 train_step(self._capturing(workload), self.model, optimizer, batch,
                            on_phase=self._on_phase)  # fmt: skip
         finally:
@@ -241,10 +250,12 @@ class MemoryStep:
             if self._loss is not None:
                 self.saved = saved_storages([self._loss])
                 self._attribute()
+            self.walk.begin_backward()
             self.recording = self.in_loss = False
             self.saved = {}
             self.peaks.start("backward")
         elif phase == "optimizer":
+            self.walk.end_backward()
             self._measure_grads()
             self.peaks.start("optimizer")
         elif phase == "zero_grad":
@@ -267,6 +278,10 @@ class MemoryStep:
     def _on_live(self, _delta: int, live: int) -> None:
         if self.window is not None and live > self.window[1]:
             self.window[1] = live
+        self.walk.on_live(live)
+
+    def _current_block(self) -> int:
+        return self.block_stack[-1] if self.block_stack else -1
 
     def _install_hooks(self) -> list[Any]:
         handles = []
@@ -308,6 +323,7 @@ class MemoryStep:
                 sid = self._step_storage(t)
                 if sid is not None and self.records[sid[0]].block == block:
                     self.outputs[block][sid] = self.records[sid[0]].nbytes
+            self.walk.watch_output(block, tensors_in(output), self.outputs[block])
 
         return hook
 
@@ -323,6 +339,7 @@ class MemoryStep:
 
     def _attribute(self) -> None:
         self.block_activation = [0] * self.n_blocks
+        self.block_cast = [0] * self.n_blocks
         self.outside: dict[str, int] = {}
         self.module_activation: dict[str, int] = {}
         self.activation_total = 0
@@ -335,6 +352,8 @@ class MemoryStep:
                 continue  # packed to host memory by a saved-tensors hook: not on the card
             if rec.cast_weight:
                 self.cast_weight_bytes += rec.nbytes
+                if rec.block >= 0:
+                    self.block_cast[rec.block] += rec.nbytes
                 continue
             self.activation_total += rec.nbytes
             owner = self._owner(rec)
@@ -397,6 +416,12 @@ class MemoryStep:
             allocator_peak_bytes=(
                 max(peaks.allocated.values(), default=0) if self.target.is_cuda else None
             ),
+            block_cast=self.block_cast,
+            block_output_kept=self.walk.output_kept(),
+            block_backward_start=self.walk.start,
+            block_backward_peak=self.walk.peak,
+            end_of_forward=self.walk.end_of_forward,
+            backward_head_peak=self.walk.head_peak,
         )
 
 

@@ -414,6 +414,10 @@ class _Pass:
                 forward_transient=self._bytes(m1.block_transient[i], m2.block_transient[i]),
                 forward_ms=self._ms(timing, lambda t, i=i: t.block_forward_ms[i]),
                 backward_ms=self._ms(timing, lambda t, i=i: t.block_backward_ms[i]),
+                output_kept=self._walk_bytes(mem, lambda m, i=i: m.block_output_kept[i]),
+                cast_weight_bytes=m2.block_cast[i] if m2.block_cast else 0,
+                backward_start=self._walk_bytes(mem, lambda m, i=i: m.block_backward_start[i]),
+                backward_peak=self._walk_bytes(mem, lambda m, i=i: m.block_backward_peak[i]),
             )
             for i, name in enumerate(self.block_names)
         ]
@@ -467,7 +471,21 @@ class _Pass:
             backward_ms=self._ms(timing, lambda t: t.backward_ms),
             optimizer_ms=optimizer_ms,
             step_ms=self._ms(timing, lambda t: t.step_ms),
+            end_of_forward=self._walk_bytes(mem, lambda m: m.end_of_forward),
+            backward_head_peak=self._walk_bytes(mem, lambda m: m.backward_head_peak),
         )
+
+    def _walk_bytes(
+        self, mem: list[MemoryMeasurement], read: Callable[[MemoryMeasurement], int | None]
+    ) -> LinearBytes | None:
+        """A backward-walk number fitted over both sizes; None where either lacks it."""
+        try:
+            values = [read(m) for m in mem]
+        except IndexError:  # a measurement without the walk
+            return None
+        if any(v is None for v in values):
+            return None
+        return self._bytes(values[0], values[1])
 
     def _layers(self, model: nn.Module, mem: MemoryMeasurement) -> list[LayerRow]:
         names = [n for n, _ in model.named_modules() if n]

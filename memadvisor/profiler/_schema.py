@@ -43,6 +43,10 @@ class LinearBytes(_Model):
         """The bytes at ``batch_size``, never below zero."""
         return max(0, int(round(self.per_sample_bytes * batch_size + self.constant_bytes)))
 
+    def signed_at(self, batch_size: int) -> int:
+        """The bytes at ``batch_size``, negative where the line is (a difference of levels)."""
+        return int(round(self.per_sample_bytes * batch_size + self.constant_bytes))
+
     @classmethod
     def fit(cls, b1: int, bytes1: int, b2: int, bytes2: int) -> LinearBytes:
         """The line through two measurements ``(b1, bytes1)`` and ``(b2, bytes2)``."""
@@ -111,6 +115,29 @@ class BlockActivity(_Model):
         description="The block's outputs that it made (part of its activation when the next "
         "block saves them): what a checkpointed successor's input shares with this block.",
     )
+    # The backward walk, measured in the step without checkpointing; the estimate moves it
+    # by what a candidate's checkpointed blocks free. None: not measured (older profiles).
+    output_kept: LinearBytes | None = Field(
+        None,
+        description="Of the block's outputs, the bytes saved for backward by ops outside the "
+        "block (its successor, the head): what stays after forward if it is checkpointed.",
+    )
+    cast_weight_bytes: int = Field(
+        0,
+        ge=0,
+        description="Autocast's weight copies made inside the block (part of "
+        "StepProfile.cast_weight_bytes); a checkpointed block frees them after forward.",
+    )
+    backward_start: LinearBytes | None = Field(
+        None,
+        description="Live bytes when the block's backward begins (its output's gradient is "
+        "ready) minus StepProfile.end_of_forward; may be negative. Read with signed_at().",
+    )
+    backward_peak: LinearBytes | None = Field(
+        None,
+        description="Most live bytes while the block's backward runs, minus "
+        "StepProfile.end_of_forward; may be negative. Read with signed_at().",
+    )
 
 
 class ModuleActivity(_Model):
@@ -156,6 +183,16 @@ class StepProfile(_Model):
     backward_ms: LinearMs = Field(default_factory=LinearMs)
     optimizer_ms: float = 0.0
     step_ms: LinearMs = Field(default_factory=LinearMs)
+    end_of_forward: LinearBytes | None = Field(
+        None,
+        description="Live bytes when backward begins (weights, optimizer state, the batch, "
+        "everything saved for backward, autocast's weight copies); None: not measured.",
+    )
+    backward_head_peak: LinearBytes | None = Field(
+        None,
+        description="Most live bytes in backward before the first block's backward begins "
+        "(the loss and the head), minus end_of_forward; None: not measured.",
+    )
 
 
 class LayerRow(_Model):
