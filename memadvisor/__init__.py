@@ -3,6 +3,7 @@
 tuned = memadvisor.optimize(model, sample_batch, budget_gb=8)
 """
 
+from memadvisor.api import optimize, plan
 from memadvisor.apply import apply_plan
 from memadvisor.config import PlanConfig
 from memadvisor.errors import (
@@ -39,6 +40,8 @@ __all__ = [
     "apply_plan",
     "estimate",
     "load_strategies",
+    "optimize",
+    "plan",
     "profile",
     "trace",
     "train_step",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memadvisor.apply import run_checks
 from memadvisor.config import PlanConfig
 from memadvisor.device import Device, Measurement
 from memadvisor.errors import BadInputError
@@ -24,7 +25,7 @@ from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
 from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._schema import Plan, Probe, Row
 from memadvisor.planner._search import search
-from memadvisor.planner._space import Scored, SearchSpace, rank_key
+from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.planner._state import preserved_state
 from memadvisor.profiler import Profile
 from memadvisor.strategy import Advice, Strategy, load_strategies
@@ -36,6 +37,7 @@ SIMULATED_NOTE = (
     "No CUDA device: this plan is for the simulated CPU device. It enforces the budget on "
     "the tracked bytes of real CPU tensors; times are CPU times."
 )
+BATCH_SIZE = "batch_size"  # the strategy that records the pick's batch for its advice
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
 _MARGIN_STEP_DOWNS = 3
 
@@ -135,14 +137,11 @@ class _Prober:
             )
 
 
-def _measured_key(space: SearchSpace, c: _Confirmed) -> tuple:
-    return rank_key(
-        space.config.objective,
-        c.candidate.batch_size,
-        c.measured.samples_per_s,
-        c.scored.active,
-        c.scored.choices_json,
-    )
+def _measured_key(objective: str, c: _Confirmed, estimate_rank: int) -> tuple:
+    """Best first by what the device measured; a tie keeps the estimate's order."""
+    if objective == "largest_batch":
+        return (-c.candidate.batch_size, -c.measured.samples_per_s, estimate_rank)
+    return (-c.measured.samples_per_s, estimate_rank)
 
 
 def _resolve_kind(config: PlanConfig, device: Device | None) -> str:
@@ -159,10 +158,14 @@ def _resolve_kind(config: PlanConfig, device: Device | None) -> str:
 
 
 def _profile(workload: Workload, kind: str, ui: Progress) -> Profile:
-    from memadvisor.profiler import profile_workload  # lands with the profiler (issue 3)
+    from memadvisor.profiler import profile_workload
 
-    with ui.stage("profiling", total=None):
-        return profile_workload(workload, device="cuda" if kind == "cuda" else "cpu")
+    with ui.stage("profiling", total=None) as bar:
+        return profile_workload(
+            workload,
+            device="cuda" if kind == "cuda" else "cpu",
+            progress=lambda text, done, total: bar.report(f"profiling: {text}", done, total),
+        )
 
 
 def _make_device(kind: str, config: PlanConfig, target: str | None, profile: Profile) -> Device:
@@ -172,9 +175,31 @@ def _make_device(kind: str, config: PlanConfig, target: str | None, profile: Pro
         return CudaDevice(
             config.budget_bytes, target=target, profile=profile, strategy_names=config.strategies
         )
-    from memadvisor.device.simulated import SimulatedDevice  # lands with issue 4
+    from memadvisor.device.simulated import SimulatedDevice
 
-    return SimulatedDevice(config.budget_bytes)
+    return SimulatedDevice(config.budget_bytes, profile=profile, strategy_names=config.strategies)
+
+
+def _with_batch_record(
+    candidate: Candidate, strategies: Sequence[Strategy], config: PlanConfig
+) -> Candidate:
+    """The pick with the batch_size strategy's record of it, so its advice explains the batch.
+
+    That strategy searches nothing (the planner solves the batch); its choice only records
+    the pick in the format ``strategies.batch_size.choice_for`` defines.
+    """
+    if not any(s.name == BATCH_SIZE for s in strategies):
+        return candidate
+    from strategies.batch_size import choice_for
+
+    record = choice_for(candidate, config.effective_batch)
+    if record is None:
+        return candidate
+    return Candidate(
+        batch_size=candidate.batch_size,
+        accumulation_steps=candidate.accumulation_steps,
+        choices={**candidate.choices, BATCH_SIZE: record},
+    )
 
 
 def _advice(strategies: Sequence[Strategy], candidate: Candidate, profile: Profile) -> list[Advice]:
@@ -186,19 +211,6 @@ def _advice(strategies: Sequence[Strategy], candidate: Candidate, profile: Profi
         advice = s.explain(choice, profile)
         if advice is not None:
             out.append(advice)
-    return out
-
-
-def _checks(strategies: Sequence[Strategy], candidate: Candidate, workload: Workload) -> list:
-    out = []
-    for s in strategies:
-        choice = candidate.choices.get(s.name)
-        check = getattr(s, "check", None)
-        if choice is None or s.is_neutral(choice) or check is None:
-            continue
-        result = check(workload, choice)
-        if result is not None:
-            out.append(result)
     return out
 
 
@@ -318,8 +330,8 @@ def plan_workload(
             top = ranked[: config.rerank_top]
             with ui.stage("probes", total=None) as bar:
                 prober.bar = bar
-                confirmed = [c for c in (prober.confirm(s) for s in top) if c is not None]
-            if not confirmed:
+                confirmed = [prober.confirm(s) for s in top]
+            if all(c is None for c in confirmed):
                 raise infeasible(
                     profile,
                     config,
@@ -327,8 +339,8 @@ def plan_workload(
                     f"On the device not even batch 1 fitted for the {len(top)} best "
                     "configurations by the estimate.",
                 )
-            # Stable: equal measurements keep the estimate's order.
-            best = min(confirmed, key=lambda c: _measured_key(space, c))
+            fitted = [(rank, c) for rank, c in enumerate(confirmed) if c is not None]
+            _, best = min(fitted, key=lambda rc: _measured_key(config.objective, rc[1], rc[0]))
 
             with ui.stage("verify", total=None) as bar:
                 prober.bar = bar
@@ -341,6 +353,7 @@ def plan_workload(
                     f"The pick ran out of memory within {config.verify_steps} sustained steps "
                     "even at batch 1.",
                 )
+            pick = _with_batch_record(pick, chosen, config)
             pick_estimate = estimate(profile, pick, chosen)
             largest = (
                 best.largest_batch
@@ -358,6 +371,14 @@ def plan_workload(
                 measure_comparison = device.kind != "cuda"
             rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
 
+            wanted = config.effective_batch
+            reached = pick.batch_size * pick.accumulation_steps
+            if config.objective == "effective_batch" and wanted and reached != wanted:
+                notes.append(
+                    f"Effective batch {reached}, not {wanted}: no micro-batch that fits divides "
+                    f"{wanted} within twice the fewest accumulation steps, so the micro-batch "
+                    f"was rounded up ({pick.batch_size} x {pick.accumulation_steps})."
+                )
             if best.search.lowest_failure is None and best.search.probe_count > 1:
                 notes.append(
                     f"The device held batch {best.search.largest_fit}, the estimate's largest "
@@ -375,7 +396,7 @@ def plan_workload(
                 probes=prober.probes,
                 comparison=rows,
                 advice=_advice(chosen, pick, profile),
-                checks=_checks(chosen, pick, workload),
+                checks=run_checks(workload, pick, chosen),
                 notes=notes,
                 plan_wall_ms=(time.perf_counter() - started) * 1e3,
                 profile=profile,

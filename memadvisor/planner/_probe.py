@@ -8,13 +8,14 @@ decides nothing about memory, :func:`memadvisor.device.is_oom` does. The search:
    (one step above the bracket). Both fit: the device has at least the room the estimate
    promised; take ``upper``. Only ``start`` fits: take it, kept below ``upper`` by the margin.
 3. If ``start`` fails, the estimate was optimistic. Probe the highest batch that could still
-   be picked, the margin below the failure; a fit ends the search. A second failure means
+   be picked, the margin below the failure; a fit ends the search. After a third failure
    the estimate is far off: halve until something fits, then bisect.
 
 Near the limit fitting is deterministic but not monotone (ResNet-50 bf16 on an H200: 354
 fits, 355 fails, 356 fits; DESIGN.md), so a fit above a failure proves nothing about the
 batches around it. The pick therefore stays the margin below the *lowest* failure seen,
-never on a lucky island above it. When the estimate is right a model needs two probes.
+never on a lucky island above it. An estimate within the margin of the truth costs two
+probes, within two margins three.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from memadvisor.workload import Workload
 __all__ = ["BatchSearch", "find_batch", "probe", "safe_below"]
 
 TryBatch = Callable[[int], bool]
+# Steps of one margin down before halving: an estimate up to ~2 margins optimistic (its
+# stated worst case is 10%) then costs 3 probes; one further off is found by bisection.
+_MARGIN_DESCENTS = 2
 
 
 def safe_below(failing_batch: int, margin_fraction: float) -> int:
@@ -105,8 +109,8 @@ def find_batch(
         failures_before_a_fit = 1
         while lo < safe_below(hi, margin_fraction):
             target = safe_below(hi, margin_fraction)
-            if lo == 0 and failures_before_a_fit == 1:
-                b = target  # the estimate was a little optimistic: its margin below
+            if lo == 0 and failures_before_a_fit <= _MARGIN_DESCENTS:
+                b = target  # the estimate was a little optimistic: the margin below the failure
             elif lo == 0:
                 b = min(max(1, hi // 2), target)  # far off: halve
             else:

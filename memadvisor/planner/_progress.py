@@ -36,10 +36,10 @@ class Stage:
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, description=text)
 
-    def grow(self, total: int) -> None:
-        """Raise the stage's total (probing does not know its probe count up front)."""
+    def report(self, description: str, done: int, total: int) -> None:
+        """Set the bar outright: ``progress(description, done, total)`` callbacks land here."""
         if self._bar is not None and self._task is not None:
-            self._bar.update(self._task, total=total)
+            self._bar.update(self._task, description=description, completed=done, total=total)
 
 
 class Progress:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -80,19 +81,23 @@ _CHORD_STEPS = 6  # a peak with more kinks than this in range is finished by bis
 
 
 def micro_batch_for(effective_batch: int, largest: int) -> tuple[int, int]:
-    """(micro-batch, accumulation steps) that reach ``effective_batch`` exactly.
+    """(micro-batch, accumulation steps) that reach ``effective_batch``; ``(0, 0)`` if none fits.
 
-    The fastest is the largest divisor of the effective batch that fits: each extra
-    accumulation step pays the per-micro-batch fixed cost again. ``(0, 0)`` when nothing fits.
+    Fewest accumulation steps is fastest (each micro-batch pays the step's fixed costs
+    again), so start from ``k = ceil(effective / largest)``. The effective batch is kept
+    exactly when some k up to twice that divides it (72 with 35 fitting: 3 x 24); otherwise
+    (a prime such as 73 would need 73 x 1) the fewest steps are taken and the micro-batch
+    rounded up, overshooting by fewer than k samples (73 -> 3 x 25 = 75), and the plan says so.
     """
     if largest < 1:
         return 0, 0
     if effective_batch <= largest:
         return effective_batch, 1
-    for micro in range(largest, 0, -1):
-        if effective_batch % micro == 0:
-            return micro, effective_batch // micro
-    return 0, 0  # unreachable: 1 divides everything
+    fewest = math.ceil(effective_batch / largest)
+    for steps in range(fewest, 2 * fewest + 1):
+        if effective_batch % steps == 0:
+            return effective_batch // steps, steps
+    return math.ceil(effective_batch / fewest), fewest
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,203 @@
+"""Hand-built profiles, fake strategies and fake devices for the planner's CPU tests.
+
+Nothing here needs the profiler, the real strategies or the simulated device: the planner is
+tested against inputs whose right answers are known by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from pydantic import JsonValue
+from torch import nn
+
+from memadvisor.device import Device, Measurement
+from memadvisor.estimate import Candidate, StepModel
+from memadvisor.profiler import (
+    BlockActivity,
+    BlockInfo,
+    DeviceInfo,
+    LinearBytes,
+    LinearMs,
+    Profile,
+    StepProfile,
+)
+from memadvisor.strategy import Advice, Strategy
+from memadvisor.workload import Workload
+
+MIB = 2**20
+BLOCKS = 4
+
+
+def _step(precision: str, scale: float) -> StepProfile:
+    """Each block keeps ``scale`` MiB per sample (its input 0.1 MiB), outside 0.5 MiB."""
+    blocks = [
+        BlockActivity(
+            name=f"b{i}",
+            activation=LinearBytes(per_sample_bytes=scale * MIB),
+            input=LinearBytes(per_sample_bytes=0.1 * MIB),
+            forward_ms=LinearMs(per_sample_ms=0.25 * scale),
+        )
+        for i in range(BLOCKS)
+    ]
+    return StepProfile(
+        precision=precision,
+        blocks=blocks,
+        activation_total=LinearBytes(per_sample_bytes=(BLOCKS * scale + 0.5) * MIB),
+        forward_ms=LinearMs(per_sample_ms=1.0 * scale, constant_ms=1.0),
+        backward_ms=LinearMs(per_sample_ms=2.0 * scale, constant_ms=1.0),
+        optimizer_ms=1.0,
+    )
+
+
+def make_profile(param_mib: float = 1.0) -> Profile:
+    """Weights ``param_mib``, grads the same, AdamW state twice that; bf16 halves activations."""
+    p = int(param_mib * MIB)
+    return Profile(
+        model_name="Toy",
+        device=DeviceInfo(kind="cpu", name="cpu", bf16_supported=True),
+        batch_sizes=(2, 4),
+        param_bytes=p,
+        grad_bytes=p,
+        optimizer_state_bytes=2 * p,
+        blocks=[BlockInfo(name=f"b{i}", type_name="Block") for i in range(BLOCKS)],
+        steps={"fp32": _step("fp32", 1.0), "bf16": _step("bf16", 0.5)},
+    )
+
+
+class FakePrecision(Strategy):
+    name = "precision"
+    effect_order = 10
+
+    def choices(self, profile, config) -> list[JsonValue]:
+        return ["fp32", "bf16"]
+
+    def effect(self, profile, choice, model: StepModel) -> None:
+        model.use_precision(str(choice))
+
+    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
+        return model
+
+    def explain(self, choice, profile) -> Advice | None:
+        if choice == "fp32":
+            return None
+        return Advice(strategy=self.name, title=f"Train in {choice}", sentence="Use autocast.")
+
+
+class FakeCheckpointing(Strategy):
+    name = "checkpointing"
+
+    def choices(self, profile, config) -> list[JsonValue]:
+        names = [b.name for b in profile.blocks]
+        return [names[:k] for k in range(len(names) + 1)]
+
+    def effect(self, profile, choice, model: StepModel) -> None:
+        index = {b.name: i for i, b in enumerate(profile.blocks)}
+        model.checkpoint(index[n] for n in choice)  # type: ignore[union-attr]
+
+    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
+        return model
+
+    def explain(self, choice, profile) -> Advice | None:
+        if not choice:
+            return None
+        return Advice(strategy=self.name, title=f"Checkpoint {len(choice)}", sentence="Recompute.")
+
+
+class FakeDevice(Device):
+    """Fits a candidate iff its batch is at most ``threshold(candidate)``; counts every run.
+
+    ``sustained`` (optional) is the lower threshold that holds for runs longer than
+    ``short_steps``: a batch between the two passes a probe and fails verification, as one
+    step overshoots near the limit on a card (DESIGN.md).
+    """
+
+    kind = "fake"
+
+    def __init__(
+        self,
+        threshold: int | Callable[[Candidate], int] | Callable[[int], bool],
+        *,
+        sustained: int | None = None,
+        short_steps: int = 3,
+        error: Exception | None = None,
+        error_at: int | None = None,
+    ) -> None:
+        super().__init__(budget_bytes=100 * MIB, name="fake")
+        self.threshold = threshold
+        self.sustained = sustained
+        self.short_steps = short_steps
+        self.error, self.error_at = error, error_at
+        self.calls: list[tuple[int, int, dict]] = []
+
+    def fits(self, candidate: Candidate, steps: int) -> bool:
+        b = candidate.batch_size
+        limit = self.threshold(candidate) if callable(self.threshold) else self.threshold
+        if self.sustained is not None and steps > self.short_steps:
+            limit = min(limit, self.sustained)
+        return b <= limit
+
+    def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
+        self.calls.append((candidate.batch_size, steps, dict(candidate.choices)))
+        if self.error is not None and candidate.batch_size >= (self.error_at or 0):
+            raise self.error
+        if not self.fits(candidate, steps):
+            raise torch.OutOfMemoryError(f"fake: batch {candidate.batch_size} does not fit")
+        b, k = candidate.batch_size, candidate.accumulation_steps
+        # Time: 1 ms fixed + 0.1 ms/sample, halved in bf16 (as the profile says).
+        per_sample = 0.05 if candidate.choices.get("precision") == "bf16" else 0.1
+        step_ms = k * (1.0 + per_sample * b) + 1.0
+        return Measurement(
+            steps=steps, peak_bytes=b * MIB, step_ms=step_ms, samples_per_s=b * k / step_ms * 1e3
+        )
+
+
+class ThresholdOf:
+    """threshold(candidate) from a table keyed by (precision, number of checkpointed blocks)."""
+
+    def __init__(self, table: dict[tuple[str, int], int]) -> None:
+        self.table = table
+
+    def __call__(self, candidate: Candidate) -> int:
+        precision = str(candidate.choices.get("precision", "fp32"))
+        ckpt = len(candidate.choices.get("checkpointing", []) or [])  # type: ignore[arg-type]
+        return self.table.get((precision, ckpt), 0)
+
+
+def tiny_workload() -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return Workload(model=model, sample_batch=torch.randn(2, 4))
+
+
+@pytest.fixture
+def profile() -> Profile:
+    return make_profile()
+
+
+@pytest.fixture
+def fake_device() -> type[FakeDevice]:
+    """The FakeDevice class (conftest is not importable under --import-mode=importlib)."""
+    return FakeDevice
+
+
+@pytest.fixture
+def threshold_of() -> type[ThresholdOf]:
+    return ThresholdOf
+
+
+@pytest.fixture
+def profile_factory() -> Callable[..., Profile]:
+    return make_profile
+
+
+@pytest.fixture
+def strategies() -> list[Strategy]:
+    return [FakePrecision(), FakeCheckpointing()]
+
+
+@pytest.fixture
+def workload() -> Workload:
+    return tiny_workload()

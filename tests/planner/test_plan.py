@@ -1,0 +1,255 @@
+"""plan_workload against a hand-built profile, fake strategies and a fake device.
+
+The fake device fits a candidate iff its batch is at most a threshold that depends on the
+candidate's choices, so the right plan is known without a card or the profiler.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memadvisor.config import GIB, PlanConfig
+from memadvisor.errors import InfeasibleBudgetError
+from memadvisor.planner import Plan, plan_workload, safe_below
+from memadvisor.planner._space import SearchSpace
+
+MIB = 2**20
+FAST = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 4}
+
+
+def _config(**overrides) -> PlanConfig:
+    return PlanConfig(**{"budget_bytes": 100 * MIB, **FAST, **overrides})
+
+
+def _estimate_thresholds(profile, strategies, config) -> dict[str, int]:
+    """Threshold per choice set = the estimate's own largest batch: the estimate is exact."""
+    space = SearchSpace(profile, strategies, config)
+    out = {}
+    for indices in space.combinations():
+        scored = space.score(indices)
+        if scored is not None:
+            out[scored.choices_json] = scored.largest_batch
+    return out
+
+
+class _ByChoices:
+    def __init__(self, thresholds: dict[str, int]) -> None:
+        self.thresholds = thresholds
+
+    def __call__(self, candidate) -> int:
+        import json
+
+        return self.thresholds.get(json.dumps(candidate.choices, sort_keys=True), 0)
+
+
+def _plan(workload, profile, strategies, device, **overrides) -> Plan:
+    return plan_workload(
+        workload,
+        _config(**overrides),
+        profile=profile,
+        device=device,
+        progress=False,
+        strategies=strategies,
+    )
+
+
+def test_exact_estimate_plans_the_estimated_batch_in_two_probes_per_candidate(
+    workload, profile, strategies, fake_device
+) -> None:
+    """When the device fits exactly what the estimate says, the plan takes the estimate's
+    batch for its pick and each re-ranked candidate costs two probes (start fits, top fails)."""
+    config = _config()
+    thresholds = _estimate_thresholds(profile, strategies, config)
+    device = fake_device(_ByChoices(thresholds))
+    plan = _plan(workload, profile, strategies, device)
+    probes = [p for p in plan.probes if p.stage == "probe"]
+    assert len(probes) == 2 * config.rerank_top
+    key = __import__("json").dumps(plan.candidate.choices, sort_keys=True)
+    assert plan.candidate.batch_size == thresholds[key]
+    assert plan.verified is not None and plan.verified.steps == config.verify_steps
+
+
+def test_the_pick_is_the_fastest_measured_of_the_reranked(
+    workload, profile, strategies, fake_device
+) -> None:
+    """Re-ranking is by the device's measured throughput, not the estimate's."""
+    thresholds = _estimate_thresholds(profile, strategies, _config())
+    device = fake_device(_ByChoices(thresholds))
+    plan = _plan(workload, profile, strategies, device)
+    timed = {}
+    for p in plan.probes:
+        if p.stage in ("probe", "timing") and p.fits and p.candidate is not None:
+            key = __import__("json").dumps(p.candidate.choices, sort_keys=True)
+            timed[key] = max(timed.get(key, 0), p.batch_size)
+    # The fake's throughput grows with the batch and halves its per-sample time in bf16:
+    # the pick must be the bf16 choice set with the largest fitting batch.
+    bf16 = {k: b for k, b in timed.items() if '"bf16"' in k}
+    assert plan.candidate.choices.get("precision") == "bf16"
+    assert plan.candidate.batch_size == max(bf16.values())
+
+
+def test_same_seed_gives_the_same_plan(workload, profile, strategies, fake_device) -> None:
+    """A fixed seed and profile give the same pick and the same probes."""
+    thresholds = _estimate_thresholds(profile, strategies, _config())
+    plans = [
+        _plan(workload, profile, strategies, fake_device(_ByChoices(thresholds))) for _ in range(2)
+    ]
+    assert plans[0].candidate == plans[1].candidate
+    assert [(p.batch_size, p.fits) for p in plans[0].probes] == [
+        (p.batch_size, p.fits) for p in plans[1].probes
+    ]
+
+
+def test_a_failed_verification_steps_down_and_says_so(
+    workload, profile, strategies, fake_device
+) -> None:
+    """A batch that passes short probes but fails sustained steps is stepped down by the
+    margin below the failure, verified there, and a note says so."""
+    # Probes (<= 3 steps) fit up to 60 in every configuration; sustained runs only to 30.
+    device = fake_device(lambda c: 60, sustained=30, short_steps=3)
+    plan = _plan(workload, profile, strategies, device, verify_steps=10, rerank_top=1)
+    verify = [p for p in plan.probes if p.stage == "verify"]
+    assert not verify[0].fits and verify[-1].fits
+    assert plan.candidate.batch_size <= 30
+    for failed, retried in zip(verify, verify[1:], strict=False):
+        assert retried.batch_size == safe_below(failed.batch_size, 0.08)
+    assert any("stepped down" in n for n in plan.notes)
+    assert plan.verified is not None and plan.verified.steps == 10
+
+
+def test_non_oom_errors_propagate_unchanged(workload, profile, strategies, fake_device) -> None:
+    """An error that is not an out-of-memory leaves plan_workload as the very same object."""
+    error = KeyError("the model's own bug")
+    device = fake_device(lambda c: 1000, error=error)
+    with pytest.raises(KeyError) as caught:
+        _plan(workload, profile, strategies, device)
+    assert caught.value is error
+
+
+def test_weights_above_the_budget_fail_at_once_naming_the_minimum(
+    workload, profile_factory, strategies, fake_device
+) -> None:
+    """Weights + grads + optimizer state above the usable budget: InfeasibleBudgetError
+    before any device run, with the minimum budget in GiB in the message and on the error."""
+    profile = profile_factory(param_mib=40.0)  # 40 + 40 + 80 = 160 MiB of static bytes
+    device = fake_device(lambda c: 1000)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        _plan(workload, profile, strategies, device)
+    assert device.calls == []
+    minimum = caught.value.minimum_bytes
+    assert minimum is not None and minimum > profile.static_bytes / 0.92
+    assert f"{minimum / GIB:.2f}"[:3] in str(caught.value) and "GiB" in str(caught.value)
+    # The named minimum is enough: planning at it succeeds.
+    ok = plan_workload(
+        workload,
+        PlanConfig(budget_bytes=minimum, **FAST),
+        profile=profile,
+        device=device,
+        progress=False,
+        strategies=strategies,
+    )
+    assert ok.candidate.batch_size >= 1
+
+
+def test_nothing_fitting_on_the_device_is_infeasible(
+    workload, profile, strategies, fake_device
+) -> None:
+    """If not even batch 1 fits on the device for the best candidates, say so as infeasible."""
+    with pytest.raises(InfeasibleBudgetError, match="not even batch 1"):
+        _plan(workload, profile, strategies, fake_device(lambda c: 0))
+
+
+def test_largest_batch_objective_takes_the_largest_fitting_batch(
+    workload, profile, strategies, fake_device
+) -> None:
+    """objective='largest_batch': of the re-ranked choice sets, the pick has the largest
+    batch the probes allow, the margin below each set's lowest failure included."""
+    config = _config(objective="largest_batch")
+    space = SearchSpace(profile, strategies, config)
+    thresholds = _estimate_thresholds(profile, strategies, config)
+    device = fake_device(_ByChoices(thresholds))
+    plan = _plan(workload, profile, strategies, device, objective="largest_batch")
+    allowed = {}
+    for p in plan.probes:
+        if p.stage == "probe":
+            scored = space.score_choices(p.candidate.choices)
+            key = scored.choices_json
+            # start fits (the threshold is the estimate's own), the bracket's top fails
+            allowed[key] = min(thresholds[key], safe_below(space.upper_batch(scored), 0.08))
+    assert plan.candidate.batch_size == max(allowed.values())
+    assert len(plan.candidate.choices["checkpointing"]) >= 3
+
+
+@pytest.mark.parametrize(
+    ("effective", "micro", "steps"), [(20, 20, 1), (120, 60, 2), (150, 50, 3), (127, 43, 3)]
+)
+def test_effective_batch_is_kept_through_accumulation(
+    workload, profile, strategies, fake_device, effective: int, micro: int, steps: int
+) -> None:
+    """objective='effective_batch': the fewest accumulation steps that reach the user's batch
+    with a micro-batch that fits (60 here); exactly when a divisor allows (150 = 3 x 50),
+    else rounded up and said so (127 is prime: 3 x 43 = 129)."""
+    device = fake_device(lambda c: 60)
+    plan = _plan(
+        workload,
+        profile,
+        strategies,
+        device,
+        budget_bytes=GIB,  # the estimate allows far more than 60: max_batch caps the bracket
+        objective="effective_batch",
+        effective_batch=effective,
+        max_batch=60,
+    )
+    assert (plan.candidate.batch_size, plan.candidate.accumulation_steps) == (micro, steps)
+    overshoot = micro * steps - effective
+    assert any(f"{micro * steps}" in n for n in plan.notes) == (overshoot > 0)
+
+
+def test_advice_and_comparison_rows(workload, profile, strategies, fake_device) -> None:
+    """Advice explains each non-neutral chosen strategy; the comparison has the four hand
+    configurations, each measured on this cheap device, and the plan, measured."""
+    thresholds = _estimate_thresholds(profile, strategies, _config())
+    plan = _plan(workload, profile, strategies, fake_device(_ByChoices(thresholds)))
+    chosen = {k for k, v in plan.candidate.choices.items() if v not in ("fp32", [])}
+    assert {a.strategy for a in plan.advice} == chosen
+    labels = [r.label for r in plan.comparison]
+    assert labels == ["Baseline", "+Checkpointing", "+AMP", "+Both", "Plan"]
+    for row in plan.comparison:
+        assert row.measured is not None
+        key = __import__("json").dumps(row.candidate.choices, sort_keys=True)
+        assert 1 <= row.candidate.batch_size <= thresholds[key]
+    assert plan.comparison[-1].measured == plan.verified
+    baseline = plan.comparison[0]
+    assert baseline.candidate.choices == {} and baseline.largest_batch == thresholds["{}"]
+
+
+def test_rows_are_estimated_when_not_measured(workload, profile, strategies, fake_device) -> None:
+    """measure_comparison=False: hand rows carry no measurement and a note says so."""
+    thresholds = _estimate_thresholds(profile, strategies, _config())
+    plan = plan_workload(
+        workload,
+        _config(),
+        profile=profile,
+        device=fake_device(_ByChoices(thresholds)),
+        progress=False,
+        strategies=strategies,
+        measure_comparison=False,
+    )
+    assert [r.measured is None for r in plan.comparison] == [True] * 4 + [False]
+    assert any("estimated" in n for n in plan.notes)
+    assert not [p for p in plan.probes if p.stage == "compare"]
+
+
+def test_progress_false_prints_nothing(workload, profile, strategies, fake_device, capfd) -> None:
+    """progress=False is silent on stdout and stderr."""
+    thresholds = _estimate_thresholds(profile, strategies, _config())
+    _plan(workload, profile, strategies, fake_device(_ByChoices(thresholds)))
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def test_plan_round_trips_as_json(workload, profile, strategies, fake_device) -> None:
+    """The plan, probes and rows included, survives JSON (it is saved and loaded back)."""
+    thresholds = _estimate_thresholds(profile, strategies, _config())
+    plan = _plan(workload, profile, strategies, fake_device(_ByChoices(thresholds)))
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan

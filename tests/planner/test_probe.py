@@ -1,0 +1,150 @@
+"""Probing: exact batches and probe counts against a device whose OOM threshold is known.
+
+Like Lightning's batch-size finder tests: each case is (threshold, estimate bracket
+(start, upper), expected batch, expected probes), with the reason in a comment. The margin
+is the default 8%: ``safe_below(f) = min(f - 1, floor(0.92 f))``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memadvisor.estimate import Candidate
+from memadvisor.planner import find_batch, safe_below
+from memadvisor.planner._probe import probe
+
+MARGIN = 0.08
+
+CASES = [
+    # estimate right or pessimistic: start fits, the bracket's top fits too -> take the top
+    (200, (100, 110), 110, 2),
+    # start fits, top fails -> start, already below safe_below(110) = 101
+    (105, (100, 110), 100, 2),
+    (100, (100, 110), 100, 2),
+    # start fits, top fails, start above the margin below the failure -> safe_below(104) = 95
+    (103, (100, 104), 95, 2),
+    # estimate a little optimistic: 100 fails, its margin below (92) fits -> 92
+    (95, (100, 110), 92, 2),
+    # two margins optimistic: 100, 92 fail; 84 = safe_below(92) fits -> 84
+    (91, (100, 110), 84, 3),
+    # far off: 100, 92, 84 fail; halve to 42 (fits); bisect 63, 73 and 77 = safe_below(84)
+    # (all fit) -> 77
+    (80, (100, 110), 77, 7),
+    # nothing fits: 100, 92, 84 fail, then halving 42, 21, 10, 5, 2, 1 all fail -> 0
+    (0, (100, 110), 0, 9),
+    # small batches: the top is at least start + 1
+    (3, (3, 3), 3, 2),  # 3 fits, 4 fails, safe_below(4) = 3
+    (2, (3, 3), 2, 2),  # 3 fails, safe_below(3) = 2 fits
+    (1, (1, 1), 1, 2),  # 1 fits, 2 fails, safe_below(2) = 1
+    # the estimate's bracket under max_batch 64: one probe at the cap
+    (1000, (64, 80), 64, 1),
+]
+
+
+@pytest.mark.parametrize(("threshold", "bracket", "expected_batch", "expected_probes"), CASES)
+def test_find_batch_gives_exact_batch_and_probe_count(
+    threshold: int, bracket: tuple[int, int], expected_batch: int, expected_probes: int
+) -> None:
+    """Each (threshold, bracket) leads to exactly the expected batch in exactly so many probes."""
+    tried: list[int] = []
+
+    def fits(b: int) -> bool:
+        tried.append(b)
+        return b <= threshold
+
+    start, upper = bracket
+    result = find_batch(fits, start, upper, MARGIN, max_batch=64 if threshold == 1000 else 65536)
+    assert (result.batch, result.probe_count) == (expected_batch, expected_probes), tried
+    assert len(tried) == expected_probes
+
+
+@pytest.mark.parametrize(("threshold", "bracket", "expected_batch", "expected_probes"), CASES)
+def test_probing_a_device_matches_the_table(
+    threshold: int,
+    bracket: tuple[int, int],
+    expected_batch: int,
+    expected_probes: int,
+    fake_device,
+    workload,
+) -> None:
+    """Through Device.run: the OOM is recognised by is_oom and each probe is one device run."""
+    device = fake_device(threshold)
+
+    def fits(b: int) -> bool:
+        record, measured = probe(device, workload, Candidate(batch_size=b), steps=3)
+        assert record.fits == (measured is not None) == (b <= threshold)
+        return record.fits
+
+    max_batch = 64 if threshold == 1000 else 65536
+    result = find_batch(fits, *bracket, MARGIN, max_batch)
+    assert result.batch == expected_batch
+    assert len(device.calls) == expected_probes
+    assert all(steps > 1 for _, steps, _ in device.calls), "a probe must run more than one step"
+
+
+def test_typical_model_needs_at_most_three_probes() -> None:
+    """An estimate within one margin of the truth costs 2 probes; within two margins, 3."""
+    start, upper = 100, 112
+    for threshold in range(80, 160):
+        result = find_batch(lambda b, t=threshold: b <= t, start, upper, MARGIN, 65536)
+        assert 0 < result.batch <= threshold
+        if threshold >= safe_below(start, MARGIN):
+            assert result.probe_count == 2, (threshold, result.tried)
+        elif threshold >= safe_below(safe_below(start, MARGIN), MARGIN):
+            assert result.probe_count == 3, (threshold, result.tried)
+
+
+def test_pick_stays_the_margin_below_the_lowest_failure_on_non_monotone_fits() -> None:
+    """Near the limit fits are not monotone (ResNet-50 bf16: 354 fits, 355 fails, 356-388 fit,
+    389 fails): whatever the bracket, the pick is never above safe_below(lowest failure seen),
+    and it never lands above a failure it saw."""
+
+    def fits(b: int) -> bool:
+        return b <= 354 or 356 <= b <= 388
+
+    for start in range(300, 420, 7):
+        for width in (5, 20, 40):
+            result = find_batch(fits, start, start + width, MARGIN, 65536)
+            assert result.batch >= 1
+            if result.lowest_failure is not None:
+                assert result.batch <= safe_below(result.lowest_failure, MARGIN)
+
+
+def test_safe_below_keeps_a_margin_and_at_least_one() -> None:
+    """The margin below a failure: 8% of it, at least one batch, never negative."""
+    assert [safe_below(f, MARGIN) for f in (1, 2, 3, 13, 100, 389)] == [0, 1, 2, 11, 92, 357]
+
+
+def test_a_non_oom_error_propagates_unchanged(fake_device, workload) -> None:
+    """Anything is_oom does not call an out-of-memory leaves probe() as the same object."""
+    error = ValueError("the model rejected the batch")
+    device = fake_device(100, error=error)
+    with pytest.raises(ValueError) as caught:
+        probe(device, workload, Candidate(batch_size=4), steps=3)
+    assert caught.value is error
+
+
+def test_a_cuda_style_oom_message_counts_as_out_of_memory(fake_device, workload) -> None:
+    """A RuntimeError with the CUDA allocator's message is an OOM answer, not a crash."""
+    device = fake_device(100, error=RuntimeError("CUDA error: out of memory"), error_at=50)
+    record, measured = probe(device, workload, Candidate(batch_size=60), steps=3)
+    assert not record.fits and measured is None and "out of memory" in (record.error or "")
+    record, measured = probe(device, workload, Candidate(batch_size=10), steps=3)
+    assert record.fits and measured is not None
+
+
+def test_probe_records_the_candidate_and_steps(fake_device, workload) -> None:
+    """A probe record says what ran (batch, choices), at which stage, and how many steps."""
+    device = fake_device(10)
+    cand = Candidate(batch_size=8, choices={"precision": "bf16"})
+    record, _ = probe(device, workload, cand, steps=4, stage="verify")
+    assert (record.batch_size, record.steps, record.stage, record.candidate) == (
+        8,
+        4,
+        "verify",
+        cand,
+    )
+    record, _ = probe(device, workload, Candidate(batch_size=11), steps=4)
+    assert (record.fits, record.peak_bytes) == (False, None)
+    assert isinstance(torch.OutOfMemoryError("x"), RuntimeError)

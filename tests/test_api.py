@@ -1,0 +1,254 @@
+"""memadvisor.plan() and optimize() end to end on the CPU simulated device.
+
+Nothing is faked here: the profiler, the estimate, the registered strategies and the
+simulated device all run for real, on small models so the tests take seconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memadvisor
+from memadvisor.errors import BadInputError, InfeasibleBudgetError
+from memadvisor.planner import Plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# Few steps: these tests check the pipeline's wiring and the caller's state, not timings.
+QUICK = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 3, "rerank_top": 1}
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(
+        f"memadvisor_test_{name}", EXAMPLES / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _small_gpt() -> dict:
+    return _example("gpt").build(
+        batch_size=2, n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=512
+    )
+
+
+class _Net(nn.Module):
+    """Two blocks with dropout and batch norm: RNG use and train/eval flags to disturb."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1)),
+            nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU()),
+        )
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _loss(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(out, batch[1])
+
+
+def _trained_net() -> tuple[nn.Module, tuple, torch.optim.Optimizer]:
+    """A model mid-training: optimizer state, gradients present, one submodule in eval."""
+    torch.manual_seed(0)
+    model = _Net()
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _loss(model(batch[0]), batch).backward()
+    optimizer.step()
+    _loss(model(batch[0]), batch).backward()  # gradients left in place, as mid-accumulation
+    model.blocks[1][1].eval()
+    return model, batch, optimizer
+
+
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    np_state = None
+    try:
+        import numpy
+
+        np_state = numpy.random.get_state()
+    except ImportError:
+        pass
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "optimizer": {
+            i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in enumerate(optimizer.state.values())
+        },
+        "modes": [m.training for m in model.modules()],
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np_state,
+    }
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    assert before["state"].keys() == after["state"].keys()
+    for k in before["state"]:
+        assert torch.equal(before["state"][k], after["state"][k]), k
+    assert before["grads"].keys() == after["grads"].keys()
+    for k in before["grads"]:
+        assert torch.equal(before["grads"][k], after["grads"][k]), k
+    for i, s in before["optimizer"].items():
+        for k, v in s.items():
+            got = after["optimizer"][i][k]
+            assert torch.equal(v, got) if torch.is_tensor(v) else v == got
+    assert before["modes"] == after["modes"]
+    assert torch.equal(before["torch_rng"], after["torch_rng"])
+    assert before["python_rng"] == after["python_rng"]
+    if before["numpy_rng"] is not None:
+        b, a = before["numpy_rng"], after["numpy_rng"]
+        assert b[0] == a[0] and (b[1] == a[1]).all() and b[2:] == a[2:]
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # touching deprecated torch attributes while scanning
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_plan_leaves_weights_grads_optimizer_rng_and_modes_bit_identical() -> None:
+    """After plan() the caller's weights, gradients, optimizer state, RNG states (torch,
+    Python, NumPy) and every submodule's train/eval flag equal what they were, bit for bit."""
+    model, batch, optimizer = _trained_net()
+    before = _snapshot(model, optimizer)
+    result = memadvisor.plan(
+        model,
+        batch,
+        budget_gb=0.01,
+        loss_fn=_loss,
+        optimizer=optimizer,
+        progress=False,
+        **QUICK,
+    )
+    assert isinstance(result, Plan) and result.verified is not None
+    _assert_same(before, _snapshot(model, optimizer))
+
+
+def test_planning_leaks_no_tensors() -> None:
+    """A second plan() leaves as many live tensors as there were before it (the first call
+    may fill torch's one-time caches); every probe ran on copies that are gone."""
+    model, batch, optimizer = _trained_net()
+    kwargs = dict(budget_gb=0.01, loss_fn=_loss, optimizer=optimizer, progress=False, **QUICK)
+    memadvisor.plan(model, batch, **kwargs)
+    live = _live_tensors()
+    result = memadvisor.plan(model, batch, **kwargs)
+    del result
+    assert _live_tensors() == live
+
+
+def test_optimize_returns_the_tuned_model_with_its_plan_and_the_state_untouched() -> None:
+    """optimize() rewrites the model in place (same object, same state_dict keys and values),
+    hangs the plan on it, and changes none of the caller's state."""
+    model, batch, optimizer = _trained_net()
+    before = _snapshot(model, optimizer)
+    keys = list(model.state_dict())
+    tuned = memadvisor.optimize(
+        model, batch, budget_gb=0.01, loss_fn=_loss, optimizer=optimizer, progress=False, **QUICK
+    )
+    assert tuned is model and isinstance(tuned.memadvisor_plan, Plan)
+    assert list(tuned.state_dict()) == keys
+    _assert_same(before, _snapshot(model, optimizer))
+    # The tuned model still trains.
+    tuned.train()
+    _loss(tuned(batch[0]), batch).backward()
+
+
+@pytest.mark.slow
+def test_optimize_runs_end_to_end_on_the_cnn_example() -> None:
+    """examples/cnn.py on the simulated device: a verified plan whose measured peak is within
+    the budget, probes that ran more than one step, and the rows for the report."""
+    built = _example("cnn").build(batch_size=4)
+    tuned = memadvisor.optimize(
+        built["model"],
+        built["sample_batch"],
+        loss_fn=built["loss_fn"],
+        budget_gb=0.06,
+        device="simulated",
+        progress=False,
+        **QUICK,
+    )
+    plan = tuned.memadvisor_plan
+    assert plan.device_kind == "simulated"
+    assert plan.verified is not None and plan.verified.peak_bytes <= plan.config.budget_bytes
+    assert all(p.steps > 1 for p in plan.probes if p.fits)
+    assert [r.label for r in plan.comparison][-1] == "Plan"
+    assert any("simulated CPU device" in n for n in plan.notes)
+
+
+def test_plan_runs_end_to_end_on_a_small_gpt() -> None:
+    """A small GPT config on the simulated device: the pick fits, was verified, and its
+    measured peak sits under the budget."""
+    built = _small_gpt()
+    result = memadvisor.plan(
+        built["model"],
+        built["sample_batch"],
+        loss_fn=built["loss_fn"],
+        budget_gb=0.02,
+        progress=False,
+        **QUICK,
+    )
+    assert result.candidate.batch_size >= 1
+    assert result.verified.peak_bytes <= result.config.budget_bytes
+    assert result.estimate.peak_bytes <= result.config.usable_bytes or any(
+        "stepped down" in n for n in result.notes
+    )
+
+
+def test_progress_says_the_plan_is_for_the_simulated_device(capfd) -> None:
+    """On the CPU, with progress on, one line says the plan is for the simulated device."""
+    built = _small_gpt()
+    memadvisor.plan(
+        built["model"], built["sample_batch"], loss_fn=built["loss_fn"], budget_gb=0.02, **QUICK
+    )
+    _, err = capfd.readouterr()
+    assert "simulated CPU device" in err
+
+
+def test_a_budget_below_the_weights_fails_at_once_naming_the_minimum() -> None:
+    """Weights + grads + AdamW state above the budget: InfeasibleBudgetError, with the minimum
+    budget in GiB in the message and as minimum_bytes."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))  # ~2 MiB
+    batch = (torch.randn(4, 512), torch.randn(4, 512))
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        memadvisor.plan(
+            model,
+            batch,
+            budget_gb=0.001,  # ~1 MiB: less than the weights' four copies (8 MiB)
+            loss_fn=lambda out, b: F.mse_loss(out, b[1]),
+            progress=False,
+        )
+    error = caught.value
+    static = 4 * sum(p.numel() * 4 for p in model.parameters())
+    assert error.minimum_bytes is not None and error.minimum_bytes > static
+    assert f"{error.minimum_bytes / 2**30:.2f}"[:4] in str(error) and "GiB" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"budget_gb": -1}, "positive"),
+        ({"budget_gb": 1, "verify_step": 20}, "verify_step"),
+        ({"budget_gb": 1, "margin_fraction": 0.9}, "margin_fraction"),
+        ({"budget_gb": 1, "objective": "effective_batch"}, "effective_batch"),
+    ],
+)
+def test_bad_options_are_bad_input_naming_the_value(kwargs: dict, words: str) -> None:
+    """Unknown or out-of-range options raise BadInputError that names what was wrong."""
+    model = nn.Linear(4, 1)
+    with pytest.raises(BadInputError, match=words):
+        memadvisor.plan(model, torch.randn(2, 4), progress=False, **kwargs)
