@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from memadvisor.estimate import Candidate
 from memadvisor.planner import Plan, Row
 from memadvisor.profiler import Profile, StepProfile
 
@@ -73,6 +74,9 @@ class Answer(_Model):
     baseline_batch_size: int | None = None
     baseline_measured: bool = False
     speedup: float | None = Field(None, description="Plan samples/s over the baseline's.")
+    same_as_baseline: bool = Field(
+        False, description="The pick runs what the baseline runs: same precision, blocks, batch."
+    )
     other_choices: dict[str, str] = Field(
         default_factory=dict, description="Non-neutral choices of other strategies, as JSON."
     )
@@ -178,6 +182,20 @@ def _rate(row: Row) -> tuple[float, bool]:
     return row.estimate.samples_per_s, False
 
 
+def _runs(cand: Candidate) -> tuple:
+    """What a candidate runs: its batch and every choice that changes the step.
+
+    Left out: neutral choices, the batch_size strategy's record of the batch (the batch is
+    compared itself) and advice-only choices ("advice"), which change nothing that runs.
+    """
+    changes = {
+        name: json.dumps(choice, sort_keys=True)
+        for name, choice in cand.choices.items()
+        if name != "batch_size" and choice not in _NEUTRAL and choice != "advice"
+    }
+    return cand.batch_size, cand.accumulation_steps, changes
+
+
 def answer(plan: Plan) -> Answer:
     """The answer a person reads first."""
     cand, est, ver = plan.candidate, plan.estimate, plan.verified
@@ -187,7 +205,7 @@ def answer(plan: Plan) -> Answer:
     base = _baseline(plan.comparison)
     base_rate, base_measured = _rate(base) if base is not None else (None, False)
     others = {
-        name: json.dumps(choice)
+        name: choice if isinstance(choice, str) else json.dumps(choice)
         for name, choice in cand.choices.items()
         if name not in _NAMED_STRATEGIES and choice not in _NEUTRAL
     }
@@ -216,6 +234,7 @@ def answer(plan: Plan) -> Answer:
         baseline_batch_size=base.candidate.batch_size if base is not None else None,
         baseline_measured=base_measured,
         speedup=rate / base_rate if base_rate else None,
+        same_as_baseline=base is not None and _runs(base.candidate) == _runs(cand),
         other_choices=others,
         notes=list(plan.notes),
     )

@@ -16,7 +16,8 @@ from memadvisor.planner import Plan
 from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._html_assets import CSS, SCRIPT
-from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
+from memadvisor.report._words import answer_rows, device_title
 
 __all__ = ["render_plan_html", "render_profile_html", "write_html"]
 
@@ -42,7 +43,7 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
     profile = plan.profile
     parts = [
         f"<h1>memadvisor plan · {_e(a.model_name)}</h1>",
-        f'<p class="sub">on {_e(a.device_name)} ({_e(a.device_kind)}) · budget '
+        f'<p class="sub">on {_e(device_title(a))} · budget '
         f"{fmt_bytes(a.budget_bytes)} · objective {_e(a.objective)}</p>",
         _answer(a),
         _section("comparison", "Configurations compared", _comparison(plan)),
@@ -181,47 +182,7 @@ def _table(head: list[str], rows: Iterable[str]) -> str:
 
 
 def _answer(a: facts.Answer) -> str:
-    ckpt = "none"
-    if a.checkpointed:
-        of = f" of {a.block_count}" if a.block_count is not None else ""
-        ckpt = f"{len(a.checkpointed)}{of} blocks: {', '.join(a.checkpointed)}"
-    batch = str(a.batch_size)
-    if a.accumulation_steps > 1:
-        batch += (
-            f" × {a.accumulation_steps} accumulation steps = effective batch {a.effective_batch}"
-        )
-    peak = f"estimated {fmt_bytes(a.estimated_peak_bytes)} (in {a.estimated_peak_phase})"
-    if a.verified_peak_bytes is not None:
-        peak += f" · verified {fmt_bytes(a.verified_peak_bytes)}"
-        if a.verified_reserved_peak_bytes is not None:
-            peak += f" allocated, {fmt_bytes(a.verified_reserved_peak_bytes)} reserved"
-        peak += f" over {a.verified_steps} steps"
-    else:
-        peak += " · not verified on a device"
-    rate = (
-        f"{fmt_rate(a.samples_per_s)} samples/s ({'measured' if a.measured else 'estimated'}), "
-        f"{fmt_ms(a.step_ms)} per step"
-    )
-    if a.speedup is not None and a.baseline_samples_per_s is not None:
-        rate += (
-            f" · {fmt_ratio(a.speedup)} the baseline's {fmt_rate(a.baseline_samples_per_s)} "
-            f"(fp32 at batch {a.baseline_batch_size}, "
-            f"{'measured' if a.baseline_measured else 'estimated'})"
-        )
-    rows = [
-        (
-            "Budget",
-            f"{fmt_bytes(a.budget_bytes)} ({fmt_bytes(a.usable_bytes)} planned after the "
-            f"{a.margin_fraction:.0%} margin)",
-        ),
-        ("Precision", "fp32 (no autocast)" if a.precision == "fp32" else f"{a.precision} autocast"),
-        ("Checkpointed", ckpt),
-        ("Batch", batch),
-        ("Peak", peak),
-        ("Throughput", rate),
-        *a.other_choices.items(),
-    ]
-    dl = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows)
+    dl = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in answer_rows(a))
     notes = "".join(f"<li>{_e(n)}</li>" for n in a.notes)
     return f'<section id="answer"><dl class="answer">{dl}</dl>' + (
         f'<ul class="notes">{notes}</ul></section>' if notes else "</section>"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
@@ -12,7 +13,8 @@ from rich.text import Text
 from memadvisor.planner import Plan
 from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
-from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
+from memadvisor.report._words import answer_rows, device_title
 
 __all__ = ["one_line", "one_line_profile", "print_plan", "print_profile"]
 
@@ -148,60 +150,14 @@ def one_line_profile(profile: Profile) -> str:
 
 def _answer_panel(a: facts.Answer) -> Panel:
     grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
+    grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
-    grid.add_row(
-        "Budget",
-        f"{fmt_bytes(a.budget_bytes)} ({fmt_bytes(a.usable_bytes)} planned after the "
-        f"{a.margin_fraction:.0%} margin) · objective: {a.objective}",
-    )
-    grid.add_row(
-        "Precision", "fp32 (no autocast)" if a.precision == "fp32" else f"{a.precision} autocast"
-    )
-    grid.add_row("Checkpointed", _checkpoint_words(a))
-    batch = f"{a.batch_size}"
-    if a.accumulation_steps > 1:
-        batch += (
-            f" × {a.accumulation_steps} accumulation steps = effective batch {a.effective_batch}"
-        )
-    grid.add_row("Batch", batch)
-    grid.add_row("Peak", _peak_words(a))
-    grid.add_row("Throughput", _throughput_words(a))
-    for name, choice in a.other_choices.items():
-        grid.add_row(name, choice)
+    for label, words in answer_rows(a):
+        grid.add_row(label, words)
     body: list = [grid]
     body.extend(Text(f"• {note}", style="yellow") for note in a.notes)
-    title = f"[bold]memadvisor plan[/] · {a.model_name} on {a.device_name} ({a.device_kind})"
+    title = f"[bold]memadvisor plan[/] · {escape(a.model_name)} on {escape(device_title(a))}"
     return Panel(Group(*body), title=title, title_align="left", border_style="green")
-
-
-def _checkpoint_words(a: facts.Answer) -> str:
-    if not a.checkpointed:
-        return "none"
-    of = f" of {a.block_count}" if a.block_count is not None else ""
-    return f"{len(a.checkpointed)}{of} blocks: {', '.join(a.checkpointed)}"
-
-
-def _peak_words(a: facts.Answer) -> str:
-    words = f"estimated {fmt_bytes(a.estimated_peak_bytes)} (in {a.estimated_peak_phase})"
-    if a.verified_peak_bytes is None:
-        return words + " · not verified on a device"
-    words += f" · verified {fmt_bytes(a.verified_peak_bytes)}"
-    if a.verified_reserved_peak_bytes is not None:
-        words += f" allocated, {fmt_bytes(a.verified_reserved_peak_bytes)} reserved"
-    return words + f" over {a.verified_steps} steps"
-
-
-def _throughput_words(a: facts.Answer) -> str:
-    how = "measured" if a.measured else "estimated"
-    words = f"{fmt_rate(a.samples_per_s)} samples/s ({how}), {fmt_ms(a.step_ms)} per step"
-    if a.speedup is not None and a.baseline_samples_per_s is not None:
-        base_how = "measured" if a.baseline_measured else "estimated"
-        words += (
-            f" · {fmt_ratio(a.speedup)} the baseline's {fmt_rate(a.baseline_samples_per_s)} "
-            f"(fp32 at batch {a.baseline_batch_size}, {base_how})"
-        )
-    return words
 
 
 def _peak_title(a: facts.Answer) -> str:

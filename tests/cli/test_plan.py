@@ -1,7 +1,9 @@
 """``memadvisor plan``: end to end on the CPU simulated device, and every bad input refused.
 
-The end-to-end runs use the examples shrunk by tests/cli/factories.py (a few seconds on a
-CPU); the bad-input cases fail before any planning, so they are fast.
+The end-to-end runs use the examples shrunk by tests/cli/factories.py. They are marked slow
+(10-20 s of CPU each on a 2-core box): even for a tiny model the planner makes 30-45 device
+runs (batch probes, verification, and the comparison rows, each row with its own probes).
+The bad-input cases fail before any planning, so they are fast.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def _one_error_line(result) -> str:
 # -- end to end -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_gpt_example_prints_the_answer_and_writes_a_plan_apply_plan_loads(
     cli, factory, tmp_path
 ) -> None:
@@ -65,6 +68,7 @@ def test_plan_gpt_example_prints_the_answer_and_writes_a_plan_apply_plan_loads(
         assert "simulated" in result.stderr  # says where it planned, in one line
 
 
+@pytest.mark.slow
 def test_plan_quiet_prints_only_the_one_line_answer(cli, factory) -> None:
     result = cli("plan", factory("cnn"), "--budget-gb", "0.002", "--quiet")
     assert result.exit_code == 0, result.stderr
@@ -74,6 +78,7 @@ def test_plan_quiet_prints_only_the_one_line_answer(cli, factory) -> None:
     assert result.stderr == ""  # no progress bars, no notes
 
 
+@pytest.mark.slow
 def test_plan_effective_batch_is_kept_by_accumulation(cli, factory, tmp_path) -> None:
     json_path = tmp_path / "plan.json"
     result = cli(

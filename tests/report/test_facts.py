@@ -36,9 +36,22 @@ def test_answer_falls_back_to_the_estimate_when_nothing_was_measured(plan: Plan)
 
 
 def test_answer_lists_other_non_neutral_choices_only(plan: Plan) -> None:
-    choices = {**plan.candidate.choices, "offload": "forward", "optimizer_habits": "off"}
+    choices = {**plan.candidate.choices, "offload": "forward", "optimizer_habits": "off", "x": [1]}
     changed = plan.model_copy(update={"candidate": Candidate(batch_size=4, choices=choices)})
-    assert facts.answer(changed).other_choices == {"offload": '"forward"'}
+    assert facts.answer(changed).other_choices == {"offload": "forward", "x": "[1]"}
+
+
+def test_a_pick_that_runs_what_the_baseline_runs_is_not_compared_by_ratio(plan: Plan) -> None:
+    """Two runs of one configuration differ only by timing noise: no speedup is claimed."""
+    base = plan.comparison[0].candidate
+    same = Candidate(
+        batch_size=base.batch_size,
+        choices={**base.choices, "optimizer_habits": "advice", "precision": "fp32"},
+    )
+    assert facts.answer(plan.model_copy(update={"candidate": same})).same_as_baseline
+    assert not facts.answer(plan).same_as_baseline
+    bigger = same.model_copy(update={"batch_size": base.batch_size + 1})
+    assert not facts.answer(plan.model_copy(update={"candidate": bigger})).same_as_baseline
 
 
 def test_checkpointed_blocks_reads_names_or_indices(profile: Profile) -> None:

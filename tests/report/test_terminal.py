@@ -56,6 +56,13 @@ def test_plan_answer_states_budget_precision_blocks_batch_peaks_and_speedup(plan
     assert f"{speedup:.2f}× the baseline's" in answer
 
 
+def test_a_pick_equal_to_the_baseline_says_so_instead_of_a_ratio(plan: Plan) -> None:
+    base = plan.comparison[0].candidate
+    text = _render(print_plan, plan.model_copy(update={"candidate": base}))
+    assert "the baseline configuration itself: nothing to change for speed" in text
+    assert "the baseline's" not in text
+
+
 def test_comparison_marks_estimated_numbers_and_not_measured_ones(plan: Plan) -> None:
     text = _render(print_plan, plan)
     table = text[text.index("Configurations compared") : text.index("Where the memory goes")]

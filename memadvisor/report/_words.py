@@ -1,0 +1,75 @@
+"""The answer's sentences, written once for the terminal and the HTML report alike."""
+
+from __future__ import annotations
+
+from memadvisor.report._facts import Answer
+from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+
+__all__ = ["answer_rows", "device_title"]
+
+
+def device_title(a: Answer) -> str:
+    """``'NVIDIA H200 (cuda)'``; the kind only where the name does not say it already."""
+    if a.device_kind.lower() in a.device_name.lower():
+        return a.device_name
+    return f"{a.device_name} ({a.device_kind})"
+
+
+def answer_rows(a: Answer) -> list[tuple[str, str]]:
+    """(label, sentence) for each line of the answer, in reading order."""
+    rows = [
+        (
+            "Budget",
+            f"{fmt_bytes(a.budget_bytes)} ({fmt_bytes(a.usable_bytes)} planned after the "
+            f"{a.margin_fraction:.0%} margin) · objective: {a.objective}",
+        ),
+        ("Precision", "fp32 (no autocast)" if a.precision == "fp32" else f"{a.precision} autocast"),
+        ("Checkpointed", _checkpointed(a)),
+        ("Batch", _batch(a)),
+        ("Peak", _peak(a)),
+        ("Throughput", _throughput(a)),
+    ]
+    if a.other_choices:
+        rows.append(("Also", ", ".join(f"{k}: {v}" for k, v in a.other_choices.items())))
+    return rows
+
+
+def _checkpointed(a: Answer) -> str:
+    if not a.checkpointed:
+        return "none"
+    of = f" of {a.block_count}" if a.block_count is not None else ""
+    return f"{len(a.checkpointed)}{of} blocks: {', '.join(a.checkpointed)}"
+
+
+def _batch(a: Answer) -> str:
+    if a.accumulation_steps == 1:
+        return str(a.batch_size)
+    return (
+        f"{a.batch_size} × {a.accumulation_steps} accumulation steps = effective batch "
+        f"{a.effective_batch}"
+    )
+
+
+def _peak(a: Answer) -> str:
+    words = f"estimated {fmt_bytes(a.estimated_peak_bytes)} (in {a.estimated_peak_phase})"
+    if a.verified_peak_bytes is None:
+        return words + " · not verified on a device"
+    words += f" · verified {fmt_bytes(a.verified_peak_bytes)}"
+    if a.verified_reserved_peak_bytes is not None:
+        words += f" allocated, {fmt_bytes(a.verified_reserved_peak_bytes)} reserved"
+    return words + f" over {a.verified_steps} steps"
+
+
+def _throughput(a: Answer) -> str:
+    how = "measured" if a.measured else "estimated"
+    words = f"{fmt_rate(a.samples_per_s)} samples/s ({how}), {fmt_ms(a.step_ms)} per step"
+    if a.same_as_baseline:
+        # A ratio of two runs of the same configuration measures only timing noise.
+        return words + " · the baseline configuration itself: nothing to change for speed"
+    if a.speedup is not None and a.baseline_samples_per_s is not None:
+        base_how = "measured" if a.baseline_measured else "estimated"
+        words += (
+            f" · {fmt_ratio(a.speedup)} the baseline's {fmt_rate(a.baseline_samples_per_s)} "
+            f"(fp32 at batch {a.baseline_batch_size}, {base_how})"
+        )
+    return words
