@@ -141,18 +141,18 @@ def _train(
     workload: Workload,
     candidate: Candidate,
     compiled: CompileChoice | None,
+    device: torch.device,
     steps: int,
     seed: int,
     run: _Run,
 ) -> None:
-    """Train a copy of the workload's model ``steps`` steps; fill ``run`` as it goes.
+    """Train a copy of the workload's model on ``device`` ``steps`` steps; fill ``run``.
 
     ``run`` is filled in place so that what finished before an exception is kept.
     """
-    model = apply_candidate(copy.deepcopy(workload.model), candidate)
+    model = apply_candidate(copy.deepcopy(workload.model).to(device), candidate)
     if compiled is not None:
         _forward.install(model, _FreshCompiledForward, choice=compiled)
-    device = workload.device
     optimizer = workload.make_optimizer(model)
     scaler = grad_scaler_for(str(candidate.choices.get("precision", "fp32")), device.type)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -230,11 +230,12 @@ def try_compile(
     steps: int = 3,
     max_graph_breaks: int = MAX_GRAPH_BREAKS,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> CompileResult:
     """Compile ``choice`` on a copy of the workload's model, train a few steps, compare to eager.
 
     Both runs start from copies of the user's model (which, like the optimizer and the RNG,
-    is untouched), with the same seed, on the model's device. Dropout draws differ under
+    is untouched), with the same seed, on ``device``. Dropout draws differ under
     inductor (its own random number generator), so with dropout the losses differ by more
     than rounding.
 
@@ -246,6 +247,7 @@ def try_compile(
         steps: steps per run (at least 2: the first compiles).
         max_graph_breaks: more breaks than this is "graph breaks everywhere": not ok.
         seed: the seed both runs use.
+        device: where to run (the copies are moved there); default the model's device.
 
     Raises:
         BadInputError: ``choice`` is off or malformed, ``steps`` < 2, or the *eager* step
@@ -264,8 +266,9 @@ def try_compile(
     others = {k: v for k, v in base.choices.items() if k != STRATEGY_NAME}
     eager_candidate = base.model_copy(update={"choices": others})
 
+    where = torch.device(device) if device is not None else workload.device
     eager = _Run()
-    _train(workload, eager_candidate, None, steps, seed, eager)
+    _train(workload, eager_candidate, None, where, steps, seed, eager)
     result = {
         "choice": compiled.to_json(),
         "batch_size": base.batch_size,
@@ -277,7 +280,7 @@ def try_compile(
     run = _Run()
     failure: BaseException | None = None
     try:
-        _train(workload, eager_candidate, compiled, steps, seed, run)
+        _train(workload, eager_candidate, compiled, where, steps, seed, run)
     except Exception as e:  # noqa: BLE001 - any failure to compile or run is the answer
         failure = e
     after = _torch_private.dynamo_counters()

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from pydantic import JsonValue
 from torch import nn
 
@@ -160,12 +161,15 @@ class Compile(Strategy):
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Compile ``choice`` on copies of the workload and compare with eager (see try_compile).
 
-        The result is kept: :meth:`explain` quotes its compile time afterwards.
+        Runs on CUDA when there is one (compiled choices are offered for CUDA profiles only;
+        the user's model may sit on the CPU), else on the model's device. The result is
+        kept: :meth:`explain` quotes its compile time afterwards.
         """
         parsed = parse_choice(choice)
         if parsed is None:
             return None
-        result = try_compile(workload, parsed.to_json())
+        device = "cuda" if torch.cuda.is_available() else None
+        result = try_compile(workload, parsed.to_json(), device=device)
         self.results[parsed] = result
         close = result.loss_rel_diff is not None and result.loss_rel_diff <= LOSS_TOLERANCE
         summary = result.summary

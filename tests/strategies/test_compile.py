@@ -285,3 +285,70 @@ def test_activation_memory_budget_makes_the_compiled_graph_keep_less() -> None:
     default_bytes, default_loss = _saved_bytes(COMPILE.apply(_Deep(), "default", None), x)
     assert low_bytes < 0.8 * default_bytes
     assert low_loss == pytest.approx(default_loss, rel=1e-5)
+
+
+# -- on a card ----------------------------------------------------------------------------------
+
+
+def _gpt_workload(gpt_example) -> Workload:
+    built = gpt_example.build(batch_size=8)
+    return Workload(built["model"], built["sample_batch"], loss_fn=built["loss_fn"])
+
+
+@pytest.mark.gpu
+def test_cuda_trial_compiles_the_gpt_example_with_checkpointed_blocks(gpt_example) -> None:
+    """On CUDA: block checkpointing and bf16 autocast compile with the model, few breaks."""
+    workload = _gpt_workload(gpt_example)
+    blocks = [f"h.{i}" for i in range(len(workload.model.h))]
+    candidate = Candidate(batch_size=8, choices={"precision": "bf16", "checkpointing": blocks})
+    result = try_compile(workload, "default", candidate=candidate, device="cuda")
+    assert result.ok, result.summary
+    assert result.graphs >= 1 and result.compiled_step_ms > 0
+    assert result.loss_rel_diff < 0.02
+
+
+def _cuda_peak_bytes(model: nn.Module, workload: Workload, batch: int) -> int:
+    """Allocated peak of the second step (the first compiles) of ``model`` on CUDA."""
+    from memadvisor.workload import train_step
+
+    model = model.cuda()
+    optimizer = workload.make_optimizer(model)
+    data = workload.batch(batch, device="cuda")
+    train_step(workload, model, optimizer, data)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    train_step(workload, model, optimizer, data)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+def test_cuda_partitioner_budget_lowers_the_compiled_peak(gpt_example) -> None:
+    """Budget 0 recomputes what it can: the compiled step's peak is below the default's."""
+    workload = _gpt_workload(gpt_example)
+    peaks = {}
+    for choice in ("default", {"activation_memory_budget": 0.0}):
+        model = COMPILE.apply(copy.deepcopy(workload.model), choice, None)
+        peaks[str(choice)] = _cuda_peak_bytes(model, workload, 64)
+    assert peaks[str({"activation_memory_budget": 0.0})] < peaks["default"]
+
+
+@pytest.mark.gpu
+def test_cuda_probe_process_applies_compile_by_entry_point(gpt_example, examples_dir) -> None:
+    """A fresh-process probe rebuilds the workload and compiles the candidate (shared cache)."""
+    from memadvisor.compile_cache import shared_compile_cache
+    from memadvisor.device.cuda import CudaDevice
+
+    target = f"{examples_dir / 'gpt.py'}:build"
+    device = CudaDevice(4 * 2**30, target=target)
+    try:
+        with shared_compile_cache():
+            measured = device.run(
+                _gpt_workload(gpt_example),
+                Candidate(batch_size=8, choices={"compile": "default"}),
+                3,
+            )
+    finally:
+        device.close()
+    assert measured.steps == 3 and measured.samples_per_s > 0 and measured.peak_bytes > 0
