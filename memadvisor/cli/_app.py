@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import click
 import typer
@@ -27,7 +27,34 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    epilog="[bold]Examples[/]\n\n"
+    "  memadvisor plan examples/gpt.py:build --budget-gb 0.5 --html plan.html\n\n"
+    "  memadvisor profile examples/cnn.py:build --speedscope step.speedscope.json\n\n"
+    "Run memadvisor COMMAND --help for a command's options.",
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from memadvisor import __version__
+
+        typer.echo(f"memadvisor {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Measure a PyTorch training step and find the fastest configuration that fits a memory
+    budget."""
+
+
 # Progress, notes and errors go to stderr so stdout holds only the report.
 err_console = Console(stderr=True)
 

@@ -9,6 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from memadvisor import __version__
 from memadvisor.cli._app import handle_errors
 from memadvisor.errors import BadInputError, InfeasibleBudgetError, PlanningError
 
@@ -74,3 +75,12 @@ def test_the_installed_command_exits_with_the_code_in_a_real_process(tmp_path) -
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().startswith("error: No such file: 'no/such/file.py'")
+
+
+def test_top_level_help_ends_with_examples_and_version_prints(cli) -> None:
+    result = cli("--help")
+    assert result.exit_code == 0
+    assert result.stdout.index("Examples") > result.stdout.index("profile")
+    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.5" in result.stdout
+    version = cli("--version")
+    assert version.exit_code == 0 and version.stdout.strip() == f"memadvisor {__version__}"
