@@ -1,0 +1,50 @@
+"""The CLI on a real card: CUDA numbers (reserved bytes, fragmentation, the allocator snapshot).
+
+Run on a GPU machine: ``python -m pytest -q -m gpu tests/cli``.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from memadvisor.planner import Plan
+from memadvisor.profiler import Profile
+from memadvisor.report._units import fmt_bytes
+
+pytestmark = pytest.mark.gpu
+
+
+def test_profile_on_cuda_reports_reserved_bytes_and_writes_the_allocator_snapshot(
+    cli, factory, tmp_path
+) -> None:
+    snapshot, html, profile_json = tmp_path / "s.pickle", tmp_path / "p.html", tmp_path / "p.json"
+    result = cli(
+        "profile", factory("gpt"), "--device", "cuda", "--cuda-snapshot", str(snapshot),
+        "--html", str(html), "--json", str(profile_json),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    profile = Profile.model_validate_json(profile_json.read_text())
+    assert profile.device.kind == "cuda" and profile.fragmentation_ratio is not None
+    assert "fp32 reserved" in result.stdout and "Fragmentation" in result.stdout
+    with snapshot.open("rb") as f:
+        assert "segments" in pickle.load(f)  # torch's memory_viz format
+    page = html.read_text()
+    assert "on cuda" in page and "reserved" in page
+
+
+def test_plan_on_cuda_verifies_under_the_budget_and_reports_it(cli, factory, tmp_path) -> None:
+    plan_json, html = tmp_path / "plan.json", tmp_path / "plan.html"
+    result = cli(
+        "plan", factory("gpt"), "--budget-gb", "0.25", "--device", "cuda",
+        "--json", str(plan_json), "--html", str(html),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    plan = Plan.model_validate_json(plan_json.read_text())
+    assert plan.device_kind == "cuda" and plan.verified is not None
+    held = max(plan.verified.peak_bytes, plan.verified.reserved_peak_bytes or 0)
+    assert held <= plan.config.budget_bytes
+    assert f"verified {fmt_bytes(plan.verified.peak_bytes)} allocated" in result.stdout
+    assert "simulated" not in result.stderr
+    assert "One step of the plan" in html.read_text()
