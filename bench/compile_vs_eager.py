@@ -15,7 +15,7 @@ reserved peak, plan wall time (compiles included), the compile time at the pick,
 pick chose (precision, checkpointed blocks: is block checkpointing ever picked under compile?).
 
     python bench/compile_vs_eager.py --models gpt,cnn                  # ~8 min on an H200
-    python bench/compile_vs_eager.py --models vit_b_16 --budget-gb 8
+    python bench/compile_vs_eager.py --models vit_b_16 --choices default
     python bench/compile_vs_eager.py --models resnet18 --cache-test    # cold vs warm cache
 
 ``--cache-test`` runs the first model's compiled step at the sample batch in two fresh
@@ -60,10 +60,12 @@ MODELS = {
     "llama_small": f"{HERE}:llama_small",
 }
 DEFAULT_MODELS = "gpt,cnn,resnet18,convnext_tiny,vit_b_16,bert,llama_small"
-COMPILE_CHOICES: list[JsonValue] = [
-    "default",
-    {"mode": "default", "activation_memory_budget": 0.5},
-]
+CHOICES: dict[str, JsonValue] = {  # --choices name -> the compile choice
+    "default": "default",
+    "budget0.5": {"mode": "default", "activation_memory_budget": 0.5},
+    "budget0.25": {"mode": "default", "activation_memory_budget": 0.25},
+    "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
+}
 
 
 # -- model factories (no downloads: built from configs) ------------------------------------
@@ -166,65 +168,86 @@ def _row(label: str, plan: Any, compile_s: float | None, note: str = "") -> dict
     }
 
 
-def bench_model(name: str, args: argparse.Namespace) -> list[dict]:
-    from memadvisor.compile_cache import shared_compile_cache
+def _compiled_row(
+    workload: Any, profile: Any, target: str, choice: JsonValue, label: str, args: Any
+) -> dict:
+    """Screen ``choice`` at the sample batch, plan with it forced, time its compile at the pick."""
     from memadvisor.config import PlanConfig, gib_to_bytes
     from memadvisor.estimate import Candidate
     from memadvisor.planner import plan_workload
-    from memadvisor.profiler import profile_workload
     from memadvisor.strategy import load_strategies
-    from memadvisor.target import load_target
     from strategies.compile import try_compile
 
-    target = MODELS[name]
-    workload = load_target(target)
-    t0 = time.perf_counter()
-    profile = profile_workload(workload, device="cuda")
-    print(f"[{name}] profiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    trial = try_compile(workload, choice, device="cuda")
+    if not trial.ok:
+        return {"plan": label, "note": trial.summary}
+    config = PlanConfig(
+        budget_bytes=gib_to_bytes(args.budget_gb),
+        device="cuda",
+        verify_steps=args.verify_steps,
+        rerank_top=args.rerank_top_compiled,
+    )
     eager_strategies = [s for s in load_strategies() if not s.measured_only]
-    budget = gib_to_bytes(args.budget_gb)
-    config = PlanConfig(budget_bytes=budget, device="cuda", verify_steps=args.verify_steps)
     plan = plan_workload(
         workload,
         config,
         target=target,
         profile=profile,
         progress=False,
-        strategies=eager_strategies,
+        strategies=[*eager_strategies, _compiled_only(choice)],
     )
-    rows = [_row("eager", plan, None)]
-    print(f"[{name}] eager: {json.dumps(rows[-1])}", flush=True)
+    compile_s = None
+    if not args.no_pick_trial:
+        c = plan.candidate
+        pick = Candidate(
+            batch_size=c.batch_size, accumulation_steps=c.accumulation_steps, choices=c.choices
+        )
+        at_pick = try_compile(workload, choice, candidate=pick, device="cuda")
+        compile_s = (at_pick.compile_ms or 0.0) / 1e3 if at_pick.ok else None
+    return _row(label, plan, compile_s, note=f"at sample batch: {trial.summary}")
 
-    compiled_config = config.model_copy(update={"rerank_top": args.rerank_top_compiled})
+
+def bench_model(name: str, args: argparse.Namespace) -> list[dict]:
+    from memadvisor.compile_cache import shared_compile_cache
+    from memadvisor.config import PlanConfig, gib_to_bytes
+    from memadvisor.planner import plan_workload
+    from memadvisor.profiler import profile_workload
+    from memadvisor.strategy import load_strategies
+    from memadvisor.target import load_target
+
+    target = MODELS[name]
+    workload = load_target(target)
+    t0 = time.perf_counter()
+    profile = profile_workload(workload, device="cuda")
+    print(f"[{name}] profiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    config = PlanConfig(
+        budget_bytes=gib_to_bytes(args.budget_gb), device="cuda", verify_steps=args.verify_steps
+    )
+    eager_strategies = [s for s in load_strategies() if not s.measured_only]
+    rows = []
+    try:
+        plan = plan_workload(
+            workload,
+            config,
+            target=target,
+            profile=profile,
+            progress=False,
+            strategies=eager_strategies,
+        )
+        rows.append(_row("eager", plan, None))
+    except Exception as e:  # noqa: BLE001 - reported in the table, the other plans still run
+        rows.append({"plan": "eager", "note": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+    print(f"[{name}] {json.dumps(rows[-1])}", flush=True)
+
     with shared_compile_cache() as cache:
-        for choice in COMPILE_CHOICES:
-            label = "compiled" if choice == "default" else "compiled+budget0.5"
-            trial = try_compile(workload, choice, device="cuda")
-            if not trial.ok:
-                rows.append({"plan": label, "note": trial.summary})
-                print(f"[{name}] {label}: {trial.summary}", flush=True)
-                continue
-            plan = plan_workload(
-                workload,
-                compiled_config,
-                target=target,
-                profile=profile,
-                progress=False,
-                strategies=[*eager_strategies, _compiled_only(choice)],
-            )
-            compile_s = None
-            if not args.no_pick_trial:
-                pick = Candidate(
-                    batch_size=plan.candidate.batch_size,
-                    accumulation_steps=plan.candidate.accumulation_steps,
-                    choices=plan.candidate.choices,
-                )
-                at_pick = try_compile(workload, choice, candidate=pick, device="cuda")
-                compile_s = (at_pick.compile_ms or 0.0) / 1e3 if at_pick.ok else None
-            rows.append(_row(label, plan, compile_s))
-            print(f"[{name}] {label}: {json.dumps(rows[-1])}", flush=True)
-        report = cache.report()
-    print(f"[{name}] {report.note}", flush=True)
+        for key in args.choices.split(","):
+            label, choice = f"compiled:{key}", CHOICES[key]
+            try:
+                rows.append(_compiled_row(workload, profile, target, choice, label, args))
+            except Exception as e:  # noqa: BLE001 - as above
+                rows.append({"plan": label, "note": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+            print(f"[{name}] {json.dumps(rows[-1])}", flush=True)
+        print(f"[{name}] {cache.report().note}", flush=True)
     torch.cuda.empty_cache()
     return rows
 
@@ -278,10 +301,8 @@ def cache_test(name: str) -> None:
 
 
 def _fmt(value: Any, spec: str) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and value != value:  # nan
-        return "-"
+    if value is None or (isinstance(value, float) and value != value):  # None or nan
+        return "-".rjust(len(format(0.0, spec)))
     return format(value, spec)
 
 
@@ -314,6 +335,9 @@ def main() -> int:
     parser.add_argument("--budget-gb", type=float, default=8.0)
     parser.add_argument("--verify-steps", type=int, default=10)
     parser.add_argument("--rerank-top-compiled", type=int, default=1)
+    parser.add_argument(
+        "--choices", default="default,budget0.5", help=f"compile choices, of {', '.join(CHOICES)}"
+    )
     parser.add_argument("--no-pick-trial", action="store_true", help="skip timing the compile")
     parser.add_argument("--cache-test", action="store_true", help="cold vs warm cache instead")
     parser.add_argument(
@@ -330,6 +354,9 @@ def main() -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    bad = [c for c in args.choices.split(",") if c not in CHOICES]
+    if bad:
+        parser.error(f"unknown compile choices {bad}; choose from {sorted(CHOICES)}")
     if args.cache_test:
         cache_test(names[0])
         return 0

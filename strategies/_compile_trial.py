@@ -283,23 +283,7 @@ def try_compile(
         _train(workload, eager_candidate, compiled, where, steps, seed, run)
     except Exception as e:  # noqa: BLE001 - any failure to compile or run is the answer
         failure = e
-    after = _torch_private.dynamo_counters()
-
-    def delta(group: str, key: str) -> int:
-        return _count(after, group, key) - _count(before, group, key)
-
-    breaks = {
-        reason: n - before.get("graph_break", {}).get(reason, 0)
-        for reason, n in after.get("graph_break", {}).items()
-        if n > before.get("graph_break", {}).get(reason, 0)
-    }
-    result |= {
-        "graphs": delta("stats", "unique_graphs"),
-        "graph_breaks": sum(breaks.values()),
-        "break_reasons": [r.splitlines()[0][:200] for r in list(breaks)[:5]],
-        "cache_hits": delta("inductor", "fxgraph_cache_hit"),
-        "cache_misses": delta("inductor", "fxgraph_cache_miss"),
-    }
+    result |= _what_dynamo_did(before, _torch_private.dynamo_counters())
     if failure is not None:
         oom = is_oom(_root_cause(failure)) or is_oom(failure)
         reason = (
@@ -310,18 +294,46 @@ def try_compile(
         return CompileResult(
             ok=False, reason=reason, error=_describe(failure), out_of_memory=oom, **result
         )
-
     result |= {
         "first_step_ms": run.step_ms[0],
         "compiled_step_ms": _steady_ms(run.step_ms),
         "loss_rel_diff": _relative(run.losses[0], eager.losses[0]),
+        "grad_rel_diff": _grad_rel_diff(run, eager),
     }
-    if eager.first_grads is not None and run.first_grads is not None:
-        ref = float(eager.first_grads.norm())
-        diff = float((run.first_grads - eager.first_grads).norm())
-        result["grad_rel_diff"] = diff / ref if ref > 0 else (0.0 if diff == 0 else math.inf)
     reason = _judge(result, run, eager, max_graph_breaks)
     return CompileResult(ok=not reason, reason=reason, **result)
+
+
+def _what_dynamo_did(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+) -> dict[str, Any]:
+    """Graphs, graph breaks (with reasons) and cache hits between two counter snapshots."""
+
+    def delta(group: str, key: str) -> int:
+        return _count(after, group, key) - _count(before, group, key)
+
+    breaks = {
+        reason: n - _count(before, "graph_break", reason)
+        for reason, n in after.get("graph_break", {}).items()
+        if n > _count(before, "graph_break", reason)
+    }
+    return {
+        "graphs": delta("stats", "unique_graphs"),
+        "graph_breaks": sum(breaks.values()),
+        "break_reasons": [r.splitlines()[0][:200] for r in list(breaks)[:5]],
+        "cache_hits": delta("inductor", "fxgraph_cache_hit"),
+        "cache_misses": delta("inductor", "fxgraph_cache_miss"),
+    }
+
+
+def _grad_rel_diff(run: _Run, eager: _Run) -> float | None:
+    if eager.first_grads is None or run.first_grads is None:
+        return None
+    ref = float(eager.first_grads.norm())
+    diff = float((run.first_grads - eager.first_grads).norm())
+    if ref == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / ref
 
 
 def _judge(result: dict, run: _Run, eager: _Run, max_graph_breaks: int) -> str:
