@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,16 @@ def cli() -> Cli:
 def factory():
     """``factory("mlp")`` -> 'path/to/tests/cli/factories.py:mlp'."""
     return lambda name: f"{FACTORIES}:{name}"
+
+
+@pytest.fixture
+def gpt_plan():
+    """The hand-built GPT-like Plan of tests/report/_gpt_plan.py (no planning needed)."""
+    path = ROOT / "tests" / "report" / "_gpt_plan.py"
+    spec = importlib.util.spec_from_file_location("memadvisor_tests_gpt_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gpt_plan()
 
 
 @pytest.fixture(autouse=True)

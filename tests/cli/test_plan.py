@@ -105,6 +105,55 @@ def test_plan_a_batch_the_model_rejects_is_bad_input(cli, factory) -> None:
     assert "rejected the batch" in _one_error_line(result)
 
 
+def test_plan_writes_the_planners_plan_whole_and_prints_its_one_line(
+    cli, factory, gpt_plan, monkeypatch, tmp_path
+) -> None:
+    """The CLI's own wiring, with the planner replaced by a plan it returns (fast)."""
+    import memadvisor.planner
+    from memadvisor.report import one_line
+
+    seen = {}
+
+    def fake_plan_workload(workload, config, *, target=None, progress=True):
+        seen.update(config=config, target=target, progress=progress)
+        return gpt_plan
+
+    monkeypatch.setattr(memadvisor.planner, "plan_workload", fake_plan_workload)
+    json_path = tmp_path / "plan.json"
+    result = cli(
+        "plan", factory("mlp"), "--budget-gb", "8", "--margin", "0.1", "--objective",
+        "largest_batch", "--json", str(json_path), "--quiet",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert Plan.model_validate_json(json_path.read_text()) == gpt_plan
+    assert result.stdout.strip() == one_line(gpt_plan) and result.stderr == ""
+    config = seen["config"]
+    assert (config.budget_bytes, config.margin_fraction, config.objective) == (
+        8 * 2**30,
+        0.1,
+        "largest_batch",
+    )
+    assert seen["target"] == factory("mlp") and seen["progress"] is False
+
+
+def test_plan_html_falls_back_to_phase_peaks_when_the_step_cannot_be_recorded(
+    cli, factory, gpt_plan, monkeypatch, tmp_path
+) -> None:
+    """The plan is made and printed: a chart that cannot be recorded does not lose it."""
+    import memadvisor.planner
+
+    monkeypatch.setattr(memadvisor.planner, "plan_workload", lambda *a, **k: gpt_plan)
+    html_path = tmp_path / "plan.html"
+    # The GPT plan names blocks this MLP lacks: applying it to record its step fails.
+    result = cli("plan", factory("mlp"), "--budget-gb", "8", "--html", str(html_path))
+    assert result.exit_code == 0, result.stderr
+    assert "note: the plan's step could not be recorded for the HTML chart" in result.stderr
+    assert "Configurations compared" in result.stdout
+    page = html_path.read_text()
+    assert "Peak of each phase of the profiled step" in page
+    assert fmt_bytes(gpt_plan.verified.peak_bytes) in page
+
+
 # -- bad input, refused before any work -------------------------------------------------------
 
 

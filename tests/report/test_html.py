@@ -207,3 +207,43 @@ def test_chromium_draws_the_profile_page(profile: Profile, tmp_path: Path) -> No
     assert 'data-drawn="yes"' in dom and 'class="allocated"' in dom
     assert 'class="budget"' not in dom  # a profile has no budget to draw
     assert "lm_head" in dom and fmt_bytes(profile.optimizer_state_bytes) in dom
+
+
+@pytest.mark.usefixtures("chromium")
+def test_chromium_draws_a_recorded_timeline_with_reserved_bytes(
+    profile: Profile, tmp_path: Path
+) -> None:
+    """A CUDA-like timeline: allocated and reserved curves, one band per phase mark."""
+    from memadvisor.report import series_from_timeline
+    from memadvisor.timeline import Timeline, TimelineEvent
+
+    mib = 2**20
+    events = []
+    for i, phase in enumerate(("forward", "loss", "backward", "optimizer", "zero_grad", "end")):
+        events.append(
+            TimelineEvent(
+                t_ms=10.0 * i,
+                kind="phase",
+                phase=phase,
+                allocated_bytes=100 * mib,
+                reserved_bytes=128 * mib,
+            )  # fmt: skip
+        )
+        events += [
+            TimelineEvent(
+                t_ms=10.0 * i + k,
+                kind="sample",
+                allocated_bytes=(100 + 9 * k) * mib,
+                reserved_bytes=(128 + 9 * k) * mib,
+            )  # fmt: skip
+            for k in range(1, 10)
+        ]
+    timeline = Timeline(events=events, device="cuda:0", model_name="GPT")
+    series = series_from_timeline(timeline)
+    assert [s[0] for s in series.spans] == ["forward", "loss", "backward", "optimizer", "zero_grad"]
+    page = write_html(render_profile_html(profile, series=series), tmp_path / "profile.html")
+    dom = _dom(tmp_path, page)
+    assert 'data-drawn="yes"' in dom
+    assert 'class="allocated"' in dom and 'class="reserved"' in dom
+    assert dom.count('class="phase"') == 5
+    assert "One training step of GPT recorded on cuda:0." in dom
