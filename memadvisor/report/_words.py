@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+from memadvisor.profiler import Profile
 from memadvisor.report._facts import Answer
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
-__all__ = ["answer_rows", "device_title"]
+__all__ = ["OWNERS_NOTE", "answer_rows", "device_title", "fragmentation", "kind_words"]
+
+OWNERS_NOTE = "Blocks can be checkpointed; other owners (an LM head, the loss) cannot."
+
+_KIND_WORDS = {
+    "params": "weights",
+    "grads": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "temporaries": "temporaries (recompute, workspaces)",
+}
+
+
+def kind_words(kind: str) -> str:
+    """``'optimizer_state'`` -> ``'optimizer state'``: a memory kind as a person says it."""
+    return _KIND_WORDS.get(kind, kind)
+
+
+def fragmentation(profile: Profile) -> str | None:
+    """The allocator's overhead in a sentence; None off CUDA, where nothing measures it."""
+    if profile.fragmentation_ratio is None:
+        return None
+    return (
+        f"Fragmentation: the allocator reserved {profile.fragmentation_ratio:.2f}× what tensors "
+        f"held at the peak; {fmt_bytes(profile.fixed_overhead_bytes)} sat outside tensors "
+        "(cuBLAS workspaces, block rounding)."
+    )
 
 
 def device_title(a: Answer) -> str:

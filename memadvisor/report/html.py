@@ -17,17 +17,16 @@ from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._html_assets import CSS, SCRIPT
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
-from memadvisor.report._words import answer_rows, device_title
+from memadvisor.report._words import (
+    OWNERS_NOTE,
+    answer_rows,
+    device_title,
+    fragmentation,
+    kind_words,
+)
 
 __all__ = ["render_plan_html", "render_profile_html", "write_html"]
 
-_KIND_WORDS = {
-    "params": "weights",
-    "grads": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations (saved for backward)",
-    "temporaries": "temporaries (recompute, workspaces)",
-}
 _BAR_COLORS = "Blue: a block; orange: not a block, which checkpointing cannot reach."
 
 
@@ -70,13 +69,13 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
                 "consumers",
                 f"Top activation owners at batch {a.batch_size}, {a.precision}",
                 _consumers(owners, show_kept=bool(a.checkpointed)),
-                "Blocks can be checkpointed; other owners (an LM head, the loss) cannot.",
+                OWNERS_NOTE,
             ),
             _section(
                 "phases",
                 f"Per-phase peaks of the plain step as profiled (batch {b})",
                 _phases(profile, b, list(profile.steps)),
-                _fragmentation(profile),
+                fragmentation(profile),
             ),
         ]
     parts.append(_section("advice", "Recommendations", _advice(plan)))
@@ -116,13 +115,13 @@ def render_profile_html(
             "consumers",
             f"Top activation owners at batch {b}, fp32",
             _consumers(owners, show_kept=False),
-            "Blocks can be checkpointed; other owners (an LM head, the loss) cannot.",
+            OWNERS_NOTE,
         ),
         _section(
             "phases",
             f"Per-phase peaks at batch {b}",
             _phases(profile, b, list(profile.steps)),
-            _fragmentation(profile),
+            fragmentation(profile),
         ),
     ]
     data = {
@@ -217,7 +216,7 @@ def _comparison(plan: Plan) -> str:
 
 def _kinds(lines: list[facts.KindLine]) -> str:
     rows = (
-        f"<tr><td>{_e(_KIND_WORDS.get(k.kind, k.kind))}</td><td>{fmt_bytes(k.nbytes)}</td>"
+        f"<tr><td>{_e(kind_words(k.kind))}</td><td>{fmt_bytes(k.nbytes)}</td>"
         f"<td>{k.share:.0%}</td></tr>"
         for k in lines
     )
@@ -260,16 +259,6 @@ def _phases(profile: Profile, b: int, precisions: list[str]) -> str:
         for phase, values in cells.items()
     )
     return _table(head, rows)
-
-
-def _fragmentation(profile: Profile) -> str | None:
-    if profile.fragmentation_ratio is None:
-        return None
-    return (
-        f"Fragmentation: the allocator reserved {profile.fragmentation_ratio:.2f}× what tensors "
-        f"held at the peak; {fmt_bytes(profile.fixed_overhead_bytes)} sat outside tensors "
-        "(cuBLAS workspaces, block rounding)."
-    )
 
 
 def _memory_chart(series: facts.MemorySeries) -> str:

@@ -14,24 +14,20 @@ from memadvisor.planner import Plan
 from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
-from memadvisor.report._words import answer_rows, device_title
+from memadvisor.report._words import (
+    OWNERS_NOTE,
+    answer_rows,
+    device_title,
+    fragmentation,
+    kind_words,
+)
 
 __all__ = ["one_line", "one_line_profile", "print_plan", "print_profile"]
 
-_KIND_WORDS = {
-    "params": "weights",
-    "grads": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations (saved for backward)",
-    "temporaries": "temporaries (recompute, workspaces)",
-}
 _ESTIMATED = "~"  # marks a number only estimated, never run on a device
 
 
-_CONSUMERS_NOTE = (
-    "* not a block: checkpointing cannot reach it (an LM head, the loss); blocks can be "
-    "checkpointed."
-)
+_CONSUMERS_NOTE = f"* not a block. {OWNERS_NOTE}"
 
 
 def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
@@ -65,7 +61,7 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
             console,
             f"Per-phase peaks of the plain step as profiled (batch {b})",
             _phases_table(profile, b, list(profile.steps)),
-            _fragmentation_words(profile),
+            fragmentation(profile),
         )
     _print_advice(plan, console)
     for check in plan.checks:
@@ -105,7 +101,7 @@ def print_profile(
         console,
         f"Per-phase peaks at batch {b}",
         _phases_table(profile, b, precisions),
-        _fragmentation_words(profile),
+        fragmentation(profile),
     )
 
 
@@ -198,9 +194,7 @@ def _kinds_table(lines: list[facts.KindLine]) -> Table:
     table.add_column("Bytes", justify="right", no_wrap=True)
     table.add_column("Share", justify="right", no_wrap=True)
     for line in lines:
-        table.add_row(
-            _KIND_WORDS.get(line.kind, line.kind), fmt_bytes(line.nbytes), f"{line.share:.0%}"
-        )
+        table.add_row(kind_words(line.kind), fmt_bytes(line.nbytes), f"{line.share:.0%}")
     return table
 
 
@@ -297,16 +291,6 @@ def _phases_table(profile: Profile, b: int, precisions: list[str]) -> Table:
     for phase, cells in rows.items():
         table.add_row(phase, *cells)
     return table
-
-
-def _fragmentation_words(profile: Profile) -> str | None:
-    if profile.fragmentation_ratio is None:
-        return None
-    return (
-        f"Fragmentation: the allocator reserved {profile.fragmentation_ratio:.2f}× what tensors "
-        f"held at the peak; {fmt_bytes(profile.fixed_overhead_bytes)} sat outside tensors "
-        "(cuBLAS workspaces, block rounding)."
-    )
 
 
 def _profile_header(profile: Profile) -> Panel:
