@@ -9,6 +9,7 @@ flags as they were: every profiling step, probe and verification runs on copies.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,7 +36,11 @@ class SameOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.cls = type(optimizer)
-        self.defaults = dict(optimizer.defaults)
+        # ``defaults`` may hold keys the constructor does not take (torch 2.13's AdamW keeps
+        # Adam's 'decoupled_weight_decay'): pass only what __init__ accepts.
+        accepted = inspect.signature(self.cls.__init__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        self.defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return self.cls(params, **self.defaults)

@@ -48,7 +48,7 @@ class _Confirmed:
 
     scored: Scored
     candidate: Candidate
-    largest_batch: int  # the largest micro-batch the probes allow (before the objective's pick)
+    found_batch: int  # the largest micro-batch the probes allow (before the objective's pick)
     measured: Measurement
     search: BatchSearch
 
@@ -88,8 +88,15 @@ class _Prober:
                 measured[batch] = m
             return m is not None
 
+        def within_margin(batch: int) -> bool:
+            m = measured[batch]
+            # The budget caps what a card reserves; the simulated device reserves nothing extra.
+            return max(m.peak_bytes, m.reserved_peak_bytes or 0) <= cfg.usable_bytes
+
         upper = self.space.upper_batch(scored)
-        found = find_batch(fits, scored.largest_batch, upper, cfg.margin_fraction, cfg.max_batch)
+        found = find_batch(
+            fits, scored.largest_batch, upper, cfg.margin_fraction, cfg.max_batch, within_margin
+        )
         return found, measured
 
     def confirm(self, scored: Scored, stage: str = "probe") -> _Confirmed | None:
@@ -249,7 +256,7 @@ def _rows(
                         label=label,
                         candidate=confirmed.candidate,
                         estimate=est,
-                        largest_batch=confirmed.largest_batch,
+                        largest_batch=confirmed.found_batch,
                         measured=confirmed.measured,
                     )
             else:
@@ -356,7 +363,7 @@ def plan_workload(
             pick = _with_batch_record(pick, chosen, config)
             pick_estimate = estimate(profile, pick, chosen)
             largest = (
-                best.largest_batch
+                best.found_batch
                 if pick.batch_size == best.candidate.batch_size
                 else pick.batch_size
             )
@@ -382,7 +389,12 @@ def plan_workload(
             if best.search.lowest_failure is None and best.search.probe_count > 1:
                 notes.append(
                     f"The device held batch {best.search.largest_fit}, the estimate's largest "
-                    "under the whole budget; the plan did not probe higher."
+                    "under the whole budget; the plan did not probe higher"
+                    + (
+                        " and kept the batch whose estimate leaves the margin free."
+                        if best.found_batch < best.search.largest_fit
+                        else " (its measured peak left the margin free)."
+                    )
                 )
             notes += prober.notes + getattr(device, "notes", []) + row_notes
             return Plan(

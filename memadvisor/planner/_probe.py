@@ -5,8 +5,9 @@ decides nothing about memory, :func:`memadvisor.device.is_oom` does. The search:
 
 1. Probe ``start``, the estimate's largest batch under the usable budget (budget less margin).
 2. If it fits, probe ``upper`` once, the estimate's largest batch under the *whole* budget
-   (one step above the bracket). Both fit: the device has at least the room the estimate
-   promised; take ``upper``. Only ``start`` fits: take it, kept below ``upper`` by the margin.
+   (one step above the bracket). If it fits with its measured peak inside the usable
+   budget, the estimate was pessimistic: take ``upper``. Otherwise take ``start``, kept the
+   margin below ``upper`` if that failed.
 3. If ``start`` fails, the estimate was optimistic. Probe the highest batch that could still
    be picked, the margin below the failure; a fit ends the search. After a third failure
    the estimate is far off: halve until something fits, then bisect.
@@ -62,7 +63,12 @@ class BatchSearch:
 
 
 def find_batch(
-    fits: TryBatch, start: int, upper: int, margin_fraction: float, max_batch: int
+    fits: TryBatch,
+    start: int,
+    upper: int,
+    margin_fraction: float,
+    max_batch: int,
+    within_margin: TryBatch | None = None,
 ) -> BatchSearch:
     """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
 
@@ -72,6 +78,10 @@ def find_batch(
         upper: the estimate's largest batch under the whole budget (the bracket's top).
         margin_fraction: how far below the lowest failure the pick stays.
         max_batch: no batch above this is tried.
+        within_margin: for a batch that fitted, whether its *measured* peak stayed within
+            the usable budget. ``upper`` fitting only proves the device holds it at the
+            edge of the budget; it is taken over ``start`` only when its peak also left the
+            margin free (the estimate was pessimistic). None takes it whenever it fits.
 
     Returns:
         The search; ``batch == 0`` when not even batch 1 fits.
@@ -100,10 +110,10 @@ def find_batch(
     if run(start):
         lo = start
         if upper > start:
-            if run(upper):
-                lo = upper
-            else:
+            if not run(upper):
                 hi = upper
+            elif within_margin is None or within_margin(upper):
+                lo = upper
     else:
         hi = start
         failures_before_a_fit = 1

@@ -95,6 +95,14 @@ def test_typical_model_needs_at_most_three_probes() -> None:
             assert result.probe_count == 3, (threshold, result.tried)
 
 
+def test_a_fitting_top_is_taken_only_when_its_measured_peak_left_the_margin_free() -> None:
+    """The bracket's top fitting proves the device holds it at the budget's edge; the pick
+    is the top only when its measured peak stayed within the usable budget, else start."""
+    for within, expected in ((True, 110), (False, 100)):
+        result = find_batch(lambda b: True, 100, 110, MARGIN, 65536, lambda b, w=within: w)
+        assert (result.batch, result.probe_count, result.largest_fit) == (expected, 2, 110)
+
+
 def test_pick_stays_the_margin_below_the_lowest_failure_on_non_monotone_fits() -> None:
     """Near the limit fits are not monotone (ResNet-50 bf16: 354 fits, 355 fails, 356-388 fit,
     389 fails): whatever the bracket, the pick is never above safe_below(lowest failure seen),
