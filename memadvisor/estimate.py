@@ -24,9 +24,11 @@ and the head's peak before the first block. A candidate moves that walk:
   block ``k``'s backward runs ``sum(s_j for checkpointed j < k)`` lower.
 * During its own backward a checkpointed block first recomputes its forward: its
   activations come back, one block at a time, topped by its forward transient, from the
-  level where its backward begins: ``start_k - D_k + transient_k``.
-* Forward holds everything but what checkpointed blocks freed (autocast's weight copies
-  stay cached until the forward ends); the optimizer step (AdamW's state, its foreach or
+  level where its backward begins: ``start_k - D_k + transient_k`` (the transient less
+  autocast's weight copies, which ``s_k`` brings back already).
+* Forward peaks at the loss, everything but what checkpointed blocks freed held, or as
+  the model's forward ends, where autocast still caches the checkpointed blocks' weight
+  copies; the optimizer step (AdamW's state, its foreach or
   per-tensor temporaries, first-step state creation: measured as a steady step after a
   warm-up) does not depend on the blocks.
 * Precision reads a different measured step (autocast: halved activations where the op
@@ -117,11 +119,58 @@ def _line(value: LinearBytes | None) -> tuple[float, float] | None:
     return None if value is None else (value.per_sample_bytes, value.constant_bytes)
 
 
+def _at(line: tuple[float, float] | None, b: int) -> int:
+    """A line at batch ``b``, signed (walk levels are differences); 0 when unmeasured."""
+    return 0 if line is None else int(round(line[0] * b + line[1]))
+
+
+def _pos(line: tuple[float, float] | None, b: int) -> int:
+    return max(0, _at(line, b))
+
+
+class _AtBatch:
+    """One measured step's numbers at one batch size (what :class:`StepModel` starts from)."""
+
+    __slots__ = (
+        "activation",
+        "inputs",
+        "outputs",
+        "transient",
+        "forward_ms",
+        "output_kept",
+        "start",
+        "peak",
+        "activation_total",
+        "end_of_forward",
+        "head_peak",
+        "phases",
+        "step_forward_ms",
+        "step_backward_ms",
+    )
+
+    def __init__(self, lines: _Lines, b: int) -> None:
+        self.activation = [_pos(x, b) for x in lines.activation]
+        self.inputs = [_pos(x, b) for x in lines.inputs]
+        self.outputs = [_pos(x, b) for x in lines.outputs]
+        self.transient = [_pos(x, b) for x in lines.transient]
+        self.forward_ms = [max(0.0, a * b + c) for a, c in lines.forward_ms]
+        self.output_kept = [None if x is None else _pos(x, b) for x in lines.output_kept]
+        self.start = [_at(x, b) for x in lines.start]
+        self.peak = [_at(x, b) for x in lines.peak]
+        self.activation_total = _pos(lines.activation_total, b)
+        self.end_of_forward = _at(lines.end_of_forward, b)
+        self.head_peak = _at(lines.head_peak, b)
+        self.phases = {phase: _at(x, b) for phase, x in lines.phases.items()}
+        self.step_forward_ms = max(0.0, lines.step_forward_ms[0] * b + lines.step_forward_ms[1])
+        self.step_backward_ms = max(0.0, lines.step_backward_ms[0] * b + lines.step_backward_ms[1])
+
+
 class _Lines:
-    """One measured step's numbers as ``(per_sample, constant)`` pairs, read once per step.
+    """One measured step's numbers as ``(per_sample, constant)`` lines, read once per step.
 
     Reading pydantic fields costs more than the arithmetic; the search estimates the same
-    profile thousands of times, so each step's lines are extracted once and cached.
+    profile at the same few batch sizes thousands of times, so each step's lines are
+    extracted once, and evaluated once per batch size (:meth:`at`).
     """
 
     __slots__ = (
@@ -141,6 +190,7 @@ class _Lines:
         "phases",
         "step_forward_ms",
         "step_backward_ms",
+        "batches",
     )
 
     def __init__(self, step: StepProfile) -> None:
@@ -165,10 +215,20 @@ class _Lines:
         self.phases = {p.phase: _line(p.allocated) for p in step.phases}
         self.step_forward_ms = (step.forward_ms.per_sample_ms, step.forward_ms.constant_ms)
         self.step_backward_ms = (step.backward_ms.per_sample_ms, step.backward_ms.constant_ms)
+        self.batches: dict[int, _AtBatch] = {}
+
+    def at(self, b: int) -> _AtBatch:
+        hit = self.batches.get(b)
+        if hit is None:
+            if len(self.batches) >= _BATCHES_CACHED:
+                self.batches.clear()
+            hit = self.batches[b] = _AtBatch(self, b)
+        return hit
 
 
 _CACHE: dict[int, tuple[StepProfile, _Lines]] = {}
-_CACHE_SIZE = 64
+_STEPS_CACHED = 64
+_BATCHES_CACHED = 4096
 
 
 def _lines(step: StepProfile) -> _Lines:
@@ -177,20 +237,11 @@ def _lines(step: StepProfile) -> _Lines:
     hit = _CACHE.get(id(step))
     if hit is not None and hit[0] is step:
         return hit[1]
-    if len(_CACHE) >= _CACHE_SIZE:
+    if len(_CACHE) >= _STEPS_CACHED:
         _CACHE.pop(next(iter(_CACHE)))
     lines = _Lines(step)
     _CACHE[id(step)] = (step, lines)
     return lines
-
-
-def _at(line: tuple[float, float] | None, b: int) -> int:
-    """A line at batch ``b``, signed (walk levels are differences); 0 when unmeasured."""
-    return 0 if line is None else int(round(line[0] * b + line[1]))
-
-
-def _pos(line: tuple[float, float] | None, b: int) -> int:
-    return max(0, _at(line, b))
 
 
 class StepModel:
@@ -208,6 +259,7 @@ class StepModel:
         "step",
         "precision",
         "lines",
+        "numbers",
         "block_activation_bytes",
         "block_input_bytes",
         "block_transient_bytes",
@@ -238,19 +290,19 @@ class StepModel:
         """Read activations and times from the profile's step in ``precision``."""
         step = self.profile.steps.get(precision) or self.profile.steps["fp32"]
         lines = _lines(step)
-        b = self.batch_size
+        nums = lines.at(self.batch_size)
         self.precision = precision
         self.step = step
         self.lines = lines
-        self.block_activation_bytes = [_pos(x, b) for x in lines.activation]
-        self.block_input_bytes = [_pos(x, b) for x in lines.inputs]
-        self.block_transient_bytes = [_pos(x, b) for x in lines.transient]
-        self.block_forward_ms = [max(0.0, a * b + c) for a, c in lines.forward_ms]
-        self.outside_activation_bytes = max(
-            0, _pos(lines.activation_total, b) - sum(self.block_activation_bytes)
-        )
-        self.forward_ms = max(0.0, lines.step_forward_ms[0] * b + lines.step_forward_ms[1])
-        self.backward_ms = max(0.0, lines.step_backward_ms[0] * b + lines.step_backward_ms[1])
+        self.numbers = nums
+        # Copies: a strategy may edit its StepModel's lists; the cached numbers stay.
+        self.block_activation_bytes = list(nums.activation)
+        self.block_input_bytes = list(nums.inputs)
+        self.block_transient_bytes = list(nums.transient)
+        self.block_forward_ms = list(nums.forward_ms)
+        self.outside_activation_bytes = max(0, nums.activation_total - sum(nums.activation))
+        self.forward_ms = nums.step_forward_ms
+        self.backward_ms = nums.step_backward_ms
         self.optimizer_ms = step.optimizer_ms
 
     def checkpoint(self, block_indices: Iterable[int]) -> None:
@@ -273,33 +325,28 @@ class StepModel:
 
     # -- summing up -------------------------------------------------------------------------
 
-    def _kept(self, k: int) -> int:
-        """What block ``k`` still holds after forward when it is checkpointed."""
-        lines, b, n = self.lines, self.batch_size, len(self.checkpointed)
-        if k + 1 < n and self.checkpointed[k + 1]:
-            # The successor's checkpoint holds its inputs: all of k's outputs stay.
-            return _pos(lines.outputs[k], b) or self.block_input_bytes[k + 1]
-        if lines.output_kept[k] is not None:
-            return _pos(lines.output_kept[k], b)
-        # Unmeasured: assume the successor (or the head) saves what k returns.
-        out = _pos(lines.outputs[k], b)
-        if out:
-            return out
+    def _unmeasured_kept(self, k: int) -> int:
+        """What checkpointed block ``k`` keeps, for a profile without ``output_kept``."""
+        nums, n = self.numbers, len(self.checkpointed)
+        # Assume the successor (or the head) saves what k returns.
+        if nums.outputs[k]:
+            return nums.outputs[k]
         return self.block_input_bytes[k + 1] if k + 1 < n else self.block_input_bytes[k]
 
-    def _cast(self, k: int) -> int:
-        cast = self.lines.cast[k]
-        if cast or not self.step.cast_weight_bytes:
-            return cast
-        # Unmeasured per block: the step's copies shared out by parameter bytes.
+    def _unmeasured_cast(self, k: int) -> int:
+        """Block ``k``'s autocast weight copies, for a profile without them per block."""
+        if not self.step.cast_weight_bytes:
+            return 0
+        # The step's copies shared out by parameter bytes.
         params = self.profile.param_bytes or 1
         return self.step.cast_weight_bytes * self.profile.blocks[k].param_bytes // params
 
     def result(self) -> Estimate:
         """Walk forward, backward and the optimizer step; return the peak and the time."""
-        p, b, lines = self.profile, self.batch_size, self.lines
+        p, b, nums = self.profile, self.batch_size, self.numbers
         n = len(self.checkpointed)
         act = self.block_activation_bytes
+        ckpt = self.checkpointed
         weights = p.param_bytes + p.buffer_bytes
         state, grads = p.optimizer_state_bytes, p.grad_bytes
         # Held through every micro-batch after the first when gradients accumulate.
@@ -307,74 +354,112 @@ class StepModel:
 
         # What each checkpointed block frees from the end of its forward to its backward.
         freed = [0] * n
+        # A recompute's top, above where its block's backward begins: its forward transient,
+        # less autocast's weight copies (made inside the transient's window, but counted in
+        # what the block frees and the recompute brings back).
+        recompute_top = [0] * n
+        cast_freed = 0
         freed_activations = 0
         recompute_ms = 0.0
-        for k in range(n):
-            if self.checkpointed[k]:
-                kept = self._kept(k)
-                freed[k] = max(0, act[k] + self._cast(k) - kept)
-                freed_activations += max(0, act[k] - kept)
+        if True in ckpt:
+            outputs, output_kept, inputs = nums.outputs, nums.output_kept, self.block_input_bytes
+            for k in [k for k in range(n) if ckpt[k]]:
+                if k + 1 < n and ckpt[k + 1]:
+                    # The successor's checkpoint holds its inputs: all of k's outputs stay.
+                    kept = outputs[k] or inputs[k + 1]
+                elif output_kept[k] is not None:
+                    kept = output_kept[k]
+                else:
+                    kept = self._unmeasured_kept(k)
+                gone = act[k] - kept
+                if gone > 0:
+                    freed_activations += gone
+                    freed[k] = gone
+                cast = self.lines.cast[k] or self._unmeasured_cast(k)
+                freed[k] = max(0, freed[k] + cast)
+                cast_freed += cast
+                recompute_top[k] = max(0, self.block_transient_bytes[k] - cast)
                 recompute_ms += self.block_forward_ms[k]
         freed_total = sum(freed)
-        activations = max(0, _pos(lines.activation_total, b) - freed_activations)
-        offloaded = int(activations * self.offloaded_fraction)
+        activations = max(0, nums.activation_total - freed_activations)
+        offload = self.offloaded_fraction
+        offloaded = int(activations * offload)
 
-        if lines.walk:
-            eof = _at(lines.end_of_forward, b)
-            head = _at(lines.head_peak, b)
-            starts = [_at(x, b) for x in lines.start]
-            peaks = [_at(x, b) for x in lines.peak]
+        if self.lines.walk:
+            eof, head, starts, peaks = nums.end_of_forward, nums.head_peak, nums.start, nums.peak
         else:
             eof, head, starts, peaks = self._derived_walk(weights + state)
         # Fixed costs (cuBLAS workspaces, rounding) come on top of tracked tensor bytes; a
         # CUDA profile's phase peaks were read from the allocator and hold them already.
         overhead = p.fixed_overhead_bytes
         phase_overhead = 0 if p.device.kind == "cuda" else overhead
-        forward_line = lines.phases.get("forward")
-        forward_peak = (
-            _at(forward_line, b) + phase_overhead if forward_line is not None else eof + overhead
-        )
-        optimizer_line = lines.phases.get("optimizer")
+        phases = nums.phases
+        forward_peak = phases["forward"] + phase_overhead if "forward" in phases else eof + overhead
         optimizer_peak = (
-            _at(optimizer_line, b) + phase_overhead
-            if optimizer_line is not None
+            phases["optimizer"] + phase_overhead
+            if "optimizer" in phases
             else weights + state + grads + self._optimizer_temporaries() + overhead
         )
+        extra = self.extra_bytes
 
-        moments: dict[str, tuple[PeakPhase, int]] = {}
-        moments["forward"] = (
-            "forward",
-            forward_peak - freed_activations - offloaded + held_grads + self.extra_bytes["forward"],
-        )
-        eof += overhead
-        extra_backward = held_grads + self.extra_bytes["backward"]
-        moments["backward: head"] = (
-            "backward",
-            eof + head - freed_total - offloaded + extra_backward,
-        )
+        # The moments that can hold the peak: (phase, bytes, block or -1).
+        best_phase: PeakPhase = "forward"
+        # Forward peaks at the loss (autocast's cached weight copies gone) or as the model's
+        # forward ends (the copies of checkpointed blocks still cached).
+        best = max(forward_peak - freed_total, eof + overhead - freed_total + cast_freed)
+        best += held_grads + extra["forward"] - offloaded
+        best_block = -1
+        eof += overhead + held_grads + extra["backward"]
+        level = eof + head - freed_total - offloaded
+        if level > best:
+            best_phase, best, best_block = "backward", level, -2
         below = freed_total  # freed by checkpointed blocks whose backward has not run yet
-        for k in range(n - 1, -1, -1):
-            below -= freed[k]
-            level = eof + peaks[k] - below
-            if self.checkpointed[k]:
-                level = max(level, eof + starts[k] - below + self.block_transient_bytes[k])
-            # Offloaded activations of blocks not yet reached stay on the host.
-            level -= int(self.offloaded_fraction * sum(act[:k]))
-            moments[f"backward: {p.blocks[k].name}"] = ("backward", level + extra_backward)
-        moments["optimizer"] = ("optimizer", optimizer_peak + self.extra_bytes["optimizer"])
-
-        peak_at = max(moments, key=lambda m: moments[m][1])
-        peak_phase, peak = moments[peak_at]
+        if offload:
+            offloaded_below = offload * sum(act)
+            for k in range(n - 1, -1, -1):
+                below -= freed[k]
+                # Offloaded activations of blocks not yet reached stay on the host.
+                offloaded_below -= offload * act[k]
+                level = peaks[k] - below
+                if ckpt[k] and starts[k] - below + recompute_top[k] > level:
+                    level = starts[k] - below + recompute_top[k]
+                level += eof - int(offloaded_below)
+                if level > best:
+                    best_phase, best, best_block = "backward", level, k
+        else:
+            # The hot loop of the search: plain comparisons, relative to the end of forward.
+            top, top_block = best - eof, best_block
+            for k in range(n - 1, -1, -1):
+                if freed[k]:
+                    below -= freed[k]
+                level = peaks[k] - below
+                if ckpt[k]:
+                    recompute = starts[k] - below + recompute_top[k]
+                    if recompute > level:
+                        level = recompute
+                if level > top:
+                    top, top_block = level, k
+            if top_block != best_block:
+                best_phase, best, best_block = "backward", top + eof, top_block
+        if optimizer_peak + extra["optimizer"] > best:
+            best_phase, best, best_block = "optimizer", optimizer_peak + extra["optimizer"], -1
+        peak = best
+        if best_block == -2:
+            peak_at = "backward: head"
+        elif best_block >= 0:
+            peak_at = f"backward: {p.blocks[best_block].name}"
+        else:
+            peak_at = best_phase
 
         micro_ms = self.forward_ms + self.backward_ms + recompute_ms + self.extra_ms
         step_ms = micro_ms * self.accumulation_steps + self.optimizer_ms
         samples = b * self.accumulation_steps
-        held_activations = 0 if peak_phase == "optimizer" else activations - offloaded
-        held_grad_bytes = grads if peak_phase == "optimizer" else held_grads
+        held_activations = 0 if best_phase == "optimizer" else activations - offloaded
+        held_grad_bytes = grads if best_phase == "optimizer" else held_grads
         known = weights + state + held_grad_bytes + held_activations
         return Estimate(
             peak_bytes=peak,
-            peak_phase=peak_phase,
+            peak_phase=best_phase,
             peak_at=peak_at,
             breakdown={
                 "params": weights,
@@ -403,21 +488,22 @@ class StepModel:
         output's worth. Block k's backward begins with later blocks' activations freed and
         their gradients made, plus the gradient of k's output; it peaks one output higher.
         """
-        p, b, lines = self.profile, self.batch_size, self.lines
+        p, nums = self.profile, self.numbers
         n = len(self.checkpointed)
         act = self.block_activation_bytes
-        eof = static + _pos(lines.activation_total, b) + self.step.cast_weight_bytes
-        backward_line = lines.phases.get("backward")
-        outs = [_pos(lines.outputs[k], b) or self.block_input_bytes[k] for k in range(n)]
+        eof = static + nums.activation_total + self.step.cast_weight_bytes
+        outs = [nums.outputs[k] or self.block_input_bytes[k] for k in range(n)]
         last_out = outs[-1] if n else 0
-        head = _at(backward_line, b) - eof if backward_line is not None else last_out
+        backward = nums.phases.get("backward")
+        head = backward - eof if backward is not None else last_out
         ratio = p.grad_bytes / p.param_bytes if p.param_bytes else 0.0
         starts, peaks = [0] * n, [0] * n
         level = 0
         for k in range(n - 1, -1, -1):
             starts[k] = level + outs[k]
             peaks[k] = starts[k] + max(outs[k], self.block_transient_bytes[k])
-            level += int(p.blocks[k].param_bytes * ratio) - act[k] - self._cast(k)
+            cast = self.lines.cast[k] or self._unmeasured_cast(k)
+            level += int(p.blocks[k].param_bytes * ratio) - act[k] - cast
         return eof, head, starts, peaks
 
 
