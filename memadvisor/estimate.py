@@ -363,23 +363,26 @@ class StepModel:
         recompute_ms = 0.0
         if True in ckpt:
             outputs, output_kept, inputs = nums.outputs, nums.output_kept, self.block_input_bytes
+            casts, transient = self.lines.cast, self.block_transient_bytes
+            ms = self.block_forward_ms
             for k in [k for k in range(n) if ckpt[k]]:
                 if k + 1 < n and ckpt[k + 1]:
                     # The successor's checkpoint holds its inputs: all of k's outputs stay.
                     kept = outputs[k] or inputs[k + 1]
-                elif output_kept[k] is not None:
-                    kept = output_kept[k]
                 else:
-                    kept = self._unmeasured_kept(k)
+                    kept = output_kept[k]
+                    if kept is None:
+                        kept = self._unmeasured_kept(k)
                 gone = act[k] - kept
-                if gone > 0:
-                    freed_activations += gone
-                    freed[k] = gone
-                cast = self.lines.cast[k] or self._unmeasured_cast(k)
-                freed[k] = max(0, freed[k] + cast)
+                if gone < 0:
+                    gone = 0
+                cast = casts[k] or self._unmeasured_cast(k)
+                freed_activations += gone
+                freed[k] = gone + cast
                 cast_freed += cast
-                recompute_top[k] = max(0, self.block_transient_bytes[k] - cast)
-                recompute_ms += self.block_forward_ms[k]
+                top = transient[k] - cast
+                recompute_top[k] = top if top > 0 else 0
+                recompute_ms += ms[k]
         freed_total = sum(freed)
         activations = max(0, nums.activation_total - freed_activations)
         offload = self.offloaded_fraction
