@@ -112,6 +112,7 @@ def plan(
     forward_fn: Callable[[nn.Module, Any], Any] | None = None,
     device: str | Device = "auto",
     progress: bool = True,
+    measure_comparison: bool | None = None,
     **config: Any,
 ) -> Plan:
     """The fastest training configuration of ``model`` that fits ``budget_gb``; the model is
@@ -134,6 +135,9 @@ def plan(
         device: ``"auto"`` (CUDA when available, else the CPU simulated device), ``"cuda"``,
             ``"simulated"``, or a :class:`~memadvisor.device.Device`.
         progress: show progress on stderr.
+        measure_comparison: also run the hand configurations (Baseline, +Checkpointing,
+            +AMP, +Both) on the device for the report; by default only where that is cheap
+            (never on CUDA); unmeasured rows are marked as estimated.
         **config: any other :class:`~memadvisor.config.PlanConfig` field
             (``margin_fraction``, ``probe_steps``, ``verify_steps``, ``seed``, ...).
 
@@ -156,6 +160,7 @@ def plan(
         cfg,
         device=device if isinstance(device, Device) else None,
         progress=progress,
+        measure_comparison=measure_comparison,
     )
 
 

@@ -37,6 +37,9 @@ SIMULATED_NOTE = (
     "No CUDA device: this plan is for the simulated CPU device. It enforces the budget on "
     "the tracked bytes of real CPU tensors; times are CPU times."
 )
+# Measuring the comparison rows may add this much wall time; beyond it they are estimated.
+ROWS_TIME_BUDGET_S = 30.0
+_RUNS_PER_ROW = 3  # a row's batch search: two probes when the estimate is right, plus timing
 BATCH_SIZE = "batch_size"  # the strategy that records the pick's batch for its advice
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
 _MARGIN_STEP_DOWNS = 3
@@ -295,7 +298,8 @@ def plan_workload(
         progress: show progress bars on stderr (or a :class:`Progress` to share).
         strategies: strategy instances (else ``load_strategies(config.strategies)``).
         measure_comparison: run the hand configurations on the device too; by default
-            only where runs are cheap (not CUDA, whose every run is a fresh process).
+            only where that costs under ``ROWS_TIME_BUDGET_S`` (never on CUDA, whose every
+            run is a fresh process: the bench measures those in its own processes).
 
     Raises:
         InfeasibleBudgetError: the budget cannot hold the model at batch 1 (the message and
@@ -375,7 +379,7 @@ def plan_workload(
                 measured=verified,
             )
             if measure_comparison is None:
-                measure_comparison = device.kind != "cuda"
+                measure_comparison = _rows_are_cheap(device, prober.probes, space)
             rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
 
             wanted = config.effective_batch
@@ -417,6 +421,18 @@ def plan_workload(
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
             _release_cached_memory()
+
+
+def _rows_are_cheap(device: Device, runs: Sequence[Probe], space: SearchSpace) -> bool:
+    """Whether running the hand configurations too fits :data:`ROWS_TIME_BUDGET_S`.
+
+    Not on CUDA (each run is a fresh process of several seconds); elsewhere judged from the
+    plan's own runs: about three runs per row at their average wall time.
+    """
+    if device.kind == "cuda" or not runs:
+        return False
+    average_s = sum(r.wall_ms for r in runs) / len(runs) / 1e3
+    return average_s * _RUNS_PER_ROW * len(hand_configurations(space)) <= ROWS_TIME_BUDGET_S
 
 
 def _release_cached_memory() -> None:
