@@ -1,0 +1,250 @@
+"""The estimate: each rule of the walk by hand count, then against the simulated device's peak."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from memadvisor.device._autocast import cuda_autocast_policy
+from memadvisor.device.simulated import SimulatedDevice
+from memadvisor.estimate import Candidate, StepModel, estimate
+from memadvisor.profiler import (
+    BlockActivity,
+    BlockInfo,
+    DeviceInfo,
+    LinearBytes,
+    PhasePeak,
+    Profile,
+    StepProfile,
+    profile_workload,
+)
+from memadvisor.strategy import load_strategies
+from memadvisor.target import load_factory, load_target, workload_from_result
+from memadvisor.workload import Workload
+
+MIB = 2**20
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _mib(per_sample: float, constant: float = 0.0) -> LinearBytes:
+    return LinearBytes(per_sample_bytes=per_sample * MIB, constant_bytes=constant * MIB)
+
+
+# -- a hand-built profile whose every number is known ------------------------------------------
+#
+# Weights 10 MiB, gradients 10, AdamW state 20; the optimizer step peaks at 60 MiB. Three
+# blocks, each saving 8 MiB a sample, of which its output is 2 MiB (saved by the next block;
+# nothing after the last block saves its output); forward transient 2 MiB a sample. Outside
+# the blocks 4 MiB a sample. The walk, relative to the end of forward E = 30 + 28b MiB: the
+# head peaks 5b above E; block 2's backward begins 2b above (its output's gradient) and peaks
+# 4b above; each block's backward frees its 8b and makes 3 MiB of gradients.
+
+
+def _walk_profile(
+    *, transient: float = 2.0, cast_mib: float = 0.0, kind: str = "cpu", walk: bool = True
+) -> Profile:
+    starts = [(-14, 6), (-6, 3), (2, 0)]
+    blocks = [
+        BlockActivity(
+            name=f"blocks.{i}",
+            activation=_mib(8),
+            input=_mib(2),
+            output=_mib(2),
+            output_kept=(_mib(2) if i < 2 else _mib(0)) if walk else None,
+            forward_transient=_mib(transient),
+            cast_weight_bytes=int(cast_mib * MIB),
+            backward_start=_mib(*starts[i]) if walk else None,
+            backward_peak=_mib(starts[i][0] + 2, starts[i][1]) if walk else None,
+        )
+        for i in range(3)
+    ]
+    cast = int(3 * cast_mib * MIB)
+    step = StepProfile(
+        precision="fp32",
+        blocks=blocks,
+        activation_total=_mib(28),
+        cast_weight_bytes=cast,
+        phases=[
+            PhasePeak(phase="forward", allocated=_mib(29, 30 + 3 * cast_mib)),
+            PhasePeak(phase="backward", allocated=_mib(33, 30 + 3 * cast_mib)),
+            PhasePeak(phase="optimizer", allocated=_mib(0, 60)),
+        ],
+        end_of_forward=_mib(28, 30 + 3 * cast_mib) if walk else None,
+        backward_head_peak=_mib(5) if walk else None,
+    )
+    return Profile(
+        model_name="Hand",
+        device=DeviceInfo(kind=kind, name="hand"),
+        batch_sizes=(1, 2),
+        param_bytes=10 * MIB,
+        grad_bytes=10 * MIB,
+        optimizer_state_bytes=20 * MIB,
+        blocks=[
+            BlockInfo(name=f"blocks.{i}", type_name="Block", param_bytes=3 * MIB) for i in range(3)
+        ],
+        steps={"fp32": step},
+    )
+
+
+def _peak(profile: Profile, b: int, checkpointed=(), accumulation: int = 1):  # noqa: ANN001, ANN202
+    model = StepModel(profile, b, accumulation)
+    model.checkpoint(checkpointed)
+    return model.result()
+
+
+def test_without_checkpointing_the_peak_is_the_measured_walk_s_highest_moment() -> None:
+    est = _peak(_walk_profile(), 4)
+    # The head: E + 5b = 30 + 28*4 + 5*4 MiB.
+    assert (est.peak_bytes, est.peak_at, est.peak_phase) == (
+        162 * MIB,
+        "backward: head",
+        "backward",
+    )
+
+
+def test_activations_grow_linearly_with_the_batch() -> None:
+    profile = _walk_profile()
+    assert _peak(profile, 8).peak_bytes - _peak(profile, 4).peak_bytes == 4 * 33 * MIB
+
+
+def test_a_checkpointed_block_keeps_only_what_its_successor_saved() -> None:
+    """Block 0 checkpointed frees its 8b less its 2b output (saved by block 1): 6b lower."""
+    assert _peak(_walk_profile(), 4, [0]).peak_bytes == (162 - 6 * 4) * MIB
+
+
+def test_blocks_run_lower_by_what_checkpointed_blocks_below_them_freed() -> None:
+    """All checkpointed: block 2 frees 8b (nothing after it saves its output), blocks 1 and 0
+    6b each. Block 2's backward runs with blocks 0 and 1's savings still missing:
+    E + 4b - 12b = 110 MiB, above the head (162 - 20b = 82 MiB)."""
+    est = _peak(_walk_profile(), 4, [0, 1, 2])
+    assert (est.peak_bytes, est.peak_at) == (110 * MIB, "backward: blocks.2")
+
+
+def test_a_recompute_tops_the_level_where_its_block_s_backward_begins_by_its_transient() -> None:
+    """With a 6b transient, block 2's recompute (E + 2b - 12b + 6b = 126 MiB) is the peak."""
+    est = _peak(_walk_profile(transient=6.0), 4, [0, 1, 2])
+    assert (est.peak_bytes, est.peak_at) == (126 * MIB, "backward: blocks.2")
+
+
+def test_checkpointing_also_frees_autocast_s_weight_copies_after_forward() -> None:
+    """1 MiB of low-precision weight copies per block: block 0 checkpointed frees 6b + 1 MiB."""
+    profile = _walk_profile(cast_mib=1.0)
+    assert _peak(profile, 4).peak_bytes - _peak(profile, 4, [0]).peak_bytes == (24 + 1) * MIB
+
+
+def test_accumulation_holds_the_gradients_through_the_next_micro_batch() -> None:
+    profile = _walk_profile()
+    assert _peak(profile, 4, accumulation=2).peak_bytes == _peak(profile, 4).peak_bytes + 10 * MIB
+
+
+def test_the_optimizer_step_is_the_peak_when_activations_are_small() -> None:
+    est = _peak(_walk_profile(), 1, [0, 1, 2])
+    assert (est.peak_bytes, est.peak_phase) == (60 * MIB, "optimizer")
+    assert est.breakdown["grads"] == 10 * MIB and est.breakdown["activations"] == 0
+
+
+def test_cuda_fixed_costs_are_added_once_and_reserved_scales_by_the_measured_ratio() -> None:
+    """On CUDA the phase peaks came from the allocator with the fixed costs in; the walk's
+    levels are tensor bytes, so the 70 MiB is added to those alone."""
+    profile = _walk_profile(kind="cuda").model_copy(
+        update={"fixed_overhead_bytes": 70 * MIB, "fragmentation_ratio": 1.25}
+    )
+    est = _peak(profile, 4)
+    assert est.peak_bytes == (162 + 70) * MIB
+    assert est.reserved_peak_bytes == int(est.peak_bytes * 1.25)
+    model = StepModel(profile, 4)
+    model.add_bytes("optimizer", 200 * MIB)
+    assert model.result().peak_bytes == (60 + 200) * MIB  # the optimizer phase, as read
+
+
+def test_without_the_walk_the_estimate_falls_back_to_the_measured_backward_peak() -> None:
+    profile = _walk_profile(walk=False)
+    plain = _peak(profile, 4)
+    assert plain.peak_bytes == 162 * MIB  # the measured backward phase at b=4: 33*4 + 30
+    assert _peak(profile, 4, [0, 1, 2]).peak_bytes < plain.peak_bytes
+
+
+def test_strategies_edit_it_through_the_verbs() -> None:
+    profile = _walk_profile()
+    strategies = load_strategies(["checkpointing"])
+    est = estimate(
+        profile, Candidate(batch_size=4, choices={"checkpointing": ["blocks.0"]}), strategies
+    )
+    assert est.peak_bytes == (162 - 24) * MIB
+    model = StepModel(profile, 4)
+    model.add_bytes("backward", 5 * MIB)
+    model.add_ms(2.0)
+    assert model.result().peak_bytes == 167 * MIB
+    assert model.result().step_ms == _peak(profile, 4).step_ms + 2.0
+
+
+class _NoTorch(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        raise AssertionError(f"the estimate called {func}")
+
+
+def test_the_estimate_runs_no_torch_op() -> None:
+    profile = _walk_profile()
+    with _NoTorch():
+        estimate(profile, Candidate(batch_size=3, choices={"checkpointing": ["blocks.1"]}),
+                 load_strategies(["checkpointing"]))  # fmt: skip
+
+
+# -- against the simulated device ----------------------------------------------------------------
+
+
+def _profiled(workload: Workload) -> Profile:
+    # The simulated device casts under autocast as a card does; so must the profile.
+    with cuda_autocast_policy():
+        return profile_workload(workload, device="cpu", precisions=["fp32", "bf16"])
+
+
+def _grid_errors(workload: Workload, profile: Profile, batches: tuple[int, ...]) -> list[str]:
+    """The grid (checkpointed: none / half / all) x (fp32, bf16) x batches; lines over 5%."""
+    strategies = load_strategies(["precision", "checkpointing"])
+    names = [b.name for b in profile.blocks]
+    device = SimulatedDevice(2**40)
+    table, worst = [], 0.0
+    for precision in ("fp32", "bf16"):
+        for checkpointed in ([], names[: len(names) // 2], names):
+            for b in batches:
+                choices = {"precision": precision, "checkpointing": checkpointed}
+                candidate = Candidate(batch_size=b, choices=choices)
+                est = estimate(profile, candidate, strategies).peak_bytes
+                measured = device.run(workload, candidate, 2).peak_bytes
+                error = (est - measured) / measured
+                worst = max(worst, abs(error))
+                table.append(
+                    f"{precision} ckpt={len(checkpointed)} b={b}: est {est} measured {measured} "
+                    f"({error:+.2%})"
+                )
+    return table if worst > 0.05 else []
+
+
+@pytest.fixture(scope="module")
+def cnn() -> Workload:
+    """examples/cnn.py's ResNet, narrowed and on 16x16 images so the grid runs in seconds."""
+    example = load_target(f"{EXAMPLES}/cnn.py:build")
+    torch.manual_seed(0)
+    model = type(example.model)(channels=16, width=8, depth=4)
+    batch = (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,)))
+    return Workload(model=model, sample_batch=batch, loss_fn=example.loss_fn)
+
+
+def test_cnn_estimate_is_within_5_percent_of_the_simulated_device(cnn: Workload) -> None:
+    profile = _profiled(cnn)
+    assert _grid_errors(cnn, profile, (1, 3, 8)) == []
+
+
+def test_gpt_estimate_is_within_5_percent_of_the_simulated_device() -> None:
+    """Two narrow layers and a 512-token vocabulary: the head and the blocks both matter, so
+    the peak moves between them across the grid."""
+    build = load_factory(f"{EXAMPLES}/gpt.py:build")
+    workload = workload_from_result(
+        build(batch_size=2, n_layer=2, n_embd=64, block_size=32, vocab_size=512)
+    )
+    profile = _profiled(workload)
+    assert _grid_errors(workload, profile, (1, 4)) == []
