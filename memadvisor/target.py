@@ -19,8 +19,17 @@ from typing import Any
 from memadvisor.errors import BadInputError
 from memadvisor.workload import Workload
 
-__all__ = ["load_factory", "load_target", "workload_from_result"]
+__all__ = [
+    "TARGET_MODULE_PREFIX",
+    "load_factory",
+    "load_target",
+    "load_target_file",
+    "workload_from_result",
+]
 
+# Files loaded by path become modules named PREFIX + stem + hash of the resolved path: the same
+# name in every process, so a CUDA probe process can unpickle what the parent's targets define.
+TARGET_MODULE_PREFIX = "memadvisor_target_"
 _KEYS = {"model", "sample_batch", "loss_fn", "optimizer", "make_batch", "forward_fn"}
 
 
@@ -58,7 +67,7 @@ def _import_file(path: Path) -> Any:
         raise BadInputError(f"No such file: {str(path)!r} (resolved to {str(path.resolve())!r}).")
     # A stable, unique module name: dataclasses and pickling look the module up by name.
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-    name = f"memadvisor_target_{path.stem}_{digest}"
+    name = f"{TARGET_MODULE_PREFIX}{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -75,6 +84,15 @@ def _import_file(path: Path) -> Any:
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module
+
+
+def load_target_file(path: Path) -> Any:
+    """Import the file at ``path`` under the module name :func:`load_factory` gives it.
+
+    Raises:
+        BadInputError: no such file, or importing it failed.
+    """
+    return _import_file(path)
 
 
 def workload_from_result(result: Any, origin: str = "the factory") -> Workload:

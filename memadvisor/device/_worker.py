@@ -30,11 +30,13 @@ def _say(answer: dict[str, Any]) -> None:
 def _load_workload(request: dict[str, Any]) -> Any:
     import torch
 
-    from memadvisor.target import load_target
+    from memadvisor.target import load_target, load_target_file
     from memadvisor.workload import Workload
 
     if request["target"]:
         return load_target(request["target"])
+    for path in request.get("target_files", []):
+        load_target_file(Path(path))  # under the name the parent's pickles refer to
     parts = torch.load(request["workload_path"], map_location="cpu", weights_only=False)
     return Workload(
         model=parts["model"],

@@ -237,6 +237,7 @@ class CudaDevice(Device):
             "profile_path": str(profile_path) if self.profile is not None else None,
             "strategies": self.strategy_names,
             "sys_path": [p for p in sys.path if p],
+            "target_files": _target_files(),
         }
         path = self._dir / "request.json"
         path.write_text(json.dumps(request))
@@ -318,6 +319,22 @@ class CudaDevice(Device):
             )
             self._baseline_allocated = allocated
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _target_files() -> list[str]:
+    """Files loaded by path as targets (``memadvisor.target``) in this process.
+
+    Their functions and classes pickle by the module name the loader gave them; the child
+    loads the same files under the same names first, so a saved workload that uses them
+    (the example GPT's ``loss_fn``) can be unpickled there.
+    """
+    from memadvisor.target import TARGET_MODULE_PREFIX
+
+    return sorted(
+        str(m.__file__)
+        for name, m in list(sys.modules.items())
+        if name.startswith(TARGET_MODULE_PREFIX) and getattr(m, "__file__", None)
+    )
 
 
 def _parse_answer(stdout: str) -> dict[str, Any] | None:

@@ -400,6 +400,8 @@ def plan_workload(
                         else " (its measured peak left the margin free)."
                     )
                 )
+            with ui.stage("checks", total=None):
+                checks = run_checks(workload, pick, chosen)
             notes += prober.notes + getattr(device, "notes", []) + row_notes
             return Plan(
                 model_name=profile.model_name,
@@ -412,7 +414,7 @@ def plan_workload(
                 probes=prober.probes,
                 comparison=rows,
                 advice=_advice(chosen, pick, profile),
-                checks=run_checks(workload, pick, chosen),
+                checks=checks,
                 notes=notes,
                 plan_wall_ms=(time.perf_counter() - started) * 1e3,
                 profile=profile,

@@ -1,0 +1,209 @@
+"""CudaDevice on a real card: the budget enforced, fresh processes, the in-process fallback.
+
+python -m pytest tests/device/test_cuda.py -m gpu -v
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memadvisor
+from memadvisor.device import is_oom
+from memadvisor.errors import BadInputError
+from memadvisor.estimate import Candidate
+from memadvisor.target import load_target
+from memadvisor.workload import Workload
+
+gpu = pytest.mark.gpu
+
+GIB = 2**30
+MIB = 2**20
+GPT = f"{Path(__file__).resolve().parents[2] / 'examples' / 'gpt.py'}:build"
+QUICK = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 5, "rerank_top": 2}
+
+
+def _device(budget_bytes: int, **kwargs):
+    from memadvisor.device.cuda import CudaDevice
+
+    return CudaDevice(budget_bytes, **kwargs)
+
+
+def _picklable_workload(batch: int = 8, width: int = 16) -> Workload:
+    """Every part importable by name (torch.nn.functional.l1_loss): torch.save can send it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 16))
+    return Workload(model=model, sample_batch=torch.randn(batch, width), loss_fn=F.l1_loss)
+
+
+@gpu
+def test_a_fresh_process_probe_measures_within_the_budget_and_leaves_this_process_alone() -> None:
+    """A run in a fresh process returns the steps it ran and a peak within the budget, and
+    this process's allocator holds exactly what it held before."""
+    torch.cuda.init()
+    before = torch.cuda.memory_allocated()
+    device = _device(2 * GIB, target=GPT)
+    measured = device.run(load_target(GPT), Candidate(batch_size=4), steps=3)
+    assert device.mode == "fresh_process" and device.notes == []
+    assert measured.steps == 3 and 0 < measured.peak_bytes <= 2 * GIB
+    assert measured.reserved_peak_bytes is not None and measured.reserved_peak_bytes <= 2 * GIB
+    assert torch.cuda.memory_allocated() == before
+
+
+@gpu
+def test_the_budget_is_enforced_in_the_child() -> None:
+    """Past the budget the child runs out of memory and the parent raises an error is_oom
+    accepts, saying how many steps finished; below it the same workload fits."""
+    device = _device(256 * MIB, target=GPT)
+    workload = load_target(GPT)
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - the type is is_oom's to decide
+        device.run(workload, Candidate(batch_size=512), steps=2)
+    assert is_oom(caught.value)
+    assert getattr(caught.value, "memadvisor_steps_completed", None) == 0
+    assert device.run(workload, Candidate(batch_size=1), steps=2).peak_bytes <= 256 * MIB
+
+
+@gpu
+def test_a_workload_without_target_is_saved_and_run_fresh() -> None:
+    """No target: the workload is torch.save'd once and each child loads it."""
+    device = _device(GIB)
+    measured = device.run(_picklable_workload(), Candidate(batch_size=64), steps=3)
+    assert device.mode == "fresh_process" and measured.steps == 3
+
+
+@gpu
+def test_an_unpicklable_workload_falls_back_in_process_from_a_clean_state() -> None:
+    """A lambda loss does not pickle: runs happen in this process, the fallback is noted, and
+    after each run the allocator is back to its baseline."""
+    workload = _picklable_workload()
+    workload.loss_fn = lambda out, batch: (out - batch).abs().mean()
+    device = _device(GIB)
+    baseline = torch.cuda.memory_allocated()
+    for batch in (64, 128):
+        measured = device.run(workload, Candidate(batch_size=batch), steps=3)
+        assert measured.steps == 3 and measured.peak_bytes <= GIB
+        assert torch.cuda.memory_allocated() == baseline
+    assert device.mode == "in_process"
+    assert any("in this process" in n for n in device.notes)
+
+
+@gpu
+def test_in_process_out_of_memory_leaves_no_leak() -> None:
+    """After an in-process run that ran out, the next run starts from the same baseline."""
+    workload = _picklable_workload(width=16)
+    workload.loss_fn = lambda out, batch: (out - batch).abs().mean()
+    device = _device(64 * MIB, fresh_process=False)
+    baseline = torch.cuda.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError):
+        device.run(workload, Candidate(batch_size=200_000), steps=2)
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() == baseline
+    assert device.run(workload, Candidate(batch_size=8), steps=2).steps == 2
+    assert not any("stayed allocated" in n for n in device.notes)
+
+
+@gpu
+def test_a_child_error_that_is_not_memory_is_reported_as_such() -> None:
+    """A batch the model rejects is BadInputError in the parent too, not an OOM answer."""
+    workload = _picklable_workload(width=17)  # Linear(16, ...) cannot take 17 features
+    with pytest.raises(BadInputError, match="rejected the batch"):
+        _device(GIB).run(workload, Candidate(batch_size=8), steps=2)
+
+
+@gpu
+def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_more() -> None:
+    """plan() on the card: the pick ran its sustained steps under the budget (reserved
+    included), and this process's allocator holds no more than before planning."""
+    built = load_target(GPT)
+    model = built.model.cuda()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    result = memadvisor.plan(
+        model,
+        built.sample_batch,
+        loss_fn=built.loss_fn,
+        budget_gb=1,
+        device="cuda",
+        progress=False,
+        **QUICK,
+    )
+    assert result.device_kind == "cuda" and result.verified is not None
+    assert result.verified.steps == QUICK["verify_steps"]
+    assert result.verified.reserved_peak_bytes <= result.config.budget_bytes
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= allocated
+    assert torch.cuda.memory_reserved() <= reserved
+
+
+@gpu
+def test_optimize_on_cuda_keeps_the_caller_state() -> None:
+    """optimize() on the card: weights and train/eval flags of the caller's model unchanged."""
+    built = load_target(GPT)
+    model = built.model.cuda()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    tuned = memadvisor.optimize(
+        model,
+        built.sample_batch,
+        loss_fn=built.loss_fn,
+        budget_gb=1,
+        device="cuda",
+        progress=False,
+        **QUICK,
+    )
+    assert tuned is model and tuned.memadvisor_plan.verified is not None
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == modes
+
+
+def test_a_saved_workload_using_a_target_file_loads_in_a_fresh_process(tmp_path: Path) -> None:
+    """A workload whose loss comes from a file loaded by path (the GPT example's loss_fn)
+    pickles by that module's name; the probe process loads the file under the same name
+    first, so it unpickles the workload (no CUDA needed for this part)."""
+    import json
+    import subprocess
+    import sys
+
+    from memadvisor.device.cuda import _target_files
+
+    workload = load_target(GPT)
+    path = tmp_path / "workload.pt"
+    torch.save(
+        {
+            "model": workload.model,
+            "sample_batch": workload.sample_batch,
+            "loss_fn": workload.loss_fn,
+            "optimizer": None,
+            "make_batch": None,
+            "forward_fn": None,
+        },
+        path,
+    )
+    request = {"target": None, "workload_path": str(path), "target_files": _target_files()}
+    assert any(f.endswith("gpt.py") for f in request["target_files"])
+    code = (
+        "import json, sys; from memadvisor.device._worker import _load_workload; "
+        f"w = _load_workload(json.loads({json.dumps(json.dumps(request))})); "
+        "print(type(w).__name__, w.loss_fn.__name__, w.sample_batch_size)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["Workload", "loss_fn", str(workload.sample_batch_size)]
+
+
+def test_the_answer_line_is_found_among_whatever_the_model_printed() -> None:
+    """The child's answer is the last line with the marker, whatever else it printed."""
+    from memadvisor.device.cuda import RESULT_MARKER, _parse_answer
+
+    out = (
+        f'loss 1.0\n{RESULT_MARKER}{{"status": "old"}}\nstep 2\n{RESULT_MARKER}{{"status": "ok"}}\n'
+    )
+    assert _parse_answer(out) == {"status": "ok"}
+    assert _parse_answer("the model printed only this\n") is None
