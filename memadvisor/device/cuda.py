@@ -94,6 +94,8 @@ def train_candidate(
     times_ms: list[float] = []
     try:
         model = copy.deepcopy(workload.model) if copy_model else workload.model
+        for p in model.parameters():
+            p.grad = None  # a run starts without gradients, as train_step leaves them
         model = _apply(model.to(device), candidate, strategy_names, profile)
         optimizer = workload.make_optimizer(model)
         batch = workload.batch(candidate.batch_size, device)

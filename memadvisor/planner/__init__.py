@@ -1,6 +1,6 @@
 """Planner: search the strategies' choices on the estimate, probe the device, verify the pick."""
 
-from memadvisor.planner._plan import plan_workload
+from memadvisor.planner._plan import measure_configuration, plan_workload
 from memadvisor.planner._probe import BatchSearch, find_batch, safe_below
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._schema import Measurement, Plan, Probe, Row
@@ -13,6 +13,7 @@ __all__ = [
     "Progress",
     "Row",
     "find_batch",
+    "measure_configuration",
     "plan_workload",
     "safe_below",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from pydantic import JsonValue
 
 from memadvisor.apply import run_checks
 from memadvisor.config import PlanConfig
@@ -31,7 +32,7 @@ from memadvisor.profiler import Profile
 from memadvisor.strategy import Advice, Strategy, load_strategies
 from memadvisor.workload import Workload
 
-__all__ = ["plan_workload"]
+__all__ = ["measure_configuration", "plan_workload"]
 
 SIMULATED_NOTE = (
     "No CUDA device: this plan is for the simulated CPU device. It enforces the budget on "
@@ -423,6 +424,45 @@ def plan_workload(
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
             _release_cached_memory()
+
+
+def measure_configuration(
+    workload: Workload,
+    config: PlanConfig,
+    choices: dict[str, JsonValue],
+    *,
+    profile: Profile,
+    device: Device,
+    strategies: Sequence[Strategy] | None = None,
+    label: str = "",
+) -> tuple[Row, list[Probe]]:
+    """One configuration's largest batch on ``device``, found exactly as the plan's is (the
+    estimate's bracket, the margin below the lowest failure), and its measured step there.
+
+    What a person would get by hand-tuning the batch of that configuration; the GPU bench
+    sets the plan against such rows.
+
+    Returns:
+        The row (``largest_batch`` 0 and no measurement when not even batch 1 fits) and
+        the device runs it took.
+    """
+    chosen = list(strategies) if strategies is not None else load_strategies(config.strategies)
+    space = SearchSpace(profile, chosen, config)
+    prober = _Prober(device, workload, space, config)
+    scored = space.score_choices(choices)
+    confirmed = prober.confirm(scored, stage="compare") if scored is not None else None
+    if confirmed is None:
+        cand = Candidate(batch_size=1, choices=choices)
+        est = estimate(profile, cand, chosen)
+        return Row(label=label, candidate=cand, estimate=est, largest_batch=0), prober.probes
+    row = Row(
+        label=label,
+        candidate=confirmed.candidate,
+        estimate=estimate(profile, confirmed.candidate, chosen),
+        largest_batch=confirmed.found_batch,
+        measured=confirmed.measured,
+    )
+    return row, prober.probes
 
 
 def _rows_are_cheap(device: Device, runs: Sequence[Probe], space: SearchSpace) -> bool:

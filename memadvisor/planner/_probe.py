@@ -148,22 +148,24 @@ def probe(
             re-raised unchanged.
     """
     t0 = time.perf_counter()
+    failure: tuple[str, int] | None = None
     try:
         measured = device.run(workload, candidate, steps)
     except Exception as e:
         if not is_oom(e):
             raise
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        steps_run = int(getattr(e, "memadvisor_steps_completed", 0))
-        del e
-        # The traceback held the failed step's frames and tensors; free them before the next
-        # probe so its clean state is clean.
+        text = str(e).strip()
+        message = text.splitlines()[0] if text else type(e).__name__
+        failure = (message, int(getattr(e, "memadvisor_steps_completed", 0)))
+    if failure is not None:
+        # Out of the except block the exception and its traceback are gone: the failed
+        # step's frames and tensors can be freed now, before the next probe's clean start.
         gc.collect()
         record = Probe(
             batch_size=candidate.batch_size,
             fits=False,
-            steps=steps_run,
-            error=message[:500],
+            steps=failure[1],
+            error=failure[0][:500],
             wall_ms=(time.perf_counter() - t0) * 1e3,
             stage=stage,
             candidate=candidate,

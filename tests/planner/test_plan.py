@@ -10,7 +10,7 @@ import pytest
 
 from memadvisor.config import GIB, PlanConfig
 from memadvisor.errors import InfeasibleBudgetError
-from memadvisor.planner import Plan, plan_workload, safe_below
+from memadvisor.planner import Plan, measure_configuration, plan_workload, safe_below
 from memadvisor.planner._space import SearchSpace
 
 MIB = 2**20
@@ -253,3 +253,24 @@ def test_plan_round_trips_as_json(workload, profile, strategies, fake_device) ->
     thresholds = _estimate_thresholds(profile, strategies, _config())
     plan = _plan(workload, profile, strategies, fake_device(_ByChoices(thresholds)))
     assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_measure_configuration_finds_a_hand_configuration_batch_like_the_plan(
+    workload, profile, strategies, fake_device
+) -> None:
+    """A hand configuration's largest batch is probed as the plan's is (bracket and margin):
+    with an exact estimate it is the estimate's batch, measured; one that never fits gives 0."""
+    config = _config()
+    thresholds = _estimate_thresholds(profile, strategies, config)
+    device = fake_device(_ByChoices(thresholds))
+    choices = {"precision": "bf16"}
+    row, runs = measure_configuration(
+        workload, config, choices, profile=profile, device=device, strategies=strategies
+    )
+    key = SearchSpace(profile, strategies, config).score_choices(choices).choices_json
+    assert row.largest_batch == row.candidate.batch_size == thresholds[key]
+    assert row.measured is not None and len(runs) == 2
+    row, runs = measure_configuration(
+        workload, config, choices, profile=profile, device=fake_device(0), strategies=strategies
+    )
+    assert (row.largest_batch, row.measured) == (0, None) and all(not r.fits for r in runs)
