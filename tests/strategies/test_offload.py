@@ -101,4 +101,7 @@ def test_offload_on_cuda_frees_activations_and_keeps_gradients() -> None:
         out.backward()
         grads.append([p.grad for p in m.parameters()])
     assert held[1] < held[0] / 4
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    # Offload moves saved tensors to the host and back bit for bit; the gradients may still
+    # differ in the last bits because cuBLAS does not promise run-to-run identical sums.
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
