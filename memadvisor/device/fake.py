@@ -47,9 +47,15 @@ from memadvisor.workload import Workload
 if TYPE_CHECKING:
     from memadvisor.profiler import Profile
 
-__all__ = ["FakeDevice", "FakeWorkload", "fake_workload", "profile_fake"]
+__all__ = ["CUDA_FIXED_BYTES", "FakeDevice", "FakeWorkload", "fake_workload", "profile_fake"]
 
 PlanFor = Literal["cuda", "cpu"]
+
+MIB = 2**20
+# What a card holds beyond tensor bytes, measured on an H200 (DESIGN.md: +69 to +77 MiB):
+# two 32 MiB cuBLAS workspaces (the main thread's and autograd's), 1 MiB of cuBLASLt's, and
+# the allocator's rounding, 4-12 MiB at a 6-block GPT's peak (the middle of that range).
+CUDA_FIXED_BYTES = 2 * 32 * MIB + 1 * MIB + 8 * MIB
 
 
 def _foreach_adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -138,7 +144,9 @@ def fake_workload(
 def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
     """The profiler's pass over a fake workload, run inside its fake mode.
 
-    ``kwargs`` go to :func:`memadvisor.profiler.profile_workload`.
+    ``kwargs`` go to :func:`memadvisor.profiler.profile_workload`. Planned for CUDA, the
+    profile's ``fixed_overhead_bytes`` is what a card holds beyond tensors
+    (:data:`CUDA_FIXED_BYTES`), which the estimate adds to every peak.
 
     Raises:
         BadInputError: ``workload`` is not a :class:`FakeWorkload`.
@@ -152,7 +160,10 @@ def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
 
     kwargs.setdefault("device", "cpu")
     with workload.fake():
-        return profile_workload(workload, **kwargs)
+        profile = profile_workload(workload, **kwargs)
+    if workload.plan_for == "cuda":
+        profile = profile.model_copy(update={"fixed_overhead_bytes": CUDA_FIXED_BYTES})
+    return profile
 
 
 class FakeDevice(SimulatedDevice):

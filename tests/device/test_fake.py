@@ -1,0 +1,101 @@
+"""Fake tensors: the same bytes as real ones, no memory used, a 7B model planned on a laptop."""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+import pytest
+
+from memadvisor.device.fake import (
+    CUDA_FIXED_BYTES,
+    FakeDevice,
+    FakeWorkload,
+    fake_workload,
+    profile_fake,
+)
+from memadvisor.device.simulated import SimulatedDevice
+from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError
+from memadvisor.estimate import Candidate, estimate
+from memadvisor.strategy import load_strategies
+from memadvisor.target import load_factory, workload_from_result
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+GIB = 2**30
+
+
+def _llama(**kwargs):  # noqa: ANN003, ANN202
+    return load_factory(f"{EXAMPLES}/llama.py:build")(**kwargs)
+
+
+def test_a_fake_step_meters_the_bytes_of_the_same_real_step() -> None:
+    """The one difference: AdamW's 4-byte step counters, which torch makes without an op on
+    real CPU tensors (and a card keeps on the host), are counted under fake tensors."""
+    real = workload_from_result(load_factory(f"{EXAMPLES}/gpt.py:build")(n_layer=2, vocab_size=512))
+    fake = fake_workload(real, plan_for="cpu")
+    candidate = Candidate(batch_size=2, choices={"precision": "bf16", "checkpointing": ["h.1"]})
+    measured_real = SimulatedDevice(2**34).run(real, candidate, 2).peak_bytes
+    measured_fake = FakeDevice(2**34).run(fake, candidate, 2).peak_bytes
+    params = len(list(real.model.parameters()))
+    assert 0 <= measured_fake - measured_real <= 4 * params
+
+
+def test_the_fake_device_raises_at_the_budget_and_not_below_it() -> None:
+    workload = fake_workload(lambda: _llama(batch_size=2, n_layers=2))
+    candidate = Candidate(batch_size=4)
+    peak = FakeDevice(2**40).run(workload, candidate, 2).peak_bytes
+    assert FakeDevice(peak).run(workload, candidate, 2).peak_bytes == peak
+    with pytest.raises(SimulatedOutOfMemoryError):
+        FakeDevice(peak - 1).run(workload, candidate, 2)
+
+
+def test_planning_for_cuda_uses_foreach_adamw_and_the_card_s_fixed_costs() -> None:
+    workload = fake_workload(lambda: _llama(batch_size=2, n_layers=2))
+    with workload.fake():
+        optimizer = workload.make_optimizer(workload.model)
+    assert optimizer.defaults["foreach"] is True
+    profile = profile_fake(workload, precisions=["fp32"])
+    assert profile.device.kind == "fake" and profile.fixed_overhead_bytes == CUDA_FIXED_BYTES
+    cpu = fake_workload(lambda: _llama(batch_size=2, n_layers=2), plan_for="cpu")
+    assert profile_fake(cpu, precisions=["fp32"]).fixed_overhead_bytes == 0
+
+
+def test_a_factory_that_builds_outside_the_mode_is_refused() -> None:
+    built = _llama(batch_size=1, n_layers=1)
+    with pytest.raises(BadInputError, match="outside the fake mode"):
+        fake_workload(lambda: built)
+    with pytest.raises(BadInputError, match="FakeWorkload"):
+        FakeDevice(2**30).run(workload_from_result(built), Candidate(batch_size=1), 1)
+
+
+@pytest.mark.slow
+def test_a_7b_llama_is_profiled_under_fake_tensors_in_under_a_minute_using_no_memory() -> None:
+    """Llama-2-7B's shape, sequence 2048: 25 GiB of weights and 50 GiB of AdamW state that
+    this machine does not have. Its fp32 step peaks in the optimizer: weights, gradients,
+    state (twice the weights) and foreach AdamW's one temporary per parameter: five times
+    the weights."""
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    workload = fake_workload(lambda: _llama(batch_size=1, seq_len=2048, preset="7b"))
+    assert isinstance(workload, FakeWorkload)
+    profile = profile_fake(workload, precisions=["fp32", "bf16"])
+    elapsed = time.perf_counter() - started
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 2**20
+    assert elapsed < 60, f"profiling took {elapsed:.0f} s"
+    assert grown_gib < 2, f"profiling grew the process by {grown_gib:.1f} GiB"
+    assert 6.7e9 * 4 < profile.param_bytes < 6.8e9 * 4
+    assert profile.optimizer_state_bytes >= 2 * profile.param_bytes
+    assert len(profile.blocks) == 32
+    fp32 = estimate(profile, Candidate(batch_size=1), load_strategies(["precision"]))
+    weights = profile.param_bytes
+    assert fp32.peak_phase == "optimizer"
+    assert fp32.peak_bytes == pytest.approx(5 * weights + CUDA_FIXED_BYTES, rel=0.01)
+    # bf16 autocast at batch 8 with no checkpointing is activation-bound, and checkpointing
+    # all 32 layers brings it down.
+    strategies = load_strategies(["precision", "checkpointing"])
+    names = [b.name for b in profile.blocks]
+    plain = estimate(profile, Candidate(batch_size=8, choices={"precision": "bf16"}), strategies)
+    ckpt = Candidate(batch_size=8, choices={"precision": "bf16", "checkpointing": names})
+    assert plain.peak_phase == "backward"
+    assert estimate(profile, ckpt, strategies).peak_bytes < plain.peak_bytes
