@@ -148,11 +148,21 @@ class _Prober:
             )
 
 
-def _measured_key(objective: str, c: _Confirmed, estimate_rank: int) -> tuple:
-    """Best first by what the device measured; a tie keeps the estimate's order."""
+def _device_key(objective: str, batch: int, samples_per_s: float, estimate_rank: int) -> tuple:
+    """Best first by the device's answer; a tie keeps the estimate's order."""
     if objective == "largest_batch":
-        return (-c.candidate.batch_size, -c.measured.samples_per_s, estimate_rank)
-    return (-c.measured.samples_per_s, estimate_rank)
+        return (-batch, -samples_per_s, estimate_rank)
+    return (-samples_per_s, estimate_rank)
+
+
+def step_times_rank(device: Device) -> bool:
+    """Whether ``device``'s step times can rank candidates.
+
+    A card's can. The simulated device's are CPU times slowed by its byte tracking, and fake
+    tensors take no time at all: there the confirmed batches are ranked by the estimate's
+    time. A device may say otherwise with a ``step_times_are_real`` attribute.
+    """
+    return bool(getattr(device, "step_times_are_real", device.kind == "cuda"))
 
 
 def _resolve_kind(config: PlanConfig, device: Device | None) -> str:
@@ -351,8 +361,24 @@ def plan_workload(
                     f"On the device not even batch 1 fitted for the {len(top)} best "
                     "configurations by the estimate.",
                 )
+            measured_times = step_times_rank(device)
+
+            def device_key(rank: int, c: _Confirmed) -> tuple:
+                rate = (
+                    c.measured.samples_per_s
+                    if measured_times
+                    else estimate(profile, c.candidate, chosen).samples_per_s
+                )
+                return _device_key(config.objective, c.candidate.batch_size, rate, rank)
+
             fitted = [(rank, c) for rank, c in enumerate(confirmed) if c is not None]
-            _, best = min(fitted, key=lambda rc: _measured_key(config.objective, rc[1], rc[0]))
+            _, best = min(fitted, key=lambda rc: device_key(*rc))
+            if not measured_times and len(fitted) > 1:
+                notes.append(
+                    f"The {len(fitted)} best candidates were re-ranked at the batches the "
+                    f"{device.kind} device confirmed, by the estimate's step time: this "
+                    "device's own times do not rank (CPU times, slowed by tracking)."
+                )
 
             with ui.stage("verify", total=None) as bar:
                 prober.bar = bar

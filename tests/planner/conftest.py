@@ -115,6 +115,7 @@ class FakeDevice(Device):
     """
 
     kind = "fake"
+    step_times_are_real = True  # its times are a model of a card's: they rank candidates
 
     def __init__(
         self,
@@ -124,12 +125,14 @@ class FakeDevice(Device):
         short_steps: int = 3,
         error: Exception | None = None,
         error_at: int | None = None,
+        inverse_times: bool = False,
     ) -> None:
         super().__init__(budget_bytes=100 * MIB, name="fake")
         self.threshold = threshold
         self.sustained = sustained
         self.short_steps = short_steps
         self.error, self.error_at = error, error_at
+        self.inverse_times = inverse_times  # smaller batches "faster": against the estimate
         self.calls: list[tuple[int, int, dict]] = []
 
     def fits(self, candidate: Candidate, steps: int) -> bool:
@@ -149,6 +152,8 @@ class FakeDevice(Device):
         # Time: 1 ms fixed + 0.1 ms/sample, halved in bf16 (as the profile says).
         per_sample = 0.05 if candidate.choices.get("precision") == "bf16" else 0.1
         step_ms = k * (1.0 + per_sample * b) + 1.0
+        if self.inverse_times:
+            step_ms = float(b * b)
         return Measurement(
             steps=steps, peak_bytes=b * MIB, step_ms=step_ms, samples_per_s=b * k / step_ms * 1e3
         )

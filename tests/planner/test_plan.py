@@ -11,6 +11,7 @@ import pytest
 from memadvisor.config import GIB, PlanConfig
 from memadvisor.errors import InfeasibleBudgetError
 from memadvisor.planner import Plan, measure_configuration, plan_workload, safe_below
+from memadvisor.planner._search import search
 from memadvisor.planner._space import SearchSpace
 
 MIB = 2**20
@@ -274,3 +275,22 @@ def test_measure_configuration_finds_a_hand_configuration_batch_like_the_plan(
         workload, config, choices, profile=profile, device=fake_device(0), strategies=strategies
     )
     assert (row.largest_batch, row.measured) == (0, None) and all(not r.fits for r in runs)
+
+
+@pytest.mark.parametrize("times_rank", [True, False])
+def test_reranking_uses_device_times_only_where_they_rank(
+    workload, profile, strategies, fake_device, times_rank: bool
+) -> None:
+    """A card's measured times re-rank the best candidates; a device whose times do not rank
+    (the simulated device's CPU times) keeps the estimate's order at the confirmed batches."""
+    config = _config()
+    thresholds = _estimate_thresholds(profile, strategies, config)
+    device = fake_device(_ByChoices(thresholds), inverse_times=True)
+    device.step_times_are_real = times_rank
+    plan = _plan(workload, profile, strategies, device)
+    reranked = [p.candidate for p in plan.probes if p.stage == "probe" and p.fits]
+    smallest = min(reranked, key=lambda c: c.batch_size)
+    estimate_best = search(SearchSpace(profile, strategies, config), config.seed)[0]
+    expected = smallest if times_rank else estimate_best.candidate
+    assert plan.candidate.choices == expected.choices
+    assert any("re-ranked" in n for n in plan.notes) == (not times_rank)
