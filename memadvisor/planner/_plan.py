@@ -349,84 +349,22 @@ def plan_workload(
             if device is None:
                 device = owned = _make_device(kind, config, target, profile)
             prober = _Prober(device, workload, space, config)
-            top = ranked[: config.rerank_top]
-            with ui.stage("probes", total=None) as bar:
-                prober.bar = bar
-                confirmed = [prober.confirm(s) for s in top]
-            if all(c is None for c in confirmed):
-                raise infeasible(
-                    profile,
-                    config,
-                    space.cheapest_peak_bytes(),
-                    f"On the device not even batch 1 fitted for the {len(top)} best "
-                    "configurations by the estimate.",
-                )
-            measured_times = step_times_rank(device)
-
-            def device_key(rank: int, c: _Confirmed) -> tuple:
-                rate = (
-                    c.measured.samples_per_s
-                    if measured_times
-                    else estimate(profile, c.candidate, chosen).samples_per_s
-                )
-                return _device_key(config.objective, c.candidate.batch_size, rate, rank)
-
-            fitted = [(rank, c) for rank, c in enumerate(confirmed) if c is not None]
-            _, best = min(fitted, key=lambda rc: device_key(*rc))
-            if not measured_times and len(fitted) > 1:
-                notes.append(
-                    f"The {len(fitted)} best candidates were re-ranked at the batches the "
-                    f"{device.kind} device confirmed, by the estimate's step time: this "
-                    "device's own times do not rank (CPU times, slowed by tracking)."
-                )
-
-            with ui.stage("verify", total=None) as bar:
-                prober.bar = bar
-                pick, verified = prober.stepping_down(best.candidate, config.verify_steps, "verify")
-            if verified is None:
-                raise infeasible(
-                    profile,
-                    config,
-                    space.cheapest_peak_bytes(),
-                    f"The pick ran out of memory within {config.verify_steps} sustained steps "
-                    "even at batch 1.",
-                )
+            best = _best_on_device(prober, ranked[: config.rerank_top], notes, ui)
+            pick, verified = _verified(prober, best, ui)
             pick = _with_batch_record(pick, chosen, config)
             pick_estimate = estimate(profile, pick, chosen)
-            largest = (
-                best.found_batch
-                if pick.batch_size == best.candidate.batch_size
-                else pick.batch_size
-            )
+            same_batch = pick.batch_size == best.candidate.batch_size
             plan_row = Row(
                 label="Plan",
                 candidate=pick,
                 estimate=pick_estimate,
-                largest_batch=largest,
+                largest_batch=best.found_batch if same_batch else pick.batch_size,
                 measured=verified,
             )
             if measure_comparison is None:
                 measure_comparison = _rows_are_cheap(device, prober.probes, space)
             rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
-
-            wanted = config.effective_batch
-            reached = pick.batch_size * pick.accumulation_steps
-            if config.objective == "effective_batch" and wanted and reached != wanted:
-                notes.append(
-                    f"Effective batch {reached}, not {wanted}: no micro-batch that fits divides "
-                    f"{wanted} within twice the fewest accumulation steps, so the micro-batch "
-                    f"was rounded up ({pick.batch_size} x {pick.accumulation_steps})."
-                )
-            if best.search.lowest_failure is None and best.search.probe_count > 1:
-                notes.append(
-                    f"The device held batch {best.search.largest_fit}, the estimate's largest "
-                    "under the whole budget; the plan did not probe higher"
-                    + (
-                        " and kept the batch whose estimate leaves the margin free."
-                        if best.found_batch < best.search.largest_fit
-                        else " (its measured peak left the margin free)."
-                    )
-                )
+            notes += _pick_notes(config, pick, best)
             with ui.stage("checks", total=None):
                 checks = run_checks(workload, pick, chosen)
             notes += prober.notes + getattr(device, "notes", []) + row_notes
@@ -450,6 +388,92 @@ def plan_workload(
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
             _release_cached_memory()
+
+
+def _best_on_device(
+    prober: _Prober, top: Sequence[Scored], notes: list[str], ui: Progress
+) -> _Confirmed:
+    """Probe each of the estimate's best at its largest batch and keep the device's best.
+
+    Raises:
+        InfeasibleBudgetError: not even batch 1 fitted for any of them.
+    """
+    space, device = prober.space, prober.device
+    with ui.stage("probes", total=None) as bar:
+        prober.bar = bar
+        confirmed = [prober.confirm(s) for s in top]
+    fitted = [(rank, c) for rank, c in enumerate(confirmed) if c is not None]
+    if not fitted:
+        raise infeasible(
+            space.profile,
+            space.config,
+            space.cheapest_peak_bytes(),
+            f"On the device not even batch 1 fitted for the {len(top)} best configurations "
+            "by the estimate.",
+        )
+    measured_times = step_times_rank(device)
+
+    def key(rank: int, c: _Confirmed) -> tuple:
+        rate = (
+            c.measured.samples_per_s
+            if measured_times
+            else estimate(space.profile, c.candidate, space.strategies).samples_per_s
+        )
+        return _device_key(space.config.objective, c.candidate.batch_size, rate, rank)
+
+    if not measured_times and len(fitted) > 1:
+        notes.append(
+            f"The {len(fitted)} best candidates were re-ranked at the batches the "
+            f"{device.kind} device confirmed, by the estimate's step time: this device's own "
+            "times do not rank (CPU times, slowed by tracking)."
+        )
+    return min(fitted, key=lambda rc: key(*rc))[1]
+
+
+def _verified(prober: _Prober, best: _Confirmed, ui: Progress) -> tuple[Candidate, Measurement]:
+    """The pick after its sustained run from a clean state, stepped down while it fails.
+
+    Raises:
+        InfeasibleBudgetError: it failed even at batch 1.
+    """
+    steps = prober.config.verify_steps
+    with ui.stage("verify", total=None) as bar:
+        prober.bar = bar
+        pick, verified = prober.stepping_down(best.candidate, steps, "verify")
+    if verified is None:
+        space = prober.space
+        raise infeasible(
+            space.profile,
+            space.config,
+            space.cheapest_peak_bytes(),
+            f"The pick ran out of memory within {steps} sustained steps even at batch 1.",
+        )
+    return pick, verified
+
+
+def _pick_notes(config: PlanConfig, pick: Candidate, best: _Confirmed) -> list[str]:
+    """What a person should know about the pick's batch."""
+    notes = []
+    wanted = config.effective_batch
+    reached = pick.batch_size * pick.accumulation_steps
+    if config.objective == "effective_batch" and wanted and reached != wanted:
+        notes.append(
+            f"Effective batch {reached}, not {wanted}: no micro-batch that fits divides "
+            f"{wanted} within twice the fewest accumulation steps, so the micro-batch was "
+            f"rounded up ({pick.batch_size} x {pick.accumulation_steps})."
+        )
+    found = best.search
+    if found.lowest_failure is None and found.probe_count > 1:
+        kept = (
+            " and kept the batch whose estimate leaves the margin free."
+            if best.found_batch < found.largest_fit
+            else " (its measured peak left the margin free)."
+        )
+        notes.append(
+            f"The device held batch {found.largest_fit}, the estimate's largest under the "
+            f"whole budget; the plan did not probe higher{kept}"
+        )
+    return notes
 
 
 def measure_configuration(
