@@ -35,8 +35,8 @@ from memadvisor.workload import Workload
 __all__ = ["measure_configuration", "plan_workload"]
 
 SIMULATED_NOTE = (
-    "No CUDA device: this plan is for the simulated CPU device. It enforces the budget on "
-    "the tracked bytes of real CPU tensors; times are CPU times."
+    "This plan is for the simulated CPU device{why}. It enforces the budget on the tracked "
+    "bytes of real CPU tensors; times are CPU times."
 )
 # Measuring the comparison rows may add this much wall time; beyond it they are estimated.
 ROWS_TIME_BUDGET_S = 30.0
@@ -326,8 +326,9 @@ def plan_workload(
             kind = _resolve_kind(config, device)
             notes: list[str] = []
             if kind == "simulated" and device is None:
-                ui.note(SIMULATED_NOTE)
-                notes.append(SIMULATED_NOTE)
+                why = " (device='simulated')" if torch.cuda.is_available() else " (no CUDA device)"
+                notes.append(SIMULATED_NOTE.format(why=why))
+                ui.note(notes[-1])
             chosen = (
                 list(strategies) if strategies is not None else load_strategies(config.strategies)
             )
