@@ -133,6 +133,11 @@ class SearchSpace:
         self.options: dict[str, list[JsonValue]] = {}
         for s in self.strategies:
             offered = list(s.choices(profile, config))
+            if s.measured_only:
+                # The estimate cannot rank what it cannot predict (a compiled model's memory
+                # and time): such a strategy keeps its neutral choice here, and its other
+                # choices are only ever judged by measuring them on the device.
+                offered = offered[:1]
             self.options[s.name] = offered if offered else [None]
         self._cache: dict[tuple[int, ...], Scored | None] = {}
 
