@@ -8,7 +8,7 @@ other modules import from here, never from ``torch._*`` directly.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ __all__ = [
     "below_cpu_autocast",
     "clear_cublas_workspaces",
     "compile_modes",
+    "cuda_counter_reader",
     "cuda_memory_counters",
     "dynamo_counters",
     "fake_copy",
@@ -234,6 +235,46 @@ def cuda_memory_counters(device: torch.device | str | int | None = None) -> dict
         "reserved_peak": flat.get("reserved_bytes.all.peak", 0),
         "allocations": flat.get("allocation.all.allocated", 0),
     }
+
+
+def cuda_counter_reader(index: int, *, reset_peaks: bool = False) -> Callable[[], tuple]:
+    """A zero-argument reader of card ``index``'s allocator counters, for per-event hot paths.
+
+    Binds ``torch._C._cuda_memoryStats`` (and ``torch._C._cuda_resetPeakMemoryStats``) once,
+    so a reading is one stats call (and one reset), without the device lookup and dict that
+    :func:`cuda_memory_counters` builds around it. Falls back to that function and the public
+    ``torch.cuda.reset_peak_memory_stats`` where the private calls are gone.
+
+    Args:
+        index: the card's index.
+        reset_peaks: reset the allocator's peak counters after each reading, so the next
+            reading's peaks cover only the time since this one.
+
+    Returns:
+        ``() -> (allocated, reserved, allocated_peak, reserved_peak, allocations)``.
+    """
+    stats_fn: Any = getattr(torch._C, "_cuda_memoryStats", None)
+    reset_fn: Any = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
+    if stats_fn is None or reset_fn is None:  # pragma: no cover - moved in a future torch
+
+        def read_public() -> tuple:
+            c = cuda_memory_counters(index)
+            if reset_peaks:
+                torch.cuda.reset_peak_memory_stats(index)
+            return (c["allocated"], c["reserved"], c["allocated_peak"], c["reserved_peak"],
+                    c["allocations"])  # fmt: skip
+
+        return read_public
+
+    def read() -> tuple:
+        s = stats_fn(index)
+        allocated, reserved = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+        if reset_peaks:
+            reset_fn(index)
+        return (allocated["current"], reserved["current"], allocated["peak"], reserved["peak"],
+                s["allocation"]["all"]["allocated"])  # fmt: skip
+
+    return read
 
 
 def _gone(what: str, error: Exception) -> ImportError:

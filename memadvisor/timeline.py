@@ -24,14 +24,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 
-from memadvisor._torch_private import cuda_memory_counters
+from memadvisor._torch_private import cuda_counter_reader
 
 __all__ = [
     "SPEEDSCOPE_SCHEMA_URL",
@@ -141,39 +145,11 @@ class Timeline(_Model):
 
     def layer_stats(self) -> list[LayerStats]:
         """Per module and pass: calls, time, peak and net bytes, allocations (first-seen order)."""
-        open_spans: dict[tuple[str, str], list[list]] = {}
-        stats: dict[tuple[str, str], dict[str, Any]] = {}
-        for ev in self._sorted_events():
-            high = max(ev.allocated_bytes, ev.peak_allocated_bytes or 0)
-            for spans in open_spans.values():
-                for span in spans:  # [t, allocated, allocations, peak_alloc, peak_reserved]
-                    span[3] = max(span[3], high)
-                    if ev.reserved_bytes is not None:
-                        span[4] = max(span[4] or 0, ev.reserved_bytes)
-            if ev.kind not in ("enter", "exit") or ev.module is None or ev.pass_ is None:
-                continue
-            key = (ev.module, ev.pass_)
-            if ev.kind == "enter":
-                open_spans.setdefault(key, []).append(
-                    [ev.t_ms, ev.allocated_bytes, ev.allocations, ev.allocated_bytes,
-                     ev.reserved_bytes]
-                )  # fmt: skip
-                stats.setdefault(key, _empty_stats())
-                continue
-            if not open_spans.get(key):
-                continue  # its enter was dropped from the buffer
-            t0, alloc0, count0, peak, peak_reserved = open_spans[key].pop()
-            s = stats[key]
-            s["calls"] += 1
-            s["total_ms"] += max(0.0, ev.t_ms - t0)
-            s["peak_allocated_bytes"] = max(s["peak_allocated_bytes"], peak)
-            if peak_reserved is not None:
-                s["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0, peak_reserved)
-            s["net_allocated_bytes"] += ev.allocated_bytes - alloc0
-            s["peak_rise_bytes"] = max(s["peak_rise_bytes"], peak - alloc0)
-            if count0 is not None and ev.allocations is not None:
-                s["allocations"] = (s["allocations"] or 0) + ev.allocations - count0
-        return [LayerStats(module=m, pass_=p, **s) for (m, p), s in stats.items()]
+        return _layer_stats(
+            (e.t_ms, e.kind, e.module, e.pass_, e.allocated_bytes, e.reserved_bytes,
+             e.allocations, e.peak_allocated_bytes)
+            for e in self._sorted_events()
+        )  # fmt: skip
 
     # -- speedscope -------------------------------------------------------------------------
 
@@ -269,6 +245,51 @@ class Timeline(_Model):
 _Frame = tuple[str, str, str | None]
 
 
+def _layer_stats(rows: Iterable[tuple]) -> list[LayerStats]:
+    """:meth:`Timeline.layer_stats` over raw rows in time order, ``(t_ms, kind, module, pass_,
+    allocated, reserved, allocations, peak)``: the recorder's buffer needs no events built."""
+    spans_of: dict[tuple[str, str], list[list]] = {}
+    open_spans: list[list] = []  # every span not closed yet: each reading raises their peaks
+    stats: dict[tuple[str, str], dict[str, Any]] = {}
+    for t_ms, kind, module, pass_, allocated, reserved, allocations, peak in rows:
+        high = allocated if peak is None or peak < allocated else peak
+        for span in open_spans:  # [t, allocated, allocations, peak_alloc, peak_reserved]
+            if high > span[3]:
+                span[3] = high
+            if reserved is not None and reserved > (span[4] or 0):
+                span[4] = reserved
+        if (kind != "enter" and kind != "exit") or module is None or pass_ is None:
+            continue
+        key = (module, pass_)
+        if kind == "enter":
+            span = [t_ms, allocated, allocations, allocated, reserved]
+            spans_of.setdefault(key, []).append(span)
+            open_spans.append(span)
+            if key not in stats:
+                stats[key] = _empty_stats()
+            continue
+        spans = spans_of.get(key)
+        if not spans:
+            continue  # its enter was dropped from the buffer
+        span = spans.pop()
+        for i in range(len(open_spans) - 1, -1, -1):  # innermost spans close first
+            if open_spans[i] is span:
+                del open_spans[i]
+                break
+        t0, alloc0, count0, top, peak_reserved = span
+        s = stats[key]
+        s["calls"] += 1
+        s["total_ms"] += max(0.0, t_ms - t0)
+        s["peak_allocated_bytes"] = max(s["peak_allocated_bytes"], top)
+        if peak_reserved is not None:
+            s["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0, peak_reserved)
+        s["net_allocated_bytes"] += allocated - alloc0
+        s["peak_rise_bytes"] = max(s["peak_rise_bytes"], top - alloc0)
+        if count0 is not None and allocations is not None:
+            s["allocations"] = (s["allocations"] or 0) + allocations - count0
+    return [LayerStats(module=m, pass_=p, **s) for (m, p), s in stats.items()]
+
+
 def _empty_stats() -> dict[str, Any]:
     return {
         "calls": 0,
@@ -354,11 +375,19 @@ class MemoryReading(NamedTuple):
     peak_allocated_bytes: int | None = None  # highest since the previous reading
 
 
+def _cuda_index(device: torch.device | str | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    if device is not None and torch.device(device).index is not None:
+        return torch.device(device).index
+    return torch.cuda.current_device()
+
+
 class CudaMemoryReader:
     """Reads the CUDA caching allocator's counters in one stats call (no synchronisation).
 
     Args:
-        device: the card; the current one if None.
+        device: the card; the current one (at the first reading) if None.
         count_allocations: also report the cumulative allocation count (free: every number
             comes from one stats call).
         interval_peaks: also read the peak since the previous reading, by resetting the
@@ -379,17 +408,23 @@ class CudaMemoryReader:
         self.interval_peaks = interval_peaks
         self.max_allocated_bytes = 0
         self.max_reserved_bytes = 0
+        self._read: Callable[[], tuple] | None = None
 
     def __call__(self) -> MemoryReading:
-        c = cuda_memory_counters(self.device)  # one stats call for every number
-        peak = None
-        if self.interval_peaks:
-            peak = c["allocated_peak"]
-            self.max_allocated_bytes = max(self.max_allocated_bytes, peak)
-            self.max_reserved_bytes = max(self.max_reserved_bytes, c["reserved_peak"])
-            torch.cuda.reset_peak_memory_stats(self.device)
-        count = c["allocations"] if self.count_allocations else None
-        return MemoryReading(c["allocated"], c["reserved"], count, peak)
+        read = self._read
+        if read is None:  # bound at the first reading: CUDA need not be up at construction
+            read = self._read = cuda_counter_reader(
+                _cuda_index(self.device), reset_peaks=self.interval_peaks
+            )
+        allocated, reserved, peak, reserved_peak, count = read()  # one stats call for all
+        if not self.interval_peaks:
+            peak = None
+        else:
+            if peak > self.max_allocated_bytes:
+                self.max_allocated_bytes = peak
+            if reserved_peak > self.max_reserved_bytes:
+                self.max_reserved_bytes = reserved_peak
+        return MemoryReading(allocated, reserved, count if self.count_allocations else None, peak)
 
     def reset_max(self) -> None:
         """Start the running maxima again (e.g. at each training iteration)."""
@@ -454,6 +489,10 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    if type(obj) is tuple and len(obj) == 1:  # the usual module input: one tensor
+        obj = obj[0]
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
     return [t for t in iter_tensors(obj) if t.requires_grad]
 
 
@@ -478,6 +517,12 @@ class ModuleEventRecorder:
         backward: also record backward enter/exit (registers gradient hooks each forward).
         device: shown in the timeline; the model's parameter device if None.
         model_name: shown for the model itself; its class name if None.
+        global_hooks: hook every module through two process-wide forward hooks
+            (``torch.nn.modules.module.register_module_forward_pre_hook`` and
+            ``register_module_forward_hook``) that look the module's name up, instead of two
+            hooks per module: :meth:`start` and :meth:`close` then cost the same for any model
+            (for recorders started often, like the monitor's). They also see the model's
+            modules called by other code, and run before a module's own hooks.
 
     Raises:
         ValueError: ``max_events`` is not positive.
@@ -498,6 +543,7 @@ class ModuleEventRecorder:
         backward: bool = True,
         device: str | None = None,
         model_name: str | None = None,
+        global_hooks: bool = False,
     ) -> None:
         if max_events <= 0:
             raise ValueError(f"max_events must be positive, but got {max_events=}.")
@@ -505,6 +551,7 @@ class ModuleEventRecorder:
         self.memory_reader = memory_reader
         self.max_events = max_events
         self.backward = backward
+        self.global_hooks = global_hooks
         if device is None:
             p = next(iter(model.parameters()), None)
             device = str(p.device) if p is not None else "cpu"
@@ -518,6 +565,7 @@ class ModuleEventRecorder:
         self._leaf_handles: list[Any] = []
         self._listeners: list[Callable[[str, str, str], None]] = []
         self._output_listeners: list[Callable[[str, Any], None]] = []
+        self._names: dict[int, str] = {}  # id(module) -> name, for the global hooks
         self._t0_ns = time.perf_counter_ns()
         self._active = False
 
@@ -527,11 +575,19 @@ class ModuleEventRecorder:
         """Install the hooks (again, after :meth:`close`); the clock keeps running."""
         if self._active:
             return self
-        for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+        if self.global_hooks:
+            # Named now, not at construction: the model may have been rewrapped since.
+            self._names = {id(m): name for name, m in self.model.named_modules()}
+            self._handles.append(register_module_forward_pre_hook(self._global_pre_hook))
             self._handles.append(
-                module.register_forward_hook(self._post_hook(name), always_call=True)
+                register_module_forward_hook(self._global_post_hook, always_call=True)
             )
+        else:
+            for name, module in self.model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+                self._handles.append(
+                    module.register_forward_hook(self._post_hook(name), always_call=True)
+                )
         self._active = True
         return self
 
@@ -569,10 +625,21 @@ class ModuleEventRecorder:
         Args:
             reading: a reading already taken (saves a second one); the reader's if None.
         """
+        self._append(kind, module, pass_, phase, reading)
+
+    def _append(
+        self,
+        kind: str,
+        module: str | None,
+        pass_: str | None,
+        phase: str | None = None,
+        reading: tuple | None = None,
+    ) -> None:
         if reading is None:
             reading = self.memory_reader()
-        allocations = reading[2] if len(reading) > 2 else None
-        peak = reading[3] if len(reading) > 3 else None
+        n = len(reading)
+        allocations = reading[2] if n > 2 else None
+        peak = reading[3] if n > 3 else None
         with self._lock:
             # The clock is read under the lock so the buffer is in time order.
             t_ns = time.perf_counter_ns() - self._t0_ns
@@ -584,7 +651,7 @@ class ModuleEventRecorder:
 
     def mark_phase(self, phase: str) -> None:
         """Record the start of a training-step phase; fits ``train_step(on_phase=...)``."""
-        self.record("phase", phase=phase)
+        self._append("phase", None, None, phase)
 
     def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
         """Call ``listener(kind, module, pass_)`` on every module enter/exit, after recording."""
@@ -613,12 +680,15 @@ class ModuleEventRecorder:
         """Events recorded since the last :meth:`clear`, kept or dropped."""
         return len(self._buffer) + self.dropped_events
 
-    def events(self, last: int | None = None) -> list[TimelineEvent]:
-        """A copy of the buffer (its ``last`` events, if given) as :class:`TimelineEvent` s."""
+    def _rows(self, last: int | None) -> list[tuple]:
         with self._lock:
             rows = list(self._buffer)
         if last is not None:
             rows = rows[len(rows) - min(last, len(rows)) :]
+        return rows
+
+    def events(self, last: int | None = None) -> list[TimelineEvent]:
+        """A copy of the buffer (its ``last`` events, if given) as :class:`TimelineEvent` s."""
         return [
             TimelineEvent(
                 t_ms=t_ns / 1e6,
@@ -631,7 +701,9 @@ class ModuleEventRecorder:
                 allocations=allocations,
                 peak_allocated_bytes=peak,
             )
-            for t_ns, kind, phase, module, pass_, allocated, reserved, allocations, peak in rows
+            for t_ns, kind, phase, module, pass_, allocated, reserved, allocations, peak in (
+                self._rows(last)
+            )
         ]
 
     def timeline(self, last: int | None = None) -> Timeline:
@@ -643,24 +715,69 @@ class ModuleEventRecorder:
             dropped_events=self.dropped_events,
         )
 
-    # -- hooks ------------------------------------------------------------------------------
+    def layer_stats(self, last: int | None = None) -> list[LayerStats]:
+        """``self.timeline(last).layer_stats()``, read straight from the buffer (cheaper)."""
+        return _layer_stats(
+            (t_ns / 1e6, kind, module, pass_, allocated, reserved, allocations, peak)
+            for t_ns, kind, _, module, pass_, allocated, reserved, allocations, peak in (
+                self._rows(last)
+            )
+        )
 
-    def _emit(self, kind: EventKind, name: str, pass_: Pass) -> None:
-        self.record(kind, module=name, pass_=pass_)
-        for listener in self._listeners:
-            listener(kind, name, pass_)
+    # -- hooks ------------------------------------------------------------------------------
 
     def _pre_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            stack = getattr(self._local, "stack", None)
-            if stack is None:
-                stack = self._local.stack = []
-            stack.append(name)
-            self._emit("enter", name, "forward")
-            if self.backward and torch.is_grad_enabled():
-                self._hook_backward_exit(name, args)
+            self._enter(name, args)
 
         return hook
+
+    def _post_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._exit(name, output)
+
+        return hook
+
+    def _global_pre_hook(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None:  # a module of another model
+            self._enter(name, args)
+
+    def _global_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None:
+            self._exit(name, output)
+
+    def _enter(self, name: str, args: Any) -> None:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(name)
+        self._append("enter", name, "forward")
+        for listener in self._listeners:
+            listener("enter", name, "forward")
+        if self.backward and torch.is_grad_enabled():
+            self._hook_backward_exit(name, args)
+
+    def _exit(self, name: str, output: Any) -> None:
+        stack = getattr(self._local, "stack", None)
+        if stack:  # always_call: also runs after an exception, so pop to this module
+            if stack[-1] == name:
+                stack.pop()
+            elif name in stack:
+                del stack[len(stack) - 1 - stack[::-1].index(name) :]
+        self._append("exit", name, "forward")
+        for listener in self._listeners:
+            listener("exit", name, "forward")
+        for listener in self._output_listeners:
+            listener(name, output)
+        if self.backward and torch.is_grad_enabled():
+            self._hook_backward_enter(name, output)
+
+    def _emit_backward(self, kind: str, name: str) -> None:
+        self._append(kind, name, "backward")
+        for listener in self._listeners:
+            listener(kind, name, "backward")
 
     def _hook_backward_exit(self, name: str, args: Any) -> None:
         inputs = _grad_tensors(args)
@@ -671,32 +788,29 @@ class ModuleEventRecorder:
         def exit_(_grads: Any) -> None:
             if not fired[0]:  # once per forward call
                 fired[0] = True
-                self._emit("exit", name, "backward")
+                self._emit_backward("exit", name)
 
-        handle = torch.autograd.graph.register_multi_grad_hook(inputs, exit_, mode="all")
+        if len(inputs) == 1:
+            # One input: its own gradient hook is what the multi-grad hook would register,
+            # at a third of the cost.
+            handle = inputs[0].register_hook(exit_)
+        else:
+            handle = torch.autograd.graph.register_multi_grad_hook(inputs, exit_, mode="all")
         if any(t.grad_fn is None for t in inputs):
             # A hook on a leaf (an input made with requires_grad=True) outlives the graph: it
             # would fire again in every later backward. Removed at close().
             self._leaf_handles.append(handle)
 
-    def _post_hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            stack = getattr(self._local, "stack", None)
-            if stack and name in stack:  # always_call: also runs after an exception
-                del stack[len(stack) - 1 - stack[::-1].index(name) :]
-            self._emit("exit", name, "forward")
-            for listener in self._output_listeners:
-                listener(name, output)
-            if self.backward and torch.is_grad_enabled():
-                self._hook_backward_enter(name, output)
-
-        return hook
-
     def _hook_backward_enter(self, name: str, output: Any) -> None:
         # A pre-hook on the node that made the output, not a tensor hook: the engine runs a
         # node's tensor hooks before its node hooks, so the next module's backward *exit*
         # (a tensor hook on that same tensor, its input) is recorded before this enter.
-        nodes = {id(t.grad_fn): t.grad_fn for t in _grad_tensors(output) if t.grad_fn is not None}
+        if isinstance(output, torch.Tensor):
+            fn = output.grad_fn if output.requires_grad else None
+            nodes = [fn] if fn is not None else []
+        else:
+            found = {id(t.grad_fn): t.grad_fn for t in _grad_tensors(output)}
+            nodes = [fn for fn in found.values() if fn is not None]
         if not nodes:
             return
         fired = [False]
@@ -704,7 +818,7 @@ class ModuleEventRecorder:
         def enter(_grad_outputs: Any) -> None:
             if not fired[0]:  # once per forward call, at the first output gradient
                 fired[0] = True
-                self._emit("enter", name, "backward")
+                self._emit_backward("enter", name)
 
-        for node in nodes.values():
+        for node in nodes:
             node.register_prehook(enter)

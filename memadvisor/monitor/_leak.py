@@ -41,17 +41,18 @@ class LeakCheck:
         self._ends: deque[int] = deque(maxlen=window + 1)
         self._rises = 0
 
-    def add(self, allocated_bytes: int) -> None:
-        """Add the allocated bytes at the end of one iteration."""
+    def add(self, allocated_bytes: int) -> bool:
+        """Add the allocated bytes at the end of one iteration (O(1)); returns :attr:`flagged`."""
         self._seen += 1
         if self._seen <= self.warmup:
-            return
+            return False
         ends = self._ends
         if ends and allocated_bytes > ends[-1]:
             self._rises = min(self._rises + 1, self.window)
         else:
             self._rises = 0
         ends.append(allocated_bytes)
+        return self._rises >= self.window and self.growth_bytes >= self.min_growth_bytes
 
     @property
     def rises(self) -> int:

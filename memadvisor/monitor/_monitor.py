@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import overload
 
 import torch
 from rich.console import Console
@@ -18,26 +21,76 @@ from memadvisor.monitor._output import (
     default_console,
     format_bytes,
     iteration_table,
-    layer_row,
-    step_row,
+    layer_csv_row,
+    print_table,
 )
-from memadvisor.monitor._probe import LayerProbe, ProbeResult
+from memadvisor.monitor._probe import LayerProbe, LayerRow, ProbeResult
 from memadvisor.monitor._schema import IterationRecord, LayerMemory, LeakReport, LeakSuspect
-from memadvisor.monitor._source import MeterSource, source_for
+from memadvisor.monitor._source import MemorySource, MeterSource, source_for
 from memadvisor.timeline import ModuleEventRecorder, Timeline
 
 __all__ = ["Monitor"]
+
+# A raw iteration row, kept instead of an IterationRecord (a pydantic model costs more to build
+# than the rest of record()): (iteration, epoch, iteration_ms, allocated, peak allocated,
+# reserved, peak reserved, totals, layers measured, leak flagged), with totals = (weights,
+# grads, saved activations, optimizer state, other) from the latest measured iteration.
+_NO_TOTALS: tuple[None, ...] = (None, None, None, None, None)
+
+
+def _to_record(row: tuple) -> IterationRecord:
+    it, epoch, ms, allocated, peak, reserved, peak_reserved, totals, measured, _ = row
+    weights, grads, saved, optimizer, other = totals
+    return IterationRecord(
+        iteration=it,
+        epoch=epoch,
+        iteration_ms=ms,
+        allocated_bytes=allocated,
+        peak_allocated_bytes=peak,
+        reserved_bytes=reserved,
+        peak_reserved_bytes=peak_reserved,
+        weight_bytes=weights,
+        grad_bytes=grads,
+        saved_activation_bytes=saved,
+        optimizer_state_bytes=optimizer,
+        other_bytes=other,
+        layers_measured=measured,
+    )
+
+
+class IterationHistory(Sequence[IterationRecord]):
+    """The latest iterations as :class:`IterationRecord` s, each built when it is read."""
+
+    def __init__(self, rows: deque[tuple]) -> None:
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, index: int) -> IterationRecord: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[IterationRecord]: ...
+    def __getitem__(self, index: int | slice) -> IterationRecord | list[IterationRecord]:
+        if isinstance(index, slice):
+            return [_to_record(r) for r in list(self._rows)[index]]
+        return _to_record(self._rows[index])
+
+    def __iter__(self) -> Iterator[IterationRecord]:
+        return (_to_record(r) for r in list(self._rows))
 
 
 class Monitor:
     """Watches memory in a training loop: call :meth:`record` once per iteration.
 
-    Every iteration costs a few counter reads (allocated, reserved and their peaks), one CSV
-    row and a timeline sample. Per-layer numbers (weights, gradients, saved activations,
-    other intermediates, time) are measured only on the iterations that print them, by hooks
-    installed for that one iteration, so the loop runs unhooked the rest of the time. A leak
-    check flags allocated memory that ends each iteration higher, and names the layers whose
-    tensors outlive their iteration.
+    An iteration costs one reading of the allocator's counters (allocated, reserved and their
+    peaks, one stats call on CUDA) and a few tuple appends: records, CSV lines and the leak
+    check are kept raw and turned into models, lines and verdicts only when read, printed or
+    flushed. Per-layer numbers (weights, gradients, saved activations, other intermediates,
+    time) are measured only on the iterations that print them, by hooks installed for that
+    one iteration, so the loop runs unhooked the rest of the time. A leak check flags
+    allocated memory that ends each iteration higher, and names the layers whose tensors
+    outlive their iteration.
 
     On CUDA the allocator's counters are read, and its peak counters are reset at every
     record() (and at every hook on measured iterations) to give per-iteration peaks: code
@@ -45,6 +98,11 @@ class Monitor:
     On the CPU bytes are tracked by a
     :class:`~memadvisor.memory.MemoryMeter`, which only sees what runs inside it: run the
     loop inside ``with monitor:`` (harmless, and the same code, on CUDA).
+
+    CSV lines are written in batches: on printed iterations, at :meth:`epoch_end`, at
+    :meth:`close` (and the end of ``with monitor:``), when the oldest waiting line is 5 s old,
+    and when the monitor is collected or the interpreter exits. Only a process killed outright
+    (SIGKILL) loses lines, at most those 5 s.
 
     Args:
         model: the model being trained.
@@ -57,9 +115,13 @@ class Monitor:
         max_events: bound of the timeline buffer.
         max_rows: most layers in a printed table.
         console: where tables go; stderr if None.
+        history: iterations kept in :attr:`history`.
+        source: where memory is read; from the model's device if None (the CUDA allocator,
+            or a CPU meter). Benchmarks pass a no-op one to time the monitor itself.
 
     Raises:
-        BadInputError: a period or window is negative, or ``model`` is not a module.
+        BadInputError: a period, window or history is out of range, or ``model`` is not a
+            module.
 
     Example::
 
@@ -86,6 +148,8 @@ class Monitor:
         max_events: int = 100_000,
         max_rows: int = 20,
         console: Console | None = None,
+        history: int = 10_000,
+        source: MemorySource | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise BadInputError(f"model must be a torch.nn.Module, but got {type(model)=}.")
@@ -97,37 +161,55 @@ class Monitor:
             raise BadInputError(f"layer_period must be >= 0 (0: never), but got {layer_period=}.")
         if leak_window < 2:
             raise BadInputError(f"leak_window must be at least 2, but got {leak_window=}.")
+        if history < 1:
+            raise BadInputError(f"history must keep at least 1 iteration, but got {history=}.")
         self.model = model
         self.print_period = print_period
         self.layer_period = layer_period
         self.optimizer = optimizer
         self.max_rows = max_rows
         self.console = console or default_console()
-        self.source = source_for(model)
+        self.source = source if source is not None else source_for(model)
+        self._meter = self.source.meter if isinstance(self.source, MeterSource) else None
+        self._take = self.source.take
+        # Global hooks: a measured iteration installs two hooks, not two per module.
         self.recorder = ModuleEventRecorder(
-            model, self.source.reader, max_events=max_events, device=self.source.device
+            model,
+            self.source.reader,
+            max_events=max_events,
+            device=self.source.device,
+            global_hooks=True,
         )
         self.probe = LayerProbe(model, self.recorder)
         self.leak_check = LeakCheck(leak_window)
         self._csv = CsvLog(csv) if csv is not None else None
+        if self._csv is not None:
+            # Writes what is queued when the monitor is collected or the interpreter exits;
+            # holds the log, not the monitor, so it does not keep the monitor alive.
+            weakref.finalize(self, self._csv.close)
         self.iteration = 0
         self.epoch = 0
-        self.history: deque[IterationRecord] = deque(maxlen=10_000)
-        self.layers: list[LayerMemory] | None = None
+        self._rows: deque[tuple] = deque(maxlen=history)
+        self.history = IterationHistory(self._rows)
+        self._layer_rows: list[LayerRow] | None = None
+        self._layers: list[LayerMemory] | None = None
         self.layers_iteration: int | None = None
         self._probes: deque[ProbeResult] = deque(maxlen=4)  # for the leak check's suspects
         self._last_probe_iteration = -(10**9)
-        self._totals: dict[str, int | None] = {}
-        self._last_time: float | None = None
+        self._totals: tuple = _NO_TOTALS
+        self._last_ns: int | None = None
         self._inside = False
-        self._leak = LeakReport(flagged=False, iterations=0, growth_bytes=0)
+        self._leak_cache: tuple[int, LeakReport] | None = None
+        self._suspects: list[LeakSuspect] = []  # of the latest flagged record()
+        self._suspects_key: int | None = None  # the measured iteration they come from
+        self._epoch_acc = _EpochAccumulator()
         self._maybe_start_probe(1)
 
     # -- context: the CPU meter -------------------------------------------------------------
 
     def __enter__(self) -> Monitor:
-        if isinstance(self.source, MeterSource):
-            meter = self.source.meter
+        if self._meter is not None:
+            meter = self._meter
             meter.adopt(self.model.parameters())
             meter.adopt(self.model.buffers())
             meter.adopt(p.grad for p in self.model.parameters())
@@ -139,12 +221,12 @@ class Monitor:
 
     def __exit__(self, *exc: object) -> None:
         self._inside = False
-        if isinstance(self.source, MeterSource):
-            self.source.meter.__exit__(*exc)
+        if self._meter is not None:
+            self._meter.__exit__(*exc)
         self.close()
 
     def close(self) -> None:
-        """Remove any hooks and close the CSV file. Recorded numbers stay readable."""
+        """Remove any hooks and write the queued CSV lines. Recorded numbers stay readable."""
         if self.probe.active:
             self.probe.stop()
         if self._csv is not None:
@@ -152,114 +234,126 @@ class Monitor:
 
     # -- the loop's calls -------------------------------------------------------------------
 
-    def record(self) -> IterationRecord:
-        """Close one training iteration: read memory, log, print every ``print_period``.
+    def record(self) -> None:
+        """Close one training iteration: read memory, queue a CSV line, print every
+        ``print_period``. Returns nothing, to stay cheap: read :attr:`last` for the record.
 
         Raises:
             BadInputError: on the CPU, called outside ``with monitor:`` (nothing is tracked).
         """
-        if isinstance(self.source, MeterSource) and not self._inside:
+        now = time.perf_counter_ns()
+        if self._meter is not None and not self._inside:
             raise BadInputError(
                 "On the CPU the monitor counts tensor bytes only inside `with monitor:`; "
                 "wrap the training loop in it."
             )
-        now = time.perf_counter()
-        self.iteration += 1
-        allocated, reserved, peak_allocated, peak_reserved = self.source.take()
-        self.recorder.record("sample", phase=f"iteration {self.iteration}",
-                             reading=(allocated, reserved))  # fmt: skip
-        measured = False
-        if self.probe.active:
-            result = self.probe.stop()
-            self._probes.append(result)
-            self.layers, self.layers_iteration = result.layers, result.iteration
-            self._update_totals(result.layers, peak_allocated)
-            measured = True
-        self.leak_check.add(allocated)
-        rec = IterationRecord(
-            iteration=self.iteration,
-            epoch=self.epoch,
-            iteration_ms=None if self._last_time is None else (now - self._last_time) * 1e3,
-            allocated_bytes=allocated,
-            peak_allocated_bytes=max(peak_allocated, allocated),
-            reserved_bytes=reserved,
-            peak_reserved_bytes=peak_reserved,
-            layers_measured=measured,
-            **self._totals,
-        )
-        self.history.append(rec)
-        if self.leak_check.rises:
-            self._leak = self.leak_check.report(self._suspects() if self.leak_check.flagged else [])
-        elif self._leak.iterations:
-            self._leak = LeakReport(flagged=False, iterations=0, growth_bytes=0)
-        printing = bool(self.print_period) and self.iteration % self.print_period == 0
-        self._write_csv(rec, measured, flush=printing)
-        if printing:
+        it = self.iteration = self.iteration + 1
+        allocated, reserved, peak_allocated, peak_reserved = self._take()
+        if peak_allocated < allocated:
+            peak_allocated = allocated
+        self.recorder.record("sample", phase=f"iteration {it}", reading=(allocated, reserved))
+        measured = self.probe.active
+        if measured:
+            self._finish_probe(peak_allocated)
+        flagged = self.leak_check.add(allocated)
+        if flagged:
+            self._update_suspects()
+        elif self._suspects_key is not None:
+            self._suspects_key = None  # a new run of rises looks its suspects up afresh
+        last = self._last_ns
+        ms = None if last is None else (now - last) / 1e6
+        row = (it, self.epoch, ms, allocated, peak_allocated, reserved, peak_reserved,
+               self._totals, measured, flagged)  # fmt: skip
+        self._rows.append(row)
+        self._epoch_acc.add(ms, peak_allocated, peak_reserved)
+        csv = self._csv
+        if csv is not None:
+            csv.add(row, now)
+            if measured and self._layer_rows:
+                for layer in self._layer_rows:
+                    csv.add(layer_csv_row(it, self.epoch, layer), now)
+        if self.print_period and it % self.print_period == 0:
             self.print()
-        self._maybe_start_probe(self.iteration + 1)
-        self._last_time = time.perf_counter()  # the monitor's own time is not the loop's
-        return rec
+            if csv is not None:
+                csv.flush()
+        elif csv is not None and csv.due(now):
+            csv.flush()
+        if self.layer_period or self.leak_check.rises >= 2:
+            self._maybe_start_probe(it + 1)
+        self._last_ns = time.perf_counter_ns()  # the monitor's own time is not the loop's
 
     def epoch_end(self) -> IterationRecord | None:
         """Close an epoch: print its peak and the leak verdict, log an epoch row.
 
         Returns:
-            The epoch's summary (peaks over its iterations), or None if it had none.
+            The epoch's summary (peaks over its iterations, mean iteration time), or None if
+            it had none.
         """
-        recs = [r for r in self.history if r.epoch == self.epoch]
+        acc, self._epoch_acc = self._epoch_acc, _EpochAccumulator()
         summary = None
-        if recs:
-            times = [r.iteration_ms for r in recs if r.iteration_ms is not None]
-            last = recs[-1]
-            summary = last.model_copy(
-                update={
-                    "peak_allocated_bytes": max(r.peak_allocated_bytes for r in recs),
-                    "peak_reserved_bytes": max(
-                        (r.peak_reserved_bytes for r in recs if r.peak_reserved_bytes is not None),
-                        default=None,
-                    ),
-                    "iteration_ms": sum(times) / len(times) if times else None,
-                }
-            )
+        if acc.count and self._rows:
+            last = self._rows[-1]
+            row = (last[0], last[1], acc.mean_ms, last[3], acc.peak_allocated, last[5],
+                   acc.peak_reserved, last[7], last[8], last[9])  # fmt: skip
+            summary = _to_record(row)
             if self._csv is not None:
-                row = step_row(summary, self._leak)
-                row["scope"] = "epoch"
-                self._csv.write(row, flush=True)
+                self._csv.add(("epoch", row), time.perf_counter_ns())
+                self._csv.flush()
             if self.print_period:
+                leak = self.leak
                 self.console.print(
-                    f"[bold]epoch {self.epoch}[/bold]: {len(recs)} iterations, peak allocated "
+                    f"[bold]epoch {self.epoch}[/bold]: {acc.count} iterations, peak allocated "
                     f"{format_bytes(summary.peak_allocated_bytes)}"
                     + (
                         f", peak reserved {format_bytes(summary.peak_reserved_bytes)}"
                         if summary.peak_reserved_bytes is not None
                         else ""
                     )
-                    + (f"; [red]{self._leak.message}[/red]" if self._leak.flagged else "")
+                    + (f"; [red]{leak.message}[/red]" if leak.flagged else "")
                 )
         self.epoch += 1
         return summary
 
     def print(self) -> None:
         """Print the latest iteration's table now."""
-        if not self.history:
+        if not self._rows:
             return
-        self.console.print(
-            iteration_table(
-                self.history[-1],
-                self.layers,
-                self.layers_iteration,
-                self._leak,
-                model_name=self.recorder.model_name,
-                max_rows=self.max_rows,
-            )
+        table = iteration_table(
+            _to_record(self._rows[-1]),
+            self._layer_rows,
+            self.layers_iteration,
+            self.leak,
+            model_name=self.recorder.model_name,
+            max_rows=self.max_rows,
         )
+        print_table(self.console, table)
 
     # -- results ----------------------------------------------------------------------------
 
     @property
+    def last(self) -> IterationRecord | None:
+        """The latest iteration's record, or None before the first record()."""
+        return _to_record(self._rows[-1]) if self._rows else None
+
+    @property
+    def layers(self) -> list[LayerMemory] | None:
+        """Per-layer numbers of the latest measured iteration (:attr:`layers_iteration`)."""
+        if self._layers is None and self._layer_rows is not None:
+            self._layers = [row.to_model() for row in self._layer_rows]
+        return self._layers
+
+    @property
     def leak(self) -> LeakReport:
-        """The leak check's latest verdict."""
-        return self._leak
+        """The leak check's verdict at the latest record(), naming suspects when flagged."""
+        if self._leak_cache is not None and self._leak_cache[0] == self.iteration:
+            return self._leak_cache[1]
+        check = self.leak_check
+        if not check.rises:
+            report = LeakReport(flagged=False, iterations=0, growth_bytes=0)
+        else:
+            report = check.report(self._suspects if check.flagged else [])
+        self._leak_cache = (self.iteration, report)
+        return report
 
     def timeline(self) -> Timeline:
         """Iteration samples and the measured iterations' module events, as one timeline."""
@@ -279,11 +373,22 @@ class Monitor:
             self.probe.start(next_iteration)
             self._last_probe_iteration = next_iteration
 
-    def _suspects(self) -> list[LeakSuspect]:
+    def _finish_probe(self, peak_allocated: int) -> None:
+        result = self.probe.stop()
+        self._probes.append(result)
+        self._layer_rows, self._layers = result.layers, None
+        self.layers_iteration = result.iteration
+        self._totals = self._measured_totals(result.layers, peak_allocated)
+
+    def _update_suspects(self) -> None:
         # A tensor from an iteration at least two records back has outlived the loop's own
-        # variables (the last output and loss are still referenced at record()).
-        old = [p for p in self._probes if p.iteration <= self.iteration - 2]
-        return old[-1].survivors() if old else []
+        # variables (the last output and loss are still referenced at record()). Looked up
+        # once per measured iteration, not on every flagged one: O(1) per iteration.
+        probe = next((p for p in reversed(self._probes) if p.iteration <= self.iteration - 2), None)
+        key = None if probe is None else probe.iteration
+        if key != self._suspects_key:
+            self._suspects_key = key
+            self._suspects = [] if probe is None else probe.survivors()
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         if self.optimizer is None:
@@ -295,28 +400,43 @@ class Monitor:
             if isinstance(v, torch.Tensor)
         ]
 
-    def _update_totals(self, layers: list[LayerMemory], peak_allocated: int) -> None:
-        if isinstance(self.source, MeterSource) and self.optimizer is not None:
+    def _measured_totals(self, layers: list[LayerRow], peak_allocated: int) -> tuple:
+        if self._meter is not None and self.optimizer is not None:
             # The meter misses tensors made from Python data (torch.tensor(0.0): Adam's step
             # counters come out of aten.lift_fresh sharing their input's storage).
-            self.source.meter.adopt(self._optimizer_tensors())
+            self._meter.adopt(self._optimizer_tensors())
         weights = sum(la.weight_bytes for la in layers)
         grads = sum(la.grad_bytes for la in layers)
         saved = sum(la.saved_bytes for la in layers)
         optim = unique_storage_bytes(self._optimizer_tensors()) if self.optimizer else None
-        self._totals = {
-            "weight_bytes": weights,
-            "grad_bytes": grads,
-            "saved_activation_bytes": saved,
-            "optimizer_state_bytes": optim,
-            "other_bytes": max(0, peak_allocated - weights - grads - saved - (optim or 0)),
-        }
+        other = max(0, peak_allocated - weights - grads - saved - (optim or 0))
+        return (weights, grads, saved, optim, other)
 
-    def _write_csv(self, rec: IterationRecord, measured: bool, *, flush: bool) -> None:
-        if self._csv is None:
-            return
-        self._csv.write(step_row(rec, self._leak), flush=flush and not measured)
-        if measured and self.layers:
-            for i, la in enumerate(self.layers):
-                row = layer_row(rec.iteration, rec.epoch, la)
-                self._csv.write(row, flush=flush and i == len(self.layers) - 1)
+
+class _EpochAccumulator:
+    """Running peaks and mean iteration time of one epoch, O(1) per iteration."""
+
+    __slots__ = ("count", "ms_count", "ms_sum", "peak_allocated", "peak_reserved")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.ms_sum = 0.0
+        self.ms_count = 0
+        self.peak_allocated = 0
+        self.peak_reserved: int | None = None
+
+    def add(self, ms: float | None, peak_allocated: int, peak_reserved: int | None) -> None:
+        self.count += 1
+        if ms is not None:
+            self.ms_sum += ms
+            self.ms_count += 1
+        if peak_allocated > self.peak_allocated:
+            self.peak_allocated = peak_allocated
+        if peak_reserved is not None and (
+            self.peak_reserved is None or peak_reserved > self.peak_reserved
+        ):
+            self.peak_reserved = peak_reserved
+
+    @property
+    def mean_ms(self) -> float | None:
+        return self.ms_sum / self.ms_count if self.ms_count else None

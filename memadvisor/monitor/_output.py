@@ -1,19 +1,26 @@
-"""The monitor's outputs: a rich table every N iterations and one CSV row per record."""
+"""The monitor's outputs: a table printed through rich every N iterations, and CSV rows."""
 
 from __future__ import annotations
 
 import csv
-import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from rich.console import Console, Group
-from rich.table import Table
+from rich.console import Console
 from rich.text import Text
 
-from memadvisor.monitor._schema import IterationRecord, LayerMemory, LeakReport
+from memadvisor.monitor._schema import IterationRecord, LeakReport
 
-__all__ = ["CSV_COLUMNS", "CsvLog", "format_bytes", "iteration_table"]
+__all__ = [
+    "CSV_COLUMNS",
+    "CsvLog",
+    "csv_row",
+    "format_bytes",
+    "iteration_table",
+    "layer_csv_row",
+    "print_table",
+]
 
 # One long-format file: scope "step" rows every iteration, "layer" rows for measured layers,
 # "epoch" rows at epoch_end(); empty cells where a column does not apply.
@@ -55,116 +62,157 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+# -- CSV ------------------------------------------------------------------------------------------
+
+
 class CsvLog:
-    """Appends rows to a CSV file, writing the header only to a new or empty file.
+    """Appends rows to a CSV file in batches, writing the header only to a new or empty file.
+
+    Rows wait in memory until :meth:`flush` (the monitor flushes on printed iterations, at
+    ``epoch_end()``, at ``close()``, when the oldest row has waited ``max_wait_s``, and through
+    a finalizer when the monitor is collected or the interpreter exits), so an iteration costs
+    a list append, not a formatted write. Rows that come after :meth:`close` reopen the file.
+
+    Args:
+        path: the CSV file.
+        max_wait_s: longest a queued row waits for the next iteration to write it; a process
+            killed without exit handlers (SIGKILL) loses at most that many seconds of rows.
 
     Raises:
         OSError: the file cannot be opened for appending.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, max_wait_s: float = 5.0) -> None:
         self.path = Path(path)
+        self.max_wait_ns = int(max_wait_s * 1e9)
+        self.pending: list[tuple] = []  # raw rows, turned into lines by csv_row() at flush
+        self._oldest_ns = 0
         new = not self.path.exists() or self.path.stat().st_size == 0
         self._file: IO[str] | None = self.path.open("a", newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        self._writer = csv.writer(self._file)
         if new:
-            self._writer.writeheader()
-        self._flushed = time.monotonic()
-
-    def write(self, row: dict[str, Any], *, flush: bool = False) -> None:
-        """Append ``row``; flushed when asked, and at least once a second."""
-        if self._file is None:
-            return
-        self._writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
-        now = time.monotonic()
-        if flush or now - self._flushed > 1.0:  # a crashed run loses at most a second of rows
+            self._writer.writerow(CSV_COLUMNS)
             self._file.flush()
-            self._flushed = now
+
+    def add(self, row: tuple, now_ns: int) -> None:
+        """Queue one raw row (see :func:`csv_row`); ``now_ns`` is ``time.perf_counter_ns()``."""
+        if not self.pending:
+            self._oldest_ns = now_ns
+        self.pending.append(row)
+
+    def due(self, now_ns: int) -> bool:
+        """Whether the oldest queued row has waited longer than ``max_wait_s``."""
+        return bool(self.pending) and now_ns - self._oldest_ns > self.max_wait_ns
+
+    def flush(self) -> None:
+        """Write every queued row and flush the file."""
+        if not self.pending:
+            return
+        if self._file is None:
+            self._file = self.path.open("a", newline="")
+            self._writer = csv.writer(self._file)
+        rows, self.pending = self.pending, []
+        self._writer.writerows(map(csv_row, rows))
+        self._file.flush()
 
     def close(self) -> None:
+        """Write what is queued and close the file."""
+        self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-def step_row(rec: IterationRecord, leak: LeakReport | None) -> dict[str, Any]:
-    # Read attribute by attribute: model_dump() would cost more than the rest of record().
-    return {
-        "scope": "step",
-        "iteration": rec.iteration,
-        "epoch": rec.epoch,
-        "iteration_ms": rec.iteration_ms,
-        "allocated_bytes": rec.allocated_bytes,
-        "peak_allocated_bytes": rec.peak_allocated_bytes,
-        "reserved_bytes": rec.reserved_bytes,
-        "peak_reserved_bytes": rec.peak_reserved_bytes,
-        "weight_bytes": rec.weight_bytes,
-        "grad_bytes": rec.grad_bytes,
-        "optimizer_state_bytes": rec.optimizer_state_bytes,
-        "saved_bytes": rec.saved_activation_bytes,
-        "other_bytes": rec.other_bytes,
-        "leak_flagged": int(bool(leak and leak.flagged)),
-    }
+def csv_row(row: tuple) -> tuple:
+    """One CSV line, in :data:`CSV_COLUMNS` order, from a raw row the monitor queued.
+
+    A raw iteration row is ``(iteration, epoch, iteration_ms, allocated, peak allocated,
+    reserved, peak reserved, totals, layers measured, leak flagged)`` with ``totals`` =
+    ``(weights, grads, saved activations, optimizer state, other)``: a ``step`` line.
+    ``("epoch", iteration row)`` is an ``epoch`` line; a row starting with ``"layer"`` is a
+    line already (:func:`layer_csv_row`). ``None`` is written as an empty cell.
+    """
+    scope = "step"
+    if type(row[0]) is str:
+        if row[0] != "epoch":
+            return row
+        scope, row = row
+    it, epoch, ms, allocated, peak, reserved, peak_reserved, totals, _, flagged = row
+    weights, grads, saved, optimizer, other = totals
+    # fmt: off
+    return (scope, it, epoch, None, None, ms, allocated, peak, reserved, peak_reserved,
+            weights, grads, optimizer, None, saved, None, other, None, None, int(flagged))
+    # fmt: on
 
 
-def layer_row(iteration: int, epoch: int, layer: LayerMemory) -> dict[str, Any]:
-    row = layer.model_dump(exclude={"type_name", "forward_peak_bytes", "allocations"})
-    row.update(
-        scope="layer",
-        iteration=iteration,
-        epoch=epoch,
-        type=layer.type_name,
-        peak_allocated_bytes=layer.forward_peak_bytes,
-    )
-    return row
+def layer_csv_row(iteration: int, epoch: int, layer: Any) -> tuple:
+    """A ``layer`` line for one :class:`LayerMemory` (or a row with the same fields)."""
+    # fmt: off
+    return ("layer", iteration, epoch, layer.module, layer.type_name, None, None,
+            layer.forward_peak_bytes, None, None, layer.weight_bytes, layer.grad_bytes, None,
+            layer.saved_tensors, layer.saved_bytes, layer.intermediate_bytes, None,
+            layer.forward_ms, layer.backward_ms, None)
+    # fmt: on
 
 
-def _layer_total(layer: LayerMemory) -> int:
+# -- the printed table ----------------------------------------------------------------------------
+
+
+def _layer_total(layer: Any) -> int:
     return layer.weight_bytes + layer.grad_bytes + layer.saved_bytes + layer.intermediate_bytes
 
 
 def iteration_table(
     rec: IterationRecord,
-    layers: list[LayerMemory] | None,
+    layers: Sequence[Any] | None,
     layers_iteration: int | None,
     leak: LeakReport | None,
     *,
     model_name: str,
     max_rows: int = 20,
-) -> Group:
-    """The renderable printed every ``print_period`` iterations."""
-    summary = Text.assemble(
-        (f"memadvisor · {model_name} · iteration {rec.iteration} (epoch {rec.epoch})\n", "bold"),
+) -> Text:
+    """What is printed every ``print_period`` iterations (see :func:`print_table`).
+
+    ``layers`` are :class:`LayerMemory` s or rows with the same fields.
+    """
+    out = Text(f"memadvisor · {model_name} · iteration {rec.iteration} (epoch {rec.epoch})\n",
+               style="bold")  # fmt: skip
+    line = (
         f"allocated {format_bytes(rec.allocated_bytes)} "
-        f"(peak {format_bytes(rec.peak_allocated_bytes)})",
+        f"(peak {format_bytes(rec.peak_allocated_bytes)})"
     )
     if rec.reserved_bytes is not None:
         frag = rec.fragmentation
-        summary.append(
+        line += (
             f" · reserved {format_bytes(rec.reserved_bytes)} "
             f"(peak {format_bytes(rec.peak_reserved_bytes)}, "
             f"fragmentation {0.0 if frag is None else frag:.0%})"
         )
     if rec.iteration_ms is not None:
-        summary.append(f" · {rec.iteration_ms:.1f} ms/iter")
-    parts: list[Any] = [summary]
+        line += f" · {rec.iteration_ms:.1f} ms/iter"
+    out.append(line)
     if rec.weight_bytes is not None:
-        parts.append(
-            Text(
-                f"weights {format_bytes(rec.weight_bytes)} · grads {format_bytes(rec.grad_bytes)}"
-                f" · optimizer {format_bytes(rec.optimizer_state_bytes)}"
-                f" · saved activations {format_bytes(rec.saved_activation_bytes)}"
-                f" · other at peak {format_bytes(rec.other_bytes)}"
-            )
+        out.append(
+            f"\nweights {format_bytes(rec.weight_bytes)} · grads {format_bytes(rec.grad_bytes)}"
+            f" · optimizer {format_bytes(rec.optimizer_state_bytes)}"
+            f" · saved activations {format_bytes(rec.saved_activation_bytes)}"
+            f" · other at peak {format_bytes(rec.other_bytes)}"
         )
     if layers:
-        parts.append(_layer_table(layers, layers_iteration, max_rows))
+        out.append("\n")
+        _layer_table(out, layers, layers_iteration, max_rows)
     if leak is not None and leak.flagged:
-        parts.append(Text(f"LEAK? {leak.message}", style="bold red"))
-    return Group(*parts)
+        out.append(f"\nLEAK? {leak.message}", style="bold red")
+    return out
 
 
-def _layer_table(layers: list[LayerMemory], iteration: int | None, max_rows: int) -> Table:
+_HEADERS = ("layer", "type", "weights", "grads", "saved", "n", "other", "fwd ms", "bwd ms")
+
+
+def _layer_table(out: Text, layers: Sequence[Any], iteration: int | None, max_rows: int) -> None:
+    # Laid out here in fixed-width columns rather than as a rich.table.Table: rendering a
+    # 20-row Table costs tens of milliseconds (measuring and wrapping every cell), more than
+    # a hundred iterations of a small model's training loop; this costs well under one.
     shown = [la for la in layers if _layer_total(la) or la.saved_tensors]
     biggest = sorted(shown, key=_layer_total, reverse=True)[:max_rows]
     keep = {id(la) for la in biggest}
@@ -172,11 +220,8 @@ def _layer_table(layers: list[LayerMemory], iteration: int | None, max_rows: int
     title = f"per layer (measured in iteration {iteration})"
     if len(shown) > len(rows):
         title += f", largest {len(rows)} of {len(shown)}"
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for header in ("layer", "type", "weights", "grads", "saved", "n", "other", "fwd ms", "bwd ms"):
-        table.add_column(header, justify="left" if header in ("layer", "type") else "right")
-    for la in rows:
-        table.add_row(
+    cells = [
+        (
             la.module or "<model>",
             la.type_name,
             format_bytes(la.weight_bytes),
@@ -187,7 +232,27 @@ def _layer_table(layers: list[LayerMemory], iteration: int | None, max_rows: int
             _ms(la.forward_ms),
             _ms(la.backward_ms),
         )
-    return table
+        for la in rows
+    ]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(_HEADERS)]
+
+    def line(row: Sequence[str]) -> str:
+        # Names and types left-aligned, numbers right-aligned, two spaces between columns.
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+
+    out.append(title + "\n", style="italic")
+    out.append(line(_HEADERS) + "\n", style="bold")
+    out.append("─" * (sum(widths) + 2 * (len(widths) - 1)))
+    for row in cells:
+        out.append("\n" + line(row))
+
+
+def print_table(console: Console, table: Text) -> None:
+    """Print ``table`` as laid out: no markup, highlighting or wrapping for rich to work out."""
+    console.print(table, markup=False, highlight=False, emoji=False, no_wrap=True, crop=False)
 
 
 def default_console() -> Console:

@@ -1,7 +1,8 @@
 """One iteration measured per layer: weights, gradients, saved activations, time, peaks.
 
 The monitor runs a probe only on the iterations it reports per layer (and when memory starts
-to grow), so the other iterations pay nothing for it.
+to grow), so the other iterations pay nothing for it; a probe itself installs a handful of
+process-wide hooks plus one gradient hook per parameter, and summarises from raw tuples.
 """
 
 from __future__ import annotations
@@ -9,15 +10,35 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from memadvisor.monitor._schema import LayerMemory, LeakSuspect
-from memadvisor.timeline import ModuleEventRecorder, Timeline, iter_tensors
+from memadvisor.timeline import ModuleEventRecorder, iter_tensors
 
-__all__ = ["LayerProbe", "ProbeResult"]
+__all__ = ["LayerProbe", "LayerRow", "ProbeResult"]
+
+
+class LayerRow(NamedTuple):
+    """:class:`LayerMemory`'s fields as a tuple: made per module on every measured iteration,
+    turned into the pydantic model only when someone reads ``Monitor.layers``."""
+
+    module: str
+    type_name: str
+    weight_bytes: int
+    grad_bytes: int
+    saved_tensors: int
+    saved_bytes: int
+    intermediate_bytes: int
+    forward_ms: float | None
+    backward_ms: float | None
+    forward_peak_bytes: int | None
+    allocations: int | None
+
+    def to_model(self) -> LayerMemory:
+        return LayerMemory(**self._asdict())
 
 
 @dataclass
@@ -25,8 +46,7 @@ class ProbeResult:
     """What one probed iteration found; ``created`` follows its tensors for the leak check."""
 
     iteration: int
-    layers: list[LayerMemory]
-    timeline: Timeline
+    layers: list[LayerRow]
     # storage id -> (module that made or first saved it, weakref to the storage, bytes)
     created: dict[int, tuple[str, weakref.ref, int]] = field(default_factory=dict)
 
@@ -70,9 +90,10 @@ class LayerProbe:
                 if id(p) not in seen:  # a tied weight belongs to its first owner
                     seen.add(id(p))
                     self._own_params.append((name, p))
+        self._handles: list[Any] = []
+        # saved_tensors_hooks open in the root's forward, per thread (torch keeps them so).
         self._local = threading.local()
-        self._grad_handles: list[Any] = []
-        recorder.add_listener(self._on_event)
+        self._start_total = 0
         recorder.add_output_listener(self._on_output)
         self._reset()
 
@@ -94,39 +115,49 @@ class LayerProbe:
         self._start_total = self.recorder.recorded_total
         for _, p in self._own_params:
             if p.requires_grad:
-                self._grad_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._handles.append(self.model.register_forward_pre_hook(self._on_root_enter))
+        self._handles.append(self.model.register_forward_hook(self._on_root_exit, always_call=True))
         self.recorder.start()
         self.active = True
 
     def stop(self) -> ProbeResult:
         """Unhook the model and summarise the iteration."""
         self.recorder.close()
-        for handle in self._grad_handles:
+        for handle in self._handles:
             handle.remove()
-        self._grad_handles.clear()
+        self._handles.clear()
+        contexts = self._contexts()
+        while contexts:  # a forward that never returned (an exception in a hook)
+            ctx = contexts.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
         self.active = False
-        timeline = self.recorder.timeline(last=self.recorder.recorded_total - self._start_total)
-        return ProbeResult(self.iteration, self._layers(timeline), timeline, self._created)
+        stats = self.recorder.layer_stats(last=self.recorder.recorded_total - self._start_total)
+        return ProbeResult(self.iteration, self._layers(stats), self._created)
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def _on_event(self, kind: str, name: str, pass_: str) -> None:
-        if name != "" or pass_ != "forward":
-            return
-        stack = getattr(self._local, "hooks", None)
-        if stack is None:
-            stack = self._local.hooks = []
-        if kind == "enter":
-            self._saved = {}  # per forward call: with accumulation, the last micro-batch's
-            self._saved_seen = set()
-            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-            try:
-                ctx.__enter__()
-            except RuntimeError:  # saved-tensor hooks disabled here (e.g. under compile)
-                ctx = None
-            stack.append(ctx)
-        elif stack:
-            ctx = stack.pop()
+    def _contexts(self) -> list[Any]:
+        contexts = getattr(self._local, "contexts", None)
+        if contexts is None:
+            contexts = self._local.contexts = []
+        return contexts
+
+    def _on_root_enter(self, module: nn.Module, args: Any) -> None:
+        self._saved = {}  # per forward call: with accumulation, the last micro-batch's
+        self._saved_seen = set()
+        ctx: Any = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        try:
+            ctx.__enter__()
+        except RuntimeError:  # saved-tensor hooks disabled here (e.g. under compile)
+            ctx = None
+        self._contexts().append(ctx)
+
+    def _on_root_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        contexts = self._contexts()
+        if contexts:
+            ctx = contexts.pop()
             if ctx is not None:
                 ctx.__exit__(None, None, None)
 
@@ -136,24 +167,32 @@ class LayerProbe:
             st = t.untyped_storage()
             key = id(st)
             if key not in self._param_storages:
-                entry = self._saved.setdefault(module, [0, 0])
+                entry = self._saved.get(module)
+                if entry is None:
+                    entry = self._saved[module] = [0, 0]
                 entry[0] += 1
                 if key not in self._saved_seen:
                     self._saved_seen.add(key)
                     entry[1] += st.nbytes()
-                self._track(module, st)
+                if key not in self._created:
+                    self._track(module, st)
         return t  # no copy: the hook only looks
 
     def _on_output(self, name: str, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            st = output.untyped_storage()
+            if id(st) not in self._created and id(st) not in self._param_storages:
+                self._track(name, st)
+            return
         for t in iter_tensors(output):
             st = t.untyped_storage()
-            if id(st) not in self._param_storages:
+            if id(st) not in self._created and id(st) not in self._param_storages:
                 self._track(name, st)
 
     def _track(self, module: str, st: torch.UntypedStorage) -> None:
-        key = id(st)
-        if key not in self._created and st.nbytes() > 0:
-            self._created[key] = (module, weakref.ref(st), st.nbytes())
+        nbytes = st.nbytes()
+        if nbytes > 0:
+            self._created[id(st)] = (module, weakref.ref(st), nbytes)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:
@@ -161,7 +200,7 @@ class LayerProbe:
 
     # -- summary ----------------------------------------------------------------------------
 
-    def _layers(self, timeline: Timeline) -> list[LayerMemory]:
+    def _layers(self, layer_stats: list[Any]) -> list[LayerRow]:
         weights: dict[str, int] = {}
         grads: dict[str, int] = {}
         for name, p in self._own_params:
@@ -170,18 +209,19 @@ class LayerProbe:
             if g is None and p.grad is not None:
                 g = p.grad.untyped_storage().nbytes()
             grads[name] = grads.get(name, 0) + (g or 0)
-        stats = {(s.module, s.pass_): s for s in timeline.layer_stats()}
+        stats = {(s.module, s.pass_): s for s in layer_stats}
         layers = []
         for name, type_name in self._types.items():
             fwd = stats.get((name, "forward"))
             bwd = stats.get((name, "backward"))
             saved_tensors, saved_bytes = self._saved.get(name, (0, 0))
             intermediate = 0
-            if fwd is not None and fwd.calls:
+            measured = fwd is not None and fwd.calls > 0
+            if measured:
                 left_behind = max(0, fwd.net_allocated_bytes // fwd.calls)
                 intermediate = max(0, fwd.peak_rise_bytes - left_behind)
             layers.append(
-                LayerMemory(
+                LayerRow(
                     module=name,
                     type_name=type_name,
                     weight_bytes=weights.get(name, 0),
@@ -189,10 +229,10 @@ class LayerProbe:
                     saved_tensors=saved_tensors,
                     saved_bytes=saved_bytes,
                     intermediate_bytes=intermediate,
-                    forward_ms=fwd.total_ms if fwd and fwd.calls else None,
-                    backward_ms=bwd.total_ms if bwd and bwd.calls else None,
-                    forward_peak_bytes=fwd.peak_allocated_bytes if fwd and fwd.calls else None,
-                    allocations=fwd.allocations if fwd else None,
+                    forward_ms=fwd.total_ms if measured else None,
+                    backward_ms=bwd.total_ms if bwd is not None and bwd.calls else None,
+                    forward_peak_bytes=fwd.peak_allocated_bytes if measured else None,
+                    allocations=fwd.allocations if fwd is not None else None,
                 )
             )
         return layers

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memadvisor._torch_private import cuda_memory_counters
+from memadvisor._torch_private import cuda_counter_reader
 from memadvisor.memory import MemoryMeter
 from memadvisor.timeline import CudaMemoryReader, MeterMemoryReader
 
@@ -29,7 +29,12 @@ class MemorySource:
 
 
 class CudaSource(MemorySource):
-    """The caching allocator's counters: one stats call, no synchronisation."""
+    """The caching allocator's counters: one stats call and one peak reset, no synchronisation.
+
+    Args:
+        device: the card.
+        count_allocations: the event reader also reports cumulative allocation counts.
+    """
 
     def __init__(self, device: torch.device, *, count_allocations: bool = False) -> None:
         self.device = str(device)
@@ -37,17 +42,19 @@ class CudaSource(MemorySource):
         self.reader = CudaMemoryReader(
             self._index, count_allocations=count_allocations, interval_peaks=True
         )
+        self._read = cuda_counter_reader(self._index, reset_peaks=True)
         torch.cuda.reset_peak_memory_stats(self._index)
 
     def take(self) -> tuple[int, int | None, int, int | None]:
-        c = cuda_memory_counters(self._index)
-        # Event hooks reset the allocator's peaks at each reading; their running maxima
-        # hold what those resets took away.
-        peak_allocated = max(c["allocated_peak"], self.reader.max_allocated_bytes)
-        peak_reserved = max(c["reserved_peak"], self.reader.max_reserved_bytes)
-        torch.cuda.reset_peak_memory_stats(self._index)
-        self.reader.reset_max()
-        return c["allocated"], c["reserved"], peak_allocated, peak_reserved
+        allocated, reserved, peak_allocated, peak_reserved, _ = self._read()
+        reader = self.reader
+        if reader.max_allocated_bytes:
+            # Event hooks (a measured iteration) reset the allocator's peaks at each reading;
+            # their running maxima hold what those resets took away.
+            peak_allocated = max(peak_allocated, reader.max_allocated_bytes)
+            peak_reserved = max(peak_reserved, reader.max_reserved_bytes)
+            reader.reset_max()
+        return allocated, reserved, peak_allocated, peak_reserved
 
 
 class MeterSource(MemorySource):

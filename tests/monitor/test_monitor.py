@@ -232,7 +232,8 @@ def test_cuda_monitor_matches_allocator_and_cpu_layer_numbers():
         model(torch.randn(2, 4, device="cuda")).sum().backward()
         opt.step()
         opt.zero_grad()
-        rec = monitor.record()
+        monitor.record()
+        rec = monitor.last
         assert rec.allocated_bytes == torch.cuda.memory_allocated()
         assert rec.reserved_bytes == torch.cuda.memory_reserved()
         assert rec.peak_allocated_bytes >= rec.allocated_bytes

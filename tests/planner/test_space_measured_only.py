@@ -1,4 +1,4 @@
-"""A measured-only strategy (compile) never reaches the estimate-ranked search with a real choice."""
+"""A measured-only strategy (compile) reaches the estimate search with its neutral choice only."""
 
 from __future__ import annotations
 
