@@ -243,3 +243,10 @@ def test_bad_options_are_bad_input_naming_the_value(kwargs: dict, words: str) ->
     model = nn.Linear(4, 1)
     with pytest.raises(BadInputError, match=words):
         memadvisor.plan(model, torch.randn(2, 4), progress=False, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a card")
+def test_asking_for_cuda_without_a_card_is_bad_input_naming_the_way_out() -> None:
+    """device='cuda' on a machine without one: BadInputError pointing at 'simulated'."""
+    with pytest.raises(BadInputError, match="simulated"):
+        memadvisor.plan(nn.Linear(4, 1), torch.randn(2, 4), budget_gb=1, device="cuda")
