@@ -248,3 +248,25 @@ def test_gpt_estimate_is_within_5_percent_of_the_simulated_device() -> None:
     )
     profile = _profiled(workload)
     assert _grid_errors(workload, profile, (1, 4)) == []
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_estimate_is_within_5_percent_of_max_memory_allocated(cnn: Workload) -> None:
+    """On a card the truth is the caching allocator's own counter; cuBLAS's workspaces are
+    freed first so the run makes them again, as a fresh process does."""
+    from memadvisor._torch_private import clear_cublas_workspaces
+    from memadvisor.device.cuda import train_candidate
+
+    profile = profile_workload(cnn, device="cuda", precisions=["fp32", "bf16"])
+    strategies = load_strategies(["precision", "checkpointing"])
+    names = [b.name for b in profile.blocks]
+    for precision in ("fp32", "bf16"):
+        for checkpointed in ([], names):
+            candidate = Candidate(
+                batch_size=64, choices={"precision": precision, "checkpointing": checkpointed}
+            )
+            torch.cuda.empty_cache()
+            clear_cublas_workspaces()
+            measured = train_candidate(cnn, candidate, 3, device=torch.device("cuda"))
+            est = estimate(profile, candidate, strategies).peak_bytes
+            assert est == pytest.approx(measured.peak_bytes, rel=0.05), (precision, checkpointed)

@@ -30,8 +30,8 @@ def _llama(**kwargs):  # noqa: ANN003, ANN202
 
 
 def test_a_fake_step_meters_the_bytes_of_the_same_real_step() -> None:
-    """The one difference: AdamW's 4-byte step counters, which torch makes without an op on
-    real CPU tensors (and a card keeps on the host), are counted under fake tensors."""
+    """At most AdamW's 4-byte step counters apart (``torch.tensor(0.)``, which reaches the
+    meter only as ``lift_fresh``)."""
     real = workload_from_result(load_factory(f"{EXAMPLES}/gpt.py:build")(n_layer=2, vocab_size=512))
     fake = fake_workload(real, plan_for="cpu")
     candidate = Candidate(batch_size=2, choices={"precision": "bf16", "checkpointing": ["h.1"]})
