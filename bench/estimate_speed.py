@@ -120,9 +120,11 @@ def main() -> None:
         done += len(pool)
     elapsed = time.perf_counter() - started
     rate = done / elapsed
-    print(f"blocks={args.blocks}  candidates={done}  seconds={elapsed:.2f}  "
-          f"rate={rate:,.0f}/s  per_candidate={elapsed / done * 1e6:.1f} us  "
-          f"target=10,000/s  {'OK' if rate >= 10_000 else 'BELOW TARGET'}")
+    print(
+        f"blocks={args.blocks}  candidates={done}  seconds={elapsed:.2f}  "
+        f"rate={rate:,.0f}/s  per_candidate={elapsed / done * 1e6:.1f} us  "
+        f"target=10,000/s  {'OK' if rate >= 10_000 else 'BELOW TARGET'}"
+    )
 
 
 if __name__ == "__main__":
