@@ -28,9 +28,9 @@ and the head's peak before the first block. A candidate moves that walk:
   autocast's weight copies, which ``s_k`` brings back already).
 * Forward peaks at the loss, everything but what checkpointed blocks freed held, or as
   the model's forward ends, where autocast still caches the checkpointed blocks' weight
-  copies; the optimizer step (AdamW's state, its foreach or
-  per-tensor temporaries, first-step state creation: measured as a steady step after a
-  warm-up) does not depend on the blocks.
+  copies. The optimizer step (AdamW's state, its foreach or per-tensor temporaries,
+  first-step state creation: measured as a steady step after a warm-up) does not depend
+  on the blocks.
 * Precision reads a different measured step (autocast: halved activations where the op
   runs low, fp32 weights plus their low-precision copies during forward).
 * Gradient accumulation holds the gradients through the next micro-batches' forward and
@@ -47,8 +47,8 @@ an H200 with torch 2.11):
       autograd's) + 1 MiB cuBLASLt, held from the first matmul on. The CUDA profiler
       measures and adds them (``Profile.fixed_overhead_bytes``); fake-tensor profiles
       planned for CUDA add the measured total (``memadvisor.device.fake``).
-    * Allocator rounding: blocks are rounded up to 512 bytes (small) or 2 MiB segments:
-      4-12 MiB at the peak on a 6-block GPT; in ``fixed_overhead_bytes`` on CUDA.
+    * Allocator rounding: each block is rounded up to a multiple of 512 bytes inside cached
+      segments: 4-12 MiB at the peak on a 6-block GPT; in ``fixed_overhead_bytes`` on CUDA.
     * Fragmentation: the caching allocator *reserved* 3-32% more than it had allocated at
       the peak, and a memory fraction caps reserved bytes. :attr:`Estimate.peak_bytes` is
       allocated bytes; :attr:`Estimate.reserved_peak_bytes` scales it by the profile's
