@@ -8,6 +8,16 @@ MemoryMeter, whose own cost is shown separately as "meter only").
 
     python bench/monitor_overhead.py                 # examples/gpt.py, examples/cnn.py, resnet50
     python bench/monitor_overhead.py --models gpt --steps 300 --rounds 9
+    python bench/monitor_overhead.py --record-only   # the monitor's own CPU cost, no GPU needed
+
+On CUDA it also times the allocator reads the monitor makes (one stats call and one peak reset
+per record(), and per module event on measured iterations) against the public calls.
+
+--record-only runs each model's training loop on the CPU with tiny inputs and a no-op memory
+source, and times the monitor itself: record() per call on plain iterations (target: well
+under 20 us) and on printed ones, the extra time of the measured (hooked) iteration, and all
+of it amortised per step at the print period. That is the CPU time a GPU loop pays whenever
+the CPU, not the card, sets the pace (a short step like the CNN example's).
 
 Variants:
     baseline         the plain loop
@@ -37,8 +47,11 @@ from rich.console import Console
 from rich.table import Table
 
 import memadvisor
+from memadvisor._torch_private import cuda_counter_reader
 from memadvisor.memory import MemoryMeter
+from memadvisor.monitor._source import MemorySource
 from memadvisor.target import load_factory
+from memadvisor.timeline import MemoryReading
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,6 +157,157 @@ def _run(
     return (time.perf_counter() - t0) * 1e3 / steps, in_record * 1e6 / steps
 
 
+# -- --record-only: the monitor's own cost on the CPU -----------------------------------------
+
+
+class _NoOpSource(MemorySource):
+    """Constant readings: what is left to time is the monitor's own work."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        reading = MemoryReading(1 << 30, 2 << 30, None, 1 << 30)
+        self.reader = lambda: reading
+
+    def take(self) -> tuple[int, int | None, int, int | None]:
+        return 1 << 30, 2 << 30, 1 << 30, 2 << 30
+
+
+def _cpu_workloads(names: list[str]) -> dict[str, Callable[[], tuple]]:
+    """name -> () -> (model, batch, loss_fn, description): the GPU runs' module structure on
+    inputs small enough that a CPU step is quick (its length does not enter record()'s cost)."""
+    out: dict[str, Callable[[], tuple]] = {}
+    if "gpt" in names:
+
+        def gpt():
+            # The GPU run's 6 blocks of 6 heads (so its modules and hooks), with tiny widths.
+            kw = dict(batch_size=1, block_size=8, n_layer=6, n_head=6, n_embd=48, vocab_size=512)
+            built = _load_example("gpt")(**kw)
+            return built["model"], built["sample_batch"], built["loss_fn"], "gpt 6 blocks"
+
+        out["gpt"] = gpt
+    if "cnn" in names:
+
+        def cnn():
+            built = _load_example("cnn")(batch_size=2)
+            x, y = built["sample_batch"]
+            return built["model"], (x[:, :, :4, :4], y), built["loss_fn"], "cnn example"
+
+        out["cnn"] = cnn
+    if "resnet50" in names:
+        if importlib.util.find_spec("torchvision") is None:
+            print("resnet50 skipped: torchvision is not installed")
+        else:
+
+            def resnet():
+                import torchvision
+
+                model = torchvision.models.resnet50()
+                batch = (torch.randn(1, 3, 32, 32), torch.randint(0, 1000, (1,)))
+                loss = lambda out, b: torch.nn.functional.cross_entropy(out, b[1])  # noqa: E731
+                return model, batch, loss, "torchvision resnet50"
+
+            out["resnet50"] = resnet
+    return out
+
+
+def _record_only_row(model, batch, loss_fn, desc: str, *, period: int, steps: int) -> list[str]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss_fn(_forward(model, batch), batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    monitor = memadvisor.Monitor(
+        model,
+        print_period=period,
+        csv=Path(tempfile.mkdtemp()) / "memory.csv",
+        optimizer=opt,
+        console=Console(file=io.StringIO(), width=160),
+        source=_NoOpSource(),
+    )
+    step_ns, record_ns = [], []
+    with monitor:
+        for _ in range(steps):
+            t0 = time.perf_counter_ns()
+            step()
+            t1 = time.perf_counter_ns()
+            monitor.record()
+            step_ns.append(t1 - t0)
+            record_ns.append(time.perf_counter_ns() - t1)
+    measured = {r.iteration - 1 for r in monitor.history if r.layers_measured}
+    printed = {i for i in range(steps) if (i + 1) % period == 0}
+    plain = [ns for i, ns in enumerate(record_ns) if i not in printed]
+    # A measured step against the plain steps just before it (the machine drifts).
+    extra = [
+        step_ns[i] - statistics.median(step_ns[max(0, i - 10) : i] or step_ns)
+        for i in sorted(measured)
+    ]
+    amortised = (sum(record_ns) + sum(extra)) / steps
+    p90 = statistics.quantiles(plain, n=10)[-1]
+    return [
+        desc,
+        str(len(list(model.modules()))),
+        f"{statistics.median(plain) / 1e3:.1f} / {p90 / 1e3:.1f}",
+        f"{statistics.median([record_ns[i] for i in printed]) / 1e6:.2f}" if printed else "-",
+        f"{statistics.median(extra) / 1e6:.2f}" if extra else "-",
+        f"{amortised / 1e3:.1f}",
+    ]
+
+
+def _record_only(args) -> None:
+    """Time record() and the measured iteration with a no-op memory source, on the CPU."""
+    torch.set_num_threads(1)  # steadier step times for the measured-iteration difference
+    period = args.print_period
+    steps = args.steps or 10 * period
+    table = Table(
+        title=f"Monitor's own CPU cost (no-op memory source), torch {torch.__version__}: "
+        f"{steps} steps, print_period {period}"
+    )
+    for col in (
+        "model",
+        "modules",
+        "record() us, plain iter (median / p90)",
+        "record() ms, printed iter",
+        "measured iter extra ms",
+        "amortised us/step",
+    ):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for build in _cpu_workloads(args.models.split(",")).values():
+        table.add_row(*_record_only_row(*build(), period=period, steps=steps))
+    Console(width=200).print(table)
+
+
+def _reader_costs() -> None:
+    """Microseconds per call of the allocator reads: the monitor's against the public ones."""
+    index = torch.cuda.current_device()
+    calls = {
+        "monitor: cuda_counter_reader (1 stats call + peak reset)": cuda_counter_reader(
+            index, reset_peaks=True
+        ),
+        "monitor: cuda_counter_reader, no reset": cuda_counter_reader(index),
+        "torch.cuda.memory_allocated()": torch.cuda.memory_allocated,
+        "torch.cuda.max_memory_allocated()": torch.cuda.max_memory_allocated,
+        "torch.cuda.memory_reserved()": torch.cuda.memory_reserved,
+        "torch.cuda.reset_peak_memory_stats()": torch.cuda.reset_peak_memory_stats,
+    }
+    table = Table(title="allocator reads on this card")
+    table.add_column("call")
+    table.add_column("us per call (median of 20 x 500)", justify="right")
+    for name, fn in calls.items():
+        per_call = []
+        for _ in range(20):
+            t0 = time.perf_counter_ns()
+            for _ in range(500):
+                fn()
+            per_call.append((time.perf_counter_ns() - t0) / 500)
+        table.add_row(name, f"{statistics.median(per_call) / 1e3:.2f}")
+    Console(width=200).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -159,7 +323,15 @@ def main() -> None:
     parser.add_argument("--print-period", type=int, default=100)
     parser.add_argument("--max-events", type=int, default=200_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--record-only",
+        action="store_true",
+        help="time the monitor itself on the CPU with a no-op memory source (no GPU needed)",
+    )
     args = parser.parse_args()
+    if args.record_only:
+        _record_only(args)
+        return
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -217,6 +389,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     console = Console(width=200)
     console.print(table)
+    if cuda:
+        _reader_costs()
     for desc, over in verdicts:
         ok = over < 0.01
         console.print(

@@ -246,6 +246,10 @@ _Frame = tuple[str, str, str | None]
 
 
 def _layer_stats(rows: Iterable[tuple]) -> list[LayerStats]:
+    return [LayerStats(module=m, pass_=p, **s) for (m, p), s in _layer_stats_dicts(rows).items()]
+
+
+def _layer_stats_dicts(rows: Iterable[tuple]) -> dict[tuple[str, str], dict[str, Any]]:
     """:meth:`Timeline.layer_stats` over raw rows in time order, ``(t_ms, kind, module, pass_,
     allocated, reserved, allocations, peak)``: the recorder's buffer needs no events built."""
     spans_of: dict[tuple[str, str], list[list]] = {}
@@ -287,7 +291,7 @@ def _layer_stats(rows: Iterable[tuple]) -> list[LayerStats]:
         s["peak_rise_bytes"] = max(s["peak_rise_bytes"], top - alloc0)
         if count0 is not None and allocations is not None:
             s["allocations"] = (s["allocations"] or 0) + allocations - count0
-    return [LayerStats(module=m, pass_=p, **s) for (m, p), s in stats.items()]
+    return stats
 
 
 def _empty_stats() -> dict[str, Any]:
@@ -609,6 +613,12 @@ class ModuleEventRecorder:
     def active(self) -> bool:
         return self._active
 
+    @property
+    def start_ns(self) -> int:
+        """``time.perf_counter_ns()`` at the recording's time zero (events' ``t_ms`` count
+        from it)."""
+        return self._t0_ns
+
     # -- recording --------------------------------------------------------------------------
 
     def record(
@@ -717,7 +727,14 @@ class ModuleEventRecorder:
 
     def layer_stats(self, last: int | None = None) -> list[LayerStats]:
         """``self.timeline(last).layer_stats()``, read straight from the buffer (cheaper)."""
-        return _layer_stats(
+        return [
+            LayerStats(module=m, pass_=p, **s) for (m, p), s in self.layer_stats_dicts(last).items()
+        ]
+
+    def layer_stats_dicts(self, last: int | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+        """:meth:`layer_stats` as plain dicts of :class:`LayerStats`' fields, keyed by
+        ``(module, pass_)``: for callers that summarise many recordings (the monitor)."""
+        return _layer_stats_dicts(
             (t_ns / 1e6, kind, module, pass_, allocated, reserved, allocations, peak)
             for t_ns, kind, _, module, pass_, allocated, reserved, allocations, peak in (
                 self._rows(last)

@@ -386,3 +386,41 @@ def test_a_leaf_input_reused_across_steps_gets_one_backward_exit_per_step():
     n = len(rec)
     model(x).sum().backward()
     assert len(rec) == n
+
+
+def _sequence(rec: ModuleEventRecorder) -> list[tuple]:
+    return [(e.kind, e.module, e.pass_) for e in rec.events() if e.kind in ("enter", "exit")]
+
+
+def test_global_hooks_record_what_module_hooks_record_and_nothing_of_other_models():
+    """global_hooks=True: the same enter/exit sequence, forward and backward, as one hook pair
+    per module; a second model run meanwhile adds nothing; after close() nothing is recorded."""
+    sequences = []
+    for global_hooks in (False, True):
+        torch.manual_seed(0)
+        model, other = Tiny(), Tiny()
+        meter, rec = _meter_recorder(model, global_hooks=global_hooks)
+        x = torch.randn(2, 4, requires_grad=True)
+        with rec, meter:
+            model(x).sum().backward()
+            other(x).sum().backward()
+        n = len(rec)
+        model(x).sum().backward()
+        assert len(rec) == n
+        sequences.append(_sequence(rec))
+    assert sequences[0] == sequences[1]
+    assert len(sequences[1]) == 2 * 4 + 2 * 4  # every module enters and exits in both passes
+
+
+def test_recorder_layer_stats_from_the_buffer_equal_the_timelines():
+    """layer_stats(last) read from the raw buffer equals timeline(last).layer_stats()."""
+    model = Tiny()
+    meter, rec = _meter_recorder(model)
+    meter.add_listener(lambda _delta, _live: rec.record("alloc"))
+    with rec, meter:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+    assert rec.layer_stats() == rec.timeline().layer_stats()
+    assert rec.layer_stats(last=9) == rec.timeline(last=9).layer_stats()
+    fc1 = {(s.module, s.pass_): s for s in rec.layer_stats()}[("fc1", "forward")]
+    assert (fc1.calls, fc1.net_allocated_bytes) == (2, 2 * 2 * 8 * 4)

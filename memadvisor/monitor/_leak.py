@@ -41,18 +41,16 @@ class LeakCheck:
         self._ends: deque[int] = deque(maxlen=window + 1)
         self._rises = 0
 
-    def add(self, allocated_bytes: int) -> bool:
-        """Add the allocated bytes at the end of one iteration (O(1)); returns :attr:`flagged`."""
-        self._seen += 1
-        if self._seen <= self.warmup:
-            return False
+    def add(self, allocated_bytes: int) -> int:
+        """Add the allocated bytes at the end of one iteration (O(1)); returns :attr:`rises`."""
+        if self._seen < self.warmup:
+            self._seen += 1
+            return 0
         ends = self._ends
-        if ends and allocated_bytes > ends[-1]:
-            self._rises = min(self._rises + 1, self.window)
-        else:
-            self._rises = 0
+        rising = bool(ends) and allocated_bytes > ends[-1]
+        rises = self._rises = min(self._rises + 1, self.window) if rising else 0
         ends.append(allocated_bytes)
-        return self._rises >= self.window and self.growth_bytes >= self.min_growth_bytes
+        return rises
 
     @property
     def rises(self) -> int:

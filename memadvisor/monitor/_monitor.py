@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
+import statistics
 import time
 import weakref
 from collections import deque
@@ -27,19 +31,20 @@ from memadvisor.monitor._output import (
 from memadvisor.monitor._probe import LayerProbe, LayerRow, ProbeResult
 from memadvisor.monitor._schema import IterationRecord, LayerMemory, LeakReport, LeakSuspect
 from memadvisor.monitor._source import MemorySource, MeterSource, source_for
-from memadvisor.timeline import ModuleEventRecorder, Timeline
+from memadvisor.timeline import ModuleEventRecorder, Timeline, TimelineEvent
 
 __all__ = ["Monitor"]
 
 # A raw iteration row, kept instead of an IterationRecord (a pydantic model costs more to build
 # than the rest of record()): (iteration, epoch, iteration_ms, allocated, peak allocated,
-# reserved, peak reserved, totals, layers measured, leak flagged), with totals = (weights,
-# grads, saved activations, optimizer state, other) from the latest measured iteration.
+# reserved, peak reserved, totals, layers measured, leak flagged, perf_counter_ns at record()),
+# with totals = (weights, grads, saved activations, optimizer state, other) from the latest
+# measured iteration. The same tuple is the iteration's CSV line (csv_row) and timeline sample.
 _NO_TOTALS: tuple[None, ...] = (None, None, None, None, None)
 
 
 def _to_record(row: tuple) -> IterationRecord:
-    it, epoch, ms, allocated, peak, reserved, peak_reserved, totals, measured, _ = row
+    it, epoch, ms, allocated, peak, reserved, peak_reserved, totals, measured, _, _ = row
     weights, grads, saved, optimizer, other = totals
     return IterationRecord(
         iteration=it,
@@ -100,22 +105,28 @@ class Monitor:
     loop inside ``with monitor:`` (harmless, and the same code, on CUDA).
 
     CSV lines are written in batches: on printed iterations, at :meth:`epoch_end`, at
-    :meth:`close` (and the end of ``with monitor:``), when the oldest waiting line is 5 s old,
-    and when the monitor is collected or the interpreter exits. Only a process killed outright
-    (SIGKILL) loses lines, at most those 5 s.
+    :meth:`close` (and the end of ``with monitor:``), at the first record() ``csv_flush_s``
+    after the last write, and when the monitor is collected or the interpreter exits. Only a
+    process killed outright (SIGKILL) loses lines, those of the last ``csv_flush_s`` or so.
 
     Args:
         model: the model being trained.
         print_period: print a table every this many iterations (0: never).
         csv: append one row per iteration (and per layer on measured iterations) here.
         optimizer: counted as optimizer state in the totals (and adopted by the CPU meter).
-        layers: measure per-layer numbers on printed iterations.
-        layer_period: measure layers every this many iterations instead (0: never).
+        layers: measure per-layer numbers on printed iterations: the first one, then as
+            often as ``layer_budget`` allows (every printed one where a step is long enough).
+        layer_period: measure layers exactly every this many iterations instead (0: never).
+        layer_budget: share of the loop's time that per-layer measurement may take, on
+            average. A measured iteration that cost the loop ``C`` ms more than its typical
+            ``T`` ms iteration (hooks, summary, table) is followed by at least
+            ``C / (layer_budget * T)`` unmeasured ones, up to the next printed iteration.
         leak_window: consecutive growing iterations that flag a leak.
         max_events: bound of the timeline buffer.
         max_rows: most layers in a printed table.
         console: where tables go; stderr if None.
-        history: iterations kept in :attr:`history`.
+        history: iterations kept in :attr:`history` (and as timeline samples).
+        csv_flush_s: CSV lines wait in memory at most about this long (see above).
         source: where memory is read; from the model's device if None (the CUDA allocator,
             or a CPU meter). Benchmarks pass a no-op one to time the monitor itself.
 
@@ -144,28 +155,36 @@ class Monitor:
         optimizer: torch.optim.Optimizer | None = None,
         layers: bool = True,
         layer_period: int | None = None,
+        layer_budget: float = 0.002,
         leak_window: int = 5,
         max_events: int = 100_000,
         max_rows: int = 20,
         console: Console | None = None,
         history: int = 10_000,
+        csv_flush_s: float = 5.0,
         source: MemorySource | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise BadInputError(f"model must be a torch.nn.Module, but got {type(model)=}.")
         if print_period < 0:
             raise BadInputError(f"print_period must be >= 0 (0: never), but got {print_period=}.")
-        if layer_period is None:
-            layer_period = print_period if layers else 0
-        if layer_period < 0:
+        if layer_period is not None and layer_period < 0:
             raise BadInputError(f"layer_period must be >= 0 (0: never), but got {layer_period=}.")
+        if not 0 < layer_budget <= 1:
+            raise BadInputError(
+                f"layer_budget must be a share of the loop's time in (0, 1], but got "
+                f"{layer_budget=}."
+            )
         if leak_window < 2:
             raise BadInputError(f"leak_window must be at least 2, but got {leak_window=}.")
         if history < 1:
             raise BadInputError(f"history must keep at least 1 iteration, but got {history=}.")
         self.model = model
         self.print_period = print_period
+        # None: measured on printed iterations, spaced out to stay within layer_budget.
         self.layer_period = layer_period
+        self.layer_budget = layer_budget
+        self._adaptive = layer_period is None and layers and print_period > 0
         self.optimizer = optimizer
         self.max_rows = max_rows
         self.console = console or default_console()
@@ -182,7 +201,9 @@ class Monitor:
         )
         self.probe = LayerProbe(model, self.recorder)
         self.leak_check = LeakCheck(leak_window)
-        self._csv = CsvLog(csv) if csv is not None else None
+        self._csv = CsvLog(csv, max_wait_s=csv_flush_s) if csv is not None else None
+        # The log's queue, read once here: record() appends to it without a call.
+        self._csv_pending = self._csv.pending if self._csv is not None else None
         if self._csv is not None:
             # Writes what is queued when the monitor is collected or the interpreter exits;
             # holds the log, not the monitor, so it does not keep the monitor alive.
@@ -200,9 +221,15 @@ class Monitor:
         self._last_ns: int | None = None
         self._inside = False
         self._leak_cache: tuple[int, LeakReport] | None = None
+        self._flagged = False
         self._suspects: list[LeakSuspect] = []  # of the latest flagged record()
         self._suspects_key: int | None = None  # the measured iteration they come from
-        self._epoch_acc = _EpochAccumulator()
+        self._next_print = print_period or -1  # the next iteration that prints
+        # The next iteration measured per layer; -1: none planned.
+        self._next_probe = print_period if self._adaptive else (layer_period or -1)
+        self._probe_start_ms = 0.0
+        self.layer_cost_ms: float | None = None
+        self._start_epoch()
         self._maybe_start_probe(1)
 
     # -- context: the CPU meter -------------------------------------------------------------
@@ -241,6 +268,9 @@ class Monitor:
         Raises:
             BadInputError: on the CPU, called outside ``with monitor:`` (nothing is tracked).
         """
+        # Every call and attribute here is paid each iteration, and paid cold (the training
+        # step has just evicted the monitor from the CPU caches): anything rare (a measured,
+        # printed or growing iteration) is one branch away, and the rest is tuple appends.
         now = time.perf_counter_ns()
         if self._meter is not None and not self._inside:
             raise BadInputError(
@@ -251,34 +281,38 @@ class Monitor:
         allocated, reserved, peak_allocated, peak_reserved = self._take()
         if peak_allocated < allocated:
             peak_allocated = allocated
-        self.recorder.record("sample", phase=f"iteration {it}", reading=(allocated, reserved))
         measured = self.probe.active
         if measured:
             self._finish_probe(peak_allocated)
-        flagged = self.leak_check.add(allocated)
-        if flagged:
-            self._update_suspects()
-        elif self._suspects_key is not None:
-            self._suspects_key = None  # a new run of rises looks its suspects up afresh
+        rises = self.leak_check.add(allocated)
+        if rises or self._flagged:
+            self._on_growth(rises)
         last = self._last_ns
         ms = None if last is None else (now - last) / 1e6
         row = (it, self.epoch, ms, allocated, peak_allocated, reserved, peak_reserved,
-               self._totals, measured, flagged)  # fmt: skip
+               self._totals, measured, self._flagged, now)  # fmt: skip
         self._rows.append(row)
-        self._epoch_acc.add(ms, peak_allocated, peak_reserved)
-        csv = self._csv
-        if csv is not None:
-            csv.add(row, now)
-            if measured and self._layer_rows:
-                for layer in self._layer_rows:
-                    csv.add(layer_csv_row(it, self.epoch, layer), now)
-        if self.print_period and it % self.print_period == 0:
+        if peak_allocated > self._epoch_peak_allocated:
+            self._epoch_peak_allocated = peak_allocated
+        if peak_reserved is not None and peak_reserved > self._epoch_peak_reserved:
+            self._epoch_peak_reserved = peak_reserved
+        if ms is not None:
+            self._epoch_ms += ms
+        pending = self._csv_pending
+        if pending is not None:
+            pending.append(row)
+            if measured:
+                self._queue_layer_lines(it)
+        if it == self._next_print:
+            self._next_print += self.print_period
             self.print()
-            if csv is not None:
-                csv.flush()
-        elif csv is not None and csv.due(now):
-            csv.flush()
-        if self.layer_period or self.leak_check.rises >= 2:
+            if self._csv is not None:
+                self._csv.flush()
+        elif pending is not None and now - self._csv.flushed_ns > self._csv.max_wait_ns:
+            self._csv.flush()
+        if measured:
+            self._plan_next_probe(it, ms, now)
+        if it + 1 == self._next_probe or rises >= 2:
             self._maybe_start_probe(it + 1)
         self._last_ns = time.perf_counter_ns()  # the monitor's own time is not the loop's
 
@@ -289,20 +323,24 @@ class Monitor:
             The epoch's summary (peaks over its iterations, mean iteration time), or None if
             it had none.
         """
-        acc, self._epoch_acc = self._epoch_acc, _EpochAccumulator()
+        count = self.iteration - self._epoch_first + 1
         summary = None
-        if acc.count and self._rows:
+        if count > 0 and self._rows:
             last = self._rows[-1]
-            row = (last[0], last[1], acc.mean_ms, last[3], acc.peak_allocated, last[5],
-                   acc.peak_reserved, last[7], last[8], last[9])  # fmt: skip
+            # Iteration times exist from the second record() on.
+            timed = count - (1 if self._epoch_first == 1 else 0)
+            row = (last[0], last[1], self._epoch_ms / timed if timed else None, last[3],
+                   self._epoch_peak_allocated, last[5],
+                   None if self._epoch_peak_reserved < 0 else self._epoch_peak_reserved,
+                   last[7], last[8], last[9], last[10])  # fmt: skip
             summary = _to_record(row)
             if self._csv is not None:
-                self._csv.add(("epoch", row), time.perf_counter_ns())
+                self._csv.pending.append(("epoch", row))
                 self._csv.flush()
             if self.print_period:
                 leak = self.leak
                 self.console.print(
-                    f"[bold]epoch {self.epoch}[/bold]: {acc.count} iterations, peak allocated "
+                    f"[bold]epoch {self.epoch}[/bold]: {count} iterations, peak allocated "
                     f"{format_bytes(summary.peak_allocated_bytes)}"
                     + (
                         f", peak reserved {format_bytes(summary.peak_reserved_bytes)}"
@@ -312,6 +350,7 @@ class Monitor:
                     + (f"; [red]{leak.message}[/red]" if leak.flagged else "")
                 )
         self.epoch += 1
+        self._start_epoch()
         return summary
 
     def print(self) -> None:
@@ -351,27 +390,92 @@ class Monitor:
         if not check.rises:
             report = LeakReport(flagged=False, iterations=0, growth_bytes=0)
         else:
-            report = check.report(self._suspects if check.flagged else [])
+            report = check.report(self._suspects if self._flagged else [])
         self._leak_cache = (self.iteration, report)
         return report
 
     def timeline(self) -> Timeline:
-        """Iteration samples and the measured iterations' module events, as one timeline."""
-        return self.recorder.timeline()
+        """Iteration samples (those still in :attr:`history`) and the measured iterations'
+        module events, as one timeline."""
+        t0 = self.recorder.start_ns
+        samples = [
+            TimelineEvent(
+                t_ms=(row[10] - t0) / 1e6,
+                kind="sample",
+                phase=f"iteration {row[0]}",
+                allocated_bytes=row[3],
+                reserved_bytes=row[5],
+            )
+            for row in list(self._rows)
+        ]
+        events = self.recorder.events()
+        return Timeline(
+            events=list(heapq.merge(events, samples, key=lambda e: e.t_ms)),
+            device=self.recorder.device,
+            model_name=self.recorder.model_name,
+            dropped_events=self.recorder.dropped_events + self.iteration - len(samples),
+        )
 
     # -- internals --------------------------------------------------------------------------
 
+    def _start_epoch(self) -> None:
+        self._epoch_first = self.iteration + 1
+        self._epoch_ms = 0.0
+        self._epoch_peak_allocated = 0
+        self._epoch_peak_reserved = -1  # none seen (the CPU has no reserve)
+
+    def _on_growth(self, rises: int) -> None:
+        """Memory ended this iteration higher (or a flagged run just ended): update the flag
+        and, when flagged, the suspects."""
+        flagged = rises >= self.leak_check.window and self.leak_check.flagged
+        self._flagged = flagged
+        if flagged:
+            self._update_suspects()
+        else:
+            self._suspects_key = None  # a new run of rises looks its suspects up afresh
+
+    def _queue_layer_lines(self, iteration: int) -> None:
+        if self._csv_pending is not None and self._layer_rows:
+            self._csv_pending.extend(
+                layer_csv_row(iteration, self.epoch, la) for la in self._layer_rows
+            )
+
     def _maybe_start_probe(self, next_iteration: int) -> None:
-        periodic = self.layer_period and next_iteration % self.layer_period == 0
         # Memory that starts to rise gets one measured iteration per window, so that a leak,
         # when flagged, can be traced to the layers whose tensors outlive their iteration.
         growing = (
             self.leak_check.rises >= 2
             and next_iteration - self._last_probe_iteration > self.leak_check.window
         )
-        if periodic or growing:
+        if next_iteration == self._next_probe or growing:
+            t0 = time.perf_counter_ns()
             self.probe.start(next_iteration)
+            self._probe_start_ms = (time.perf_counter_ns() - t0) / 1e6
             self._last_probe_iteration = next_iteration
+        if next_iteration == self._next_probe and not self._adaptive:
+            self._next_probe += self.layer_period or 0
+
+    def _plan_next_probe(self, it: int, ms: float | None, now: int) -> None:
+        """After a measured iteration: what it cost the loop and, if adaptive, when next."""
+        typical = self._typical_ms()
+        cost_ms = self._probe_start_ms + (time.perf_counter_ns() - now) / 1e6
+        if ms is not None and typical is not None:
+            cost_ms += max(0.0, ms - typical)  # the hooked step's extra time
+        self.layer_cost_ms = cost_ms
+        if not self._adaptive or it < self._next_probe:
+            return  # a fixed schedule, or an extra measurement for the leak check
+        gap = 1 if typical is None else math.ceil(cost_ms / (self.layer_budget * typical))
+        period = self.print_period
+        self._next_probe = ((it + max(gap, 1)) // period + 1) * period
+
+    def _typical_ms(self) -> float | None:
+        """Median time of the latest unmeasured iterations (up to 31), None before any."""
+        times = [
+            row[2]
+            for row in itertools.islice(reversed(self._rows), 1, 64)
+            if row[2] is not None and not row[8]
+        ][:31]
+        return statistics.median(times) if times else None
 
     def _finish_probe(self, peak_allocated: int) -> None:
         result = self.probe.stop()
@@ -411,32 +515,3 @@ class Monitor:
         optim = unique_storage_bytes(self._optimizer_tensors()) if self.optimizer else None
         other = max(0, peak_allocated - weights - grads - saved - (optim or 0))
         return (weights, grads, saved, optim, other)
-
-
-class _EpochAccumulator:
-    """Running peaks and mean iteration time of one epoch, O(1) per iteration."""
-
-    __slots__ = ("count", "ms_count", "ms_sum", "peak_allocated", "peak_reserved")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.ms_sum = 0.0
-        self.ms_count = 0
-        self.peak_allocated = 0
-        self.peak_reserved: int | None = None
-
-    def add(self, ms: float | None, peak_allocated: int, peak_reserved: int | None) -> None:
-        self.count += 1
-        if ms is not None:
-            self.ms_sum += ms
-            self.ms_count += 1
-        if peak_allocated > self.peak_allocated:
-            self.peak_allocated = peak_allocated
-        if peak_reserved is not None and (
-            self.peak_reserved is None or peak_reserved > self.peak_reserved
-        ):
-            self.peak_reserved = peak_reserved
-
-    @property
-    def mean_ms(self) -> float | None:
-        return self.ms_sum / self.ms_count if self.ms_count else None

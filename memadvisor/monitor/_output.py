@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from rich.console import Console
+from rich.segment import Segments
 from rich.text import Text
 
 from memadvisor.monitor._schema import IterationRecord, LeakReport
@@ -68,15 +70,16 @@ def _ms(x: float | None) -> str:
 class CsvLog:
     """Appends rows to a CSV file in batches, writing the header only to a new or empty file.
 
-    Rows wait in memory until :meth:`flush` (the monitor flushes on printed iterations, at
-    ``epoch_end()``, at ``close()``, when the oldest row has waited ``max_wait_s``, and through
-    a finalizer when the monitor is collected or the interpreter exits), so an iteration costs
-    a list append, not a formatted write. Rows that come after :meth:`close` reopen the file.
+    Rows wait in :attr:`pending` until :meth:`flush` (the monitor flushes on printed
+    iterations, at ``epoch_end()``, at ``close()``, at the first record() ``max_wait_s`` after
+    the last flush, and through a finalizer when the monitor is collected or the interpreter
+    exits), so an iteration costs a list append, not a formatted write. Rows that come after
+    :meth:`close` reopen the file.
 
     Args:
         path: the CSV file.
-        max_wait_s: longest a queued row waits for the next iteration to write it; a process
-            killed without exit handlers (SIGKILL) loses at most that many seconds of rows.
+        max_wait_s: the monitor flushes at the first record() this long after the last flush:
+            a process killed without exit handlers (SIGKILL) loses about that much.
 
     Raises:
         OSError: the file cannot be opened for appending.
@@ -86,33 +89,24 @@ class CsvLog:
         self.path = Path(path)
         self.max_wait_ns = int(max_wait_s * 1e9)
         self.pending: list[tuple] = []  # raw rows, turned into lines by csv_row() at flush
-        self._oldest_ns = 0
         new = not self.path.exists() or self.path.stat().st_size == 0
         self._file: IO[str] | None = self.path.open("a", newline="")
         self._writer = csv.writer(self._file)
         if new:
             self._writer.writerow(CSV_COLUMNS)
             self._file.flush()
-
-    def add(self, row: tuple, now_ns: int) -> None:
-        """Queue one raw row (see :func:`csv_row`); ``now_ns`` is ``time.perf_counter_ns()``."""
-        if not self.pending:
-            self._oldest_ns = now_ns
-        self.pending.append(row)
-
-    def due(self, now_ns: int) -> bool:
-        """Whether the oldest queued row has waited longer than ``max_wait_s``."""
-        return bool(self.pending) and now_ns - self._oldest_ns > self.max_wait_ns
+        self.flushed_ns = time.perf_counter_ns()
 
     def flush(self) -> None:
         """Write every queued row and flush the file."""
+        self.flushed_ns = time.perf_counter_ns()
         if not self.pending:
             return
         if self._file is None:
             self._file = self.path.open("a", newline="")
             self._writer = csv.writer(self._file)
-        rows, self.pending = self.pending, []
-        self._writer.writerows(map(csv_row, rows))
+        self._writer.writerows(map(csv_row, self.pending))
+        self.pending.clear()  # in place: the monitor holds this list
         self._file.flush()
 
     def close(self) -> None:
@@ -127,7 +121,7 @@ def csv_row(row: tuple) -> tuple:
     """One CSV line, in :data:`CSV_COLUMNS` order, from a raw row the monitor queued.
 
     A raw iteration row is ``(iteration, epoch, iteration_ms, allocated, peak allocated,
-    reserved, peak reserved, totals, layers measured, leak flagged)`` with ``totals`` =
+    reserved, peak reserved, totals, layers measured, leak flagged, time ns)`` with ``totals`` =
     ``(weights, grads, saved activations, optimizer state, other)``: a ``step`` line.
     ``("epoch", iteration row)`` is an ``epoch`` line; a row starting with ``"layer"`` is a
     line already (:func:`layer_csv_row`). ``None`` is written as an empty cell.
@@ -137,7 +131,7 @@ def csv_row(row: tuple) -> tuple:
         if row[0] != "epoch":
             return row
         scope, row = row
-    it, epoch, ms, allocated, peak, reserved, peak_reserved, totals, _, flagged = row
+    it, epoch, ms, allocated, peak, reserved, peak_reserved, totals, _, flagged, _ = row
     weights, grads, saved, optimizer, other = totals
     # fmt: off
     return (scope, it, epoch, None, None, ms, allocated, peak, reserved, peak_reserved,
@@ -175,7 +169,8 @@ def iteration_table(
 
     ``layers`` are :class:`LayerMemory` s or rows with the same fields.
     """
-    out = Text(f"memadvisor · {model_name} · iteration {rec.iteration} (epoch {rec.epoch})\n",
+    out = Text()
+    out.append(f"memadvisor · {model_name} · iteration {rec.iteration} (epoch {rec.epoch})\n",
                style="bold")  # fmt: skip
     line = (
         f"allocated {format_bytes(rec.allocated_bytes)} "
@@ -251,8 +246,12 @@ def _layer_table(out: Text, layers: Sequence[Any], iteration: int | None, max_ro
 
 
 def print_table(console: Console, table: Text) -> None:
-    """Print ``table`` as laid out: no markup, highlighting or wrapping for rich to work out."""
-    console.print(table, markup=False, highlight=False, emoji=False, no_wrap=True, crop=False)
+    """Print ``table`` as laid out, styles included.
+
+    Its segments go straight to the console: printing the Text itself would split, wrap and
+    crop it line by line first, which costs several times the layout.
+    """
+    console.print(Segments(table.render(console, end="")), crop=False)
 
 
 def default_console() -> Console:

@@ -133,7 +133,7 @@ class LayerProbe:
             if ctx is not None:
                 ctx.__exit__(None, None, None)
         self.active = False
-        stats = self.recorder.layer_stats(last=self.recorder.recorded_total - self._start_total)
+        stats = self.recorder.layer_stats_dicts(self.recorder.recorded_total - self._start_total)
         return ProbeResult(self.iteration, self._layers(stats), self._created)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ class LayerProbe:
 
     # -- summary ----------------------------------------------------------------------------
 
-    def _layers(self, layer_stats: list[Any]) -> list[LayerRow]:
+    def _layers(self, stats: dict[tuple[str, str], dict[str, Any]]) -> list[LayerRow]:
         weights: dict[str, int] = {}
         grads: dict[str, int] = {}
         for name, p in self._own_params:
@@ -209,17 +209,16 @@ class LayerProbe:
             if g is None and p.grad is not None:
                 g = p.grad.untyped_storage().nbytes()
             grads[name] = grads.get(name, 0) + (g or 0)
-        stats = {(s.module, s.pass_): s for s in layer_stats}
         layers = []
         for name, type_name in self._types.items():
             fwd = stats.get((name, "forward"))
             bwd = stats.get((name, "backward"))
             saved_tensors, saved_bytes = self._saved.get(name, (0, 0))
             intermediate = 0
-            measured = fwd is not None and fwd.calls > 0
+            measured = fwd is not None and fwd["calls"] > 0
             if measured:
-                left_behind = max(0, fwd.net_allocated_bytes // fwd.calls)
-                intermediate = max(0, fwd.peak_rise_bytes - left_behind)
+                left_behind = max(0, fwd["net_allocated_bytes"] // fwd["calls"])
+                intermediate = max(0, fwd["peak_rise_bytes"] - left_behind)
             layers.append(
                 LayerRow(
                     module=name,
@@ -229,10 +228,10 @@ class LayerProbe:
                     saved_tensors=saved_tensors,
                     saved_bytes=saved_bytes,
                     intermediate_bytes=intermediate,
-                    forward_ms=fwd.total_ms if measured else None,
-                    backward_ms=bwd.total_ms if bwd is not None and bwd.calls else None,
-                    forward_peak_bytes=fwd.peak_allocated_bytes if measured else None,
-                    allocations=fwd.allocations if fwd is not None else None,
+                    forward_ms=fwd["total_ms"] if measured else None,
+                    backward_ms=bwd["total_ms"] if bwd is not None and bwd["calls"] else None,
+                    forward_peak_bytes=fwd["peak_allocated_bytes"] if measured else None,
+                    allocations=fwd["allocations"] if fwd is not None else None,
                 )
             )
         return layers

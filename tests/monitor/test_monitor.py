@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import csv
+import gc
 import io
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -11,7 +15,10 @@ from rich.console import Console
 from torch import nn
 
 from memadvisor import BadInputError, Monitor
-from memadvisor.monitor import LeakCheck
+from memadvisor.monitor import IterationRecord, LeakCheck
+from memadvisor.monitor._probe import ProbeResult
+from memadvisor.monitor._source import MemorySource
+from memadvisor.timeline import MemoryReading
 
 
 class Tiny(nn.Module):
@@ -43,6 +50,28 @@ class CachingLinear(nn.Module):
         return y
 
 
+class Slow(Tiny):
+    """Tiny with a 50 ms forward: a measured iteration costs the loop far less than a step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return super().forward(x)
+
+
+class ScriptedSource(MemorySource):
+    """Readings from a script, one per record(): the monitor's arithmetic without a model's
+    real memory (and, as it is not a CPU meter, without `with monitor:`)."""
+
+    device = "cpu"
+
+    def __init__(self, readings: list[tuple[int, int | None, int, int | None]]) -> None:
+        self.readings = list(readings)
+        self.reader = lambda: MemoryReading(0, 0, None, 0)
+
+    def take(self) -> tuple[int, int | None, int, int | None]:
+        return self.readings.pop(0)
+
+
 def _quiet() -> Console:
     return Console(file=io.StringIO(), width=160)
 
@@ -66,7 +95,7 @@ def test_per_layer_numbers_match_hand_arithmetic():
     (2x8 = 64 B); fc2: 8x2 + 2 = 72 B, saves act's output too, which counts once (to act)."""
     torch.manual_seed(0)
     model = Tiny()
-    monitor = Monitor(model, print_period=1, console=_quiet())
+    monitor = Monitor(model, print_period=1, layer_period=1, console=_quiet())
     _train(model, monitor, 2)
     layers = {la.module: la for la in monitor.layers}
     got = {
@@ -94,7 +123,7 @@ def test_optimizer_state_and_other_bytes_add_up_to_the_peak():
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.Adam(model.parameters())
-    monitor = Monitor(model, print_period=1, optimizer=opt, console=_quiet())
+    monitor = Monitor(model, print_period=1, layer_period=1, optimizer=opt, console=_quiet())
     with monitor:
         for _ in range(2):
             model(torch.randn(2, 4)).sum().backward()
@@ -123,7 +152,9 @@ def test_prints_every_print_period_and_writes_csv_rows(tmp_path):
     path = tmp_path / "memory.csv"
     out = io.StringIO()
     model = Tiny()
-    monitor = Monitor(model, print_period=2, csv=path, console=Console(file=out, width=160))
+    monitor = Monitor(
+        model, print_period=2, layer_period=2, csv=path, console=Console(file=out, width=160)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with monitor:
         for _ in range(4):
@@ -156,11 +187,140 @@ def test_cpu_record_outside_the_meter_says_what_to_do():
 
 
 def test_bad_periods_are_rejected():
-    """Negative periods and a leak window below 2 raise BadInputError naming the value."""
+    """Negative periods, a leak window below 2, a budget outside (0, 1] and an empty history
+    raise BadInputError naming the value."""
     with pytest.raises(BadInputError, match="print_period"):
         Monitor(Tiny(), print_period=-1)
+    with pytest.raises(BadInputError, match="layer_period"):
+        Monitor(Tiny(), layer_period=-1)
     with pytest.raises(BadInputError, match="leak_window"):
         Monitor(Tiny(), leak_window=1)
+    for budget in (0.0, 1.5):
+        with pytest.raises(BadInputError, match="layer_budget"):
+            Monitor(Tiny(), layer_budget=budget)
+    with pytest.raises(BadInputError, match="history"):
+        Monitor(Tiny(), history=0)
+
+
+def test_record_returns_nothing_and_history_builds_bounded_records_on_read():
+    """record() returns None (it stays cheap); `last` and `history` are IterationRecords built
+    from the raw rows, newest last, the oldest dropped past `history`; so are the timeline's
+    samples, whose dropped ones are counted."""
+    readings = [(100 * i, 1000, 100 * i + 50, 1100) for i in range(1, 6)]
+    monitor = Monitor(
+        Tiny(), print_period=0, history=3, source=ScriptedSource(readings), console=_quiet()
+    )
+    assert monitor.last is None
+    for _ in range(5):
+        assert monitor.record() is None
+    assert [r.iteration for r in monitor.history] == [3, 4, 5]
+    assert len(monitor.history) == 3
+    assert isinstance(monitor.last, IterationRecord) and monitor.last == monitor.history[-1]
+    assert [r.allocated_bytes for r in monitor.history[:2]] == [300, 400]
+    last = monitor.last
+    assert (last.peak_allocated_bytes, last.reserved_bytes, last.fragmentation) == (550, 1000, 0.5)
+    assert last.iteration_ms is not None and monitor.history[0].iteration_ms is not None
+    timeline = monitor.timeline()
+    assert [e.phase for e in timeline.events] == ["iteration 3", "iteration 4", "iteration 5"]
+    assert timeline.dropped_events == 2
+
+
+def test_epoch_end_summarises_its_own_iterations_from_running_numbers(tmp_path):
+    """Scripted readings over two epochs: each summary has its epoch's highest peaks, the last
+    reading's current bytes, the mean of its iteration times; epoch rows go to the CSV."""
+    path = tmp_path / "memory.csv"
+    epoch0 = [(100, 1000, 150, 1100), (120, 1000, 300, 1200), (110, 1000, 200, 1000)]
+    epoch1 = [(100, 900, 120, 950), (100, 900, 110, 900)]
+    monitor = Monitor(
+        Tiny(), print_period=0, csv=path, source=ScriptedSource(epoch0 + epoch1),
+        console=_quiet(),
+    )  # fmt: skip
+    for _ in range(3):
+        monitor.record()
+    first = monitor.epoch_end()
+    times = [r.iteration_ms for r in monitor.history if r.iteration_ms is not None]
+    for _ in range(2):
+        monitor.record()
+    second = monitor.epoch_end()
+    assert (first.epoch, first.iteration, first.allocated_bytes) == (0, 3, 110)
+    assert (first.peak_allocated_bytes, first.peak_reserved_bytes) == (300, 1200)
+    assert first.iteration_ms == pytest.approx(sum(times) / len(times))
+    assert (second.epoch, second.peak_allocated_bytes, second.peak_reserved_bytes) == (1, 120, 950)
+    assert monitor.epoch_end() is None  # an epoch without iterations
+    epochs = [r for r in csv.DictReader(path.open()) if r["scope"] == "epoch"]
+    assert [(r["epoch"], r["peak_allocated_bytes"]) for r in epochs] == [("0", "300"), ("1", "120")]
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def test_csv_lines_wait_in_memory_until_a_print_or_close_and_none_are_lost(tmp_path):
+    """print_period=3: two records leave only the header in the file; the printed third
+    writes all three; the fourth waits until close(); a record after close reopens the file."""
+    path = tmp_path / "memory.csv"
+    source = ScriptedSource([(100, 200, 100, 200)] * 5)
+    monitor = Monitor(Tiny(), print_period=3, layers=False, csv=path, source=source,
+                      console=_quiet())  # fmt: skip
+    monitor.record()
+    monitor.record()
+    assert len(_lines(path)) == 1  # the header
+    monitor.record()
+    assert len(_lines(path)) == 4
+    monitor.record()
+    assert len(_lines(path)) == 4
+    monitor.close()
+    assert len(_lines(path)) == 5
+    monitor.record()
+    monitor.close()
+    rows = list(csv.DictReader(path.open()))
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4", "5"]
+
+
+def test_csv_lines_are_written_when_they_have_waited_csv_flush_s(tmp_path):
+    """csv_flush_s=0: every record() finds the lines due and writes its own at once."""
+    path = tmp_path / "memory.csv"
+    monitor = Monitor(Tiny(), print_period=0, csv=path, csv_flush_s=0,
+                      source=ScriptedSource([(1, 2, 1, 2)] * 3), console=_quiet())  # fmt: skip
+    for n in range(1, 4):
+        monitor.record()
+        assert len(_lines(path)) == 1 + n
+
+
+def test_csv_lines_of_a_monitor_never_closed_are_written_when_it_is_collected(tmp_path):
+    """A monitor dropped without close(): its queued lines reach the file when collected."""
+    path = tmp_path / "memory.csv"
+    monitor = Monitor(Tiny(), print_period=0, csv=path,
+                      source=ScriptedSource([(1, 2, 1, 2)] * 3), console=_quiet())  # fmt: skip
+    for _ in range(3):
+        monitor.record()
+    assert len(_lines(path)) == 1
+    del monitor
+    gc.collect()
+    assert len(_lines(path)) == 4
+
+
+def test_csv_lines_of_a_monitor_never_closed_are_written_at_interpreter_exit(tmp_path):
+    """A script that records three iterations and exits without close(): three step lines."""
+    path = tmp_path / "memory.csv"
+    script = f"""
+import torch, memadvisor
+from memadvisor.monitor._source import MemorySource
+
+class Constant(MemorySource):
+    device = "cpu"
+    reader = staticmethod(lambda: (1, 2))
+    def take(self):
+        return (1, 2, 1, 2)
+
+mon = memadvisor.Monitor(torch.nn.Linear(2, 2), print_period=0, csv={str(path)!r},
+                         source=Constant())
+for _ in range(3):
+    mon.record()
+assert len(open({str(path)!r}).read().splitlines()) == 1  # queued, not written yet
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert [r["scope"] for r in csv.DictReader(path.open())] == ["step"] * 3
 
 
 # -- leak check -------------------------------------------------------------------------------
@@ -194,7 +354,7 @@ def test_clean_loop_is_not_flagged():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), CachingLinear(), nn.Linear(8, 1))
     model[2].leak = False
-    monitor = Monitor(model, print_period=3, console=_quiet())
+    monitor = Monitor(model, print_period=3, layer_period=3, console=_quiet())
     _train(model, monitor, 12)
     assert not monitor.leak.flagged
     # ...and memory never rose, so no extra iteration was measured for the leak check.
@@ -218,6 +378,76 @@ def test_leak_check_needs_window_consecutive_rises(ends, flagged):
     assert check.flagged is flagged
 
 
+def test_leak_suspects_are_looked_up_once_per_measured_iteration(monkeypatch):
+    """A loop leaking for 30 iterations: flagged on most of them, but each measured
+    iteration's survivors are looked up once, not on every flagged record() (O(1) each)."""
+    calls: list[int] = []
+    survivors = ProbeResult.survivors
+
+    def counted(self: ProbeResult):
+        calls.append(self.iteration)
+        return survivors(self)
+
+    monkeypatch.setattr(ProbeResult, "survivors", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), CachingLinear(), nn.Linear(8, 1))
+    monitor = Monitor(model, print_period=100, console=_quiet())
+    flagged = 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with monitor:
+        for _ in range(30):
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            monitor.record()
+            flagged += monitor.leak.flagged
+    assert flagged >= 20
+    assert monitor.leak.suspects[0].module == "2.fc"
+    assert len(calls) == len(set(calls)) <= 6
+
+
+# -- per-layer schedule ---------------------------------------------------------------------------
+
+
+def test_layers_are_measured_on_every_print_when_the_budget_allows():
+    """A 50 ms step, layer_budget=1: a measured iteration costs the loop less than a step, so
+    every printed iteration is measured, and the cost is reported."""
+    model = Slow()
+    monitor = Monitor(model, print_period=2, layer_budget=1.0, console=_quiet())
+    _train(model, monitor, 8)
+    assert [r.iteration for r in monitor.history if r.layers_measured] == [2, 4, 6, 8]
+    assert monitor.layer_cost_ms is not None and 0 < monitor.layer_cost_ms < 50
+
+
+def test_layers_are_spaced_out_to_stay_within_the_budget():
+    """A tiny budget: only the first printed iteration is measured (iteration 2 gave the
+    loop's typical time); later tables still show its layers, labelled with its iteration."""
+    out = io.StringIO()
+    model = Tiny()
+    monitor = Monitor(model, print_period=3, layer_budget=1e-9, console=Console(file=out))
+    _train(model, monitor, 12)
+    assert [r.iteration for r in monitor.history if r.layers_measured] == [3]
+    last_table = out.getvalue().split("memadvisor · Tiny · iteration 12")[1]
+    assert "per layer (measured in iteration 3)" in last_table and "fc1" in last_table
+
+
+def test_layer_table_columns_line_up():
+    """The printed per-layer table: header, rule and rows are all the same width, the numbers
+    right-aligned under their headers."""
+    out = io.StringIO()
+    model = Tiny()
+    monitor = Monitor(model, print_period=2, layer_period=2, console=Console(file=out, width=80))
+    _train(model, monitor, 2)
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layer "))
+    table = lines[start : start + 2 + 4]  # header, rule, <model>, fc1, act, fc2
+    assert table[1] == "─" * len(table[0])
+    assert {len(line) for line in table} == {len(table[0])}
+    fc1 = next(line for line in table if line.startswith("fc1 "))
+    assert fc1.split()[1:4] == ["Linear", "160", "B"]
+    assert table[0].index("weights") + len("weights") == fc1.index("160 B") + len("160 B")
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 
@@ -227,7 +457,7 @@ def test_cuda_monitor_matches_allocator_and_cpu_layer_numbers():
     torch.manual_seed(0)
     model = Tiny().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, print_period=1, console=_quiet())
+    monitor = Monitor(model, print_period=1, layer_period=1, console=_quiet())
     for _ in range(3):
         model(torch.randn(2, 4, device="cuda")).sum().backward()
         opt.step()
