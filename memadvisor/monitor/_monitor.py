@@ -15,6 +15,7 @@ from typing import overload
 
 import torch
 from rich.console import Console
+from rich.text import Text
 from torch import nn
 
 from memadvisor.errors import BadInputError
@@ -26,6 +27,7 @@ from memadvisor.monitor._output import (
     format_bytes,
     iteration_table,
     layer_csv_row,
+    layer_table,
     print_table,
 )
 from memadvisor.monitor._probe import LayerProbe, LayerRow, ProbeResult
@@ -155,7 +157,7 @@ class Monitor:
         optimizer: torch.optim.Optimizer | None = None,
         layers: bool = True,
         layer_period: int | None = None,
-        layer_budget: float = 0.002,
+        layer_budget: float = 0.001,
         leak_window: int = 5,
         max_events: int = 100_000,
         max_rows: int = 20,
@@ -214,6 +216,7 @@ class Monitor:
         self.history = IterationHistory(self._rows)
         self._layer_rows: list[LayerRow] | None = None
         self._layers: list[LayerMemory] | None = None
+        self._layer_text: Text | None = None
         self.layers_iteration: int | None = None
         self._probes: deque[ProbeResult] = deque(maxlen=4)  # for the leak check's suspects
         self._last_probe_iteration = -(10**9)
@@ -312,7 +315,7 @@ class Monitor:
             self._csv.flush()
         if measured:
             self._plan_next_probe(it, ms, now)
-        if it + 1 == self._next_probe or rises >= 2:
+        if 0 < self._next_probe <= it + 1 or rises >= 2:
             self._maybe_start_probe(it + 1)
         self._last_ns = time.perf_counter_ns()  # the monitor's own time is not the loop's
 
@@ -357,13 +360,15 @@ class Monitor:
         """Print the latest iteration's table now."""
         if not self._rows:
             return
+        layers = None
+        if self._layer_rows:
+            if self._layer_text is None:  # laid out once per measurement, printed many times
+                self._layer_text = layer_table(
+                    self._layer_rows, self.layers_iteration, self.max_rows
+                )
+            layers = self._layer_text
         table = iteration_table(
-            _to_record(self._rows[-1]),
-            self._layer_rows,
-            self.layers_iteration,
-            self.leak,
-            model_name=self.recorder.model_name,
-            max_rows=self.max_rows,
+            _to_record(self._rows[-1]), layers, self.leak, model_name=self.recorder.model_name
         )
         print_table(self.console, table)
 
@@ -441,19 +446,22 @@ class Monitor:
             )
 
     def _maybe_start_probe(self, next_iteration: int) -> None:
+        # Past due, not just due: a probe that close() discarded is started again.
+        due = 0 < self._next_probe <= next_iteration
         # Memory that starts to rise gets one measured iteration per window, so that a leak,
         # when flagged, can be traced to the layers whose tensors outlive their iteration.
         growing = (
             self.leak_check.rises >= 2
             and next_iteration - self._last_probe_iteration > self.leak_check.window
         )
-        if next_iteration == self._next_probe or growing:
+        if (due or growing) and not self.probe.active:
             t0 = time.perf_counter_ns()
             self.probe.start(next_iteration)
             self._probe_start_ms = (time.perf_counter_ns() - t0) / 1e6
             self._last_probe_iteration = next_iteration
-        if next_iteration == self._next_probe and not self._adaptive:
-            self._next_probe += self.layer_period or 0
+        if due and not self._adaptive:
+            period = self.layer_period or 0
+            self._next_probe = (next_iteration // period + 1) * period
 
     def _plan_next_probe(self, it: int, ms: float | None, now: int) -> None:
         """After a measured iteration: what it cost the loop and, if adaptive, when next."""
@@ -480,7 +488,7 @@ class Monitor:
     def _finish_probe(self, peak_allocated: int) -> None:
         result = self.probe.stop()
         self._probes.append(result)
-        self._layer_rows, self._layers = result.layers, None
+        self._layer_rows, self._layers, self._layer_text = result.layers, None, None
         self.layers_iteration = result.iteration
         self._totals = self._measured_totals(result.layers, peak_allocated)
 

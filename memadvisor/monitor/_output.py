@@ -21,6 +21,7 @@ __all__ = [
     "format_bytes",
     "iteration_table",
     "layer_csv_row",
+    "layer_table",
     "print_table",
 ]
 
@@ -158,17 +159,13 @@ def _layer_total(layer: Any) -> int:
 
 def iteration_table(
     rec: IterationRecord,
-    layers: Sequence[Any] | None,
-    layers_iteration: int | None,
+    layers: Text | None,
     leak: LeakReport | None,
     *,
     model_name: str,
-    max_rows: int = 20,
 ) -> Text:
-    """What is printed every ``print_period`` iterations (see :func:`print_table`).
-
-    ``layers`` are :class:`LayerMemory` s or rows with the same fields.
-    """
+    """What is printed every ``print_period`` iterations (see :func:`print_table`), with
+    ``layers`` from :func:`layer_table` (laid out once per measurement)."""
     out = Text()
     out.append(f"memadvisor · {model_name} · iteration {rec.iteration} (epoch {rec.epoch})\n",
                style="bold")  # fmt: skip
@@ -193,9 +190,9 @@ def iteration_table(
             f" · saved activations {format_bytes(rec.saved_activation_bytes)}"
             f" · other at peak {format_bytes(rec.other_bytes)}"
         )
-    if layers:
+    if layers is not None:
         out.append("\n")
-        _layer_table(out, layers, layers_iteration, max_rows)
+        out.append_text(layers)
     if leak is not None and leak.flagged:
         out.append(f"\nLEAK? {leak.message}", style="bold red")
     return out
@@ -204,7 +201,9 @@ def iteration_table(
 _HEADERS = ("layer", "type", "weights", "grads", "saved", "n", "other", "fwd ms", "bwd ms")
 
 
-def _layer_table(out: Text, layers: Sequence[Any], iteration: int | None, max_rows: int) -> None:
+def layer_table(layers: Sequence[Any], iteration: int | None, max_rows: int = 20) -> Text:
+    """The per-layer table of one measured iteration: its ``max_rows`` largest layers, in
+    model order. ``layers`` are :class:`LayerMemory` s or rows with the same fields."""
     # Laid out here in fixed-width columns rather than as a rich.table.Table: rendering a
     # 20-row Table costs tens of milliseconds (measuring and wrapping every cell), more than
     # a hundred iterations of a small model's training loop; this costs well under one.
@@ -238,11 +237,13 @@ def _layer_table(out: Text, layers: Sequence[Any], iteration: int | None, max_ro
             for i, (c, w) in enumerate(zip(row, widths, strict=True))
         )
 
+    out = Text()
     out.append(title + "\n", style="italic")
     out.append(line(_HEADERS) + "\n", style="bold")
     out.append("─" * (sum(widths) + 2 * (len(widths) - 1)))
     for row in cells:
         out.append("\n" + line(row))
+    return out
 
 
 def print_table(console: Console, table: Text) -> None:

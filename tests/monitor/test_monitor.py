@@ -431,6 +431,21 @@ def test_layers_are_spaced_out_to_stay_within_the_budget():
     assert "per layer (measured in iteration 3)" in last_table and "fc1" in last_table
 
 
+def test_a_measurement_discarded_by_close_is_made_at_the_next_iteration():
+    """close() after record 1 drops the probe set for iteration 2 (hooks must not outlive
+    the block); the monitor measures iteration 3 instead of never measuring again."""
+    model = Tiny()
+    monitor = Monitor(model, print_period=2, source=ScriptedSource([(1, 2, 1, 2)] * 4),
+                      console=_quiet())  # fmt: skip
+    monitor.record()
+    monitor.close()
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        monitor.record()
+    assert [r.iteration for r in monitor.history if r.layers_measured] == [3]
+
+
 def test_layer_table_columns_line_up():
     """The printed per-layer table: header, rule and rows are all the same width, the numbers
     right-aligned under their headers."""
@@ -453,20 +468,29 @@ def test_layer_table_columns_line_up():
 
 @pytest.mark.gpu
 def test_cuda_monitor_matches_allocator_and_cpu_layer_numbers():
-    """On a card: allocated at record() is the allocator's; per-layer bytes equal the CPU's."""
+    """On a card: allocated and reserved at record() are the allocator's; each record's peak
+    covers a 4 MiB temporary freed in its own iteration only (peaks reset per record());
+    per-layer bytes equal the CPU's."""
     torch.manual_seed(0)
     model = Tiny().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, print_period=1, layer_period=1, console=_quiet())
-    for _ in range(3):
+    for i in range(4):
         model(torch.randn(2, 4, device="cuda")).sum().backward()
         opt.step()
         opt.zero_grad()
+        if i == 2:
+            tmp = torch.empty(2**20, device="cuda")  # 4 MiB
+            del tmp
         monitor.record()
         rec = monitor.last
         assert rec.allocated_bytes == torch.cuda.memory_allocated()
         assert rec.reserved_bytes == torch.cuda.memory_reserved()
         assert rec.peak_allocated_bytes >= rec.allocated_bytes
+        if i == 2:
+            assert rec.peak_allocated_bytes >= rec.allocated_bytes + 4 * 2**20
+        if i == 3:
+            assert rec.peak_allocated_bytes < rec.allocated_bytes + 4 * 2**20
     layers = {la.module: (la.weight_bytes, la.saved_bytes) for la in monitor.layers}
     assert layers == {"": (0, 0), "fc1": (160, 32), "act": (0, 64), "fc2": (72, 0)}
     monitor.close()
