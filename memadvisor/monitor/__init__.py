@@ -1,8 +1,9 @@
 """Training-loop monitor and tracer: memory per iteration and per layer in the user's own loop.
 
-``Monitor`` is light (counter reads per iteration, per-layer hooks only on the iterations it
-prints); ``trace`` records every module's enter/exit for a timeline and speedscope exports,
-the same :class:`~memadvisor.timeline.Timeline` the profiler produces.
+``Monitor`` is light (one counter read and a few tuple appends per iteration; per-layer hooks
+only on printed iterations, as often as a budget of the loop's time allows); ``trace``
+records every module's enter/exit for a timeline and speedscope exports, the same
+:class:`~memadvisor.timeline.Timeline` the profiler produces.
 """
 
 from memadvisor.monitor._leak import LeakCheck

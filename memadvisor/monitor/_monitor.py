@@ -94,10 +94,13 @@ class Monitor:
     peaks, one stats call on CUDA) and a few tuple appends: records, CSV lines and the leak
     check are kept raw and turned into models, lines and verdicts only when read, printed or
     flushed. Per-layer numbers (weights, gradients, saved activations, other intermediates,
-    time) are measured only on the iterations that print them, by hooks installed for that
-    one iteration, so the loop runs unhooked the rest of the time. A leak check flags
-    allocated memory that ends each iteration higher, and names the layers whose tensors
-    outlive their iteration.
+    time) are measured on printed iterations, by hooks installed for that one iteration, so
+    the loop runs unhooked the rest of the time: on the first printed iteration, then on as
+    many as keep their cost within ``layer_budget`` of the loop's time (every one, where the
+    card hides the hooks' CPU time behind a long step; every tenth or fewer for a small
+    model whose step is all CPU time). Tables in between show the latest measured layers. A
+    leak check flags allocated memory that ends each iteration higher, and names the layers
+    whose tensors outlive their iteration.
 
     On CUDA the allocator's counters are read, and its peak counters are reset at every
     record() (and at every hook on measured iterations) to give per-iteration peaks: code
@@ -133,8 +136,8 @@ class Monitor:
             or a CPU meter). Benchmarks pass a no-op one to time the monitor itself.
 
     Raises:
-        BadInputError: a period, window or history is out of range, or ``model`` is not a
-            module.
+        BadInputError: a period, window, budget or history is out of range, or ``model`` is
+            not a module.
 
     Example::
 
