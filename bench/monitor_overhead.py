@@ -18,9 +18,10 @@ per record(), and per module event on measured iterations) against the public ca
 
 --record-only runs each model's training loop on the CPU with tiny inputs and a no-op memory
 source, and times the monitor itself: record() per call on plain iterations (target: well
-under 20 us) and on printed ones, the extra time of the measured (hooked) iteration, and all
-of it amortised per step at the print period. That is the CPU time a GPU loop pays whenever
-the CPU, not the card, sets the pace (a short step like the CNN example's).
+under 20 us), next to an empty function call timed the same way (right after a step, caches
+cold: the floor on this machine), and on printed ones; which iterations were measured per
+layer and what that cost; and all of it amortised per step. That is the CPU time a GPU loop
+pays whenever the CPU, not the card, sets the pace (a short step like the CNN example's).
 
 Variants:
     baseline         the plain loop
@@ -218,6 +219,10 @@ def _cpu_workloads(names: list[str]) -> dict[str, Callable[[], tuple]]:
     return out
 
 
+def _noop() -> None:
+    pass
+
+
 def _record_only_row(model, batch, loss_fn, desc: str, *, period: int, steps: int) -> list[str]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -226,8 +231,14 @@ def _record_only_row(model, batch, loss_fn, desc: str, *, period: int, steps: in
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
+    # What any call costs right after a training step, when the step has evicted the caller
+    # from the CPU caches: the floor under record()'s in-loop time on this machine.
+    noop_ns = []
+    for _ in range(50):
         step()
+        t0 = time.perf_counter_ns()
+        _noop()
+        noop_ns.append(time.perf_counter_ns() - t0)
     monitor = memadvisor.Monitor(
         model,
         print_period=period,
@@ -258,6 +269,7 @@ def _record_only_row(model, batch, loss_fn, desc: str, *, period: int, steps: in
     return [
         desc,
         str(len(list(model.modules()))),
+        f"{statistics.median(noop_ns) / 1e3:.1f}",
         f"{statistics.median(plain) / 1e3:.1f} / {p90 / 1e3:.1f}",
         f"{statistics.median([record_ns[i] for i in printed]) / 1e6:.2f}" if printed else "-",
         str(sorted(i + 1 for i in measured)),
@@ -278,6 +290,7 @@ def _record_only(args) -> None:
     for col in (
         "model",
         "modules",
+        "empty call us",
         "record() us, plain iter (median / p90)",
         "record() ms, printed iter",
         "layers measured in",

@@ -40,6 +40,9 @@ class LeakCheck:
         self._seen = 0
         self._ends: deque[int] = deque(maxlen=window + 1)
         self._rises = 0
+        # The latest bytes counted (None during the warmup): adding the same bytes again
+        # while nothing rises changes nothing, so a caller may skip that call.
+        self.last_bytes: int | None = None
 
     def add(self, allocated_bytes: int) -> int:
         """Add the allocated bytes at the end of one iteration (O(1)); returns :attr:`rises`."""
@@ -50,6 +53,7 @@ class LeakCheck:
         rising = bool(ends) and allocated_bytes > ends[-1]
         rises = self._rises = min(self._rises + 1, self.window) if rising else 0
         ends.append(allocated_bytes)
+        self.last_bytes = allocated_bytes
         return rises
 
     @property

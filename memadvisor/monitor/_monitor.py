@@ -228,6 +228,8 @@ class Monitor:
         self._inside = False
         self._leak_cache: tuple[int, LeakReport] | None = None
         self._flagged = False
+        self._rises = 0  # the leak check's, mirrored: record() reads it without a call
+        self._leak_last: int | None = None
         self._suspects: list[LeakSuspect] = []  # of the latest flagged record()
         self._suspects_key: int | None = None  # the measured iteration they come from
         self._next_print = print_period or -1  # the next iteration that prints
@@ -290,9 +292,12 @@ class Monitor:
         measured = self.probe.active
         if measured:
             self._finish_probe(peak_allocated)
-        rises = self.leak_check.add(allocated)
-        if rises or self._flagged:
-            self._on_growth(rises)
+        rises = 0
+        if allocated != self._leak_last or self._rises:  # skipped while memory stays flat
+            rises = self._rises = self.leak_check.add(allocated)
+            self._leak_last = self.leak_check.last_bytes
+            if rises or self._flagged:
+                self._on_growth(rises)
         last = self._last_ns
         ms = None if last is None else (now - last) / 1e6
         row = (it, self.epoch, ms, allocated, peak_allocated, reserved, peak_reserved,

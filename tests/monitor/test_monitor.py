@@ -463,6 +463,31 @@ def test_layer_table_columns_line_up():
     assert table[0].index("weights") + len("weights") == fc1.index("160 B") + len("160 B")
 
 
+@pytest.mark.parametrize(
+    "ends",
+    [
+        [100, 100, 110, 120, 130, 140, 150],  # flat from the warmup record, then 5 rises
+        [100, 90, 90, 90, 100, 110, 120, 130, 140, 140, 150],  # flat, 5 rises, flat, 1 rise
+        [50, 60, 60, 70, 80, 90, 100, 110],
+    ],
+)
+def test_monitor_leak_verdicts_equal_a_leak_check_fed_every_record(ends):
+    """record() skips the leak check while memory stays flat; its verdicts, iteration by
+    iteration, are those of a LeakCheck given every value."""
+    readings = [(b, 1000, b, 1000) for b in ends]
+    monitor = Monitor(Tiny(), print_period=0, source=ScriptedSource(readings), console=_quiet())
+    check = LeakCheck(5)
+    for b in ends:
+        monitor.record()
+        check.add(b)
+        leak = monitor.leak
+        assert (leak.flagged, leak.iterations, leak.growth_bytes) == (
+            check.flagged,
+            check.rises,
+            check.growth_bytes,
+        )
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 
