@@ -127,13 +127,19 @@ class Monitor:
             ``T`` ms iteration (hooks, summary, table) is followed by at least
             ``C / (layer_budget * T)`` unmeasured ones, up to the next printed iteration.
         leak_window: consecutive growing iterations that flag a leak.
-        max_events: bound of the timeline buffer.
+        max_events: bound of the buffer of module events (those of measured iterations).
         max_rows: most layers in a printed table.
         console: where tables go; stderr if None.
         history: iterations kept in :attr:`history` (and as timeline samples).
         csv_flush_s: CSV lines wait in memory at most about this long (see above).
         source: where memory is read; from the model's device if None (the CUDA allocator,
             or a CPU meter). Benchmarks pass a no-op one to time the monitor itself.
+
+    Attributes:
+        history: the latest iterations' :class:`IterationRecord` s (built when read).
+        layers_iteration: the iteration :attr:`layers` were measured in.
+        layer_cost_ms: what the latest measured iteration cost the loop: the hooked step's
+            extra time over a typical one, installing the hooks, summarising and printing.
 
     Raises:
         BadInputError: a period, window, budget or history is out of range, or ``model`` is
