@@ -7,6 +7,7 @@ top to bottom in :func:`plan_workload`; :class:`_Prober` holds what every device
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Sequence
@@ -179,9 +180,13 @@ def _resolve_kind(config: PlanConfig, device: Device | None) -> str:
 
 
 def _profile(workload: Workload, kind: str, ui: Progress) -> Profile:
+    from memadvisor.device._autocast import cuda_autocast_policy
     from memadvisor.profiler import profile_workload
 
-    with ui.stage("profiling", total=None) as bar:
+    # The simulated device runs autocast with CUDA's policy (it stands in for a card); the
+    # profile must measure that same step, not CPU autocast's, or bf16 estimates drift.
+    policy = contextlib.nullcontext() if kind == "cuda" else cuda_autocast_policy()
+    with ui.stage("profiling", total=None) as bar, policy:
         return profile_workload(
             workload,
             device="cuda" if kind == "cuda" else "cpu",
