@@ -23,7 +23,6 @@ import copy
 import gc
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from memadvisor.memory import MemoryMeter
 from memadvisor.profiler import Profile, profile_workload
 from memadvisor.strategy import load_strategies
 from memadvisor.target import load_target
-from memadvisor.workload import Workload, train_step
+from memadvisor.workload import Workload, tensor_leaves, train_step
 from strategies.checkpointing import ranked_blocks
 from strategies.inference import measure_inference
 from strategies.precision import check_numerics, grad_scaler_for
@@ -44,17 +43,6 @@ EXAMPLES = {  # target -> (batch on CUDA, batch on CPU)
     "examples/gpt.py:build": (32, 4),
     "examples/cnn.py:build": (256, 8),
 }
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def measure(
@@ -91,8 +79,8 @@ def measure(
         torch.cuda.reset_peak_memory_stats()
     else:
         meter = MemoryMeter()
-        meter.adopt([*model.parameters(), *model.buffers(), *_tensors(optimizer.state)])
-        meter.adopt(_tensors(batch))
+        meter.adopt([*model.parameters(), *model.buffers(), *tensor_leaves(optimizer.state)])
+        meter.adopt(tensor_leaves(batch))
         meter.__enter__()
     times = []
     try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -36,6 +36,7 @@ from torch.nn.modules.module import (
 )
 
 from memadvisor._torch_private import cuda_counter_reader
+from memadvisor.workload import tensor_leaves as iter_tensors
 
 __all__ = [
     "SPEEDSCOPE_SCHEMA_URL",
@@ -477,19 +478,6 @@ def meter_memory_reader(meter: Any) -> MeterMemoryReader:
 
 
 # -- the recorder ------------------------------------------------------------------------------
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a module's inputs or outputs: tensors, tuples, lists, mappings (HF
-    ``ModelOutput`` is one). Hand-rolled because ``torch.utils._pytree`` is private."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from iter_tensors(v)
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:

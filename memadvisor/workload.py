@@ -38,6 +38,7 @@ __all__ = [
     "Workload",
     "batch_size_of",
     "resize_batch",
+    "tensor_leaves",
     "train_step",
 ]
 
@@ -49,15 +50,21 @@ Phase = Literal["forward", "loss", "backward", "optimizer", "zero_grad", "end"]
 PhaseCallback = Callable[[Phase], None]
 
 
-def _tensor_leaves(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from _tensor_leaves(v)
-    elif isinstance(batch, (tuple, list)):
-        for v in batch:
-            yield from _tensor_leaves(v)
+def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested batch, output or optimizer state: tensors, tuples, lists,
+    mappings (HF ``BatchEncoding`` and ``ModelOutput`` are mappings) and other objects with
+    ``items()``. Hand-rolled because ``torch.utils._pytree`` is private."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from tensor_leaves(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from tensor_leaves(v)
+    elif hasattr(obj, "items"):
+        for _, v in obj.items():
+            yield from tensor_leaves(v)
 
 
 def batch_size_of(batch: Any) -> int:
@@ -66,7 +73,7 @@ def batch_size_of(batch: Any) -> int:
     Raises:
         BadInputError: the batch holds no tensor with at least one dimension.
     """
-    for t in _tensor_leaves(batch):
+    for t in tensor_leaves(batch):
         if t.dim() >= 1:
             return int(t.shape[0])
     raise BadInputError(
@@ -221,7 +228,7 @@ class Workload:
 
 
 def _has_tensor(batch: Any) -> bool:
-    return any(t.dim() >= 1 for t in _tensor_leaves(batch))
+    return any(t.dim() >= 1 for t in tensor_leaves(batch))
 
 
 def _describe(x: Any) -> str:

@@ -26,8 +26,8 @@ import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Literal
+from collections.abc import Sequence
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -39,26 +39,11 @@ from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError
 from memadvisor.estimate import Candidate
 from memadvisor.memory import MemoryMeter
 from memadvisor.profiler import Profile
-from memadvisor.workload import Workload, train_step
+from memadvisor.workload import Workload, tensor_leaves, train_step
 
 __all__ = ["AutocastPolicy", "SimulatedDevice", "tensor_leaves"]
 
 AutocastPolicy = Literal["cuda", "cpu"]
-
-
-def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) batch, optimizer state or output."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensor_leaves(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensor_leaves(v)
-    elif hasattr(obj, "items"):  # a Mapping that is not a dict (HF BatchEncoding)
-        for _, v in obj.items():
-            yield from tensor_leaves(v)
 
 
 class SimulatedDevice(Device):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from memadvisor.profiler._device import Target
 from memadvisor.profiler._graph import saved_storages
 from memadvisor.profiler._walk import BackwardWalk
 from memadvisor.workload import Workload, train_step
+from memadvisor.workload import tensor_leaves as tensors_in
 
 __all__ = ["LOSS_OWNER", "OTHER_OWNER", "MemoryMeasurement", "MemoryStep", "tensors_in"]
 
@@ -75,18 +76,6 @@ class _Record:
     block: int  # index into the blocks; -1 outside every block
     in_loss: bool
     cast_weight: bool
-
-
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside nested tuples, lists and mappings (HF outputs are mappings)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from tensors_in(v)
 
 
 class _StepMeter(MemoryMeter):
