@@ -20,7 +20,6 @@ Rules (documented in README.md):
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -302,14 +301,3 @@ def _is_oom_text(e: BaseException) -> bool:
     from memadvisor.device import is_oom
 
     return is_oom(e)
-
-
-@contextlib.contextmanager
-def eval_restored(model: nn.Module) -> Iterator[None]:
-    """Run a block and put back ``model``'s train/eval flags of every submodule."""
-    modes = {m: m.training for m in model.modules()}
-    try:
-        yield
-    finally:
-        for m, training in modes.items():
-            m.train(training)
