@@ -6,13 +6,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["GIB", "DeviceKind", "Objective", "PlanConfig", "Precision", "gib_to_bytes"]
+__all__ = [
+    "GIB",
+    "CompilePolicy",
+    "DeviceKind",
+    "Objective",
+    "PlanConfig",
+    "Precision",
+    "gib_to_bytes",
+]
 
 GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count in
 
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated"]
 Precision = Literal["fp32", "bf16", "fp16"]
+CompilePolicy = Literal["auto", "off", "on"]
 
 
 def gib_to_bytes(gib: float) -> int:
@@ -61,6 +70,15 @@ class PlanConfig(BaseModel):
     strategies: list[str] | None = Field(
         None, description="Names of the strategies to use; None uses every registered one."
     )
+    # auto: only on CUDA, where a compiled step can be measured (each compiled candidate
+    # costs a compile per probe process, seconds to minutes); the simulated CPU device runs
+    # a compiled step eagerly under its byte meter, so it cannot judge one.
+    compile: CompilePolicy = Field(
+        "auto",
+        description="Whether the planner also measures the eager pick compiled with "
+        "torch.compile and keeps it when faster: auto (on CUDA, when the compile strategy is "
+        "among `strategies`), off, or on (on any device whose step times rank).",
+    )
 
     @model_validator(mode="after")
     def _effective_batch_given(self) -> PlanConfig:
@@ -68,6 +86,16 @@ class PlanConfig(BaseModel):
             raise ValueError(
                 "objective='effective_batch' needs effective_batch, the batch you train with; "
                 f"but got {self.effective_batch=}."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compile_strategy_chosen(self) -> PlanConfig:
+        chosen = self.strategies
+        if self.compile == "on" and chosen is not None and "compile" not in chosen:
+            raise ValueError(
+                "compile='on' needs the compile strategy, but it is not in strategies; add "
+                f"'compile' to them or use compile='auto', but got {self.strategies=}."
             )
         return self
 

@@ -66,7 +66,7 @@ from strategies._compiled_forward import MODES, CompileChoice, CompiledForward, 
 
 if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
-    from memadvisor.estimate import StepModel
+    from memadvisor.estimate import Candidate, StepModel
     from memadvisor.profiler import Profile
     from memadvisor.workload import Workload
 
@@ -165,16 +165,38 @@ class Compile(Strategy):
         """Compile ``choice`` on copies of the workload and compare with eager (see try_compile).
 
         Runs on CUDA when there is one (compiled choices are offered for CUDA profiles only;
-        the user's model may sit on the CPU), else on the model's device. The result is
-        kept: :meth:`explain` quotes its compile time afterwards.
+        the user's model may sit on the CPU), else on the model's device. A trial this
+        instance already ran for ``choice`` (the planner's, see :meth:`trial`) is reused
+        rather than compiled again. The result is kept: :meth:`explain` quotes it.
         """
         parsed = parse_choice(choice)
         if parsed is None:
             return None
-        device = "cuda" if torch.cuda.is_available() else None
-        result = try_compile(workload, parsed.to_json(), device=device)
-        self.results[parsed] = result
+        result = self.results.get(parsed)
+        if result is None:
+            device = "cuda" if torch.cuda.is_available() else None
+            result = self.trial(workload, choice, device=device)
         return check_from(result)
+
+    def trial(
+        self,
+        workload: Workload,
+        choice: JsonValue,
+        *,
+        candidate: Candidate | None = None,
+        device: torch.device | str | None = None,
+    ) -> CompileResult:
+        """:func:`try_compile` ``choice`` and keep the result for :meth:`check` and :meth:`explain`.
+
+        Raises:
+            BadInputError: as :func:`try_compile` does (an off or malformed choice, a
+                workload whose eager step fails).
+        """
+        result = try_compile(workload, choice, candidate=candidate, device=device)
+        parsed = parse_choice(result.choice)
+        if parsed is not None:
+            self.results[parsed] = result
+        return result
 
 
 def check_from(result: CompileResult) -> Check:

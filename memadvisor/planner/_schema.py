@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from memadvisor.compile_cache import CompileCacheReport
 from memadvisor.config import PlanConfig
 from memadvisor.device._base import Measurement
 from memadvisor.estimate import Candidate, Estimate
 from memadvisor.profiler import Profile
 from memadvisor.strategy import Advice, Check
 
-__all__ = ["Measurement", "Plan", "Probe", "Row"]
+__all__ = ["CompileOutcome", "CompiledVariant", "Measurement", "Plan", "Probe", "Row"]
 
 
 class _Model(BaseModel):
@@ -28,10 +29,11 @@ class Probe(_Model):
     peak_bytes: int | None = Field(None, description="Measured peak; None when it ran out.")
     error: str | None = Field(None, description="The out-of-memory message, when it ran out.")
     wall_ms: float = 0.0
-    stage: Literal["probe", "timing", "verify", "compare"] = Field(
+    stage: Literal["probe", "timing", "verify", "compare", "compile"] = Field(
         "probe",
         description="probe: searching the batch; timing: re-ranking the best candidates; "
-        "verify: the pick's sustained run; compare: a comparison row's own batch search.",
+        "verify: the pick's sustained run; compare: a comparison row's own batch search; "
+        "compile: a compiled variant's batch search (each run compiles).",
     )
     candidate: Candidate | None = Field(None, description="What ran (batch and choices).")
 
@@ -44,6 +46,40 @@ class Row(_Model):
     estimate: Estimate
     largest_batch: int | None = Field(None, description="Largest batch that fits, this config.")
     measured: Measurement | None = Field(None, description="None when only estimated.")
+
+
+class CompiledVariant(_Model):
+    """One compiled variant of the eager pick: whether it compiled, and what the device measured."""
+
+    choices: dict[str, JsonValue] = Field(description="Its choices, the compile choice included.")
+    compiles: bool = Field(description="The trial at the sample batch compiled and ran well.")
+    trial: str = Field(description="The trial's sentence: compile time, graph breaks, or why not.")
+    compile_ms: float | None = Field(
+        None, description="The one-off compile in the trial: first step less a steady one."
+    )
+    batch_size: int | None = Field(None, description="The batch the device confirmed, if run.")
+    measured: Measurement | None = Field(None, description="Its steady steps at that batch.")
+    device_wall_ms: float = Field(0.0, description="Its device runs' wall time, compiles included.")
+    error: str | None = Field(None, description="Why its device runs failed, when they did.")
+
+
+class CompileOutcome(_Model):
+    """What compiling the eager pick bought: the variants measured and the verdict."""
+
+    picked: bool = Field(description="True when the plan's pick is compiled.")
+    summary: str = Field(description="The verdict in a sentence (also among the plan's notes).")
+    eager_batch_size: int = Field(description="The eager pick's batch the variants started from.")
+    eager_samples_per_s: float = Field(description="The eager pick's measured throughput.")
+    variants: list[CompiledVariant] = Field(default_factory=list)
+    compile_ms: float | None = Field(
+        None,
+        description="The pick's one-off compile (once per process and input shape); None when "
+        "the pick is eager.",
+    )
+    cache: CompileCacheReport | None = Field(
+        None, description="The shared inductor cache the variants' processes used, and its cost."
+    )
+    wall_ms: float = Field(0.0, description="Planner wall time spent on compiled variants.")
 
 
 class Plan(_Model):
@@ -69,4 +105,7 @@ class Plan(_Model):
         description="What a person should know: step-downs, fallbacks, what was only estimated.",
     )
     plan_wall_ms: float = 0.0
+    compile: CompileOutcome | None = Field(
+        None, description="What compiling the eager pick measured; None when not considered."
+    )
     profile: Profile | None = Field(None, description="The profile the plan was made from.")

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from memadvisor.estimate import Candidate
 from memadvisor.planner import Plan, Row
+from memadvisor.planner._schema import CompileOutcome
 from memadvisor.profiler import Profile, StepProfile
 
 __all__ = [
@@ -79,6 +80,12 @@ class Answer(_Model):
     )
     other_choices: dict[str, str] = Field(
         default_factory=dict, description="Non-neutral choices of other strategies, as JSON."
+    )
+    compile: CompileOutcome | None = Field(
+        None, description="What compiling the eager pick measured; None when not considered."
+    )
+    compile_choice: JsonValue = Field(
+        None, description="The pick's compile choice when the plan weighed compiling."
     )
     notes: list[str] = Field(default_factory=list)
 
@@ -204,10 +211,12 @@ def answer(plan: Plan) -> Answer:
     rate = ver.samples_per_s if ver is not None else est.samples_per_s
     base = _baseline(plan.comparison)
     base_rate, base_measured = _rate(base) if base is not None else (None, False)
+    # A compile the planner weighed has an answer line of its own (the Compile row).
+    named = (*_NAMED_STRATEGIES, "compile") if plan.compile is not None else _NAMED_STRATEGIES
     others = {
         name: choice if isinstance(choice, str) else json.dumps(choice)
         for name, choice in cand.choices.items()
-        if name not in _NAMED_STRATEGIES and choice not in _NEUTRAL
+        if name not in named and choice not in _NEUTRAL
     }
     return Answer(
         model_name=plan.model_name,
@@ -236,6 +245,8 @@ def answer(plan: Plan) -> Answer:
         speedup=rate / base_rate if base_rate else None,
         same_as_baseline=base is not None and _runs(base.candidate) == _runs(cand),
         other_choices=others,
+        compile=plan.compile,
+        compile_choice=cand.choice("compile") if plan.compile is not None else None,
         notes=list(plan.notes),
     )
 
@@ -278,7 +289,12 @@ def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
     )
 
 
-_RUN_STAGES = {"timing": "timed", "verify": "verifying", "compare": "for the comparison rows"}
+_RUN_STAGES = {
+    "compile": "compiling (compiled variants)",
+    "timing": "timed",
+    "verify": "verifying",
+    "compare": "for the comparison rows",
+}
 
 
 def device_runs(plan: Plan, *, shown: int = 8) -> str:

@@ -1,0 +1,418 @@
+"""The eager pick compiled: variants tried here, measured on the device, kept when faster.
+
+The estimate cannot rank a compiled model: the compile strategy is ``measured_only``
+(fusion removes intermediates and the partitioner chooses what backward keeps, which the
+eager profile does not show), so the search ranks eager combinations only. Once the device
+has chosen the eager pick, :func:`compiled_pick` judges compiled variants of it by
+measuring them:
+
+1. Variants. The pick's choices with each compiled choice the compile strategy offers. The
+   plain one (``"default"``) keeps the pick's checkpointed blocks, compiled with the model.
+   A choice with a partitioner budget is the recompute knob of a compiled model (it
+   recomputes inside the fused graph instead of re-running whole blocks): it replaces
+   block checkpointing, so it is tried only when the pick checkpoints blocks, with the
+   budget set to the share of activations the pick keeps (:func:`kept_share`): both
+   variants then hold about the pick's memory at its batch and the device says which
+   recompute is cheaper.
+2. Trial. Each variant is compiled once in this process at the sample batch
+   (:func:`~strategies.compile.try_compile`), which also times the one-off compile. A
+   model that does not compile (an error, no graph, graph breaks everywhere) is a note and
+   the plan stays eager.
+3. Device. Each variant that compiled gets the batch search eager candidates get
+   (``_Prober.confirm``), bracketed from the eager pick's confirmed batch, inside one shared
+   inductor cache (:func:`~memadvisor.compile_cache.shared_compile_cache`), so a probe
+   process at a batch already compiled (the verify run, the user's own first step) loads
+   the kernels instead of building them.
+4. Verdict. The best compiled variant replaces the eager pick only when its measured
+   steady-state throughput beats eager's by :data:`MIN_SPEEDUP` (objective
+   ``largest_batch``: a larger batch, or the same batch that much faster). The plan keeps
+   the one-off compile time and the cache's cost (:class:`CompileOutcome`) and a note.
+
+Known limitations:
+    * Only the eager pick is compiled, not the other re-ranked candidates: each compiled
+      probe pays a compile (tens of seconds for a ViT-B), so the stage stays at two
+      variants of two or three probes each.
+    * The partitioner budget is a share between the least and the most that the min-cut
+      partitioner would save, not of eager's activations: matching it to the pick's kept
+      share is a starting point the device then confirms, not an estimate.
+    * Probes use the same steps as eager's (the first one compiles; the median of the rest
+      is the steady state), so a compile that gains less than the timing noise is not kept.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import JsonValue
+
+from memadvisor.compile_cache import shared_compile_cache
+from memadvisor.estimate import Candidate, estimate
+from memadvisor.planner._progress import Progress
+from memadvisor.planner._schema import CompiledVariant, CompileOutcome
+from memadvisor.planner._space import Scored
+from memadvisor.profiler import Profile
+
+if TYPE_CHECKING:
+    from memadvisor.planner._plan import _Confirmed, _Prober
+    from strategies.compile import Compile, CompileChoice
+
+__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share"]
+
+COMPILE = "compile"
+CHECKPOINTING = "checkpointing"
+STAGE = "compile"  # Probe.stage of the compiled variants' runs
+# Two timed steps a side: gains of a percent or two are within their noise, and a compiled
+# model pays a compile in every process that trains it. Below this, eager is kept.
+MIN_SPEEDUP = 1.03
+# Budgets in twentieths: a plan reads 0.65, not 0.6473; rounded up, so the variant keeps
+# at least what the pick keeps (it recomputes no more than it must).
+_BUDGET_STEP = 0.05
+
+
+def compiled_pick(
+    prober: _Prober,
+    eager_best: _Confirmed,
+    notes: list[str],
+    ui: Progress,
+    *,
+    cache_dir: str | Path | None = None,
+) -> tuple[_Confirmed, CompileOutcome | None]:
+    """The pick to verify: ``eager_best``, or a compiled variant of it the device found faster.
+
+    Args:
+        prober: the planner's prober (its device, workload, search space and config).
+        eager_best: the eager pick, confirmed on the device.
+        notes: the plan's notes; the verdict (and the compile cache's cost) is added.
+        ui: progress display; the compiled variants get a stage of their own.
+        cache_dir: the inductor cache the variants' processes share; None keeps the user's,
+            so what the plan compiled is warm for the user's own training.
+
+    Returns:
+        The confirmed pick (``eager_best`` itself when compiling was not considered, failed
+        or lost) and what compiling measured (None when it was not considered).
+    """
+    strategy = _compile_strategy(prober)
+    why_not = _not_considered(prober, strategy)
+    if why_not is not None or strategy is None:
+        if why_not:
+            notes.append(why_not)
+        return eager_best, None
+    started = time.perf_counter()
+    space = prober.space
+    variants = compiled_variants(
+        eager_best.candidate.choices, strategy.offered, space.profile, eager_best.found_batch
+    )
+    runs_before = len(prober.probes)
+    records: list[CompiledVariant] = []
+    confirmed: list[tuple[CompiledVariant, _Confirmed]] = []
+    with ui.stage("compile", total=None) as bar, shared_compile_cache(cache_dir) as cache:
+        prober.bar = bar
+        for choices in variants:
+            bar.describe(f"compile: trying {_label(choices)}")
+            record, found = _measure_variant(prober, strategy, choices, eager_best.found_batch)
+            records.append(record)
+            if found is not None:
+                confirmed.append((record, found))
+        # The cache is the device runs' (the trials run here): only they make it worth a note.
+        ran = len(prober.probes) > runs_before
+        cache_report = cache.report() if ran else None
+
+    winner = _best(prober.config.objective, confirmed)
+    picked = winner is not None and _beats(prober.config.objective, winner[1], eager_best)
+    outcome = CompileOutcome(
+        picked=picked,
+        summary=_verdict(records, winner, eager_best, picked),
+        eager_batch_size=eager_best.candidate.batch_size,
+        eager_samples_per_s=eager_best.measured.samples_per_s,
+        variants=records,
+        compile_ms=winner[0].compile_ms if picked and winner is not None else None,
+        cache=cache_report,
+        wall_ms=(time.perf_counter() - started) * 1e3,
+    )
+    notes.append(outcome.summary)
+    if cache_report is not None:
+        notes.append(cache_report.note)
+    if picked and winner is not None:
+        return winner[1], outcome
+    return eager_best, outcome
+
+
+# -- which variants -----------------------------------------------------------------------
+
+
+def compiled_variants(
+    choices: dict[str, JsonValue],
+    offered: Sequence[JsonValue],
+    profile: Profile,
+    batch_size: int,
+) -> list[dict[str, JsonValue]]:
+    """The eager ``choices`` compiled each way ``offered`` says, in that order, no repeats.
+
+    A compiled choice without a partitioner budget keeps every eager choice (checkpointed
+    blocks are compiled with the model). One with a budget replaces block checkpointing and
+    is included only when ``choices`` checkpoints blocks; its budget becomes the share the
+    eager choices keep at ``batch_size`` (:func:`kept_share`), its mode stays as offered.
+    """
+    eager = {name: choice for name, choice in choices.items() if name != COMPILE}
+    blocks = eager.get(CHECKPOINTING)
+    out: list[dict[str, JsonValue]] = []
+    seen: set[str] = set()
+    for offer in offered:
+        parsed = _parse(offer)
+        if parsed is None:
+            continue
+        if parsed.activation_memory_budget is None:
+            variant = {**eager, COMPILE: parsed.to_json()}
+        elif blocks:
+            budget = kept_share(profile, eager, batch_size)
+            recompute = parsed.model_copy(update={"activation_memory_budget": budget})
+            without = {name: c for name, c in eager.items() if name != CHECKPOINTING}
+            variant = {**without, COMPILE: recompute.to_json()}
+        else:
+            continue  # nothing is recomputed in the eager pick: no recompute to replace
+        key = json.dumps(variant, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(variant)
+    return out
+
+
+def kept_share(profile: Profile, choices: dict[str, JsonValue], batch_size: int) -> float:
+    """The share of saved activations ``choices``' checkpointed blocks still keep, in twentieths.
+
+    From the profile's step in the choices' precision: each checkpointed block frees what it
+    saved less the outputs something outside it saves (``output_kept``); the share is what
+    is left of all saved activations, rounded up to a twentieth, between 0.05 and 0.95.
+    """
+    precision = choices.get("precision")
+    step = profile.steps.get(precision if isinstance(precision, str) else "fp32")
+    step = step or profile.steps["fp32"]
+    names = _block_names(choices.get(CHECKPOINTING), profile)
+    total = step.activation_total.at(batch_size)
+    if total <= 0:
+        return 1.0 - _BUDGET_STEP
+    freed = 0
+    for block in step.blocks:
+        if block.name in names:
+            kept = block.output_kept.at(batch_size) if block.output_kept is not None else 0
+            freed += max(0, block.activation.at(batch_size) - kept)
+    share = max(0.0, (total - freed) / total)
+    twentieths = math.ceil(round(share / _BUDGET_STEP, 6))
+    return round(min(1.0 - _BUDGET_STEP, max(_BUDGET_STEP, twentieths * _BUDGET_STEP)), 2)
+
+
+def _block_names(choice: JsonValue, profile: Profile) -> set[str]:
+    """Names a checkpointing choice lists (names, or indices into the profile's blocks)."""
+    if not isinstance(choice, list):
+        return set()
+    names = [b.name for b in profile.blocks]
+    return {
+        names[item] if isinstance(item, int) and 0 <= item < len(names) else str(item)
+        for item in choice
+    }
+
+
+# -- whether to compile at all ------------------------------------------------------------
+
+
+def _parse(choice: JsonValue) -> CompileChoice | None:
+    # Imported late: the strategies build on memadvisor (its package imports the planner).
+    from strategies.compile import parse_choice
+
+    return parse_choice(choice)
+
+
+def _compile_strategy(prober: _Prober) -> Compile | None:
+    from strategies.compile import Compile
+
+    for strategy in prober.space.strategies:
+        if strategy.name == COMPILE and isinstance(strategy, Compile):
+            return strategy
+    return None
+
+
+def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
+    """None when the variants are tried; else why not ('' when nothing needs saying)."""
+    from memadvisor.planner._plan import step_times_rank  # _plan imports this module
+
+    policy, device = prober.config.compile, prober.device
+    if policy == "off":
+        return ""
+    if policy == "auto" and device.kind != "cuda":
+        return ""  # the simulated device runs a compiled step eagerly: nothing to measure
+    if strategy is None:
+        return (
+            "compile='on' was asked, but the compile strategy is not among the strategies; "
+            "planned eager."
+            if policy == "on"
+            else ""
+        )
+    if not any(_parse(c) is not None for c in strategy.offered):
+        return ""
+    if not step_times_rank(device):
+        return (
+            f"compile='on' was asked, but the {device.kind} device's step times cannot tell a "
+            "compiled step from an eager one (the simulated device runs a compiled step "
+            "eagerly under its byte meter); planned eager. Plan on a CUDA device to weigh "
+            "compiling."
+        )
+    return None
+
+
+# -- one variant ----------------------------------------------------------------------------
+
+
+def _measure_variant(
+    prober: _Prober, strategy: Compile, choices: dict[str, JsonValue], start_batch: int
+) -> tuple[CompiledVariant, _Confirmed | None]:
+    """Try ``choices`` at the sample batch here; if it compiles, confirm it on the device."""
+    workload, device = prober.workload, prober.device
+    others = {name: c for name, c in choices.items() if name != COMPILE}
+    at_sample = Candidate(batch_size=workload.sample_batch_size, choices=others)
+    try:
+        result = strategy.trial(
+            workload,
+            choices[COMPILE],
+            candidate=at_sample,
+            device="cuda" if device.kind == "cuda" else None,
+        )
+    except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
+        text = f"the compile trial could not run its eager step ({_first_line(e)})."
+        return CompiledVariant(choices=choices, compiles=False, trial=text, error=text), None
+    finally:
+        _release_trial_memory()
+    if not result.ok:
+        return CompiledVariant(choices=choices, compiles=False, trial=result.summary), None
+
+    record = CompiledVariant(
+        choices=choices, compiles=True, trial=result.summary, compile_ms=result.compile_ms
+    )
+    runs_before = len(prober.probes)
+    found: _Confirmed | None = None
+    try:
+        found = prober.confirm(_bracket(prober, choices, start_batch), stage=STAGE)
+    except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
+        record.error = _first_line(e)
+    record.device_wall_ms = sum(p.wall_ms for p in prober.probes[runs_before:])
+    if found is None:
+        record.error = record.error or "not even batch 1 fitted on the device."
+        return record, None
+    record.batch_size = found.candidate.batch_size
+    record.measured = found.measured
+    return record, found
+
+
+def _bracket(prober: _Prober, choices: dict[str, JsonValue], start_batch: int) -> Scored:
+    """The variant as the batch search takes it, starting at the eager pick's confirmed batch.
+
+    The estimate is eager's (compile is measured only): the device's answer for the eager
+    pick is the better start. The search's top stays the estimate's, whole budget.
+    """
+    space = prober.space
+    candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
+    return Scored(
+        candidate=candidate,
+        estimate=estimate(space.profile, candidate, space.strategies),
+        largest_batch=candidate.batch_size,
+        active=len(choices),
+    )
+
+
+def _release_trial_memory() -> None:
+    # The trial ran in the planner's process: what it cached goes back before the probe
+    # processes ask the card for the budget.
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# -- the verdict ------------------------------------------------------------------------------
+
+
+def _rank(objective: str, confirmed: _Confirmed) -> tuple:
+    rate = confirmed.measured.samples_per_s
+    if objective == "largest_batch":
+        return (confirmed.candidate.batch_size, rate)
+    return (rate,)
+
+
+def _best(
+    objective: str, confirmed: Sequence[tuple[CompiledVariant, _Confirmed]]
+) -> tuple[CompiledVariant, _Confirmed] | None:
+    if not confirmed:
+        return None
+    return max(confirmed, key=lambda pair: _rank(objective, pair[1]))
+
+
+def _beats(objective: str, compiled: _Confirmed, eager: _Confirmed) -> bool:
+    """Whether ``compiled`` is worth a compile per process over ``eager``, by the objective."""
+    batch, eager_batch = compiled.candidate.batch_size, eager.candidate.batch_size
+    if objective == "largest_batch" and batch != eager_batch:
+        return batch > eager_batch
+    return compiled.measured.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
+
+
+def _verdict(
+    records: Sequence[CompiledVariant],
+    winner: tuple[CompiledVariant, _Confirmed] | None,
+    eager: _Confirmed,
+    picked: bool,
+) -> str:
+    eager_rate = eager.measured.samples_per_s
+    eager_batch = eager.candidate.batch_size
+    eager_words = f"the eager pick's {eager_rate:.1f} samples/s at batch {eager_batch}"
+    if winner is None:
+        reasons = "; ".join(
+            f"{_label(r.choices)}: {r.error or _trial_reason(r.trial)}" for r in records
+        )
+        return f"Planned eager because no compiled variant ran: {reasons}"
+    record, found = winner
+    rate = found.measured.samples_per_s
+    measured = (
+        f"torch.compile ({_label(record.choices)}) ran {rate:.1f} samples/s at batch "
+        f"{found.candidate.batch_size}, {rate / eager_rate:.2f}x {eager_words}"
+    )
+    if not picked:
+        return (
+            f"Planned eager because compiling did not pay: {measured}; a compiled pick must be "
+            f"{MIN_SPEEDUP - 1:.0%} faster (or, for the largest batch, larger) to be worth a "
+            "compile in every process."
+        )
+    compile_s = (record.compile_ms or 0.0) / 1e3
+    return (
+        f"Compiled: {measured}. The first step compiles for about {compile_s:.1f} s, once per "
+        "process and input shape; throughput is the steady state. The estimate shown is "
+        "eager's: compiled memory and time are measured, not estimated."
+    )
+
+
+def _label(choices: dict[str, JsonValue]) -> str:
+    """``'default mode, 3 blocks checkpointed'``: a variant in a few words."""
+    parsed = _parse(choices.get(COMPILE))
+    if parsed is None:
+        return "eager"
+    words = f"{parsed.mode} mode"
+    if parsed.activation_memory_budget is not None:
+        words += f", activation memory budget {parsed.activation_memory_budget:g}"
+    blocks = choices.get(CHECKPOINTING)
+    if isinstance(blocks, list) and blocks:
+        words += f", {len(blocks)} blocks checkpointed"
+    return words
+
+
+def _trial_reason(summary: str) -> str:
+    # The trial's sentence ends "Planned eager." for a failure: the verdict says that once.
+    return summary.removesuffix(" Planned eager.")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__

@@ -1,0 +1,323 @@
+"""compiled_pick: the eager pick's compiled variants are tried, measured and kept only when faster.
+
+The device is the planner's fake one with a compiled speed-up of the test's choosing, and the
+compile trial is replaced by a stand-in that answers at once, so what is checked is the
+planner's rule: a model that does not compile is a note and the plan stays eager; a compiled
+variant is kept only when its measured throughput beats eager's by MIN_SPEEDUP; the one-off
+compile time and the cache's cost reach the plan and its report. One test compiles for real
+with inductor (marked slow); one lets dynamo find nothing to compile (fast, no inductor).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from memadvisor.config import PlanConfig
+from memadvisor.device import Measurement
+from memadvisor.estimate import Candidate
+from memadvisor.planner import Plan, Progress
+from memadvisor.planner._compiled import MIN_SPEEDUP, compiled_pick, compiled_variants, kept_share
+from memadvisor.planner._plan import _Prober
+from memadvisor.planner._space import SearchSpace
+from memadvisor.profiler import DeviceInfo
+from memadvisor.report._facts import answer, device_runs
+from memadvisor.report._words import answer_rows
+from memadvisor.workload import Workload
+from strategies.compile import Compile, CompileResult, parse_choice
+
+MIB = 2**20
+QUIET = Progress(enabled=False)
+TRIAL_FIRST_MS, TRIAL_STEADY_MS = 2010.0, 8.0  # the stand-in trial: 2002 ms of compiling
+
+
+def _config(**overrides) -> PlanConfig:
+    fast = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 4, "compile": "on"}
+    return PlanConfig(**{"budget_bytes": 100 * MIB, **fast, **overrides})
+
+
+def _compiling_device(fake_device, speedup: dict[str, float], **kwargs):
+    """The fake device, its compiled runs ``speedup[choice as JSON]`` times faster."""
+
+    class CompilingDevice(fake_device):
+        def run(self, workload, candidate, steps) -> Measurement:
+            m = super().run(workload, candidate, steps)
+            choice = candidate.choices.get("compile")
+            factor = speedup.get(json.dumps(choice), 1.0) if choice is not None else 1.0
+            return m.model_copy(
+                update={"step_ms": m.step_ms / factor, "samples_per_s": m.samples_per_s * factor}
+            )
+
+    return CompilingDevice(**kwargs)
+
+
+@pytest.fixture
+def trials(monkeypatch) -> list[dict]:
+    """try_compile replaced: every choice compiles at once; the calls are listed."""
+    calls: list[dict] = []
+
+    def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
+        calls.append({"choice": choice, "candidate": candidate, "device": device})
+        return CompileResult(
+            choice=parse_choice(choice).to_json(),
+            ok=True,
+            batch_size=candidate.batch_size,
+            steps=3,
+            eager_step_ms=10.0,
+            first_step_ms=TRIAL_FIRST_MS,
+            compiled_step_ms=TRIAL_STEADY_MS,
+            graphs=1,
+            loss_rel_diff=1e-6,
+        )
+
+    monkeypatch.setattr("strategies.compile.try_compile", stand_in)
+    return calls
+
+
+def _setup(profile, strategies, device, workload, eager_choices, **config):
+    """A prober over fake precision, checkpointing and the real compile strategy, and the
+    eager pick ``eager_choices`` confirmed on ``device``."""
+    compile_strategy = Compile()
+    space = SearchSpace(profile, [*strategies, compile_strategy], _config(**config))
+    prober = _Prober(device, workload, space, space.config)
+    eager = prober.confirm(space.score_choices(eager_choices))
+    assert eager is not None
+    return prober, eager, compile_strategy
+
+
+def _compile_runs(prober) -> list:
+    return [p for p in prober.probes if p.stage == "compile"]
+
+
+# -- the verdict ------------------------------------------------------------------------------
+
+
+def test_a_faster_compiled_variant_is_the_pick_with_its_compile_time(
+    profile, strategies, workload, fake_device, trials, tmp_path
+) -> None:
+    """1.5x faster on the device: the compiled variant is returned, its search starts at the
+    eager pick's confirmed batch, and the outcome carries the trial's compile time and the
+    shared cache; the strategy's check reuses the trial instead of compiling again."""
+    device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)
+    prober, eager, strategy = _setup(profile, strategies, device, workload, {"precision": "bf16"})
+    notes: list[str] = []
+    pick, outcome = compiled_pick(prober, eager, notes, QUIET, cache_dir=tmp_path)
+
+    assert pick is not eager
+    assert pick.candidate.choices == {"precision": "bf16", "compile": "default"}
+    assert pick.measured.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
+    runs = _compile_runs(prober)
+    assert runs and runs[0].batch_size == eager.found_batch
+    assert all(r.candidate.choices["compile"] == "default" for r in runs)
+    assert outcome is not None and outcome.picked
+    assert outcome.compile_ms == pytest.approx(TRIAL_FIRST_MS - TRIAL_STEADY_MS)
+    assert outcome.cache is not None and outcome.cache.cache_dir == str(tmp_path.resolve())
+    ratio = pick.measured.samples_per_s / eager.measured.samples_per_s
+    assert notes[0].startswith("Compiled:") and f"{ratio:.2f}x the eager pick's" in notes[0]
+    assert "inductor's on-disk cache" in notes[1]
+    # The trial ran once, at the sample batch with the pick's other choices.
+    assert len(trials) == 1 and trials[0]["candidate"] == Candidate(
+        batch_size=workload.sample_batch_size, choices={"precision": "bf16"}
+    )
+    check = strategy.check(workload, "default")
+    assert len(trials) == 1 and check is not None and check.passed
+    assert "2.0 s" in strategy.explain("default", profile).effect
+
+
+def test_a_compiled_variant_not_faster_enough_keeps_the_eager_pick(
+    profile, strategies, workload, fake_device, trials
+) -> None:
+    """Measured 1% faster (under MIN_SPEEDUP): eager stays, the note says why."""
+    device = _compiling_device(fake_device, {'"default"': 1.01}, threshold=40)
+    prober, eager, _ = _setup(profile, strategies, device, workload, {"precision": "bf16"})
+    notes: list[str] = []
+    pick, outcome = compiled_pick(prober, eager, notes, QUIET)
+    assert pick is eager
+    assert outcome is not None and not outcome.picked and outcome.compile_ms is None
+    assert outcome.variants[0].measured is not None  # it was measured, and lost
+    assert notes[0].startswith("Planned eager because compiling did not pay")
+
+
+def test_a_model_that_does_not_compile_is_a_note_and_no_device_run(
+    profile, strategies, fake_device
+) -> None:
+    """The real trial on a forward dynamo must skip: no graph, so planned eager, nothing probed."""
+
+    class Opaque(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 1)
+
+        @torch.compiler.disable
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x)
+
+    workload = Workload(
+        model=Opaque(), sample_batch=torch.randn(2, 4), loss_fn=lambda out, batch: out.mean()
+    )
+    device = _compiling_device(fake_device, {'"default"': 2.0}, threshold=40)
+    prober, eager, _ = _setup(profile, strategies, device, workload, {})
+    notes: list[str] = []
+    pick, outcome = compiled_pick(prober, eager, notes, QUIET)
+    assert pick is eager
+    assert outcome is not None and not outcome.picked
+    assert [v.compiles for v in outcome.variants] == [False]
+    assert not _compile_runs(prober) and outcome.cache is None
+    assert notes == [outcome.summary]
+    assert notes[0].startswith("Planned eager because no compiled variant ran")
+    assert "no graph" in notes[0]
+
+
+def test_a_compiled_variant_failing_on_the_device_keeps_the_eager_pick(
+    profile, strategies, workload, fake_device, trials
+) -> None:
+    """A compiled probe raising (not an out-of-memory) is recorded; the plan stays eager."""
+
+    class Exploding(fake_device):
+        def run(self, workload, candidate, steps) -> Measurement:
+            if "compile" in candidate.choices:
+                raise RuntimeError("inductor crashed in the probe process")
+            return super().run(workload, candidate, steps)
+
+    prober, eager, _ = _setup(profile, strategies, Exploding(threshold=40), workload, {})
+    notes: list[str] = []
+    pick, outcome = compiled_pick(prober, eager, notes, QUIET)
+    assert pick is eager and outcome is not None and not outcome.picked
+    assert "inductor crashed" in outcome.variants[0].error
+    assert "inductor crashed" in notes[0]
+
+
+def test_largest_batch_objective_takes_a_compiled_variant_that_fits_more(
+    profile, strategies, workload, fake_device, trials
+) -> None:
+    """Objective largest_batch: a compiled variant that holds a larger batch wins though slower."""
+
+    def threshold(candidate: Candidate) -> int:
+        return 50 if "compile" in candidate.choices else 40
+
+    device = _compiling_device(fake_device, {'"default"': 0.9}, threshold=threshold)
+    prober, eager, _ = _setup(profile, strategies, device, workload, {}, objective="largest_batch")
+    pick, outcome = compiled_pick(prober, eager, [], QUIET)
+    assert pick.candidate.batch_size > eager.candidate.batch_size
+    assert outcome is not None and outcome.picked
+
+
+# -- which variants ---------------------------------------------------------------------------
+
+
+def test_the_partitioner_budget_replaces_block_checkpointing_at_the_picks_kept_share(
+    profile, strategies, workload, fake_device, trials
+) -> None:
+    """Each block keeps 1 MiB a sample of 4.5 in all: checkpointing 2 keeps 2.5/4.5 = 0.56,
+    rounded up to 0.6. The budget variant drops the blocks; without blocks there is none."""
+    eager_choices = {"checkpointing": ["b0", "b1"]}
+    assert kept_share(profile, eager_choices, 10) == 0.6
+    offered = Compile().offered
+    budget = {"mode": "default", "activation_memory_budget": 0.6}
+    assert compiled_variants(eager_choices, offered, profile, 10) == [
+        {"checkpointing": ["b0", "b1"], "compile": "default"},
+        {"compile": budget},
+    ]
+    assert compiled_variants({"precision": "bf16"}, offered, profile, 10) == [
+        {"precision": "bf16", "compile": "default"}
+    ]
+
+    # On the device the partitioner's recompute is the faster one: it is the pick.
+    speedup = {'"default"': 1.1, json.dumps(budget): 1.4}
+    device = _compiling_device(fake_device, speedup, threshold=40)
+    prober, eager, _ = _setup(profile, strategies, device, workload, eager_choices)
+    pick, outcome = compiled_pick(prober, eager, [], QUIET)
+    assert pick.candidate.choices == {"compile": budget}
+    assert outcome is not None and [v.compiles for v in outcome.variants] == [True, True]
+
+
+def test_compile_is_weighed_only_when_asked_and_measurable(
+    profile, strategies, workload, fake_device, trials
+) -> None:
+    """auto: not on a device that is not CUDA; off: never; on: not where step times don't rank
+    (said in a note). Nothing is compiled or run in any of these cases."""
+    device = _compiling_device(fake_device, {'"default"': 2.0}, threshold=40)
+    for policy in ("auto", "off"):
+        prober, eager, _ = _setup(profile, strategies, device, workload, {}, compile=policy)
+        notes: list[str] = []
+        assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
+        assert notes == [] and not _compile_runs(prober)
+
+    class Untimed(fake_device):
+        step_times_are_real = False
+
+    prober, eager, _ = _setup(profile, strategies, Untimed(threshold=40), workload, {})
+    notes = []
+    assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
+    assert "cannot tell a compiled step" in notes[0]
+    assert trials == []
+
+
+def test_compile_on_needs_the_compile_strategy() -> None:
+    """compile='on' with strategies that leave compile out is refused, naming the fix."""
+    with pytest.raises(ValueError, match="add 'compile'"):
+        PlanConfig(budget_bytes=MIB, compile="on", strategies=["precision"])
+
+
+# -- the plan and its report ------------------------------------------------------------------
+
+
+def test_the_report_shows_the_speedup_compile_time_and_cache(
+    profile, strategies, workload, fake_device, trials, tmp_path
+) -> None:
+    """The answer's Compile row: the ratio to eager, the one-off compile and the cache; the
+    compiled choice is not repeated under 'Also'; the runs line counts the compiling runs;
+    the plan round-trips through JSON with its outcome."""
+    device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)
+    prober, eager, strategy = _setup(profile, strategies, device, workload, {})
+    notes: list[str] = []
+    pick, outcome = compiled_pick(prober, eager, notes, QUIET, cache_dir=tmp_path)
+    plan = Plan(
+        model_name="Toy",
+        config=prober.config,
+        device_kind="fake",
+        device_name="fake",
+        candidate=pick.candidate,
+        estimate=pick.scored.estimate,
+        verified=pick.measured,
+        probes=prober.probes,
+        notes=notes,
+        compile=outcome,
+        profile=profile.model_copy(update={"device": DeviceInfo(kind="cuda", name="gpu")}),
+    )
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan
+    rows = dict(answer_rows(answer(plan)))
+    ratio = pick.measured.samples_per_s / eager.measured.samples_per_s
+    assert rows["Compile"].startswith(f"torch.compile (default mode): {ratio:.2f}× the eager")
+    assert "2002 ms" in rows["Compile"] and str(tmp_path.resolve()) in rows["Compile"]
+    assert "Also" not in rows
+    assert "compiling (compiled variants)" in device_runs(plan)
+
+    lost = outcome.model_copy(update={"picked": False, "compile_ms": None})
+    eager_plan = plan.model_copy(update={"compile": lost, "candidate": eager.candidate})
+    assert "planned eager" in dict(answer_rows(answer(eager_plan)))["Compile"]
+
+
+# -- for real ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_real_inductor_compile_is_tried_and_a_faster_variant_kept(
+    profile, strategies, fake_device
+) -> None:
+    """Inductor compiles a tiny MLP on this machine's gcc (the trial times it), the device
+    says compiled is faster, so it is the pick, and the plan's check reuses that trial."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+    workload = Workload(
+        model=model, sample_batch=torch.randn(2, 4), loss_fn=lambda out, batch: out.mean()
+    )
+    device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)
+    prober, eager, strategy = _setup(profile, strategies, device, workload, {})
+    pick, outcome = compiled_pick(prober, eager, [], QUIET)
+    assert outcome is not None and outcome.picked, outcome.summary
+    assert outcome.compile_ms is not None and outcome.compile_ms > 0
+    assert strategy.results and strategy.check(workload, "default").passed
