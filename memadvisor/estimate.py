@@ -47,6 +47,23 @@ an H200 with torch 2.11):
       autograd's) + 1 MiB cuBLASLt, held from the first matmul on. The CUDA profiler
       measures and adds them (``Profile.fixed_overhead_bytes``); fake-tensor profiles
       planned for CUDA add the measured total (``memadvisor.device.fake``).
+    * cuDNN's convolution workspaces: allocated through the caching allocator, invisible to a
+      dispatch mode, and growing with the batch past some tensor size. Allocator minus
+      tracked backward peak (MiB, batches 16/32/64/128/256): examples/cnn.py fp32
+      65/67/157/249/433 (65 + 1.44 a sample from batch ~32 on), the same with every block
+      checkpointed, flat 65 in bf16; resnet18 fp32 84/87/102/108/119 (with every block
+      checkpointed 85/99/120/169/265); convnext_tiny fp32 69/85/107/153/184; examples/gpt.py
+      ~35, flat. Measured only at the profile's small sizes they extrapolate as a constant,
+      and the estimate fell 17% (cnn fp32), 30% (the same, every block checkpointed) under
+      the allocator at batches filling 4 GiB. The CUDA profiler now fits them per phase at
+      two larger sizes (``StepProfile.untracked``, :mod:`memadvisor.profiler._untracked`) and
+      the estimate adds what the line gives beyond what the fixed overhead and the measured
+      phase peaks hold. What is left: below the size where the growth starts the line is
+      above the truth (cnn fp32 at batch 32: +44 MiB on a 292 MiB peak; safe, but it
+      costs batch on budgets under ~0.5 GiB); the line is fitted without checkpointing, so
+      where checkpointing changes cuDNN's choice it is under (resnet18 fp32 at 256: 119 fitted,
+      265 with every block checkpointed: -146 MiB of 4.0 GiB, -3.5%); fake-tensor profiles
+      planned for a card have no lines (no card to measure them on).
     * Allocator rounding: each block is rounded up to a multiple of 512 bytes inside cached
       segments: 4-12 MiB at the peak on a 6-block GPT; in ``fixed_overhead_bytes`` on CUDA.
     * Fragmentation: the caching allocator *reserved* 3-32% more than it had allocated at
@@ -146,6 +163,7 @@ class _AtBatch:
         "phases",
         "step_forward_ms",
         "step_backward_ms",
+        "untracked",
     )
 
     def __init__(self, lines: _Lines, b: int) -> None:
@@ -163,6 +181,8 @@ class _AtBatch:
         self.phases = {phase: _at(x, b) for phase, x in lines.phases.items()}
         self.step_forward_ms = max(0.0, lines.step_forward_ms[0] * b + lines.step_forward_ms[1])
         self.step_backward_ms = max(0.0, lines.step_backward_ms[0] * b + lines.step_backward_ms[1])
+        # phase -> (untracked bytes at b, what the phase's measured peak already holds)
+        self.untracked = {ph: (_pos(x, b), held) for ph, (x, held) in lines.untracked.items()}
 
 
 class _Lines:
@@ -190,6 +210,7 @@ class _Lines:
         "phases",
         "step_forward_ms",
         "step_backward_ms",
+        "untracked",
         "batches",
     )
 
@@ -215,6 +236,7 @@ class _Lines:
         self.phases = {p.phase: _line(p.allocated) for p in step.phases}
         self.step_forward_ms = (step.forward_ms.per_sample_ms, step.forward_ms.constant_ms)
         self.step_backward_ms = (step.backward_ms.per_sample_ms, step.backward_ms.constant_ms)
+        self.untracked = {u.phase: (_line(u.untracked), u.profiled_bytes) for u in step.untracked}
         self.batches: dict[int, _AtBatch] = {}
 
     def at(self, b: int) -> _AtBatch:
@@ -404,15 +426,24 @@ class StepModel:
             else weights + state + grads + self._optimizer_temporaries() + overhead
         )
         extra = self.extra_bytes
+        # CUDA: untracked bytes that grow with the batch (cuDNN's workspaces), beyond what the
+        # fixed overhead and the phase peaks measured at small sizes already hold.
+        end_of_forward_extra = backward_extra = 0
+        if nums.untracked:
+            grown = self._untracked_growth(overhead)
+            forward_peak += grown["forward"]
+            optimizer_peak += grown["optimizer"]
+            end_of_forward_extra, backward_extra = grown["end_of_forward"], grown["backward"]
 
         # The moments that can hold the peak: (phase, bytes, block or -1).
         best_phase: PeakPhase = "forward"
         # Forward peaks at the loss (autocast's cached weight copies gone) or as the model's
         # forward ends (the copies of checkpointed blocks still cached).
-        best = max(forward_peak - freed_total, eof + overhead - freed_total + cast_freed)
+        end_of_model = eof + overhead + end_of_forward_extra - freed_total + cast_freed
+        best = max(forward_peak - freed_total, end_of_model)
         best += held_grads + extra["forward"] - offloaded
         best_block = -1
-        eof += overhead + held_grads + extra["backward"]
+        eof += overhead + backward_extra + held_grads + extra["backward"]
         level = eof + head - freed_total - offloaded
         if level > best:
             best_phase, best, best_block = "backward", level, -2
@@ -477,6 +508,30 @@ class StepModel:
                 int(peak * p.fragmentation_ratio) if p.fragmentation_ratio else None
             ),
         )
+
+    def _untracked_growth(self, overhead: int) -> dict[str, int]:
+        """Untracked bytes at this batch beyond what each estimated moment already holds.
+
+        The walk's levels are tensor bytes plus ``overhead`` (the fixed overhead: the
+        untracked bytes at the profile's larger size); the forward and optimizer phase peaks
+        were read from the allocator at the profile's sizes, holding that phase's untracked
+        bytes there (``profiled_bytes``). Never negative: a line that falls below what was
+        measured takes nothing away.
+        """
+        untracked = self.numbers.untracked
+
+        def beyond(phase: str, held: int | None) -> int:
+            if phase not in untracked:
+                return 0
+            at_b, profiled = untracked[phase]
+            return max(0, at_b - (profiled if held is None else held))
+
+        return {
+            "forward": beyond("forward", None),
+            "end_of_forward": beyond("forward", overhead),
+            "backward": beyond("backward", overhead),
+            "optimizer": beyond("optimizer", None),
+        }
 
     def _optimizer_temporaries(self) -> int:
         # Unmeasured: AdamW's foreach step holds one temporary per parameter (sqrt of the

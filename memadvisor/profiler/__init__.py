@@ -14,6 +14,7 @@ from memadvisor.profiler._schema import (
     PhasePeak,
     Profile,
     StepProfile,
+    UntrackedBytes,
 )
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "PhasePeak",
     "Profile",
     "StepProfile",
+    "UntrackedBytes",
     "as_optimizer_factory",
     "find_blocks",
     "profile",

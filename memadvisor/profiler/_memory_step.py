@@ -33,7 +33,14 @@ from memadvisor.profiler._walk import BackwardWalk
 from memadvisor.workload import Workload, train_step
 from memadvisor.workload import tensor_leaves as tensors_in
 
-__all__ = ["LOSS_OWNER", "OTHER_OWNER", "MemoryMeasurement", "MemoryStep", "tensors_in"]
+__all__ = [
+    "LOSS_OWNER",
+    "OTHER_OWNER",
+    "MemoryMeasurement",
+    "MemoryStep",
+    "PhasePeakMeter",
+    "tensors_in",
+]
 
 LOSS_OWNER = "<loss>"  # made while the loss was computed, outside every module
 OTHER_OWNER = "<other>"  # made outside every named module (the model's own forward, glue)
@@ -66,6 +73,9 @@ class MemoryMeasurement:
     block_backward_peak: list[int | None] = dataclasses.field(default_factory=list)
     end_of_forward: int | None = None
     backward_head_peak: int | None = None
+    # phase -> the meter's (tracked) peak; with ``phases`` it gives what the allocator held
+    # beyond tracked tensors in each phase (CUDA).
+    phase_tracked: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -103,7 +113,7 @@ class _StepMeter(MemoryMeter):
             self.casting_weight = False
 
 
-class _PhasePeaks:
+class PhasePeakMeter:
     """The peak of each phase: reset at a phase's start, read at its end."""
 
     def __init__(self, meter: MemoryMeter, target: Target) -> None:
@@ -185,7 +195,7 @@ class MemoryStep:
         meter.add_storage_listener(self._on_storage)
         meter.add_listener(self._on_live)
         self.meter = meter
-        self.peaks = _PhasePeaks(meter, self.target)
+        self.peaks = PhasePeakMeter(meter, self.target)
         handles = self._install_hooks()
         try:
             with meter, self.walk.saving():
@@ -411,6 +421,7 @@ class MemoryStep:
             block_backward_peak=self.walk.peak,
             end_of_forward=self.walk.end_of_forward,
             backward_head_peak=self.walk.head_peak,
+            phase_tracked=dict(peaks.tracked),
         )
 
 

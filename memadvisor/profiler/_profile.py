@@ -13,7 +13,11 @@ How a pass runs (``profile_workload``):
        (:class:`~memadvisor.profiler._timing_step.TimingStep`, the faster reading kept).
     3. On CUDA, cuBLAS's workspaces (held since the warm-up, so in every metered step's
        baseline) are measured by freeing them, and added to every phase peak.
-    4. Every size that grows with the batch is fitted through its two measurements.
+    4. On CUDA, for each precision, what the allocator holds beyond tracked tensors (cuDNN's
+       workspaces, which grow with the batch only past the small sizes) is measured at two
+       larger sizes, a warm-up and one bare metered step each
+       (:mod:`~memadvisor.profiler._untracked`).
+    5. Every size that grows with the batch is fitted through its two measurements.
 
 The RNG states are put back at the end. Under ``FakeTensorMode`` no step is timed (fake ops
 take no real time) and every time is 0.
@@ -65,12 +69,19 @@ from memadvisor.profiler._schema import (
 )
 from memadvisor.profiler._state import private_model, rng_restored
 from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
+from memadvisor.profiler._untracked import (
+    UntrackedFit,
+    measure_untracked,
+    untracked_batch_sizes,
+    untracked_step,
+)
 from memadvisor.workload import Workload, train_step
 
 __all__ = ["as_optimizer_factory", "autocast_workload", "profile", "profile_workload"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 TIMED_STEPS = 2  # per batch size and precision; the faster reading of each number is kept
+UNTRACKED_SIZES = 2  # CUDA: the larger sizes the untracked bytes are fitted at, per precision
 
 
 def profile(
@@ -277,7 +288,10 @@ class _Pass:
         self.precisions = precisions
         self.sizes = sizes
         timed = 0 if target.fake else TIMED_STEPS
-        self.progress = ProgressReporter(progress, len(precisions) * (1 + 2 * (1 + timed)))
+        # Per precision: a warm-up, two metered steps, the timed ones; on a card the two
+        # larger sizes of the untracked bytes (each a warm-up and a bare metered step).
+        per_precision = 1 + 2 * (1 + timed) + (UNTRACKED_SIZES if target.is_cuda else 0)
+        self.progress = ProgressReporter(progress, len(precisions) * per_precision)
         self.timed_steps = timed
         self.workspace_bytes = 0
 
@@ -310,7 +324,11 @@ class _Pass:
             (t for s in optimizer.state.values() for t in tensors_in(s)), self._on_device
         )
         self.workspace_bytes = self._measure_workspaces()
-        steps = {p: self._step_profile(p, model, *m_t) for p, m_t in measured.items()}
+        untracked = {
+            p: self._untracked(model, optimizer, autocast_workload(wl, p, self.target), p, m[0])
+            for p, m in measured.items()
+        }
+        steps = {p: self._step_profile(p, model, *m_t, untracked[p]) for p, m_t in measured.items()}
         memory_fp32 = measured["fp32"][0][1]
         return Profile(
             model_name=type(wl.model).__name__,
@@ -369,6 +387,59 @@ class _Pass:
             self.progress.advance(what)
         return TimingMeasurement.fastest(runs)
 
+    def _untracked(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        wl: Workload,
+        precision: str,
+        mem: list[MemoryMeasurement],
+    ) -> UntrackedFit | None:
+        """CUDA: the untracked bytes per phase, fitted at two larger sizes; None elsewhere,
+        or where the card has no room for them."""
+        if not self.target.is_cuda:
+            return None
+        from memadvisor.device import is_oom  # imports the profiler's schema
+
+        dev, (b1, b2) = self.target.device, self.sizes
+        m1, m2 = mem
+        per_sample = max(
+            (
+                (m2.phases[ph][0] - m1.phases[ph][0]) / (b2 - b1)
+                for ph in m2.phases
+                if ph in m1.phases
+            ),
+            default=0.0,
+        )
+        ws = self.workspace_bytes
+        profiled = {
+            ph: allocated + ws - m2.phase_tracked.get(ph, allocated)
+            for ph, (allocated, _) in m2.phases.items()
+        }
+        _release(self.target)
+        sizes = untracked_batch_sizes(per_sample, self.sizes, torch.cuda.mem_get_info(dev)[0])
+        left = UNTRACKED_SIZES
+
+        def measure(b: int) -> dict[str, int]:
+            nonlocal left
+            what = f"untracked bytes, {precision}, batch {b}"
+            self.progress.begin(what)
+            batch = self.workload.batch(b, dev)
+            train_step(wl, model, optimizer, batch)  # warm-up: cuDNN's choice for the shape
+            result = untracked_step(model, optimizer, wl, batch, self.target)
+            left -= 1
+            self.progress.advance(what)
+            return result
+
+        try:
+            return measure_untracked(measure, sizes, profiled, is_oom)
+        finally:
+            # A step cut short by an out-of-memory error leaves gradients behind.
+            optimizer.zero_grad(set_to_none=True)
+            _release(self.target)
+            for _ in range(left):
+                self.progress.advance(f"untracked bytes, {precision}: no room on the card")
+
     def _measure_workspaces(self) -> int:
         """cuBLAS's workspaces (one per thread that ran matmuls: main and autograd).
 
@@ -403,6 +474,7 @@ class _Pass:
         model: nn.Module,
         mem: list[MemoryMeasurement],
         timing: list[TimingMeasurement | None],
+        untracked: UntrackedFit | None = None,
     ) -> StepProfile:
         m1, m2 = mem
         blocks = [
@@ -473,6 +545,8 @@ class _Pass:
             step_ms=self._ms(timing, lambda t: t.step_ms),
             end_of_forward=self._walk_bytes(mem, lambda m: m.end_of_forward),
             backward_head_peak=self._walk_bytes(mem, lambda m: m.backward_head_peak),
+            untracked_batch_sizes=untracked[0] if untracked else None,
+            untracked=untracked[1] if untracked else [],
         )
 
     def _walk_bytes(

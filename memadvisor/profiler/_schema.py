@@ -22,6 +22,7 @@ __all__ = [
     "PhasePeak",
     "Profile",
     "StepProfile",
+    "UntrackedBytes",
 ]
 
 ProfilePhase = Literal["forward", "backward", "optimizer", "zero_grad"]
@@ -161,6 +162,28 @@ class PhasePeak(_Model):
     )
 
 
+class UntrackedBytes(_Model):
+    """Bytes the caching allocator held at one phase's peak beyond every tensor a dispatch
+    mode sees (cuDNN's convolution workspaces, cuBLAS's, block rounding): CUDA only.
+
+    Fitted at two batch sizes larger than the profile's (``StepProfile.untracked_batch_sizes``),
+    where cuDNN's workspaces have started to grow with the batch; the profile's own sizes are
+    too small to show it (examples/cnn.py in fp32 holds a flat 65 MiB up to batch 32, then
+    65 + 1.44 MiB a sample).
+    """
+
+    phase: ProfilePhase
+    untracked: LinearBytes = Field(
+        description="Allocator phase peak minus tracked phase peak, cuBLAS's workspaces in."
+    )
+    profiled_bytes: int = Field(
+        0,
+        ge=0,
+        description="The same difference at the profile's larger batch size: what the "
+        "phase's measured peak (PhasePeak.allocated) already holds of it.",
+    )
+
+
 class StepProfile(_Model):
     """One training step measured in one precision."""
 
@@ -192,6 +215,16 @@ class StepProfile(_Model):
         None,
         description="Most live bytes in backward before the first block's backward begins "
         "(the loss and the head), minus end_of_forward; None: not measured.",
+    )
+    untracked_batch_sizes: tuple[int, int] | None = Field(
+        None,
+        description="The two batch sizes ``untracked`` was fitted at; None: not measured "
+        "(CPU, fake tensors, older profiles, or no larger batch fitted on the card).",
+    )
+    untracked: list[UntrackedBytes] = Field(
+        default_factory=list,
+        description="CUDA: per phase, the bytes the allocator held beyond tracked tensors, "
+        "as a line in the batch size; empty where not measured.",
     )
 
 
