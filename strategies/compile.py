@@ -47,6 +47,7 @@ Known limitations:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,6 +79,7 @@ __all__ = [
     "CompileChoice",
     "CompileResult",
     "CompiledForward",
+    "DeviceGain",
     "advice",
     "check_from",
     "measured_variants",
@@ -119,6 +121,7 @@ class Compile(Strategy):
         # Normalised, so the same setting is always the same JSON in a plan.
         self.offered: list[JsonValue] = [p.to_json() for p in parsed if p is not None]
         self.results: dict[CompileChoice, CompileResult] = {}
+        self.gains: dict[CompileChoice, DeviceGain] = {}
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if profile.device.kind != "cuda":
@@ -159,7 +162,7 @@ class Compile(Strategy):
         parsed = parse_choice(choice)
         if parsed is None:
             return None
-        return advice(parsed, self.results.get(parsed))
+        return advice(parsed, self.results.get(parsed), self.gains.get(parsed))
 
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Compile ``choice`` on copies of the workload and compare with eager (see try_compile).
@@ -199,6 +202,16 @@ class Compile(Strategy):
         return result
 
 
+@dataclass(frozen=True)
+class DeviceGain:
+    """What the device measured for a compiled choice against the eager pick (the planner's)."""
+
+    batch_size: int
+    samples_per_s: float
+    eager_batch_size: int
+    eager_samples_per_s: float
+
+
 def check_from(result: CompileResult) -> Check:
     """``result`` as the Check a plan lists: passed when it compiled and matched eager."""
     close = result.loss_rel_diff is not None and result.loss_rel_diff <= LOSS_TOLERANCE
@@ -228,8 +241,11 @@ def check_from(result: CompileResult) -> Check:
     )
 
 
-def advice(choice: CompileChoice, result: CompileResult | None = None) -> Advice:
-    """The advice for ``choice``, quoting ``result`` (a trial at some batch) when given."""
+def advice(
+    choice: CompileChoice, result: CompileResult | None = None, gain: DeviceGain | None = None
+) -> Advice:
+    """The advice for ``choice``, quoting ``result`` (a trial at some batch) and ``gain`` (the
+    planner's measurement against eager) when given."""
     budget = choice.activation_memory_budget
     title = "torch.compile" + (f" ({choice.mode} mode)" if choice.mode != "default" else "")
     sentence = (
@@ -253,6 +269,13 @@ def advice(choice: CompileChoice, result: CompileResult | None = None) -> Advice
             f"step vs {result.eager_step_ms:.1f} ms eager; the plan's throughput is the steady "
             "state"
         )
+        if gain is not None:
+            ratio = gain.samples_per_s / gain.eager_samples_per_s
+            effect = (
+                f"on the device {gain.samples_per_s:.1f} samples/s at batch {gain.batch_size} "
+                f"vs {gain.eager_samples_per_s:.1f} eager at batch {gain.eager_batch_size} "
+                f"({ratio:.2f}x, steady state); the trial {effect}"
+            )
     else:
         effect = (
             "not estimated: compiled memory and speed are measured on the device; the first "

@@ -137,6 +137,8 @@ def compiled_pick(
         wall_ms=(time.perf_counter() - started) * 1e3,
     )
     notes.append(outcome.summary)
+    if picked and winner is not None:
+        _record_gain(strategy, winner[1], eager_best)
     if cache_report is not None:
         notes.append(cache_report.note)
     if picked and winner is not None:
@@ -323,6 +325,20 @@ def _bracket(prober: _Prober, choices: dict[str, JsonValue], start_batch: int) -
         largest_batch=candidate.batch_size,
         active=len(choices),
     )
+
+
+def _record_gain(strategy: Compile, compiled: _Confirmed, eager: _Confirmed) -> None:
+    """Tell the strategy what the device measured, so its advice quotes the gain."""
+    from strategies.compile import DeviceGain
+
+    parsed = _parse(compiled.candidate.choices[COMPILE])
+    if parsed is not None:
+        strategy.gains[parsed] = DeviceGain(
+            batch_size=compiled.candidate.batch_size,
+            samples_per_s=compiled.measured.samples_per_s,
+            eager_batch_size=eager.candidate.batch_size,
+            eager_samples_per_s=eager.measured.samples_per_s,
+        )
 
 
 def _release_trial_memory() -> None:

@@ -88,9 +88,9 @@ def _compile(a: Answer) -> str:
             f" · first step compiles for about {fmt_ms(outcome.compile_ms)}, once per process "
             "and input shape"
         )
-    if outcome.cache is not None:
+    if outcome.cache is not None and outcome.cache.added_bytes > 0:
         words += (
-            f" · inductor cache {fmt_bytes(outcome.cache.added_bytes)} added in "
+            f" · the plan added {fmt_bytes(outcome.cache.added_bytes)} to inductor's cache in "
             f"{outcome.cache.cache_dir}"
         )
     return words

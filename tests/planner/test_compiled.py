@@ -11,6 +11,8 @@ with inductor (marked slow); one lets dynamo find nothing to compile (fast, no i
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,13 +41,17 @@ def _config(**overrides) -> PlanConfig:
     return PlanConfig(**{"budget_bytes": 100 * MIB, **fast, **overrides})
 
 
-def _compiling_device(fake_device, speedup: dict[str, float], **kwargs):
-    """The fake device, its compiled runs ``speedup[choice as JSON]`` times faster."""
+def _compiling_device(fake_device, speedup: dict[str, float], *, writes=True, **kwargs):
+    """The fake device, its compiled runs ``speedup[choice as JSON]`` times faster; with
+    ``writes`` each compiled run writes 1 KiB of "kernels" where a probe's inductor would."""
 
     class CompilingDevice(fake_device):
         def run(self, workload, candidate, steps) -> Measurement:
             m = super().run(workload, candidate, steps)
             choice = candidate.choices.get("compile")
+            if choice is not None and writes:
+                cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+                (cache / f"kernel-{len(self.calls)}.so").write_bytes(b"k" * 1024)
             factor = speedup.get(json.dumps(choice), 1.0) if choice is not None else 1.0
             return m.model_copy(
                 update={"step_ms": m.step_ms / factor, "samples_per_s": m.samples_per_s * factor}
@@ -114,7 +120,9 @@ def test_a_faster_compiled_variant_is_the_pick_with_its_compile_time(
     assert all(r.candidate.choices["compile"] == "default" for r in runs)
     assert outcome is not None and outcome.picked
     assert outcome.compile_ms == pytest.approx(TRIAL_FIRST_MS - TRIAL_STEADY_MS)
+    # The device runs saw the shared cache in their environment, and it was measured.
     assert outcome.cache is not None and outcome.cache.cache_dir == str(tmp_path.resolve())
+    assert outcome.cache.added_bytes == 1024 * len(runs)
     ratio = pick.measured.samples_per_s / eager.measured.samples_per_s
     assert notes[0].startswith("Compiled:") and f"{ratio:.2f}x the eager pick's" in notes[0]
     assert "inductor's on-disk cache" in notes[1]
@@ -124,17 +132,18 @@ def test_a_faster_compiled_variant_is_the_pick_with_its_compile_time(
     )
     check = strategy.check(workload, "default")
     assert len(trials) == 1 and check is not None and check.passed
-    assert "2.0 s" in strategy.explain("default", profile).effect
+    effect = strategy.explain("default", profile).effect
+    assert f"({ratio:.2f}x, steady state)" in effect and "2.0 s of compiling" in effect
 
 
 def test_a_compiled_variant_not_faster_enough_keeps_the_eager_pick(
-    profile, strategies, workload, fake_device, trials
+    profile, strategies, workload, fake_device, trials, tmp_path
 ) -> None:
     """Measured 1% faster (under MIN_SPEEDUP): eager stays, the note says why."""
     device = _compiling_device(fake_device, {'"default"': 1.01}, threshold=40)
     prober, eager, _ = _setup(profile, strategies, device, workload, {"precision": "bf16"})
     notes: list[str] = []
-    pick, outcome = compiled_pick(prober, eager, notes, QUIET)
+    pick, outcome = compiled_pick(prober, eager, notes, QUIET, cache_dir=tmp_path)
     assert pick is eager
     assert outcome is not None and not outcome.picked and outcome.compile_ms is None
     assert outcome.variants[0].measured is not None  # it was measured, and lost
@@ -191,7 +200,7 @@ def test_a_compiled_variant_failing_on_the_device_keeps_the_eager_pick(
 
 
 def test_largest_batch_objective_takes_a_compiled_variant_that_fits_more(
-    profile, strategies, workload, fake_device, trials
+    profile, strategies, workload, fake_device, trials, tmp_path
 ) -> None:
     """Objective largest_batch: a compiled variant that holds a larger batch wins though slower."""
 
@@ -200,7 +209,7 @@ def test_largest_batch_objective_takes_a_compiled_variant_that_fits_more(
 
     device = _compiling_device(fake_device, {'"default"': 0.9}, threshold=threshold)
     prober, eager, _ = _setup(profile, strategies, device, workload, {}, objective="largest_batch")
-    pick, outcome = compiled_pick(prober, eager, [], QUIET)
+    pick, outcome = compiled_pick(prober, eager, [], QUIET, cache_dir=tmp_path)
     assert pick.candidate.batch_size > eager.candidate.batch_size
     assert outcome is not None and outcome.picked
 
@@ -209,7 +218,7 @@ def test_largest_batch_objective_takes_a_compiled_variant_that_fits_more(
 
 
 def test_the_partitioner_budget_replaces_block_checkpointing_at_the_picks_kept_share(
-    profile, strategies, workload, fake_device, trials
+    profile, strategies, workload, fake_device, trials, tmp_path
 ) -> None:
     """Each block keeps 1 MiB a sample of 4.5 in all: checkpointing 2 keeps 2.5/4.5 = 0.56,
     rounded up to 0.6. The budget variant drops the blocks; without blocks there is none."""
@@ -229,7 +238,7 @@ def test_the_partitioner_budget_replaces_block_checkpointing_at_the_picks_kept_s
     speedup = {'"default"': 1.1, json.dumps(budget): 1.4}
     device = _compiling_device(fake_device, speedup, threshold=40)
     prober, eager, _ = _setup(profile, strategies, device, workload, eager_choices)
-    pick, outcome = compiled_pick(prober, eager, [], QUIET)
+    pick, outcome = compiled_pick(prober, eager, [], QUIET, cache_dir=tmp_path)
     assert pick.candidate.choices == {"compile": budget}
     assert outcome is not None and [v.compiles for v in outcome.variants] == [True, True]
 
@@ -309,13 +318,20 @@ def test_a_real_inductor_compile_is_tried_and_a_faster_variant_kept(
     profile, strategies, fake_device
 ) -> None:
     """Inductor compiles a tiny MLP on this machine's gcc (the trial times it), the device
-    says compiled is faster, so it is the pick, and the plan's check reuses that trial."""
+    says compiled is faster, so it is the pick, and the plan's check reuses that trial.
+
+    The MLP, batch and loss are tests/strategies/test_compile.py's, so with the user's
+    inductor cache warm from those tests this one loads their kernels (seconds, not ~20 s).
+    """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    torch.manual_seed(1)
     workload = Workload(
-        model=model, sample_batch=torch.randn(2, 4), loss_fn=lambda out, batch: out.mean()
+        model=model,
+        sample_batch=(torch.randn(8, 16), torch.randn(8, 4)),
+        loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
     )
-    device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)
+    device = _compiling_device(fake_device, {'"default"': 1.5}, writes=False, threshold=40)
     prober, eager, strategy = _setup(profile, strategies, device, workload, {})
     pick, outcome = compiled_pick(prober, eager, [], QUIET)
     assert outcome is not None and outcome.picked, outcome.summary
