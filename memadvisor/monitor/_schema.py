@@ -48,17 +48,31 @@ class LayerMemory(_Model):
 
 
 class IterationRecord(_Model):
-    """One training iteration as the monitor saw it at ``record()``."""
+    """One reading of the counters at ``record()``: the iteration it was made in, and the
+    iterations since the previous reading (``iterations``; 1 where every iteration is read)."""
 
     iteration: int = Field(ge=1, description="1-based, counted across epochs.")
     epoch: int = Field(ge=0)
+    iterations: int = Field(
+        1,
+        ge=1,
+        description="Iterations this record covers: those since the previous reading, this "
+        "one included (more than 1 where counters are read every few iterations, see "
+        "Monitor's counter_period; an epoch summary's: the epoch's).",
+    )
     iteration_ms: float | None = Field(
-        None, description="Wall time since the previous record() (None for the first)."
+        None,
+        description="Mean wall time of those iterations, the monitor's own time left out "
+        "(None for the first record()).",
     )
     allocated_bytes: int = Field(ge=0, description="Held by tensors at record().")
-    peak_allocated_bytes: int = Field(ge=0, description="Highest during this iteration.")
+    peak_allocated_bytes: int = Field(
+        ge=0, description="Highest during the iterations this record covers."
+    )
     reserved_bytes: int | None = Field(None, description="CUDA only: the allocator's reserve.")
-    peak_reserved_bytes: int | None = None
+    peak_reserved_bytes: int | None = Field(
+        None, description="CUDA only: the reserve's highest over the same iterations."
+    )
     weight_bytes: int | None = Field(None, description="All parameters (latest layer pass).")
     grad_bytes: int | None = Field(None, description="All gradients (latest layer pass).")
     saved_activation_bytes: int | None = Field(

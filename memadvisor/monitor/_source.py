@@ -15,10 +15,17 @@ __all__ = ["CudaSource", "MemorySource", "MeterSource", "model_device", "source_
 
 
 class MemorySource:
-    """Current and per-iteration peak bytes of one device, and a reader for event hooks."""
+    """Current and per-iteration peak bytes of one device, and a reader for event hooks.
+
+    Attributes:
+        costly_reads: a reading costs enough (the CUDA allocator's, ~20 us: its stats call
+            builds a dict of some 120 counters) that the monitor, unless told a period,
+            reads every few iterations where every one would exceed its budget.
+    """
 
     device: str
     reader: Any  # CudaMemoryReader | MeterMemoryReader, with interval peaks
+    costly_reads: bool = False
 
     def take(self) -> tuple[int, int | None, int, int | None]:
         """``(allocated, reserved, peak allocated, peak reserved)``, then start new peaks.
@@ -31,10 +38,16 @@ class MemorySource:
 class CudaSource(MemorySource):
     """The caching allocator's counters: one stats call and one peak reset, no synchronisation.
 
+    The public ``torch.cuda.memory_allocated`` (``max_memory_allocated``, ``memory_reserved``)
+    each make the same stats call and then flatten and sort its dict in Python: one private
+    call here reads all four numbers for less than one of them.
+
     Args:
         device: the card.
         count_allocations: the event reader also reports cumulative allocation counts.
     """
+
+    costly_reads = True
 
     def __init__(self, device: torch.device, *, count_allocations: bool = False) -> None:
         self.device = str(device)
