@@ -1,32 +1,38 @@
-"""Best eager plan vs best compiled plan under one budget, per model (the lead's GPU run).
+"""Best eager plan vs best compiled plan under one budget, per model: issue 9's table (GPU).
 
-For each model: profile it once on CUDA, then plan
-    * eager: every registered strategy except compile, as ``memadvisor plan`` would;
-    * compiled, once per compile choice (``default``, and the partitioner's activation memory
-      budget 0.5): the same search with that choice forced on every candidate, so each
-      probe is a fresh process that compiles. The compiled plans run inside one shared
-      inductor cache (``memadvisor.compile_cache``), whose added size is reported.
-Before a compiled plan, ``try_compile`` checks at the sample batch that the model compiles;
-a model that does not is reported and kept eager. After it, ``try_compile`` at the pick
-times the one-off first compiled step (``--no-pick-trial`` skips it).
+One plan per model, with compiling weighed (``PlanConfig(compile="on")``): the planner finds
+the eager pick on the card, then measures compiled variants of it
+(``memadvisor/planner/_compiled.py``) and keeps the faster. Both sides come from that plan:
 
-The table: batch, measured samples/s of the verified pick (and against eager), allocated and
-reserved peak, plan wall time (compiles included), the compile time at the pick, and what the
-pick chose (precision, checkpointed blocks: is block checkpointing ever picked under compile?).
+* eager: the eager pick as the device measured it (batch, samples/s, allocated and reserved
+  peak) and its plan wall time: the whole plan's less the compile stage;
+* compiled: each compiled variant ("default" keeps the pick's checkpointed blocks, compiled
+  with the model; "budget X" replaces them with the partitioner's activation memory budget,
+  tried only when the pick checkpoints), the same measurements, the plan wall time with the
+  compile stage, and the one-off compile the trial timed. ``*`` marks the plan's pick; its
+  verified samples/s (sustained steps) is the last column.
 
-    python bench/compile_vs_eager.py --models gpt,cnn                  # ~8 min on an H200
-    python bench/compile_vs_eager.py --models vit_b_16 --choices default
+Eager and compiled rates are both the probes' (same steps, the first excluded), as the
+planner compared them. All probes are fresh processes sharing inductor's on-disk cache; the
+cache's growth is printed.
+
+    python bench/compile_vs_eager.py --list              # models, time guesses, 9-min chunks
+    python bench/compile_vs_eager.py --models gpt,cnn,resnet18 --json /tmp/cve.jsonl
+    python bench/compile_vs_eager.py --models hf-llama --quick --json /tmp/cve.jsonl
     python bench/compile_vs_eager.py --models resnet18 --cache-test    # cold vs warm cache
 
-``--cache-test`` runs the first model's compiled step at the sample batch in two fresh
-processes sharing an empty cache directory: the first compiles cold, the second loads.
+``--json`` appends one line per event (model start with its time guess, the result rows, a
+failure), flushed as it happens, so a run cut off by a time limit keeps what finished.
+``--deadline-s`` (default 540) skips models whose guess would pass it and prints the
+``--models`` to run next. ``--quick`` re-ranks one eager candidate, verifies 5 steps and
+tries only the plain compiled variant (about half the device time).
 
-Models: gpt, cnn, llama (examples/); resnet18, convnext_tiny, vit_b_16 (torchvision); bert
-(transformers BertForMaskedLM, bert-base config); llama_small (transformers LlamaForCausalLM,
-a small config); each built from its config, no downloads. Known limits: the compiled plans
-force one compile choice each (the planner does not yet mix eager and compiled candidates);
-the compiled search re-ranks fewer candidates (``--rerank-top-compiled``) since each probe
-compiles.
+Needs ``plan_workload`` to call ``compiled_pick`` (the lead's wiring); without it every plan
+comes back with ``plan.compile`` None and the bench says so. Models, all built from configs
+(no downloads), as ``bench/estimate_accuracy.py`` builds them: examples/gpt.py and
+examples/cnn.py (their defaults); torchvision resnet18 and convnext_tiny; transformers
+BertForMaskedLM (bert-base config, sequence 512) and a small LlamaForCausalLM (8 layers of
+1024, sequence 1024); also vit_b_16 (the issue's ViT-B/16) and the llama example on request.
 """
 
 from __future__ import annotations
@@ -38,50 +44,48 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import JsonValue
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
 
-# name -> target ("file.py:factory"): probe processes rebuild the workload from it.
-MODELS = {
-    "gpt": f"{ROOT}/examples/gpt.py:build",
-    "cnn": f"{ROOT}/examples/cnn.py:build",
-    "llama": f"{ROOT}/examples/llama.py:build",
-    "resnet18": f"{HERE}:resnet18",
-    "convnext_tiny": f"{HERE}:convnext_tiny",
-    "vit_b_16": f"{HERE}:vit_b_16",
-    "bert": f"{HERE}:bert",
-    "llama_small": f"{HERE}:llama_small",
+# name -> (target the probe processes rebuild the workload from, guessed seconds for one
+# model on an H100/H200). The guesses: profiling 10-30 s; ~6 eager probes and a verify of
+# fresh processes at 5-15 s each; then per compiled variant a trial here and two probe
+# processes, each compiling for 15-60 s (the issue measured 26 s for ViT-B/16's first
+# compiled step); a second variant where the pick checkpoints (the larger models at 8 GiB).
+# The JSON records the real wall time: replace these after a first run.
+MODELS: dict[str, tuple[str, float]] = {
+    "gpt": (f"{ROOT}/examples/gpt.py:build", 150),
+    "cnn": (f"{ROOT}/examples/cnn.py:build", 120),
+    "resnet18": (f"{HERE}:resnet18", 180),
+    "convnext_tiny": (f"{HERE}:convnext_tiny", 300),
+    "bert-base": (f"{HERE}:bert_base", 300),
+    "hf-llama": (f"{HERE}:hf_llama", 360),
+    "vit_b_16": (f"{HERE}:vit_b_16", 300),
+    "llama": (f"{ROOT}/examples/llama.py:build", 240),
 }
-DEFAULT_MODELS = "gpt,cnn,resnet18,convnext_tiny,vit_b_16,bert,llama_small"
-CHOICES: dict[str, JsonValue] = {  # --choices name -> the compile choice
-    "default": "default",
-    "budget0.5": {"mode": "default", "activation_memory_budget": 0.5},
-    "budget0.25": {"mode": "default", "activation_memory_budget": 0.25},
-    "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
-}
+DEFAULT_MODELS = "gpt,cnn,resnet18,convnext_tiny,bert-base,hf-llama"
+QUICK_FACTOR = 0.55  # --quick: one eager candidate, one variant, 5 verify steps
 
 
-# -- model factories (no downloads: built from configs) ------------------------------------
+# -- model factories (no downloads: built from configs, as bench/estimate_accuracy.py) -------
 
 
 def classification_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits, batch[1])
 
 
-def _vision(name: str, batch_size: int = 8) -> dict:
+def _vision(name: str) -> dict:
     import torchvision
 
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(weights=None)
-    images = torch.randn(batch_size, 3, 224, 224)
-    labels = torch.randint(0, 1000, (batch_size,))
+    model = getattr(torchvision.models, name)(weights=None, num_classes=1000)
+    images, labels = torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2,))
     return {"model": model, "sample_batch": (images, labels), "loss_fn": classification_loss}
 
 
@@ -97,22 +101,19 @@ def vit_b_16() -> dict:
     return _vision("vit_b_16")
 
 
-def _tokens(vocab: int, batch_size: int, seq: int) -> dict:
-    ids = torch.randint(0, vocab, (batch_size, seq))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def bert(batch_size: int = 4, seq: int = 512) -> dict:
-    """BertForMaskedLM with bert-base's config (12 layers, 768 wide, 30522 tokens)."""
+def bert_base() -> dict:
+    """BertForMaskedLM with bert-base's config (12 layers of 768, vocab 30522), sequence 512."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
     model = BertForMaskedLM(BertConfig())
-    return {"model": model, "sample_batch": _tokens(model.config.vocab_size, batch_size, seq)}
+    ids = torch.randint(0, 30522, (2, 512))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return {"model": model, "sample_batch": batch}
 
 
-def llama_small(batch_size: int = 2, seq: int = 1024) -> dict:
-    """LlamaForCausalLM, ~200M parameters: 8 layers, 1024 wide, 32000 tokens."""
+def hf_llama() -> dict:
+    """LlamaForCausalLM, 8 layers of 1024 (GQA, 8 KV heads), vocab 32000, sequence 1024."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -122,161 +123,199 @@ def llama_small(batch_size: int = 2, seq: int = 1024) -> dict:
         intermediate_size=2816,
         num_hidden_layers=8,
         num_attention_heads=16,
-        num_key_value_heads=16,
-        max_position_embeddings=seq,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
         use_cache=False,
     )
     model = LlamaForCausalLM(config)
-    return {"model": model, "sample_batch": _tokens(config.vocab_size, batch_size, seq)}
+    ids = torch.randint(0, 32000, (2, 1024))
+    return {"model": model, "sample_batch": {"input_ids": ids, "labels": ids.clone()}}
 
 
-# -- one model --------------------------------------------------------------------------------
+# -- recording ----------------------------------------------------------------------------------
 
 
-def _compiled_only(choice: JsonValue) -> Any:
-    """The compile strategy offering ``choice`` alone: every candidate of the search compiles."""
+class Recorder:
+    """One JSON line per event, flushed as it happens; the rows kept for the final table."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.out: IO[str] | None = path.open("a") if path is not None else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "row":
+            self.rows.append(record)
+        if self.out is not None:
+            self.out.write(json.dumps(record) + "\n")
+            self.out.flush()
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
+
+
+# -- one model ----------------------------------------------------------------------------------
+
+
+def _strategies(args: argparse.Namespace) -> list:
+    """Every registered strategy; with --quick, compile offers its plain mode alone."""
+    from memadvisor.strategy import load_strategies
     from strategies.compile import Compile
 
-    class CompiledOnly(Compile):
-        def choices(self, profile: Any, config: Any) -> list[JsonValue]:
-            return list(self.offered)
-
-        def check(self, workload: Any, choice: JsonValue) -> None:
-            return None  # the bench times the compile at the pick itself
-
-    return CompiledOnly(choices=[choice])
+    chosen = load_strategies()
+    if not args.quick:
+        return chosen
+    return [Compile(choices=["default"]) if s.name == "compile" else s for s in chosen]
 
 
-def _row(label: str, plan: Any, compile_s: float | None, note: str = "") -> dict:
-    m = plan.verified
-    c = plan.candidate
-    ckpt = c.choices.get("checkpointing") or []
+def _config(args: argparse.Namespace) -> Any:
+    from memadvisor.config import PlanConfig, gib_to_bytes
+
+    return PlanConfig(
+        budget_bytes=gib_to_bytes(args.budget_gb),
+        device="cuda",
+        compile="on",
+        rerank_top=1 if args.quick else args.rerank_top,
+        verify_steps=5 if args.quick else args.verify_steps,
+    )
+
+
+def _what(choices: dict, blocks: int | None) -> str:
+    """``'bf16 ckpt 3/12 default'``: precision, checkpointed blocks, compile choice."""
+    precision = choices.get("precision") or "fp32"
+    ckpt = choices.get("checkpointing") or []
+    words = f"{precision} ckpt {len(ckpt)}/{blocks if blocks is not None else '?'}"
+    compiled = choices.get("compile")
+    if isinstance(compiled, dict):
+        words += (
+            f" {compiled.get('mode', 'default')} budget {compiled['activation_memory_budget']:g}"
+        )
+    elif compiled not in (None, "off"):
+        words += f" {compiled}"
+    return words
+
+
+def _measured(m: Any) -> dict[str, Any]:
+    if m is None:
+        return {"samples_per_s": None, "peak_gib": None, "reserved_gib": None}
     return {
-        "plan": label,
-        "batch": c.batch_size * c.accumulation_steps,
-        "micro": c.batch_size,
-        "samples_per_s": m.samples_per_s if m else float("nan"),
-        "peak_gib": m.peak_bytes / GIB if m else float("nan"),
-        "reserved_gib": (m.reserved_peak_bytes or 0) / GIB if m else float("nan"),
-        "plan_s": plan.plan_wall_ms / 1e3,
-        "probes": len(plan.probes),
-        "compile_s": compile_s,
-        "precision": c.choices.get("precision", "fp32"),
-        "checkpointed": f"{len(ckpt)}/{len(plan.profile.blocks) if plan.profile else '?'}",
-        "offload": c.choices.get("offload", "off"),
-        "note": note,
+        "samples_per_s": m.samples_per_s,
+        "peak_gib": m.peak_bytes / GIB,
+        "reserved_gib": (m.reserved_peak_bytes or 0) / GIB,
     }
 
 
-def _compiled_row(
-    workload: Any, profile: Any, target: str, choice: JsonValue, label: str, args: Any
-) -> dict:
-    """Screen ``choice`` at the sample batch, plan with it forced, time its compile at the pick."""
-    from memadvisor.config import PlanConfig, gib_to_bytes
-    from memadvisor.estimate import Candidate
-    from memadvisor.planner import plan_workload
-    from memadvisor.strategy import load_strategies
-    from strategies.compile import try_compile
-
-    trial = try_compile(workload, choice, device="cuda")
-    if not trial.ok:
-        return {"plan": label, "note": trial.summary}
-    config = PlanConfig(
-        budget_bytes=gib_to_bytes(args.budget_gb),
-        device="cuda",
-        verify_steps=args.verify_steps,
-        rerank_top=args.rerank_top_compiled,
-    )
-    eager_strategies = [s for s in load_strategies() if not s.measured_only]
-    plan = plan_workload(
-        workload,
-        config,
-        target=target,
-        profile=profile,
-        progress=False,
-        strategies=[*eager_strategies, _compiled_only(choice)],
-    )
-    compile_s = None
-    if not args.no_pick_trial:
-        c = plan.candidate
-        pick = Candidate(
-            batch_size=c.batch_size, accumulation_steps=c.accumulation_steps, choices=c.choices
+def rows_of(name: str, plan: Any) -> list[dict[str, Any]]:
+    """The table's rows for one plan: eager, then each compiled variant."""
+    outcome = plan.compile
+    blocks = len(plan.profile.blocks) if plan.profile is not None else None
+    compile_s = (outcome.wall_ms if outcome is not None else 0.0) / 1e3
+    plan_s = plan.plan_wall_ms / 1e3
+    verified = plan.verified.samples_per_s if plan.verified is not None else None
+    picked_compiled = outcome is not None and outcome.picked
+    base = {"event": "row", "model": name}
+    if outcome is None:
+        return [
+            {
+                **base,
+                "plan": "eager",
+                "picked": True,
+                "batch": plan.candidate.batch_size,
+                **_measured(plan.verified),
+                "plan_s": plan_s,
+                "what": _what(plan.candidate.choices, blocks),
+                "verified_samples_per_s": verified,
+                "note": "plan.compile is None: plan_workload does not call compiled_pick yet, "
+                "or compile was not weighed (see notes): " + " | ".join(plan.notes)[:400],
+            }
+        ]
+    eager = outcome.eager_candidate or plan.candidate
+    eager_choices = {k: v for k, v in eager.choices.items() if k != "compile"}
+    rows = [
+        {
+            **base,
+            "plan": "eager",
+            "picked": not picked_compiled,
+            "batch": outcome.eager_batch_size,
+            **_measured(outcome.eager_measured),
+            "plan_s": plan_s - compile_s,
+            "what": _what(eager_choices, blocks),
+            "verified_samples_per_s": None if picked_compiled else verified,
+            "note": "",
+        }
+    ]
+    picked_choices = plan.candidate.choices
+    for variant in outcome.variants:
+        choices = variant.choices
+        is_pick = picked_compiled and choices.get("compile") == picked_choices.get("compile")
+        rows.append(
+            {
+                **base,
+                "plan": "compiled",
+                "picked": is_pick,
+                "batch": variant.batch_size,
+                **_measured(variant.measured),
+                "plan_s": plan_s,
+                "compile_s": variant.compile_ms / 1e3 if variant.compile_ms is not None else None,
+                "device_s": variant.device_wall_ms / 1e3,
+                "what": _what(choices, blocks),
+                "verified_samples_per_s": verified if is_pick else None,
+                "note": variant.error or ("" if variant.compiles else variant.trial),
+            }
         )
-        at_pick = try_compile(workload, choice, candidate=pick, device="cuda")
-        compile_s = (at_pick.compile_ms or 0.0) / 1e3 if at_pick.ok else None
-    return _row(label, plan, compile_s, note=f"at sample batch: {trial.summary}")
-
-
-def bench_model(name: str, args: argparse.Namespace) -> list[dict]:
-    from memadvisor.compile_cache import shared_compile_cache
-    from memadvisor.config import PlanConfig, gib_to_bytes
-    from memadvisor.planner import plan_workload
-    from memadvisor.profiler import profile_workload
-    from memadvisor.strategy import load_strategies
-    from memadvisor.target import load_target
-
-    target = MODELS[name]
-    workload = load_target(target)
-    t0 = time.perf_counter()
-    profile = profile_workload(workload, device="cuda")
-    print(f"[{name}] profiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    config = PlanConfig(
-        budget_bytes=gib_to_bytes(args.budget_gb), device="cuda", verify_steps=args.verify_steps
-    )
-    eager_strategies = [s for s in load_strategies() if not s.measured_only]
-    rows = []
-    try:
-        plan = plan_workload(
-            workload,
-            config,
-            target=target,
-            profile=profile,
-            progress=False,
-            strategies=eager_strategies,
-        )
-        rows.append(_row("eager", plan, None))
-    except Exception as e:  # noqa: BLE001 - reported in the table, the other plans still run
-        rows.append({"plan": "eager", "note": f"failed: {type(e).__name__}: {str(e)[:300]}"})
-    print(f"[{name}] {json.dumps(rows[-1])}", flush=True)
-
-    with shared_compile_cache() as cache:
-        for key in args.choices.split(","):
-            label, choice = f"compiled:{key}", CHOICES[key]
-            try:
-                rows.append(_compiled_row(workload, profile, target, choice, label, args))
-            except Exception as e:  # noqa: BLE001 - as above
-                rows.append({"plan": label, "note": f"failed: {type(e).__name__}: {str(e)[:300]}"})
-            print(f"[{name}] {json.dumps(rows[-1])}", flush=True)
-        print(f"[{name}] {cache.report().note}", flush=True)
-    torch.cuda.empty_cache()
+    if outcome.cache is not None:
+        rows[-1]["cache_added_mib"] = outcome.cache.added_bytes / MIB
     return rows
 
 
-# -- cold vs warm cache in fresh processes ----------------------------------------------------
+def bench_model(name: str, args: argparse.Namespace, rec: Recorder) -> None:
+    from memadvisor.planner import plan_workload
+    from memadvisor.target import load_target
+
+    target = MODELS[name][0]
+    try:
+        workload = load_target(target)
+    except ImportError as e:
+        rec.write({"event": "skipped", "model": name, "why": str(e)})
+        print(f"[{name}] skipped: {e}", flush=True)
+        return
+    started = time.perf_counter()
+    plan = plan_workload(
+        workload, _config(args), target=target, progress=False, strategies=_strategies(args)
+    )
+    wall = time.perf_counter() - started
+    for row in rows_of(name, plan):
+        rec.write(row)
+    summary = plan.compile.summary if plan.compile is not None else "compile not weighed"
+    rec.write({"event": "plan", "model": name, "wall_s": wall, "summary": summary})
+    print(f"[{name}] {wall:.0f} s: {summary}", flush=True)
+    torch.cuda.empty_cache()
 
 
-def _child(target: str, batch: int, choice: str) -> None:
-    """A fresh process: the compiled step at ``batch`` (bf16), its first-step time and hits."""
+# -- cold vs warm cache in fresh processes ------------------------------------------------------
+
+
+def _child(target: str, choice: str) -> None:
+    """A fresh process: the compiled step at the sample batch (bf16), timed, with cache hits."""
     from memadvisor.estimate import Candidate
     from memadvisor.target import load_target
     from strategies.compile import try_compile
 
     workload = load_target(target)
-    candidate = Candidate(batch_size=batch, choices={"precision": "bf16"})
+    candidate = Candidate(batch_size=workload.sample_batch_size, choices={"precision": "bf16"})
     result = try_compile(workload, choice, candidate=candidate, device="cuda")
     print("RESULT " + result.model_dump_json(), flush=True)
 
 
-def cache_test(name: str) -> None:
+def cache_test(name: str, rec: Recorder) -> None:
+    """The same compile in two fresh processes sharing an empty cache: cold, then warm."""
     from memadvisor.compile_cache import shared_compile_cache
-    from memadvisor.target import load_target
 
-    batch = load_target(MODELS[name]).sample_batch_size
     with tempfile.TemporaryDirectory() as tmp, shared_compile_cache(tmp) as cache:
         for run in ("cold", "warm"):
             t0 = time.perf_counter()
             done = subprocess.run(
-                [sys.executable, str(HERE), "--child", MODELS[name], str(batch), "default"],
+                [sys.executable, str(HERE), "--child", MODELS[name][0], "default"],
                 capture_output=True,
                 text=True,
                 timeout=600,
@@ -287,9 +326,10 @@ def cache_test(name: str) -> None:
                 print(f"[{name}] {run}: no result; stderr ends:\n{done.stderr[-2000:]}")
                 continue
             r = json.loads(line[len("RESULT ") :])
+            rec.write({"event": "cache", "model": name, "run": run, "process_s": wall, **r})
             print(
                 f"[{name}] cache {run}: process {wall:.1f} s, first compiled step "
-                f"{r['first_step_ms'] / 1e3:.1f} s, steady {r['compiled_step_ms']:.1f} ms "
+                f"{(r['first_step_ms'] or 0) / 1e3:.1f} s, steady {r['compiled_step_ms']} ms "
                 f"(eager {r['eager_step_ms']:.1f} ms), graphs from cache {r['cache_hits']}/"
                 f"{r['cache_hits'] + r['cache_misses']}",
                 flush=True,
@@ -297,7 +337,7 @@ def cache_test(name: str) -> None:
         print(f"[{name}] {cache.report().note}", flush=True)
 
 
-# -- table ------------------------------------------------------------------------------------
+# -- table and chunks -----------------------------------------------------------------------------
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -306,27 +346,46 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
-def print_table(results: dict[str, list[dict]]) -> None:
+def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
-        f"{'model':14s} {'plan':19s} {'batch':>6s} {'samples/s':>10s} {'vs eager':>8s} "
-        f"{'peak GiB':>8s} {'rsv GiB':>7s} {'plan s':>7s} {'probes':>6s} {'compile s':>9s} "
-        f"{'prec':>5s} {'ckpt':>6s} {'offload':>7s}"
+        f"{'model':14s} {'plan':9s} {'batch':>6s} {'samples/s':>10s} {'vs eager':>8s} "
+        f"{'peak GiB':>8s} {'rsv GiB':>7s} {'plan s':>7s} {'compile s':>9s} {'verified':>9s}  what"
     )
     print("\n" + header + "\n" + "-" * len(header))
-    for model, rows in results.items():
-        eager = next((r for r in rows if r["plan"] == "eager"), None)
-        for r in rows:
-            if "batch" not in r:
-                print(f"{model:14s} {r['plan']:19s} {r.get('note', '')}")
-                continue
-            speed = r["samples_per_s"] / eager["samples_per_s"] if eager else None
-            print(
-                f"{model:14s} {r['plan']:19s} {r['batch']:>6d} {_fmt(r['samples_per_s'], '10.1f')} "
-                f"{_fmt(speed, '7.2f')}x {_fmt(r['peak_gib'], '8.2f')} "
-                f"{_fmt(r['reserved_gib'], '7.2f')} {_fmt(r['plan_s'], '7.1f')} {r['probes']:>6d} "
-                f"{_fmt(r['compile_s'], '9.1f')} {r['precision']:>5s} {r['checkpointed']:>6s} "
-                f"{r['offload']:>7s}"
-            )
+    eager_rate: dict[str, float] = {}
+    for r in rows:
+        if r["plan"] == "eager" and r["samples_per_s"]:
+            eager_rate[r["model"]] = r["samples_per_s"]
+        base = eager_rate.get(r["model"])
+        ratio = r["samples_per_s"] / base if base and r["samples_per_s"] else None
+        label = r["plan"] + ("*" if r["picked"] else "")
+        print(
+            f"{r['model']:14s} {label:9s} {_fmt(r['batch'], '6d')} "
+            f"{_fmt(r['samples_per_s'], '10.1f')} {_fmt(ratio, '7.2f')}x "
+            f"{_fmt(r['peak_gib'], '8.2f')} {_fmt(r['reserved_gib'], '7.2f')} "
+            f"{_fmt(r['plan_s'], '7.0f')} {_fmt(r.get('compile_s'), '9.1f')} "
+            f"{_fmt(r['verified_samples_per_s'], '9.1f')}  {r['what']}"
+            + (f"  [{r['note'][:160]}]" if r.get("note") else "")
+            + (f"  cache +{r['cache_added_mib']:.0f} MiB" if "cache_added_mib" in r else "")
+        )
+
+
+def guess_s(name: str, quick: bool) -> float:
+    return MODELS[name][1] * (QUICK_FACTOR if quick else 1.0)
+
+
+def chunks(names: list[str], quick: bool, limit_s: float) -> list[list[str]]:
+    """``names`` in order, grouped so each group's guessed time stays under ``limit_s``."""
+    out: list[list[str]] = []
+    total = limit_s + 1.0
+    for name in names:
+        s = guess_s(name, quick)
+        if total + s > limit_s:
+            out.append([])
+            total = 0.0
+        out[-1].append(name)
+        total += s
+    return out
 
 
 def main() -> int:
@@ -334,45 +393,62 @@ def main() -> int:
     parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {', '.join(MODELS)}")
     parser.add_argument("--budget-gb", type=float, default=8.0)
     parser.add_argument("--verify-steps", type=int, default=10)
-    parser.add_argument("--rerank-top-compiled", type=int, default=1)
-    parser.add_argument(
-        "--choices", default="default,budget0.5", help=f"compile choices, of {', '.join(CHOICES)}"
-    )
-    parser.add_argument("--no-pick-trial", action="store_true", help="skip timing the compile")
+    parser.add_argument("--rerank-top", type=int, default=3, help="eager candidates timed")
+    parser.add_argument("--quick", action="store_true", help="1 candidate, 1 variant, 5 steps")
+    parser.add_argument("--json", type=Path, help="append one JSON line per event here")
+    parser.add_argument("--deadline-s", type=float, default=540.0, help="start no model past it")
+    parser.add_argument("--list", action="store_true", help="time guesses and chunks, no GPU")
     parser.add_argument("--cache-test", action="store_true", help="cold vs warm cache instead")
-    parser.add_argument(
-        "--child", nargs=3, metavar=("TARGET", "BATCH", "CHOICE"), help=argparse.SUPPRESS
-    )
+    parser.add_argument("--child", nargs=2, metavar=("TARGET", "CHOICE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child[0], int(args.child[1]), args.child[2])
+        _child(*args.child)
         return 0
-    if not torch.cuda.is_available():
-        print("This benchmark needs a CUDA device (compiled candidates are measured on it).")
-        return 1
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
-    bad = [c for c in args.choices.split(",") if c not in CHOICES]
-    if bad:
-        parser.error(f"unknown compile choices {bad}; choose from {sorted(CHOICES)}")
-    if args.cache_test:
-        cache_test(names[0])
+    if args.list:
+        for name in names:
+            print(f"{name:14s} ~{guess_s(name, args.quick):.0f} s")
+        for group in chunks(names, args.quick, args.deadline_s):
+            total = sum(guess_s(n, args.quick) for n in group)
+            print(f"--models {','.join(group)}   (~{total / 60:.1f} min)")
         return 0
+    if not torch.cuda.is_available():
+        print("This benchmark needs a CUDA device (compiled candidates are measured on it).")
+        return 1
+    rec = Recorder(args.json)
     started = time.perf_counter()
-    results: dict[str, list[dict]] = {}
-    for name in names:
-        try:
-            results[name] = bench_model(name, args)
-        except Exception as e:  # noqa: BLE001 - one model's failure must not lose the others
-            results[name] = [{"plan": "error", "note": f"{type(e).__name__}: {str(e)[:300]}"}]
-            print(f"[{name}] failed: {type(e).__name__}: {e}", flush=True)
-    print_table(results)
-    print(
-        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, budget {args.budget_gb} "
-        f"GiB; total {time.perf_counter() - started:.0f} s"
-    )
+    try:
+        if args.cache_test:
+            cache_test(names[0], rec)
+            return 0
+        skipped: list[str] = []
+        for index, name in enumerate(names):
+            elapsed = time.perf_counter() - started
+            guess = guess_s(name, args.quick)
+            if index > 0 and elapsed + guess > args.deadline_s:  # the first always runs
+                skipped.append(name)
+                continue
+            print(f"[{name}] starting at {elapsed:.0f} s; guessed ~{guess:.0f} s", flush=True)
+            rec.write({"event": "start", "model": name, "at_s": elapsed, "guess_s": guess})
+            try:
+                bench_model(name, args, rec)
+            except Exception as e:  # noqa: BLE001 - one model's failure must not lose the others
+                text = f"{type(e).__name__}: {str(e)[:600]}"
+                rec.write({"event": "error", "model": name, "error": text})
+                print(f"[{name}] failed: {text}", flush=True)
+        print_table(rec.rows)
+        print(
+            f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, budget "
+            f"{args.budget_gb} GiB{', quick' if args.quick else ''}; total "
+            f"{time.perf_counter() - started:.0f} s"
+        )
+        if skipped:
+            print(f"Not started (past --deadline-s): next run --models {','.join(skipped)}")
+    finally:
+        rec.close()
     return 0
 
 

@@ -9,9 +9,15 @@ Choices:
     * ``{"mode": "default", "activation_memory_budget": 0.5}``: the same, with the min-cut
       partitioner told to keep at most half the activations for backward and recompute the
       rest. For a compiled model this is the recompute knob: it recomputes cheap pointwise
-      ops inside the fused graph, where block checkpointing recomputes whole blocks. Block
-      checkpointing under compile is still offered (the two strategies combine), so the
-      device's measurements say which is better.
+      ops inside the fused graph, where block checkpointing recomputes whole blocks.
+
+How the planner uses them (``memadvisor/planner/_compiled.py``): after the device has chosen
+the eager pick, it tries each offered choice on that pick. ``"default"`` keeps the pick's
+checkpointed blocks (compiled with the model); a choice with a budget replaces them, its
+budget set to the share of activations the pick keeps, so the device's measurements say
+which recompute is cheaper under compile. The faster compiled variant is kept only when it
+beats eager's measured throughput; :meth:`Compile.trial` and :attr:`Compile.gains` keep what
+was measured for :meth:`Compile.check` and :meth:`Compile.explain`.
 
 Offered only for a profile measured on CUDA. Compiled memory and speed are not predicted by
 the eager profile (fusion removes intermediates, the partitioner chooses what to save):
@@ -54,7 +60,6 @@ import torch
 from pydantic import JsonValue
 from torch import nn
 
-from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Check, Strategy
 from strategies import _forward
 from strategies._compile_trial import (
@@ -82,7 +87,6 @@ __all__ = [
     "DeviceGain",
     "advice",
     "check_from",
-    "measured_variants",
     "parse_choice",
     "try_compile",
 ]
@@ -317,34 +321,3 @@ def _snippet(choice: CompileChoice) -> str:
         'torch.save(model.state_dict(), "checkpoint.pt")',
     ]
     return "\n".join(lines) + "\n"
-
-
-def measured_variants(
-    choices: dict[str, JsonValue],
-    strategies: Sequence[Strategy],
-    profile: Profile,
-    config: PlanConfig,
-) -> list[dict[str, JsonValue]]:
-    """``choices`` once with each non-neutral choice of each ``measured_only`` strategy.
-
-    The planner's estimate ranks only eager combinations (a measured-only choice leaves the
-    estimate as it was, so ranking on it would only tie); this gives the combinations to
-    measure on the device next to an eager one: the top eager combination, compiled each
-    way the compile strategy offers.
-
-    Raises:
-        BadInputError: ``choices`` already holds a measured-only strategy's choice.
-    """
-    measured = [s for s in strategies if s.measured_only]
-    given = [s.name for s in measured if s.name in choices]
-    if given:
-        raise BadInputError(
-            f"measured_variants takes an eager combination, but got one choosing {given}: "
-            "pass the combination without them."
-        )
-    variants = []
-    for strategy in measured:
-        for choice in strategy.choices(profile, config):
-            if not strategy.is_neutral(choice):
-                variants.append({**choices, strategy.name: choice})
-    return variants

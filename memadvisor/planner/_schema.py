@@ -69,7 +69,11 @@ class CompileOutcome(_Model):
     picked: bool = Field(description="True when the plan's pick is compiled.")
     summary: str = Field(description="The verdict in a sentence (also among the plan's notes).")
     eager_batch_size: int = Field(description="The eager pick's batch the variants started from.")
+    eager_candidate: Candidate | None = Field(None, description="The eager pick itself.")
     eager_samples_per_s: float = Field(description="The eager pick's measured throughput.")
+    eager_measured: Measurement | None = Field(
+        None, description="The eager pick's measured steps (its peak too), before verification."
+    )
     variants: list[CompiledVariant] = Field(default_factory=list)
     compile_ms: float | None = Field(
         None,

@@ -337,3 +337,35 @@ def test_a_real_inductor_compile_is_tried_and_a_faster_variant_kept(
     assert outcome is not None and outcome.picked, outcome.summary
     assert outcome.compile_ms is not None and outcome.compile_ms > 0
     assert strategy.results and strategy.check(workload, "default").passed
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_variant_is_trialled_measured_in_fresh_processes_and_judged(
+    examples_dir,
+) -> None:
+    """On a card: the gpt example's bf16 pick compiles in the trial, its compiled probes run
+    in fresh processes under the shared cache, and the verdict follows MIN_SPEEDUP."""
+    from memadvisor.device.cuda import CudaDevice
+    from memadvisor.profiler import profile_workload
+    from memadvisor.strategy import load_strategies
+    from memadvisor.target import load_target
+
+    target = f"{examples_dir / 'gpt.py'}:build"
+    workload = load_target(target)
+    profile = profile_workload(workload, device="cuda")
+    config = PlanConfig(budget_bytes=2 * 2**30, device="cuda", compile="auto")
+    space = SearchSpace(profile, load_strategies(), config)
+    device = CudaDevice(config.budget_bytes, target=target, profile=profile)
+    try:
+        prober = _Prober(device, workload, space, config)
+        eager = prober.confirm(space.score_choices({"precision": "bf16"}))
+        assert eager is not None
+        pick, outcome = compiled_pick(prober, eager, [], QUIET)
+    finally:
+        device.close()
+    assert outcome is not None and outcome.variants[0].compiles, outcome.summary
+    variant = outcome.variants[0]
+    assert variant.measured is not None and variant.compile_ms and variant.compile_ms > 0
+    assert all(p.fits or p.error for p in prober.probes if p.stage == "compile")
+    faster = variant.measured.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
+    assert outcome.picked == faster and (pick is not eager) == faster

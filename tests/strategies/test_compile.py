@@ -26,11 +26,11 @@ from strategies import _forward
 from strategies.compile import (
     Compile,
     CompiledForward,
-    measured_variants,
+    CompileResult,
+    DeviceGain,
     parse_choice,
     try_compile,
 )
-from strategies.precision import Precision
 
 COMPILE = Compile()
 CONFIG = PlanConfig(budget_bytes=2**30)
@@ -93,18 +93,6 @@ def test_registered_measured_only_and_leaves_the_estimate_as_eager(profile_facto
         assert compiled == eager
 
 
-def test_measured_variants_compile_the_eager_combination_each_offered_way(profile_factory) -> None:
-    profile = profile_factory([(10, 2, 1)], kind="cuda")
-    strategies = [Precision(), COMPILE]
-    variants = measured_variants({"precision": "bf16"}, strategies, profile, CONFIG)
-    assert variants == [
-        {"precision": "bf16", "compile": "default"},
-        {"precision": "bf16", "compile": BUDGET_HALF},
-    ]
-    with pytest.raises(BadInputError, match="eager combination"):
-        measured_variants({"compile": "default"}, strategies, profile, CONFIG)
-
-
 # -- apply ------------------------------------------------------------------------------------
 
 
@@ -158,6 +146,36 @@ def test_check_compiles_reports_compile_time_and_explain_quotes_it() -> None:
     advice = strategy.explain("default", profile=None)  # the profile is not read
     assert f"{m['first_step_ms'] / 1e3:.1f} s" in advice.effect
     assert strategy.explain("off", profile=None) is None
+
+
+def test_a_trial_is_kept_for_check_and_advice_quotes_the_device_gain(monkeypatch) -> None:
+    """trial() runs try_compile once; check() reuses it; a recorded gain leads the effect."""
+    calls = []
+
+    def stand_in(workload, choice, **kwargs) -> CompileResult:
+        calls.append(choice)
+        return CompileResult(
+            choice=choice,
+            ok=True,
+            batch_size=8,
+            steps=3,
+            eager_step_ms=10.0,
+            first_step_ms=3008.0,
+            compiled_step_ms=8.0,
+            graphs=1,
+            loss_rel_diff=0.0,
+        )
+
+    monkeypatch.setattr("strategies.compile.try_compile", stand_in)
+    strategy = Compile()
+    strategy.trial(_workload(), {"mode": "default"})
+    assert strategy.check(_workload(), "default").passed and calls == [{"mode": "default"}]
+    strategy.gains[parse_choice("default")] = DeviceGain(
+        batch_size=92, samples_per_s=2948.0, eager_batch_size=92, eager_samples_per_s=2041.0
+    )
+    effect = strategy.explain("default", profile=None).effect
+    assert effect.startswith("on the device 2948.0 samples/s at batch 92 vs 2041.0 eager")
+    assert "(1.44x, steady state)" in effect and "about 3.0 s of compiling" in effect
 
 
 def test_advice_snippet_runs_and_keeps_the_models_keys(tmp_path, monkeypatch) -> None:
