@@ -109,6 +109,8 @@ def compiled_pick(
     variants = compiled_variants(
         eager_best.candidate.choices, strategy.offered, space.profile, eager_best.found_batch
     )
+    if not variants:  # only budget choices offered, and the pick recomputes nothing
+        return eager_best, None
     runs_before = len(prober.probes)
     records: list[CompiledVariant] = []
     confirmed: list[tuple[CompiledVariant, _Confirmed]] = []
@@ -139,13 +141,12 @@ def compiled_pick(
         wall_ms=(time.perf_counter() - started) * 1e3,
     )
     notes.append(outcome.summary)
-    if picked and winner is not None:
-        _record_gain(strategy, winner[1], eager_best)
     if cache_report is not None:
         notes.append(cache_report.note)
-    if picked and winner is not None:
-        return winner[1], outcome
-    return eager_best, outcome
+    if not picked or winner is None:
+        return eager_best, outcome
+    _record_gain(strategy, winner[1], eager_best)
+    return winner[1], outcome
 
 
 # -- which variants -----------------------------------------------------------------------
@@ -260,6 +261,14 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
         )
     if not any(_parse(c) is not None for c in strategy.offered):
         return ""
+    if getattr(device, "mode", None) == "in_process":
+        # One process compiles each new batch with a dynamic batch dimension (dynamo's
+        # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.
+        return (
+            "Compiling was not weighed: the probes ran in this process, where each new batch "
+            "would compile with a dynamic batch dimension; pass a target ('file.py:factory') "
+            "or a picklable loss_fn for fresh-process probes. Planned eager."
+        )
     if not step_times_rank(device):
         return (
             f"compile='on' was asked, but the {device.kind} device's step times cannot tell a "

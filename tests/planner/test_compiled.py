@@ -247,7 +247,7 @@ def test_compile_is_weighed_only_when_asked_and_measurable(
     profile, strategies, workload, fake_device, trials
 ) -> None:
     """auto: not on a device that is not CUDA; off: never; on: not where step times don't rank
-    (said in a note). Nothing is compiled or run in any of these cases."""
+    or probes share one process (said in a note). Nothing is compiled or run in these cases."""
     device = _compiling_device(fake_device, {'"default"': 2.0}, threshold=40)
     for policy in ("auto", "off"):
         prober, eager, _ = _setup(profile, strategies, device, workload, {}, compile=policy)
@@ -258,10 +258,14 @@ def test_compile_is_weighed_only_when_asked_and_measurable(
     class Untimed(fake_device):
         step_times_are_real = False
 
-    prober, eager, _ = _setup(profile, strategies, Untimed(threshold=40), workload, {})
-    notes = []
-    assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
-    assert "cannot tell a compiled step" in notes[0]
+    class InProcess(fake_device):
+        mode = "in_process"  # as CudaDevice when its probes cannot run in fresh processes
+
+    for unfit, words in ((Untimed, "cannot tell a compiled step"), (InProcess, "dynamic batch")):
+        prober, eager, _ = _setup(profile, strategies, unfit(threshold=40), workload, {})
+        notes = []
+        assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
+        assert words in notes[0] and not _compile_runs(prober)
     assert trials == []
 
 
