@@ -1,24 +1,34 @@
-"""A CUDA card under the user's budget, each run in a fresh process.
+"""A CUDA card under the user's budget, each run from a clean state in a process of its own.
 
 The budget is the user's, not the card's: ``torch.cuda.set_per_process_memory_fraction``
 caps what the caching allocator may reserve, so an 80 GB card plans for an 8 GB one.
 
-Why a fresh process per run (DESIGN.md, measured on an H200): after a few out-of-memory
-errors the allocator is fragmented and tensors leak, so a search in one process found batch
-25 for a ViT that holds 92 in a fresh one. Each :meth:`CudaDevice.run` starts
-``python -m memadvisor.device._worker``, which rebuilds the workload from the user's
-factory (``target``) or from a ``torch.save``'d copy of it, trains, and prints a
-:class:`Measurement` as JSON on stdout.
+Why a process per run (DESIGN.md, measured on an H200): after a few out-of-memory errors
+the allocator is fragmented and tensors leak, so a search in one process found batch 25 for
+a ViT that holds 92 in a fresh one. How each run gets its process, fastest first:
 
-When the workload cannot be saved (a ``lambda`` loss does not pickle) or the child cannot
-load it (a model class defined in ``__main__``), runs fall back to this process, each from a
-checked clean state: garbage collected, the cache emptied, ``memory_allocated`` back to its
-baseline, peak stats reset. :attr:`CudaDevice.notes` says so, and the planner copies it
-into ``Plan.notes``.
+1. Fork server (default where ``os.fork`` exists): one zygote,
+   ``python -m memadvisor.device._zygote``, started fresh (so this process's own CUDA
+   context is never forked), imports torch, memadvisor and the strategies and builds the
+   workload on the CPU without ever touching CUDA; each run is a forked child of it that
+   creates its own CUDA context under the cap, trains and exits. Clean state per run is a
+   fresh child of a process that never touched CUDA: on an H200 such a child measured the
+   same peak and step time as a fresh process, and an out-of-memory in one child left the
+   next one's peak unchanged, at 3.9 s of wall time per run instead of 7.5 s.
+2. Fresh process per run, ``python -m memadvisor.device._worker``: where there is no fork,
+   or when the zygote cannot serve (it died, or CUDA would not start in a forked child).
+3. This process: when the workload cannot be saved (a ``lambda`` loss does not pickle) or a
+   child cannot load it (a model class defined in ``__main__``). Each run then starts from
+   a checked clean state: garbage collected, the cache emptied, ``memory_allocated`` back
+   to its baseline, peak stats reset.
+
+Both children rebuild the workload from the user's factory (``target``) or from a
+``torch.save``'d copy of it. :attr:`CudaDevice.notes` says when a run fell back, and the
+planner copies it into ``Plan.notes``.
 
 Known limitations:
-    * A fresh process costs a few seconds (importing torch, creating the CUDA context,
-      building the model): a plan's probes add up to about a minute on examples.
+    * A run still costs seconds: the child's first step loads the CUDA kernels (about 3.5 s
+      of the 3.9 s on an H200 for the GPT example); the planner keeps the runs few.
     * The budget caps *reserved* memory; the CUDA context (~500 MiB) is outside it, as it
       is outside what ``torch.cuda.mem_get_info`` reports a card can give to tensors.
 """
@@ -36,7 +46,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -44,9 +54,11 @@ import torch
 
 from memadvisor.device._base import Device, Measurement
 from memadvisor.device._oom import is_oom
+from memadvisor.device._zygote import ForkServer, ZygoteDied
 from memadvisor.errors import BadInputError, PlanningError
 from memadvisor.estimate import Candidate
 from memadvisor.profiler import Profile
+from memadvisor.strategy import Strategy
 from memadvisor.workload import Workload, train_step
 
 __all__ = ["RESULT_MARKER", "CudaDevice", "train_candidate"]
@@ -60,11 +72,13 @@ def _apply(
     candidate: Candidate,
     strategy_names: Sequence[str] | None,
     profile: Profile | None,
+    strategies: Sequence[Strategy] | None = None,
 ) -> torch.nn.Module:
     from memadvisor.apply import apply_candidate  # the strategies' package; imported late
     from memadvisor.strategy import load_strategies
 
-    strategies = load_strategies(list(strategy_names) if strategy_names is not None else None)
+    if strategies is None:
+        strategies = load_strategies(list(strategy_names) if strategy_names is not None else None)
     return apply_candidate(model, candidate, strategies, profile=profile)
 
 
@@ -77,11 +91,13 @@ def train_candidate(
     strategy_names: Sequence[str] | None = None,
     profile: Profile | None = None,
     copy_model: bool = True,
+    strategies: Sequence[Strategy] | None = None,
 ) -> Measurement:
     """Train ``candidate`` for ``steps`` steps on ``device`` and measure it.
 
     The peak is what this run added to what was allocated when it began (in a fresh process
-    that is everything: weights, optimizer state, activations).
+    that is everything: weights, optimizer state, activations). ``strategies`` (instances)
+    spares loading them again; else they are loaded by ``strategy_names``.
 
     Raises:
         torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit;
@@ -96,7 +112,7 @@ def train_candidate(
         model = copy.deepcopy(workload.model) if copy_model else workload.model
         for p in model.parameters():
             p.grad = None  # a run starts without gradients, as train_step leaves them
-        model = _apply(model.to(device), candidate, strategy_names, profile)
+        model = _apply(model.to(device), candidate, strategy_names, profile, strategies)
         optimizer = workload.make_optimizer(model)
         batch = workload.batch(candidate.batch_size, device)
         for _ in range(steps):
@@ -130,20 +146,24 @@ def _get_fraction(index: int) -> float:
 
 
 class CudaDevice(Device):
-    """One CUDA card, its memory capped to ``budget_bytes``; every run in a fresh process.
+    """One CUDA card, its memory capped to ``budget_bytes``; every run from a clean state.
 
     Args:
         budget_bytes: what the card may give to tensors (the CUDA context is outside it).
-        target: ``"file.py:factory"`` the child rebuilds the workload from; without it the
-            workload is ``torch.save``'d once and loaded by each child.
+        target: ``"file.py:factory"`` the children rebuild the workload from; without it the
+            workload is ``torch.save``'d once and loaded by them.
         profile: passed to ``apply_candidate`` (checkpointing reads block names from it).
         strategy_names: the strategies to apply candidates with (None: all registered).
         index: the card; default the current one.
         fresh_process: False runs in this process (with clean-state checks) from the start.
-        timeout_s: a child taking longer is killed and reported as a PlanningError.
+        fork_server: False starts a fresh process per run instead of forking a zygote.
+        timeout_s: a run taking longer is killed and reported as a PlanningError.
     """
 
     kind: ClassVar[Literal["cuda"]] = "cuda"
+    # A run's fixed cost (a process, a CUDA context, the first step's kernel loading: seconds)
+    # dwarfs its steps (milliseconds): the planner's probes run the verification's steps.
+    runs_cost_more_than_steps: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -154,6 +174,7 @@ class CudaDevice(Device):
         strategy_names: Sequence[str] | None = None,
         index: int | None = None,
         fresh_process: bool = True,
+        fork_server: bool = True,
         timeout_s: float = 600.0,
     ) -> None:
         if not torch.cuda.is_available():
@@ -175,30 +196,38 @@ class CudaDevice(Device):
         self.strategy_names = list(strategy_names) if strategy_names is not None else None
         self.timeout_s = timeout_s
         self.notes: list[str] = []
-        self.mode: Literal["fresh_process", "in_process"] = (
-            "fresh_process" if fresh_process else "in_process"
-        )
+        self.mode: Literal["fork_server", "fresh_process", "in_process"] = "in_process"
+        if fresh_process:
+            forks = fork_server and hasattr(os, "fork")
+            self.mode = "fork_server" if forks else "fresh_process"
         self._dir = Path(tempfile.mkdtemp(prefix="memadvisor-cuda-"))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._workload_path: Path | None = None
         self._baseline_allocated: int | None = None
+        self._zygote: ForkServer | None = None
+        self._zygote_finalizer: weakref.finalize | None = None
 
     def close(self) -> None:
-        """Remove the saved workload and requests."""
+        """Stop the zygote; remove the saved workload and requests."""
+        self._stop_zygote()
         self._finalizer()
 
     # -- the contract -----------------------------------------------------------------------
 
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
-        if self.mode == "fresh_process" and self.target is None and self._workload_path is None:
+        if self.mode != "in_process" and self.target is None and self._workload_path is None:
             self._save_workload(workload)
+        if self.mode == "fork_server":
+            answer = self._run_forked(candidate, steps)
+            if answer is not None:
+                return answer
         if self.mode == "fresh_process":
             answer = self._run_child(candidate, steps)
             if answer is not None:
                 return answer
         return self._run_here(workload, candidate, steps)
 
-    # -- fresh process ----------------------------------------------------------------------
+    # -- what the children need -------------------------------------------------------------
 
     def _save_workload(self, workload: Workload) -> None:
         path = self._dir / "workload.pt"
@@ -218,6 +247,7 @@ class CudaDevice(Device):
         self._workload_path = path
 
     def _fall_back(self, why: str) -> None:
+        self._stop_zygote()
         self.mode = "in_process"
         self.notes.append(
             f"Probes ran in this process, not in fresh ones, because {why}. Each started from a "
@@ -225,15 +255,14 @@ class CudaDevice(Device):
             "a target ('file.py:factory') or a picklable loss_fn for fresh-process probes."
         )
 
-    def _request(self, candidate: Candidate, steps: int) -> Path:
+    def _setup(self) -> dict[str, Any]:
+        """What a child needs besides the candidate: the worker's request, less the run."""
         profile_path = self._dir / "profile.json"
         if self.profile is not None and not profile_path.exists():
             profile_path.write_text(self.profile.model_dump_json())
-        request = {
+        return {
             "budget_bytes": self.budget_bytes,
             "device_index": self.index,
-            "candidate": candidate.model_dump(mode="json"),
-            "steps": steps,
             "target": self.target,
             "workload_path": str(self._workload_path) if self._workload_path else None,
             "profile_path": str(profile_path) if self.profile is not None else None,
@@ -241,13 +270,86 @@ class CudaDevice(Device):
             "sys_path": [p for p in sys.path if p],
             "target_files": _target_files(),
         }
-        path = self._dir / "request.json"
-        path.write_text(json.dumps(request))
-        return path
+
+    # -- fork server --------------------------------------------------------------------------
+
+    def _run_forked(self, candidate: Candidate, steps: int) -> Measurement | None:
+        """The run in a forked child of the zygote; None when this device fell back instead."""
+        zygote = self._zygote
+        try:
+            if zygote is None or not zygote.alive:
+                zygote = self._start_zygote()
+                if zygote is None:
+                    return None
+            answer = zygote.run(candidate.model_dump(mode="json"), steps, self.timeout_s)
+        except TimeoutError as e:
+            self._stop_zygote()  # killed with its child; the next run starts a new one
+            raise PlanningError(
+                f"A probe process (batch {candidate.batch_size}) ran past {self.timeout_s:.0f} "
+                "s and was killed; pass fewer probe_steps or a larger timeout."
+            ) from e
+        except ZygoteDied as e:
+            tail = zygote.stderr_tail() if zygote is not None else ""
+            self._to_fresh_processes(f"the fork server stopped ({e}); its stderr ends:\n{tail}")
+            return None
+        if answer["status"] == "unforkable":
+            self._to_fresh_processes(
+                f"CUDA did not start in a forked child ({answer.get('message')})"
+            )
+            return None
+        if answer["status"] == "crashed":
+            raise PlanningError(
+                f"A probe process (batch {candidate.batch_size}) died: {answer['message']}. "
+                f"Its stderr ends with:\n{self._zygote_stderr_tail()}"
+            )
+        return _measurement(answer, candidate, self._fall_back)
+
+    def _start_zygote(self) -> ForkServer | None:
+        """A ready zygote, or None when this device fell back (the mode says to what)."""
+        zygote = ForkServer(self._setup(), stderr_path=self._dir / "zygote.stderr")
+        try:
+            answer = zygote.start(self.timeout_s)
+        except (ZygoteDied, TimeoutError) as e:
+            zygote.kill()
+            self._to_fresh_processes(
+                f"the fork server did not start ({e}); its stderr ends with:\n"
+                f"{zygote.stderr_tail()}"
+            )
+            return None
+        if answer["status"] != "ready":
+            # The workload did not load there: a fresh process would fail alike.
+            _measurement(answer, None, self._fall_back)
+            return None
+        self._zygote = zygote
+        self._zygote_finalizer = weakref.finalize(self, zygote.kill)
+        return zygote
+
+    def _stop_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+        if self._zygote_finalizer is not None:
+            self._zygote_finalizer.detach()
+            self._zygote_finalizer = None
+
+    def _zygote_stderr_tail(self) -> str:
+        return self._zygote.stderr_tail() if self._zygote is not None else ""
+
+    def _to_fresh_processes(self, why: str) -> None:
+        self._stop_zygote()
+        self.mode = "fresh_process"
+        self.notes.append(
+            f"Probes ran in a fresh process each (slower), not as children of a fork server, "
+            f"because {why.strip()}"
+        )
+
+    # -- fresh process ------------------------------------------------------------------------
 
     def _run_child(self, candidate: Candidate, steps: int) -> Measurement | None:
-        request = self._request(candidate, steps)
-        cmd = [sys.executable, "-m", "memadvisor.device._worker", str(request)]
+        request = {**self._setup(), "candidate": candidate.model_dump(mode="json"), "steps": steps}
+        path = self._dir / "request.json"
+        path.write_text(json.dumps(request))
+        cmd = [sys.executable, "-m", "memadvisor.device._worker", str(path)]
         try:
             done = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=self.timeout_s, cwd=os.getcwd()
@@ -264,22 +366,7 @@ class CudaDevice(Device):
                 f"{done.returncode} without an answer. Its stderr ends with:\n"
                 f"{done.stderr[-2000:]}"
             )
-        status = answer["status"]
-        if status == "ok":
-            return Measurement.model_validate(answer["measurement"])
-        if status == "oom":
-            error = torch.OutOfMemoryError(answer["message"])
-            error.memadvisor_steps_completed = answer.get("steps_completed", 0)  # type: ignore[attr-defined]
-            raise error
-        if status == "unloadable":
-            self._fall_back(f"a fresh process could not load the workload ({answer['message']})")
-            return None
-        if answer.get("type") == "BadInputError":
-            raise BadInputError(answer["message"])
-        raise PlanningError(
-            f"A probe process (batch {candidate.batch_size}) failed with "
-            f"{answer.get('type')}: {answer.get('message')}\n{answer.get('traceback', '')[-3000:]}"
-        )
+        return _measurement(answer, candidate, self._fall_back)
 
     # -- this process -----------------------------------------------------------------------
 
@@ -321,6 +408,37 @@ class CudaDevice(Device):
             )
             self._baseline_allocated = allocated
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _measurement(
+    answer: dict[str, Any], candidate: Candidate | None, fall_back: Callable[[str], None]
+) -> Measurement | None:
+    """A child's answer as a Measurement, or the error it stands for.
+
+    ``unloadable`` calls ``fall_back`` with the reason and returns None (run in this process).
+
+    Raises:
+        torch.OutOfMemoryError: the child ran out of memory.
+        BadInputError: the child rejected the workload as the user's mistake.
+        PlanningError: anything else that went wrong in the child.
+    """
+    status = answer["status"]
+    if status == "ok":
+        return Measurement.model_validate(answer["measurement"])
+    if status == "oom":
+        error = torch.OutOfMemoryError(answer["message"])
+        error.memadvisor_steps_completed = answer.get("steps_completed", 0)  # type: ignore[attr-defined]
+        raise error
+    if status == "unloadable":
+        fall_back(f"a fresh process could not load the workload ({answer['message']})")
+        return None
+    if answer.get("type") == "BadInputError":
+        raise BadInputError(answer["message"])
+    where = f"batch {candidate.batch_size}" if candidate is not None else "loading the workload"
+    raise PlanningError(
+        f"A probe process ({where}) failed with "
+        f"{answer.get('type')}: {answer.get('message')}\n{answer.get('traceback', '')[-3000:]}"
+    )
 
 
 def _target_files() -> list[str]:

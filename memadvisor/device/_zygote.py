@@ -1,0 +1,489 @@
+"""A fork server for device runs: ``python -m memadvisor.device._zygote``.
+
+Why: a fresh process per run cost 7.5 s of wall time on an H200 for the GPT example at
+batch 64 and 3 steps (starting Python, importing torch, memadvisor and their dependencies,
+building the model), of which the run itself is a small part. This process, the zygote,
+pays the imports and the model build once; each run is then a ``fork()`` of it: 3.9 s wall
+per run there, with the same peak (2,766,621,184 B) and step time as a fresh process, and
+an out-of-memory in one child left the next child's peak unchanged.
+
+Clean state: every run is a fresh child of a process that never touched CUDA. The zygote
+imports torch and builds the workload on the CPU only: it never initializes CUDA (not even
+``torch.cuda.is_available()``, which starts the driver; its environment sets
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` so a library that asks gets NVML's answer instead). The
+child creates its own CUDA context and caching allocator, caps them at the budget, trains,
+answers and exits; nothing it allocated, fragmented or leaked outlives it, and the zygote's
+own objects are the child's copy-on-write pages, untouched by the run.
+
+The zygote builds with one intra-op thread and each child restores the original count: a
+child forked after OpenMP started its thread pool waits forever on the parent's threads in
+its first parallel CPU op (measured here: a forked ``exp`` of 10^7 floats hung), while one
+forked from a process that ran OpenMP single-threaded starts a pool of its own.
+
+Protocol (JSON, one object per line; the zygote's answers are prefixed with
+:data:`ANSWER_MARKER` on its own channel, stdout, while anything the model prints goes to
+stderr):
+
+* parent -> zygote, stdin: ``{"setup": {...}}`` once (the worker's request fields: target
+  or saved workload, target files, sys.path, profile path, strategies, budget, device
+  index, and optionally ``runner``), then ``{"run": {"id", "candidate", "steps"}}`` per
+  run, and ``{"exit": true}`` or end-of-file to stop.
+* zygote -> parent: ``{"status": "ready"}`` (or ``unloadable`` / ``error`` as the worker
+  answers) after setup, then one answer per run, in order, with its ``id``: ``ok``, ``oom``
+  and ``error`` as :mod:`memadvisor.device._worker` answers; ``crashed`` (the child died
+  without answering: a signal, or an exit of its own); ``unforkable`` (CUDA could not start
+  in a forked child; the parent falls back to fresh processes).
+
+A run's work is a *runner* ``f(workload, candidate, steps, context) -> Measurement``: by
+default :func:`cuda_runner`; ``setup["runner"]`` (``"file.py:function"``) names another,
+which is how the CPU tests drive the protocol without a card.
+
+Known limitations:
+    * Needs ``os.fork`` (Linux, macOS); elsewhere CudaDevice starts a fresh process per run.
+    * A workload whose factory initializes CUDA (moves the model to the card, or calls
+      ``torch.cuda.init()``) cannot be forked: the first child answers ``unforkable`` and the
+      device falls back to a fresh process per run.
+    * A thread the factory started does not exist in the children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "ANSWER_MARKER",
+    "ForkServer",
+    "RunContext",
+    "Unforkable",
+    "ZygoteDied",
+    "cuda_runner",
+]
+
+ANSWER_MARKER = "MEMADVISOR_ZYGOTE "  # prefixes each answer line on the zygote's stdout
+_CLOSE_WAIT_S = 10.0  # a zygote told to exit gets this long before it is killed
+
+
+class Unforkable(RuntimeError):
+    """CUDA could not start in a forked child (the zygote touched CUDA, or the platform)."""
+
+
+class ZygoteDied(RuntimeError):
+    """The zygote exited or closed its answers before answering."""
+
+
+@dataclass
+class RunContext:
+    """What every run of one zygote shares besides the workload."""
+
+    budget_bytes: int
+    device_index: int
+    profile: Any = None  # memadvisor.profiler.Profile, loaded once in the zygote
+    strategies: Any = None  # loaded strategy instances (None: the runner loads them)
+    strategy_names: list[str] | None = None
+    intra_op_threads: int = 1  # what the children restore (the zygote runs with one)
+
+
+# -- the child's work -----------------------------------------------------------------------
+
+
+def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) -> Any:
+    """Cap a new CUDA context at the budget and train ``candidate`` (the default runner).
+
+    Raises:
+        Unforkable: CUDA did not start in this forked child.
+        torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit.
+    """
+    import torch
+
+    from memadvisor.device.cuda import train_candidate
+
+    index = context.device_index
+    try:
+        torch.cuda.set_device(index)
+        total = torch.cuda.get_device_properties(index).total_memory
+        # Before the first allocation: the cap holds for everything this child reserves.
+        torch.cuda.set_per_process_memory_fraction(min(1.0, context.budget_bytes / total), index)
+        torch.cuda.init()
+    except Exception as e:  # noqa: BLE001 - any failure to start CUDA here means "do not fork"
+        raise Unforkable(f"{type(e).__name__}: {e}") from e
+    return train_candidate(
+        workload,
+        candidate,
+        steps,
+        device=torch.device("cuda", index),
+        strategy_names=context.strategy_names,
+        strategies=context.strategies,
+        profile=context.profile,
+        copy_model=False,  # this child owns its copy-on-write copy of the model
+    )
+
+
+def _error_answer(e: BaseException) -> dict[str, Any]:
+    from memadvisor.device._oom import is_oom
+
+    if isinstance(e, Unforkable):
+        return {"status": "unforkable", "message": str(e)}
+    if isinstance(e, Exception) and is_oom(e):
+        text = str(e).strip()
+        return {
+            "status": "oom",
+            "message": text.splitlines()[0] if text else type(e).__name__,
+            "steps_completed": int(getattr(e, "memadvisor_steps_completed", 0)),
+        }
+    return {
+        "status": "error",
+        "type": type(e).__name__,
+        "message": str(e),
+        "traceback": traceback.format_exc(),
+    }
+
+
+def _child(state: _State, run: dict[str, Any], answer_fd: int) -> None:
+    """In the forked child: run, write the answer to ``answer_fd``, and exit without cleanup."""
+    status = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # the requests are the zygote's to read
+        os.close(state.answers.fileno())  # and the answers its to write
+        import torch
+
+        from memadvisor.estimate import Candidate
+
+        torch.set_num_threads(state.context.intra_op_threads)
+        candidate = Candidate.model_validate(run["candidate"])
+        try:
+            measured = state.runner(state.workload, candidate, int(run["steps"]), state.context)
+            answer = {"status": "ok", "measurement": measured.model_dump(mode="json")}
+        except BaseException as e:  # noqa: BLE001 - every outcome goes back as an answer
+            answer = _error_answer(e)
+        data = json.dumps(answer).encode()
+        while data:
+            data = data[os.write(answer_fd, data) :]
+        status = 0
+    finally:
+        # No atexit handlers, no flushing of the zygote's buffers a second time.
+        os._exit(status)
+
+
+# -- the zygote ----------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    workload: Any
+    runner: Any
+    context: RunContext
+    answers: IO[str]
+
+
+def _say(out: IO[str], answer: dict[str, Any]) -> None:
+    out.write(ANSWER_MARKER + json.dumps(answer) + "\n")
+    out.flush()
+
+
+def _setup(setup: dict[str, Any], answers: IO[str]) -> _State | None:
+    """Import, load the workload and strategies without CUDA; None when it cannot serve."""
+    for p in setup.get("sys_path", []):
+        if p not in sys.path:
+            sys.path.append(p)  # the parent's imports (a user's package), never shadowing ours
+    import torch
+
+    from memadvisor.device._worker import _load_workload
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP pool before a fork (module docstring)
+    try:
+        workload = _load_workload(setup)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which falls back
+        if setup.get("target"):
+            _say(answers, _error_answer(e))
+        else:
+            _say(answers, {"status": "unloadable", "message": f"{type(e).__name__}: {e}"})
+        return None
+    try:
+        context, runner = _context(setup, workload, threads)
+    except Exception as e:  # noqa: BLE001 - e.g. a strategy that does not import
+        _say(answers, _error_answer(e))
+        return None
+    return _State(workload=workload, runner=runner, context=context, answers=answers)
+
+
+def _context(setup: dict[str, Any], workload: Any, threads: int) -> tuple[RunContext, Any]:
+    # What every child would otherwise import or parse again, done once here.
+    import memadvisor.apply  # noqa: F401 - warm for the children
+    from memadvisor.profiler import Profile
+    from memadvisor.strategy import load_strategies
+    from memadvisor.target import load_factory
+
+    names = setup.get("strategies")
+    profile = None
+    if setup.get("profile_path"):
+        profile = Profile.model_validate_json(Path(setup["profile_path"]).read_text())
+    runner = load_factory(setup["runner"]) if setup.get("runner") else cuda_runner
+    _warm_up(workload)
+    context = RunContext(
+        budget_bytes=int(setup["budget_bytes"]),
+        device_index=int(setup.get("device_index", 0)),
+        profile=profile,
+        strategies=load_strategies(list(names) if names is not None else None),
+        strategy_names=list(names) if names is not None else None,
+        intra_op_threads=threads,
+    )
+    return context, runner
+
+
+def _warm_up(workload: Any) -> None:
+    """A throwaway CPU step with the workload's optimizer, for the imports a first step makes.
+
+    The first ``optimizer.step()`` imports ``torch._dynamo`` (3.5 s here, and in every child
+    that has not got it); the zygote pays it once. The RNG is put back, so every child draws
+    what a fresh process that just built the workload would.
+    """
+    import torch
+
+    with torch.random.fork_rng(devices=[]), contextlib.suppress(Exception):
+        module = torch.nn.Linear(2, 2)
+        optimizer = workload.make_optimizer(module)
+        module(torch.zeros(1, 2)).sum().backward()
+        optimizer.step()
+
+
+def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
+    """Fork a child for ``run``, wait for it, and return its answer (or why there is none)."""
+    import torch
+
+    if torch.cuda.is_initialized():  # the flag only: asking the driver would start it
+        return {
+            "status": "unforkable",
+            "message": "the workload's factory initialized CUDA in the fork server, and a "
+            "forked child cannot use its parent's CUDA context",
+        }
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        _child(state, run, write_fd)  # never returns
+    os.close(write_fd)
+    chunks = []
+    # Read to the end before waiting: a long answer (a traceback) fills the pipe otherwise.
+    while chunk := os.read(read_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(read_fd)
+    _, status = os.waitpid(pid, 0)
+    data = b"".join(chunks)
+    if data:
+        with contextlib.suppress(ValueError):
+            return json.loads(data)
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        return {
+            "status": "crashed",
+            "signal": number,
+            "message": f"the run's process was killed by signal {number} "
+            f"({signal.Signals(number).name}) before it answered",
+        }
+    return {
+        "status": "crashed",
+        "exit_code": os.waitstatus_to_exitcode(status),
+        "message": f"the run's process exited with code {os.waitstatus_to_exitcode(status)} "
+        "before it answered",
+    }
+
+
+def main() -> int:
+    # The answers get stdout to themselves: whatever the model or a library prints (here or
+    # in a child) goes to stderr instead.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    state: _State | None = None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        message = json.loads(line)
+        if "setup" in message:
+            state = _setup(message["setup"], answers)
+            if state is None:
+                return 1
+            _say(answers, {"status": "ready", "pid": os.getpid()})
+        elif "run" in message:
+            if state is None:
+                _say(answers, {"status": "error", "type": "ZygoteDied", "message": "no setup"})
+                return 1
+            answer = _serve(state, message["run"])
+            _say(answers, {**answer, "id": message["run"].get("id")})
+        elif message.get("exit"):
+            break
+    return 0
+
+
+# -- the parent's side ---------------------------------------------------------------------
+
+
+class ForkServer:
+    """The parent's handle on one zygote: start it, send runs, read answers, close it.
+
+    Args:
+        setup: the setup message (see the module docstring).
+        stderr_path: where the zygote's and its children's stderr go (its tail explains a
+            crash).
+        env: extra environment variables for the zygote.
+    """
+
+    def __init__(
+        self, setup: dict[str, Any], *, stderr_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.setup = setup
+        self.stderr_path = stderr_path
+        self.env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(env or {})}
+        # ``-m memadvisor...`` must import this very package, whatever the working directory.
+        root = str(Path(__file__).resolve().parents[2])
+        paths = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        self.env["PYTHONPATH"] = os.pathsep.join([*paths, root] if root not in paths else paths)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._buffer = b""
+        self._next_id = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout_s: float) -> dict[str, Any]:
+        """Start the zygote and send the setup; its answer (``ready``, ``unloadable``, ...).
+
+        Raises:
+            ZygoteDied: it exited before answering.
+            TimeoutError: it did not answer within ``timeout_s`` (it is killed).
+        """
+        with self.stderr_path.open("ab") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "memadvisor.device._zygote"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=self.env,
+                cwd=os.getcwd(),
+                start_new_session=True,  # its own process group: a kill takes its children too
+            )
+        self._send({"setup": self.setup})
+        answer = self._answer(timeout_s)
+        if answer.get("status") != "ready":
+            self.close()
+        return answer
+
+    def run(self, candidate: dict[str, Any], steps: int, timeout_s: float) -> dict[str, Any]:
+        """One run in a fresh child; its answer.
+
+        Raises:
+            ZygoteDied: the zygote is gone, or died before answering.
+            TimeoutError: no answer within ``timeout_s``; the zygote and the child are killed.
+        """
+        if not self.alive:
+            raise ZygoteDied("the zygote is not running")
+        self._next_id += 1
+        run_id = self._next_id
+        self._send({"run": {"id": run_id, "candidate": candidate, "steps": steps}})
+        answer = self._answer(timeout_s)
+        if answer.get("id") != run_id:
+            self.kill()
+            raise ZygoteDied(f"answer for run {answer.get('id')} arrived for run {run_id}")
+        return answer
+
+    def close(self) -> None:
+        """Ask the zygote to exit; kill it (and any child) if it does not within a few seconds."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                self._send({"exit": True})
+                process.stdin.close()  # type: ignore[union-attr]
+            try:
+                process.wait(timeout=_CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._close_pipes()
+
+    def kill(self) -> None:
+        """Kill the zygote and its children at once."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        self._close_pipes()
+
+    def stderr_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    # -- pipes ---------------------------------------------------------------------------------
+
+    def _close_pipes(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    pipe.close()
+
+    def _pipes(self) -> tuple[IO[bytes], IO[bytes]]:
+        process = self.process
+        if process is None or process.stdin is None or process.stdout is None:
+            raise ZygoteDied("the zygote was never started")
+        return process.stdin, process.stdout
+
+    def _send(self, message: dict[str, Any]) -> None:
+        stdin, _ = self._pipes()
+        try:
+            stdin.write((json.dumps(message) + "\n").encode())
+            stdin.flush()
+        except (BrokenPipeError, ValueError) as e:
+            raise ZygoteDied(f"the zygote stopped reading ({type(e).__name__})") from e
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
+        _, stdout = self._pipes()
+        deadline = time.monotonic() + timeout_s
+        fd = stdout.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while True:
+                line, sep, rest = self._buffer.partition(b"\n")
+                if sep:
+                    self._buffer = rest
+                    text = line.decode(errors="replace")
+                    if text.startswith(ANSWER_MARKER):
+                        return json.loads(text[len(ANSWER_MARKER) :])
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    self.kill()
+                    raise TimeoutError(f"no answer within {timeout_s:.0f} s")
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    code = self.process.wait() if self.process is not None else None
+                    self._close_pipes()
+                    raise ZygoteDied(f"the zygote exited with code {code}")
+                self._buffer += chunk
+
+
+if __name__ == "__main__":
+    sys.exit(main())

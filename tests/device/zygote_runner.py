@@ -1,0 +1,72 @@
+"""A workload factory and a runner for the fork server's CPU tests (not a test module).
+
+The zygote loads both by path. The runner stands in for the CUDA one: special batches make
+the child fail in each way a real run can, and every other batch runs a real CPU step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+from memadvisor.device import Measurement
+from memadvisor.workload import train_step
+
+BUG_BATCH = 13  # raises a KeyError: an error that is not out-of-memory
+KILLED_BATCH = 666  # the child kills itself with SIGKILL before answering
+OOM_FROM = 1000  # from here on the child runs out of memory after one step
+_touched = {"runs": 0}  # a module global each child changes: the next child must not see it
+
+
+def build() -> dict:
+    """A model big enough that building it runs parallel CPU ops (OpenMP) in the zygote."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 8))
+    return {"model": model, "sample_batch": torch.randn(4, 64), "loss_fn": _loss}
+
+
+def build_touching_cuda() -> dict:
+    """A factory that leaves CUDA initialized (the flag set by hand: there is no card here)."""
+    torch.cuda._initialized = True
+    return build()
+
+
+def _loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def run(workload, candidate, steps, context) -> Measurement:
+    """One CPU run. peak_bytes carries this child's pid and reserved_peak_bytes the runs this
+    module global had seen before, so a test can tell children apart and see their state."""
+    batch_size = candidate.batch_size
+    seen = _touched["runs"]
+    _touched["runs"] += 1
+    if batch_size == BUG_BATCH:
+        raise KeyError("the model's own bug")
+    if batch_size == KILLED_BATCH:
+        os.kill(os.getpid(), signal.SIGKILL)
+    # A parallel CPU op (10^6 floats) after the fork: it hangs in a child forked after
+    # OpenMP started its pool (the zygote builds single-threaded to prevent that).
+    torch.randn(1_000_000).exp().sum()
+    model = workload.model
+    optimizer = workload.make_optimizer(model)
+    batch = workload.batch(batch_size)
+    t0 = time.perf_counter()
+    for done in range(steps):
+        if batch_size >= OOM_FROM and done == 1:
+            error = torch.OutOfMemoryError(f"fake: batch {batch_size} does not fit\nmore text")
+            error.memadvisor_steps_completed = done
+            raise error
+        train_step(workload, model, optimizer, batch)
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    return Measurement(
+        steps=steps,
+        peak_bytes=os.getpid(),
+        reserved_peak_bytes=seen,
+        step_ms=step_ms,
+        samples_per_s=batch_size / step_ms * 1e3,
+    )
