@@ -351,8 +351,10 @@ class Monitor:
         self._next_probe = print_period if self._adaptive else (layer_period or -1)
         self._probe_start_ms = 0.0
         self.layer_cost_ms: float | None = None
-        # The monitor's own time, for the choice of counter_period: plain readings' (own),
-        # the other readings' (slow), and where the current measuring window started.
+        # The monitor's own time, for the choice of counter_period: readings' (own; with the
+        # leak check's, which memory that moves at every reading calls each time), the
+        # busy readings' (slow: printed, measured, writing or choosing ones), how many of
+        # those, and where the current measuring window started.
         self._own_ns = 0
         self._slow_ns = 0
         self._slow_reads = 0
@@ -414,9 +416,13 @@ class Monitor:
         allocated, reserved, peak, peak_reserved = self._take()
         self._raw.append((it, now, self._last_ns, allocated, peak, reserved, peak_reserved))
         if allocated != self._leak_last or it >= self._next_event or now > self._flush_due_ns:
-            self._event(it, now)
+            busy = self._event(it, now)
             end = self._last_ns = _clock()
-            self._slow_ns += end - now
+            if busy:
+                self._slow_ns += end - now
+                self._slow_reads += 1
+            else:
+                self._own_ns += end - now
             return
         nxt = it + self.counter_period
         self._next_read = nxt if nxt < self._next_event else self._next_event
@@ -500,6 +506,13 @@ class Monitor:
         return _to_record(self._rows[-1]) if self._rows else None
 
     @property
+    def own_ms(self) -> float:
+        """The monitor's own time so far: its readings and what they led to (rows, tables,
+        CSV lines, layer hooks installed and summarised). Not counted: the calls between
+        readings (a comparison each) and the hooks' time inside a measured step."""
+        return (self._own_ns + self._slow_ns) / 1e6
+
+    @property
     def layers(self) -> list[LayerMemory] | None:
         """Per-layer numbers of the latest measured iteration (:attr:`layers_iteration`)."""
         if self._layers is None and self._layer_rows is not None:
@@ -564,11 +577,15 @@ class Monitor:
         self._event(it, now)
         end = self._last_ns = _clock()
         self._slow_ns += end - now
-
-    def _event(self, it: int, now: int) -> None:
-        """A reading that needs more than a raw tuple: memory moved (the leak check), or it
-        prints, measures layers, writes lines or re-chooses the counter period."""
         self._slow_reads += 1
+
+    def _event(self, it: int, now: int) -> bool:
+        """A reading that needs more than a raw tuple: memory moved (the leak check), or it
+        prints, measures layers, writes lines or re-chooses the counter period.
+
+        Returns:
+            Whether it did more than the leak check (its time is then not a reading's cost).
+        """
         raw = self._raw.pop()
         self._digest()  # the readings before this one, under the state they were made in
         allocated = raw[3]
@@ -584,21 +601,26 @@ class Monitor:
             if rises or self._readings.flagged:
                 self._on_growth(rises)
         row = self._readings.add(raw, measured)
+        busy = measured
         if measured:
             self._queue_layer_lines(it)
         if self.print_period and it >= self._next_print:
             self._next_print = (it // self.print_period + 1) * self.print_period
             self.print()
             self._flush_csv()
+            busy = True
         elif self._csv is not None and now > self._flush_due_ns:
             self._flush_csv()
+            busy = True
         if measured:
             self._plan_next_probe(it, row[2], now)
         if 0 < self._next_probe <= it + 1 or rises >= 2:
-            self._maybe_start_probe(it + 1)
+            busy |= self._maybe_start_probe(it + 1)
         if it >= self._next_window:
             self._choose_counter_period(it, now)
+            busy = True
         self._schedule(it)
+        return busy
 
     def _schedule(self, it: int) -> None:
         """The next reading, and the next one that is an event (prints, measures layers,
@@ -634,7 +656,7 @@ class Monitor:
             return
         if self._window is not None:
             it0, ns0, reads0, slow_reads0, own0, slow0 = self._window
-            plain = (reads - reads0) - (self._slow_reads - slow_reads0)
+            plain = (reads - reads0) - (self._slow_reads - slow_reads0)  # not busy
             own = self._own_ns - own0
             loop_ns = (now - ns0) - own - (self._slow_ns - slow0)
             if plain > 0 and loop_ns > 0:
@@ -666,7 +688,9 @@ class Monitor:
                 layer_csv_row(iteration, self.epoch, la) for la in self._layer_rows
             )
 
-    def _maybe_start_probe(self, next_iteration: int) -> None:
+    def _maybe_start_probe(self, next_iteration: int) -> bool:
+        """Hook the model for ``next_iteration`` if a measurement is due (or memory grows);
+        returns whether it did."""
         # Past due, not just due: a probe that close() discarded is started again.
         due = 0 < self._next_probe <= next_iteration
         # Memory that starts to rise gets one measured iteration per window, so that a leak,
@@ -675,7 +699,8 @@ class Monitor:
             self.leak_check.rises >= 2
             and next_iteration - self._last_probe_iteration > self.leak_check.window
         )
-        if (due or growing) and not self.probe.active:
+        started = (due or growing) and not self.probe.active
+        if started:
             t0 = _clock()
             self.probe.start(next_iteration)
             self._probe_start_ms = (_clock() - t0) / 1e6
@@ -683,6 +708,7 @@ class Monitor:
         if due and not self._adaptive:
             period = self.layer_period or 0
             self._next_probe = (next_iteration // period + 1) * period
+        return started
 
     def _plan_next_probe(self, it: int, ms: float | None, now: int) -> None:
         """After a measured iteration: what it cost the loop and, if adaptive, when next."""

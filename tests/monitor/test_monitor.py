@@ -16,6 +16,7 @@ from torch import nn
 
 from memadvisor import BadInputError, Monitor
 from memadvisor.monitor import IterationRecord, LeakCheck
+from memadvisor.monitor._output import CSV_COLUMNS, csv_row, iteration_table, print_table, step_line
 from memadvisor.monitor._probe import ProbeResult
 from memadvisor.monitor._source import MemorySource
 from memadvisor.timeline import MemoryReading
@@ -200,6 +201,11 @@ def test_bad_periods_are_rejected():
             Monitor(Tiny(), layer_budget=budget)
     with pytest.raises(BadInputError, match="history"):
         Monitor(Tiny(), history=0)
+    with pytest.raises(BadInputError, match="counter_period"):
+        Monitor(Tiny(), counter_period=0)
+    for budget in (0.0, 2.0):
+        with pytest.raises(BadInputError, match="counter_budget"):
+            Monitor(Tiny(), counter_budget=budget)
 
 
 def test_record_returns_nothing_and_history_builds_bounded_records_on_read():
@@ -488,6 +494,182 @@ def test_monitor_leak_verdicts_equal_a_leak_check_fed_every_record(ends):
         )
 
 
+# -- counters read every few iterations ---------------------------------------------------------
+
+
+class CountingSource(MemorySource):
+    """Reading n (from 1) is (100, 1000, 100 + 50 n, 1100), after ``delay_s`` of sleep (100 n
+    allocated if ``moving``: memory that ends every iteration higher); counts its calls.
+    ``costly_reads`` as given: True lets the monitor space readings out."""
+
+    device = "cpu"
+
+    def __init__(self, *, costly: bool = False, delay_s: float = 0.0, moving=False) -> None:
+        self.calls = 0
+        self.costly_reads = costly
+        self.delay_s = delay_s
+        self.moving = moving
+        self.reader = lambda: MemoryReading(0, 0, None, 0)
+
+    def take(self) -> tuple[int, int | None, int, int | None]:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.calls += 1
+        return 100 * (self.calls if self.moving else 1), 1000, 100 + 50 * self.calls, 1100
+
+
+def test_counter_period_reads_every_nth_iteration_and_its_peak_covers_those_between():
+    """counter_period=3 on the CPU meter: readings at iterations 1, 4, 7, covering 1, 3 and 3
+    iterations; a 1 MiB temporary freed in iteration 2 (not read) is in reading 4's peak,
+    and not in reading 7's."""
+    torch.manual_seed(0)
+    model = Tiny()
+    monitor = Monitor(model, print_period=0, layers=False, counter_period=3, console=_quiet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with monitor:
+        for i in range(1, 8):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                tmp = torch.empty(2**18)  # 1 MiB
+                del tmp
+            monitor.record()
+    recs = list(monitor.history)
+    assert [(r.iteration, r.iterations) for r in recs] == [(1, 1), (4, 3), (7, 3)]
+    by_it = {r.iteration: r for r in recs}
+    assert by_it[4].peak_allocated_bytes >= by_it[4].allocated_bytes + 2**20
+    assert by_it[7].peak_allocated_bytes < by_it[7].allocated_bytes + 2**20
+    assert all(r.iteration_ms is not None and r.iteration_ms >= 0 for r in recs[1:])
+
+
+def test_printed_measured_and_epoch_ending_iterations_are_always_read(tmp_path):
+    """counter_period=4 with prints every 6 and layers every 5: iterations 5 and 10 are read
+    and measured, 6 is read (and printed), epoch_end reads iteration 11; nothing else is read
+    off the period, every iteration is covered once, and the CSV has one step line per
+    reading, its `iterations` column filled, and the epoch line covering all 11."""
+    path = tmp_path / "memory.csv"
+    out = io.StringIO()
+    model = Tiny()
+    source = CountingSource()
+    monitor = Monitor(model, print_period=6, layer_period=5, counter_period=4, csv=path,
+                      source=source, console=Console(file=out, width=160))  # fmt: skip
+    for _ in range(11):
+        model(torch.randn(2, 4)).sum().backward()
+        monitor.record()
+    summary = monitor.epoch_end()
+    recs = list(monitor.history)
+    read = [r.iteration for r in recs]
+    assert {5, 6, 10, 11} <= set(read)
+    assert [r.iteration for r in recs if r.layers_measured] == [5, 10]
+    assert source.calls == len(recs) < 11
+    assert sum(r.iterations for r in recs) == 11
+    assert all(b - a <= 4 for a, b in zip([0, *read], read, strict=False))
+    assert out.getvalue().count("memadvisor · Tiny · iteration 6") == 1
+    assert summary.iterations == 11
+    assert summary.peak_allocated_bytes == max(r.peak_allocated_bytes for r in recs)
+    rows = list(csv.DictReader(path.open()))
+    steps = [r for r in rows if r["scope"] == "step"]
+    assert [(int(r["iteration"]), int(r["iterations"])) for r in steps] == [
+        (r.iteration, r.iterations) for r in recs
+    ]
+    assert [r["iterations"] for r in rows if r["scope"] == "epoch"] == ["11"]
+
+
+def test_close_reads_the_iterations_since_the_latest_reading():
+    """counter_period=5: readings at 1 and 6; close() after iteration 7 reads it, so the
+    history covers all 7 iterations."""
+    source = CountingSource()
+    monitor = Monitor(Tiny(), print_period=0, counter_period=5, source=source, console=_quiet())
+    for _ in range(7):
+        monitor.record()
+    assert [r.iteration for r in monitor.history] == [1, 6]
+    monitor.close()
+    assert [(r.iteration, r.iterations) for r in monitor.history] == [(1, 1), (6, 5), (7, 1)]
+    assert source.calls == 3
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_costly_readings_are_spaced_out_to_stay_within_the_counter_budget(moving):
+    """A source that takes 2 ms to read in a loop of 1 ms iterations, counter_budget=0.5:
+    the monitor settles on reading about every 2 / (0.5 * 1) = 4 iterations, measured, not
+    told; it reads only then, and its records still cover every iteration. So it does when
+    memory moves at every reading (each one then goes through the leak check)."""
+    source = CountingSource(costly=True, delay_s=0.002, moving=moving)
+    monitor = Monitor(Tiny(), print_period=0, counter_budget=0.5, source=source,
+                      console=_quiet())  # fmt: skip
+    assert monitor.counter_period == 1
+    for _ in range(120):
+        time.sleep(0.001)
+        monitor.record()
+    assert 2 <= monitor.counter_period <= 8
+    assert source.calls == len(monitor.history) < 80
+    assert sum(r.iterations for r in monitor.history) == monitor.history[-1].iteration
+    assert monitor.own_ms >= 2 * source.calls  # the readings' own 2 ms each
+
+
+def test_cheap_readings_and_the_cpu_meter_are_read_every_iteration():
+    """A costly-marked source whose reading is cheap next to a 10 ms iteration stays at one
+    reading per iteration; a source not marked costly (the CPU meter's) is never spaced out."""
+    cheap = CountingSource(costly=True)
+    monitor = Monitor(Tiny(), print_period=0, counter_budget=0.01, source=cheap,
+                      console=_quiet())  # fmt: skip
+    for _ in range(90):
+        time.sleep(0.01)
+        monitor.record()
+    assert monitor.counter_period == 1 and cheap.calls == 90
+    plain = CountingSource(costly=False, delay_s=0.002)
+    monitor = Monitor(Tiny(), print_period=0, source=plain, console=_quiet())
+    for _ in range(90):
+        monitor.record()
+    assert monitor.counter_period == 1 and plain.calls == 90
+
+
+def test_step_line_is_what_the_csv_module_writes_of_csv_row():
+    """The directly formatted step line parses to csv_row's cells: None as empty, the time
+    to 0.1 us, the flag as 0/1."""
+    totals = [(None,) * 5, (232, 232, 96, 480, 1234)]
+    rows = [
+        (1, 0, None, 100, 150, None, None, totals[0], False, False, 123, 1),
+        (9, 2, 3.14159265, 2**31, 2**31 + 5, 2**32, 2**32 + 7, totals[1], True, True, 456, 4),
+    ]
+    for row in rows:
+        (direct,) = list(csv.reader(io.StringIO(step_line(row))))
+        buf = io.StringIO()
+        csv.writer(buf).writerow(csv_row(row))
+        (via_csv,) = list(csv.reader(io.StringIO(buf.getvalue())))
+        assert len(direct) == len(via_csv) == len(CSV_COLUMNS)
+        ms = CSV_COLUMNS.index("iteration_ms")
+        assert direct[:ms] + direct[ms + 1 :] == via_csv[:ms] + via_csv[ms + 1 :]
+        assert (direct[ms] == "") == (via_csv[ms] == "")
+        if direct[ms]:
+            assert float(direct[ms]) == pytest.approx(float(via_csv[ms]), abs=1e-4)
+        assert step_line(row).endswith("\r\n")
+
+
+def test_tables_reach_a_plain_console_as_rich_would_print_them_and_a_terminal_in_colour():
+    """A console without colours gets the text rich writes (recording it makes rich write),
+    each table on its own lines; a terminal gets the same characters plus styles (ANSI
+    escapes); a quiet console gets nothing."""
+    model = Tiny()
+    monitor = Monitor(model, print_period=2, layer_period=2, console=_quiet())
+    _train(model, monitor, 2)
+    table = iteration_table(monitor.last, monitor._layer_text, monitor.leak, model_name="Tiny")
+    fast, slow = io.StringIO(), io.StringIO()
+    for _ in range(2):
+        print_table(Console(file=fast, width=160), table)
+        print_table(Console(file=slow, width=160, record=True), table)  # through rich
+    assert fast.getvalue() == slow.getvalue() == 2 * (table.plain + "\n")
+    coloured = io.StringIO()
+    terminal = Console(file=coloured, width=160, force_terminal=True, record=True)
+    print_table(terminal, table)
+    assert "\x1b[" in coloured.getvalue()
+    assert terminal.export_text() == table.plain + "\n"
+    quiet = io.StringIO()
+    print_table(Console(file=quiet, quiet=True), table)
+    assert quiet.getvalue() == ""
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 
@@ -519,6 +701,39 @@ def test_cuda_monitor_matches_allocator_and_cpu_layer_numbers():
     layers = {la.module: (la.weight_bytes, la.saved_bytes) for la in monitor.layers}
     assert layers == {"": (0, 0), "fc1": (160, 32), "act": (0, 64), "fc2": (72, 0)}
     monitor.close()
+
+
+@pytest.mark.gpu
+def test_cuda_short_steps_are_read_every_few_iterations_and_lose_no_peak():
+    """On a card, a tiny model's step is a few hundred us of launches, so a ~20 us reading
+    every iteration would exceed the 0.2% budget: after 200 iterations readings are spaced
+    out; a 4 MiB temporary freed in an iteration that is not read is in the next reading's
+    peak; allocated at a reading is the allocator's; the records cover every iteration."""
+    torch.manual_seed(0)
+    model = Tiny().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, print_period=0, console=_quiet())
+    with monitor:
+        for _ in range(200):
+            model(torch.randn(2, 4, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            monitor.record()
+        period = monitor.counter_period
+        assert period > 1
+        last = monitor.last.iteration
+        while monitor.iteration + 1 >= last + period:  # the next record() is a reading
+            monitor.record()
+            last = monitor.last.iteration
+        tmp = torch.empty(2**20, device="cuda")  # 4 MiB, in an iteration not read
+        del tmp
+        for _ in range(period):
+            monitor.record()
+        rec = monitor.last
+        assert rec.iteration == last + period and rec.iterations == period
+        assert rec.peak_allocated_bytes >= rec.allocated_bytes + 4 * 2**20
+        assert rec.allocated_bytes == torch.cuda.memory_allocated()
+    assert sum(r.iterations for r in monitor.history) == monitor.iteration
 
 
 def test_measuring_layers_keeps_no_tensor_alive():
