@@ -588,6 +588,10 @@ class Monitor:
         """
         raw = self._raw.pop()
         self._digest()  # the readings before this one, under the state they were made in
+        # Chosen first: the window then holds whole readings, this one not among them.
+        busy = it >= self._next_window
+        if busy:
+            self._choose_counter_period(it, now)
         allocated = raw[3]
         probe = self.probe
         measured = probe.active and probe.iteration == it
@@ -601,7 +605,7 @@ class Monitor:
             if rises or self._readings.flagged:
                 self._on_growth(rises)
         row = self._readings.add(raw, measured)
-        busy = measured
+        busy |= measured
         if measured:
             self._queue_layer_lines(it)
         if self.print_period and it >= self._next_print:
@@ -616,9 +620,6 @@ class Monitor:
             self._plan_next_probe(it, row[2], now)
         if 0 < self._next_probe <= it + 1 or rises >= 2:
             busy |= self._maybe_start_probe(it + 1)
-        if it >= self._next_window:
-            self._choose_counter_period(it, now)
-            busy = True
         self._schedule(it)
         return busy
 
@@ -648,7 +649,8 @@ class Monitor:
     def _choose_counter_period(self, it: int, now: int) -> None:
         """With counter_period=None on a card: read every ``ceil(R / (budget * T))``
         iterations, R the measured cost of a plain reading, T the loop's time per iteration
-        (the monitor's own time left out), both over the window since the last choice."""
+        (the monitor's own time left out), both over the window since the last choice: the
+        readings between the start of that choice's reading and the start of this one."""
         reads = self._readings.count
         window = (it, now, reads, self._slow_reads, self._own_ns, self._slow_ns)
         if not self._auto_counters:
