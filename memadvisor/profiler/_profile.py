@@ -438,7 +438,7 @@ class _Pass:
             optimizer.zero_grad(set_to_none=True)
             _release(self.target)
             for _ in range(left):
-                self.progress.advance(f"untracked bytes, {precision}: no room on the card")
+                self.progress.advance(f"untracked bytes, {precision}: skipped")
 
     def _measure_workspaces(self) -> int:
         """cuBLAS's workspaces (one per thread that ran matmuls: main and autograd).
