@@ -6,26 +6,22 @@ with cuBLAS's workspaces, in a near-constant difference between the allocator's 
 tracked one (``Profile.fixed_overhead_bytes``). From some tensor size on, cuDNN picks
 algorithms whose workspace grows with the batch, which the small sizes cannot show.
 
-Measured on an H200 (torch 2.11): allocator minus tracked peak of backward, one AdamW step:
+Measured on an H200 (torch 2.11): allocator minus tracked peak of backward, one AdamW step
+after a warm-up, MiB at batch 16 / 32 / 64 / 128 / 256:
 
-==============================  =======  =======  =======  =======  =======
-model, precision, checkpointing  b=16     b=32     b=64     b=128    b=256
-==============================  =======  =======  =======  =======  =======
-examples/cnn.py fp32, none       65.0     66.9     157.1    249.1    433.1   (MiB)
-examples/cnn.py fp32, all        65.0     66.9     157.1    249.1    433.1
-examples/cnn.py bf16, either     65.0     65.1     65.0     65.1     65.1
-resnet18 fp32, none              84.1     87.3     102.2    107.9    119.3
-resnet18 fp32, all               85.1     98.7     119.5    168.5    265.2
-convnext_tiny fp32, none         69.4     85.2     106.8    153.1    183.9
-examples/gpt.py, any             ~35, flat
-==============================  =======  =======  =======  =======  =======
+    examples/cnn.py fp32, no block or every block checkpointed   65 / 67 / 157 / 249 / 433
+    examples/cnn.py bf16, either                                  65 / 65 /  65 /  65 /  65
+    resnet18 fp32, none                                           84 / 87 / 102 / 108 / 119
+    resnet18 fp32, every block checkpointed                       85 / 99 / 120 / 169 / 265
+    convnext_tiny fp32, none                                      69 / 85 / 107 / 153 / 184
+    examples/gpt.py, any                                          ~35, flat
 
 Left out, the estimate was 17% (30% with every block checkpointed) under the allocator's
 peak for cnn fp32 at batches filling 4 GiB. So on CUDA the profiler measures the difference
 per phase at two larger sizes ``(B, 2B)`` (:func:`untracked_batch_sizes`) and fits a line
-(cnn fp32 through 64 and 128: 65 + 1.44 MiB a sample, exact at 256, above the truth below
-64, which errs on the safe side); the estimate adds what the line gives beyond what its
-phase peaks already hold.
+(cnn fp32 through 64 and 128: 65 + 1.44 MiB a sample, exact at 256; above the truth where
+the growth has not started, 111 against 67 at batch 32, which errs on the safe side); the
+estimate adds what the line gives beyond what its phase peaks already hold.
 
 Each size gets one plain warm-up step (cuDNN's choice for the shape is made, caches filled),
 then one step under a bare :class:`~memadvisor.memory.MemoryMeter` with the allocator's peak
