@@ -12,7 +12,7 @@ from pydantic import JsonValue
 
 from memadvisor.planner._space import SearchSpace
 
-__all__ = ["hand_configurations"]
+__all__ = ["hand_configurations", "unchecked_hand_choices"]
 
 CHECKPOINTING = "checkpointing"
 PRECISION = "precision"
@@ -39,3 +39,29 @@ def hand_configurations(space: SearchSpace) -> list[tuple[str, dict[str, JsonVal
     if every_block is not None and amp is not None:
         rows.append(("+Both", {PRECISION: amp, CHECKPOINTING: every_block}))
     return rows
+
+
+def unchecked_hand_choices(space: SearchSpace) -> list[dict[str, JsonValue]]:
+    """Baseline and +AMP (each precision offered, nothing checkpointed) as the search writes
+    candidates: a strategy with one option keeps it (an advice-only strategy is in every
+    candidate), every other strategy its neutral option.
+
+    The planner times these beside the estimate's best, so that an error in the estimate's
+    step times (up to 1.6x for bf16 on an H200) cannot make the plan lose to a
+    configuration a person tries first. Empty when the space has no neutral option for a
+    strategy other than precision to fall back on.
+    """
+    plain = space.plain_indices()
+    if plain is None:
+        return []
+    names = space.names
+    precisions = space.options.get(PRECISION)
+    if precisions is None:
+        return [space.choices_of(plain)]
+    at = names.index(PRECISION)
+    out = []
+    for index in range(len(precisions)):
+        indices = list(plain)
+        indices[at] = index
+        out.append(space.choices_of(indices))
+    return out

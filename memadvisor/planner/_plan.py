@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from memadvisor.device import Device, Measurement
 from memadvisor.errors import BadInputError
 from memadvisor.estimate import Candidate, estimate
 from memadvisor.planner._budget import check_static_fits, infeasible
-from memadvisor.planner._compare import hand_configurations
+from memadvisor.planner._compare import hand_configurations, unchecked_hand_choices
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
 from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._schema import Plan, Probe, Row
@@ -45,6 +46,10 @@ _RUNS_PER_ROW = 3  # a row's batch search: two probes when the estimate is right
 BATCH_SIZE = "batch_size"  # the strategy that records the pick's batch for its advice
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
 _MARGIN_STEP_DOWNS = 3
+# Of the estimate's best rerank_top, those under this share of the best's estimated samples/s
+# (batch, for largest_batch) are not timed: the estimate's time errors seen on an H200
+# (within ~1.6x per candidate, mostly shared by candidates of one precision) leave them behind.
+RERANK_FLOOR = 0.7
 
 
 @dataclass
@@ -54,12 +59,26 @@ class _Confirmed:
     scored: Scored
     candidate: Candidate
     found_batch: int  # the largest micro-batch the probes allow (before the objective's pick)
-    measured: Measurement
+    measured: Measurement  # a run of exactly ``candidate`` (its steps say whether it verifies)
     search: BatchSearch
 
 
+@dataclass
+class _Run:
+    """What one device run of a candidate said; a failure holds the steps that completed."""
+
+    steps: int
+    measured: Measurement | None
+
+
 class _Prober:
-    """Runs candidates on the device, logs every run, and steps down when one runs out."""
+    """Runs candidates on the device, logs every run, and steps down when one runs out.
+
+    Every run takes :attr:`steps` steps from a clean state, and what it said is kept by
+    candidate: asking again for a batch already run (the winner's batch search continuing
+    from its timing run, a comparison row the re-rank already ran) is answered without a
+    device run.
+    """
 
     def __init__(
         self, device: Device, workload: Workload, space: SearchSpace, config: PlanConfig
@@ -68,10 +87,20 @@ class _Prober:
         self.probes: list[Probe] = []
         self.notes: list[str] = []
         self.bar: Stage | None = None
+        self.steps = run_steps(device, config)
+        self._runs: dict[str, _Run] = {}
 
     def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
+        """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
+        known = self._runs.get(_key(candidate))
+        if known is not None:
+            if known.measured is not None and known.steps >= steps:
+                return known.measured
+            if known.measured is None and known.steps < steps:
+                return None  # it ran out within the steps asked for now
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
         self.probes.append(record)
+        self._runs[_key(candidate)] = _Run(steps if measured else record.steps, measured)
         if self.bar is not None:
             self.bar.advance()
             self.bar.describe(
@@ -83,12 +112,10 @@ class _Prober:
         """Probe the largest micro-batch of ``scored``'s choices, bracketed by its estimate."""
         cfg = self.config
         choices = scored.candidate.choices
-        # A fitting probe doubles as the candidate's timing: run enough steps for both.
-        steps = max(cfg.probe_steps, cfg.timing_steps)
         measured: dict[int, Measurement] = {}
 
         def fits(batch: int) -> bool:
-            m = self.run(Candidate(batch_size=batch, choices=choices), steps, stage)
+            m = self.run(Candidate(batch_size=batch, choices=choices), self.steps, stage)
             if m is not None:
                 measured[batch] = m
             return m is not None
@@ -105,7 +132,10 @@ class _Prober:
         return found, measured
 
     def confirm(self, scored: Scored, stage: str = "probe") -> _Confirmed | None:
-        """The candidate at the batch the device allows, timed; None when batch 1 fails."""
+        """The candidate at the batch the device allows, timed; None when batch 1 fails.
+
+        The batch search continues from whatever this prober already ran of the same choices.
+        """
         found, measured = self.largest(scored, stage)
         if found.batch < 1:
             return None
@@ -116,7 +146,7 @@ class _Prober:
         m = measured.get(batch) if accumulation == 1 else None
         if m is None:  # the pick itself was not run (margin below a failure, or accumulation)
             timing_stage = "timing" if stage == "probe" else stage
-            candidate, m = self.stepping_down(candidate, self.config.timing_steps, timing_stage)
+            candidate, m = self.stepping_down(candidate, self.steps, timing_stage)
             if m is None:
                 return None
         return _Confirmed(scored, candidate, found.batch, m, found)
@@ -147,6 +177,33 @@ class _Prober:
             candidate = Candidate(
                 batch_size=batch, accumulation_steps=accumulation, choices=candidate.choices
             )
+
+
+def _key(candidate: Candidate) -> str:
+    return json.dumps(
+        [candidate.batch_size, candidate.accumulation_steps, candidate.choices], sort_keys=True
+    )
+
+
+def runs_cost_more_than_steps(device: Device) -> bool:
+    """Whether a run's fixed cost dwarfs its steps on ``device``.
+
+    On a card it does: each run is a process of its own, with a CUDA context and a first
+    step that loads kernels (seconds), while a step takes milliseconds. There every run takes
+    the verification's steps, so a fitting run at the final batch *is* the verification.
+    On the simulated device each step is CPU work under a byte meter: runs stay short and
+    the pick is verified by a run of its own. A device may say otherwise with a
+    ``runs_cost_more_than_steps`` attribute.
+    """
+    return bool(getattr(device, "runs_cost_more_than_steps", device.kind == "cuda"))
+
+
+def run_steps(device: Device, config: PlanConfig) -> int:
+    """Steps each probe and timing run takes on ``device``."""
+    steps = max(config.probe_steps, config.timing_steps)
+    if runs_cost_more_than_steps(device):
+        steps = max(steps, config.verify_steps)
+    return steps
 
 
 def _device_key(objective: str, batch: int, samples_per_s: float, estimate_rank: int) -> tuple:
@@ -355,7 +412,9 @@ def plan_workload(
             if device is None:
                 device = owned = _make_device(kind, config, target, profile)
             prober = _Prober(device, workload, space, config)
-            best = _best_on_device(prober, ranked[: config.rerank_top], notes, ui)
+            guard = step_times_rank(device) and config.objective != "largest_batch"
+            timed = timed_candidates(space, ranked, guard)
+            best = _best_on_device(prober, timed, notes, ui)
             pick, verified = _verified(prober, best, ui)
             pick = _with_batch_record(pick, chosen, config)
             pick_estimate = estimate(profile, pick, chosen)
@@ -396,48 +455,177 @@ def plan_workload(
             _release_cached_memory()
 
 
+def timed_candidates(space: SearchSpace, ranked: Sequence[Scored], guard: bool) -> list[Scored]:
+    """The candidates the device times: the estimate's best ``rerank_top``, less those far
+    behind the best by the estimate, and with ``guard`` the hand configurations without
+    checkpointing (Baseline, +AMP), best by the estimate first, each choice set once.
+
+    ``guard`` is for objectives that rank by time on devices whose times rank: the estimate's
+    step times can be off by more than the gap between candidates, and then only the device
+    can say whether the plan beats the configuration a person would try first.
+    """
+    cfg = space.config
+    if not ranked:
+        return []
+
+    def worth(s: Scored) -> float:
+        if cfg.objective == "largest_batch":
+            return float(s.candidate.batch_size)
+        return s.estimate.samples_per_s
+
+    floor = RERANK_FLOOR * worth(ranked[0])
+    chosen = [s for s in ranked[: cfg.rerank_top] if worth(s) >= floor]
+    if guard:
+        for choices in unchecked_hand_choices(space):
+            scored = space.score_choices(choices)
+            if scored is not None:
+                chosen.append(scored)
+    out: dict[str, Scored] = {}
+    for s in chosen:
+        out.setdefault(s.choices_json, s)
+    return sorted(out.values(), key=space.key)
+
+
 def _best_on_device(
-    prober: _Prober, top: Sequence[Scored], notes: list[str], ui: Progress
+    prober: _Prober, timed: Sequence[Scored], notes: list[str], ui: Progress
 ) -> _Confirmed:
-    """Probe each of the estimate's best at its largest batch and keep the device's best.
+    """Time each candidate with one run at its estimated batch and finish the batch search of
+    the device's best alone.
+
+    A candidate that ran out there gets one more run the margin below, when (by the estimate
+    at that batch) it could still beat the best that fitted, or when nothing fitted yet (the
+    estimate's best only). If still nothing fitted, the candidates' batch searches run in
+    full, best by the estimate first, until one finds a batch.
 
     Raises:
         InfeasibleBudgetError: not even batch 1 fitted for any of them.
     """
     space, device = prober.space, prober.device
+    measured_times = step_times_rank(device)
     with ui.stage("probes", total=None) as bar:
         prober.bar = bar
-        confirmed = [prober.confirm(s) for s in top]
-    fitted = [(rank, c) for rank, c in enumerate(confirmed) if c is not None]
-    if not fitted:
+        first = {s.choices_json: _timing(prober, s, _start(prober, s)) for s in timed}
+        best = _device_best(prober, timed, first, measured_times)
+        for s in timed:  # the estimate's order
+            if first[s.choices_json] is not None:
+                continue
+            below = safe_below(_start(prober, s), space.config.margin_fraction)
+            if below < 1 or (best is not None and not _could_beat(space, s, below, best)):
+                continue
+            first[s.choices_json] = _timing(prober, s, below)
+            best = _device_best(prober, timed, first, measured_times)
+            if best is None:
+                break  # two margins off and nothing fitted: the batch searches take over
+        winner = None
+        if best is not None:
+            winner = prober.confirm(best[0], stage="probe")
+        for s in timed if winner is None else ():
+            winner = prober.confirm(s, stage="probe")
+            if winner is not None:
+                break
+    if winner is None:
         raise infeasible(
             space.profile,
             space.config,
             space.cheapest_peak_bytes(),
-            f"On the device not even batch 1 fitted for the {len(top)} best configurations "
+            f"On the device not even batch 1 fitted for the {len(timed)} best configurations "
             "by the estimate.",
         )
-    measured_times = step_times_rank(device)
-
-    def key(rank: int, c: _Confirmed) -> tuple:
-        rate = (
-            c.measured.samples_per_s
-            if measured_times
-            else estimate(space.profile, c.candidate, space.strategies).samples_per_s
-        )
-        return _device_key(space.config.objective, c.candidate.batch_size, rate, rank)
-
-    if not measured_times and len(fitted) > 1:
+    fitted = sum(m is not None for m in first.values())
+    if not measured_times and fitted > 1:
         notes.append(
-            f"The {len(fitted)} best candidates were re-ranked at the batches the "
+            f"The {fitted} best candidates were re-ranked at the batches the "
             f"{device.kind} device confirmed, by the estimate's step time: this device's own "
             "times do not rank (CPU times, slowed by tracking)."
         )
-    return min(fitted, key=lambda rc: key(*rc))[1]
+    return winner
+
+
+@dataclass
+class _Timing:
+    """A candidate's first fitting run: the batch it ran and what it measured."""
+
+    candidate: Candidate
+    measured: Measurement
+
+
+def _start(prober: _Prober, scored: Scored) -> int:
+    """The estimate's largest batch under the usable budget: where a candidate is timed."""
+    return min(max(scored.largest_batch, 1), prober.config.max_batch)
+
+
+def _timing(prober: _Prober, scored: Scored, batch: int) -> _Timing | None:
+    """One run of ``scored``'s choices at ``batch``; None when it ran out."""
+    candidate = Candidate(batch_size=batch, choices=scored.candidate.choices)
+    measured = prober.run(candidate, prober.steps, "timing")
+    return _Timing(candidate, measured) if measured is not None else None
+
+
+def _pick_at(space: SearchSpace, choices: dict[str, JsonValue], largest: int) -> Candidate:
+    """What the objective takes of ``choices`` when ``largest`` fits (accumulation included)."""
+    batch, accumulation = space.batch_for(largest)
+    return Candidate(batch_size=batch, accumulation_steps=accumulation, choices=choices)
+
+
+def _rate(space: SearchSpace, scored: Scored, timing: _Timing, measured_times: bool) -> float:
+    """Samples/s of ``scored``'s pick, judged from its timing run.
+
+    The pick is what the objective takes when the run's batch fits (for effective_batch a
+    micro-batch and accumulation, else the run itself). Measured times are carried from the
+    run to the pick by the estimate's ratio between the two (exactly the measurement when
+    the pick is what ran); where times do not rank, the estimate's samples/s of the pick.
+    """
+    pick = _pick_at(space, scored.candidate.choices, timing.candidate.batch_size)
+    at_pick = estimate(space.profile, pick, space.strategies).samples_per_s
+    if not measured_times:
+        return at_pick
+    if pick == timing.candidate:
+        return timing.measured.samples_per_s
+    ran = estimate(space.profile, timing.candidate, space.strategies).samples_per_s
+    return timing.measured.samples_per_s * at_pick / ran if ran > 0 else at_pick
+
+
+def _device_best(
+    prober: _Prober,
+    timed: Sequence[Scored],
+    first: dict[str, _Timing | None],
+    measured_times: bool,
+) -> tuple[Scored, _Timing] | None:
+    """The best of the candidates that fitted, by the objective on the device's answer."""
+    space = prober.space
+    keyed = []
+    for rank, s in enumerate(timed):
+        timing = first.get(s.choices_json)
+        if timing is None:
+            continue
+        rate = _rate(space, s, timing, measured_times)
+        batch = timing.candidate.batch_size
+        keyed.append((_device_key(space.config.objective, batch, rate, rank), s, timing))
+    if not keyed:
+        return None
+    _, scored, timing = min(keyed, key=lambda entry: entry[0])
+    return scored, timing
+
+
+def _could_beat(
+    space: SearchSpace, scored: Scored, batch: int, best: tuple[Scored, _Timing]
+) -> bool:
+    """Whether ``scored``, if ``batch`` fits, beats the best that fitted (at the batch it
+    ran), by the estimate: both sides estimated, so errors they share cancel."""
+    ran = best[1].candidate
+    if space.config.objective == "largest_batch":
+        return batch > ran.batch_size
+    mine = _pick_at(space, scored.candidate.choices, batch)
+    theirs = _pick_at(space, best[0].candidate.choices, ran.batch_size)
+    rate = estimate(space.profile, mine, space.strategies).samples_per_s
+    return rate > estimate(space.profile, theirs, space.strategies).samples_per_s
 
 
 def _verified(prober: _Prober, best: _Confirmed, ui: Progress) -> tuple[Candidate, Measurement]:
     """The pick after its sustained run from a clean state, stepped down while it fails.
+
+    A run of the pick that already took ``verify_steps`` steps from a clean state (on a card
+    every probe does) is that run: no device run repeats it.
 
     Raises:
         InfeasibleBudgetError: it failed even at batch 1.

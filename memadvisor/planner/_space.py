@@ -165,6 +165,18 @@ class SearchSpace:
                 out[s.name] = choice
         return out
 
+    def plain_indices(self) -> list[int] | None:
+        """Per strategy the index of its first neutral option (its only one when it offers
+        one); None when some strategy offers several options and none of them is neutral."""
+        out = []
+        for s in self.strategies:
+            options = self.options[s.name]
+            neutral = [i for i, c in enumerate(options) if c is None or s.is_neutral(c)]
+            if not neutral and len(options) > 1:
+                return None
+            out.append(neutral[0] if neutral else 0)
+        return out
+
     def score(self, indices: Sequence[int]) -> Scored | None:
         """The combination at the batch its objective picks; None when batch 1 does not fit."""
         key = tuple(indices)

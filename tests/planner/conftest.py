@@ -126,8 +126,12 @@ class FakeDevice(Device):
         error: Exception | None = None,
         error_at: int | None = None,
         inverse_times: bool = False,
+        runs_cost_more_than_steps: bool = False,
     ) -> None:
         super().__init__(budget_bytes=100 * MIB, name="fake")
+        # True models a card: a run's fixed cost dwarfs its steps, so the planner's probes
+        # take the verification's steps (memadvisor.planner._plan.run_steps).
+        self.runs_cost_more_than_steps = runs_cost_more_than_steps
         self.threshold = threshold
         self.sustained = sustained
         self.short_steps = short_steps
