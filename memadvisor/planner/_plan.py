@@ -1,8 +1,24 @@
-"""plan_workload: profile, check the budget, search, probe and re-rank, verify, compare.
+"""plan_workload: profile, check the budget, search, time and probe, verify, compare.
 
 Each stage hands the next a whole object (Profile, Scored, Confirmed), so the flow reads
 top to bottom in :func:`plan_workload`; :class:`_Prober` holds what every device run shares
-(the device, the probe log, the notes).
+(the device, the probe log, what each run said, the notes).
+
+Device runs are few because each costs seconds on a card (a process, a CUDA context, the
+first step's kernel loading), and every run counts twice where it can:
+
+1. Timing (:func:`timed_candidates`, :func:`_best_on_device`): the estimate's best
+   ``rerank_top`` candidates (those within :data:`RERANK_FLOOR` of the best) and, where
+   measured times rank, Baseline and +AMP as guards, each run once at the estimate's largest
+   batch under the usable budget. That run is both the candidate's fit probe and its timing.
+2. Batch search: the device's best alone continues :func:`find_batch` from what its timing
+   run said (the bracket's top when it fitted, the margin below when it did not).
+3. Verification: on a card every run takes ``verify_steps`` steps from a clean state, so the
+   winner's fitting run at the final batch is its verification; a separate sustained run
+   happens only where runs are short (the simulated device) or the final batch never ran.
+
+With an estimate within one margin of the device that is 5 runs for the GPT example (4
+timing, 1 probe), 2 of them the winner's (tests/planner/test_plan.py has the exact table).
 """
 
 from __future__ import annotations
@@ -145,8 +161,7 @@ class _Prober:
         )
         m = measured.get(batch) if accumulation == 1 else None
         if m is None:  # the pick itself was not run (margin below a failure, or accumulation)
-            timing_stage = "timing" if stage == "probe" else stage
-            candidate, m = self.stepping_down(candidate, self.steps, timing_stage)
+            candidate, m = self.stepping_down(candidate, self.steps, stage)
             if m is None:
                 return None
         return _Confirmed(scored, candidate, found.batch, m, found)
@@ -430,6 +445,7 @@ def plan_workload(
                 measure_comparison = _rows_are_cheap(device, prober.probes, space)
             rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
             notes += _pick_notes(config, pick, best)
+            notes.append(_runs_note(prober.probes, verified, config))
             with ui.stage("checks", total=None):
                 checks = run_checks(workload, pick, chosen)
             notes += prober.notes + getattr(device, "notes", []) + row_notes
@@ -668,6 +684,23 @@ def _pick_notes(config: PlanConfig, pick: Candidate, best: _Confirmed) -> list[s
             f"whole budget; the plan did not probe higher{kept}"
         )
     return notes
+
+
+def _runs_note(runs: Sequence[Probe], verified: Measurement, config: PlanConfig) -> str:
+    """How many device runs each stage took, and what verified the pick."""
+    count = {stage: sum(r.stage == stage for r in runs) for stage in ("timing", "probe", "verify")}
+    total = sum(count.values())
+    text = (
+        f"The pick took {total} device runs: {count['timing']} timing candidates at their "
+        f"estimated batches, {count['probe']} finishing the pick's batch search, "
+        f"{count['verify']} verifying"
+    )
+    if count["verify"] == 0:
+        return (
+            f"{text}; the pick's own {verified.steps}-step run from a clean state (at least "
+            f"verify_steps={config.verify_steps}) is its verification."
+        )
+    return text + "."
 
 
 def measure_configuration(
