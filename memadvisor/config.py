@@ -59,12 +59,28 @@ class PlanConfig(BaseModel):
         0.08, ge=0.0, lt=0.5, description="Share of the budget the plan keeps free."
     )
     device: DeviceKind = Field("auto", description="cuda, the CPU simulated device, or auto.")
+    # On a card a run's fixed cost (a process, a CUDA context, the first step's kernel loading:
+    # ~4 s on an H200) dwarfs its steps (milliseconds), so there every probe and timing run
+    # takes verify_steps steps and the pick's own run at the final batch is its verification;
+    # where steps cost more than runs (the simulated CPU device) probes take
+    # max(probe_steps, timing_steps) and the pick is verified by a run of its own.
     probe_steps: int = Field(
         3, ge=2, description="Steps per probe: one step overshoots near the limit (DESIGN.md)."
     )
-    verify_steps: int = Field(20, ge=1, description="Sustained steps that verify the pick.")
+    verify_steps: int = Field(
+        20,
+        ge=1,
+        description="Sustained steps that verify the pick (on a card every probe runs them).",
+    )
     timing_steps: int = Field(3, ge=1, description="Steps timed per re-ranked candidate.")
-    rerank_top: int = Field(3, ge=1, description="Best estimated candidates timed on the device.")
+    # 3: with the two guards (Baseline, +AMP) that is at most 5 timing runs; candidates under
+    # 0.7x of the best's estimated samples/s are not timed.
+    rerank_top: int = Field(
+        3,
+        ge=1,
+        description="Best estimated candidates timed on the device, one run each at the "
+        "estimate's largest batch; the device's best alone finishes its batch search.",
+    )
     max_batch: int = Field(65536, gt=0, description="Largest batch size considered.")
     seed: int = Field(0, description="Seed of the search: the same profile gives the same plan.")
     strategies: list[str] | None = Field(
