@@ -1,28 +1,39 @@
-"""The planner on a GPU: probes, time to plan, and the plan against four hand configurations.
+"""The planner on a GPU: runs, time to plan, and the plan against four hand configurations.
 
-For each model and budget (GiB):
-    * plan: ``plan_workload`` as ``memadvisor plan`` runs it (profile on the card, Optuna on
-      the estimate, bracketed OOM probes and the verification, each in a fresh process).
-      Reported: device runs used (probes + timing, and verify), wall time (the profile is
-      made once per model and timed apart).
-    * hand: fp32 / bf16 x no / all-blocks checkpointing, each at its own largest batch,
-      found by the same bracketed probing in fresh processes (the same margin rule as the
-      plan: a hand-tuner who kept no margin would not be comparable).
-    * throughput: the plan's pick and each hand configuration run ``--timing-steps`` steps,
-      each in a fresh process (the first step excluded); samples/s.
-    * long run: the pick trains ``--long-steps`` (200) steps in a fresh process; OOMs counted.
+For each model and budget (GiB), one JSON line as soon as it is done (stdout, and appended
+to ``--json PATH``), then the table:
 
-Prints one table; ``--json PATH`` appends one JSON line per (model, budget) as it goes, so a
-run cut short keeps what it measured. Needs torchvision and transformers for their models
-(a model whose package is missing is reported and skipped).
+* plan: ``plan_workload`` as ``memadvisor plan`` runs it (the profile made once per model,
+  on the card, and timed apart; the estimate's search; one timing run per candidate, the
+  winner's batch search, its verification), every run a forked child of the CudaDevice's
+  fork server. Reported: the winner's batch-search runs (``probes``), all device runs of
+  the plan (``runs``, verification included), wall time to plan, the pick and its verified
+  samples/s (``verify_steps`` = 20 steps from a clean state, the first excluded).
+* hand: fp32 / bf16 x no / all-blocks checkpointing, each at its own largest batch found by
+  ``measure_configuration`` (the same bracketed search and margin rule as the plan's: a
+  hand-tuner who kept no margin would not be comparable), measured through the same device
+  with the same steps, so the plan and the hand rows are one measurement each, made alike.
+* plan >= best: the plan's samples/s over the best hand configuration's; "yes" when at least
+  ``1 - --tolerance`` (default 2%: two measurements of one configuration differ by timing
+  noise, and the plan's pick is often one of the four).
+* 200 steps: the pick trains ``--long-steps`` steps in a fresh process (not a forked child:
+  the way a user's own job starts); OOMs counted.
 
-    python bench/planner.py --models gpt,cnn --budgets 4          # a few minutes on an H100
-    python bench/planner.py --models resnet18 --budgets 4,8,16
-    python bench/planner.py                                       # everything: over an hour
+Wall time per (model, budget) on an H100/H200, measured parts summed: fork-server start
+~8 s; a run ~4 s (3.5 s of it the first step's CUDA warm-up) plus 20 steps; the plan ~5
+runs; the hand rows ~2-3 runs each, ~10 runs; the 200-step run ~8 s plus 200 steps. About
+70-90 s for gpt, cnn and resnet18, 2-3 min for convnext_tiny, bert and llama_small (longer
+steps), plus the profile once per model (5-30 s). One model at three budgets fits a 9-minute
+chunk; run models in parallel on separate cards with CUDA_VISIBLE_DEVICES.
+
+    python bench/planner.py --models gpt --budgets 4,8,16 --json out/planner.jsonl
+    python bench/planner.py --models gpt,cnn --budgets 8 --skip-hand   # plan and 200 steps
+    python bench/planner.py --table out/planner.jsonl                  # the table again
 
 Models: gpt, cnn, llama (examples/); resnet18, convnext_tiny (torchvision); bert
 (transformers BertForMaskedLM, bert-base config); llama_small (transformers LlamaForCausalLM,
-a small config). All built from configs, no downloads.
+a small config). All built from configs, no downloads; a model whose package is missing is
+reported and skipped.
 """
 
 from __future__ import annotations
@@ -124,171 +135,241 @@ def _hand_configurations(profile: Any) -> list[tuple[str, dict]]:
     ]
 
 
-def _rate(device: Any, workload: Any, candidate: Any, steps: int) -> dict:
-    """samples/s of ``candidate`` over ``steps`` steps in a fresh process (None if it OOMs)."""
-    from memadvisor.device import is_oom
+def _device_runs(plan: Any) -> dict[str, int]:
+    """The plan's device runs: all of them, and the winner's batch search among them."""
+    choices = plan.candidate.choices
+    own = [p for p in plan.probes if p.stage in ("timing", "probe") and p.candidate is not None]
+    winner = [
+        p
+        for p in own
+        if {k: v for k, v in p.candidate.choices.items() if k != "batch_size"}
+        == {k: v for k, v in choices.items() if k != "batch_size"}
+    ]
+    return {
+        "runs": sum(p.stage in ("timing", "probe", "verify") for p in plan.probes),
+        "probes": len(winner),
+        "timing": sum(p.stage == "timing" for p in plan.probes),
+        "verify": sum(p.stage == "verify" for p in plan.probes),
+    }
 
+
+def _hand(workload: Any, config: Any, profile: Any, device: Any) -> dict[str, dict]:
+    from memadvisor.planner import measure_configuration
+
+    out: dict[str, dict] = {}
+    for label, choices in _hand_configurations(profile):
+        t0 = time.perf_counter()
+        row, runs = measure_configuration(
+            workload, config, choices, profile=profile, device=device, label=label
+        )
+        out[label] = {
+            "batch": row.largest_batch or 0,
+            "runs": len(runs),
+            "search_s": time.perf_counter() - t0,
+            "samples_per_s": row.measured.samples_per_s if row.measured else None,
+            "peak_gib": row.measured.peak_bytes / GIB if row.measured else None,
+        }
+    return out
+
+
+def _make_device(kind: str, budget_bytes: int, target: str, profile: Any, fork: bool) -> Any:
+    """The CUDA device (a fork server, or ``fork=False``: a fresh process per run), or the
+    simulated CPU device for a smoke run of this script."""
+    if kind == "simulated":
+        from memadvisor.device.simulated import SimulatedDevice
+
+        return SimulatedDevice(budget_bytes, profile=profile)
+    from memadvisor.device.cuda import CudaDevice
+
+    return CudaDevice(budget_bytes, target=target, profile=profile, fork_server=fork)
+
+
+def _long_run(
+    kind: str, target: str, budget_bytes: int, profile: Any, pick: Any, steps: int
+) -> dict:
+    """``pick`` for ``steps`` steps in a fresh process (no fork server), as a user's job."""
+    from memadvisor.device import is_oom
+    from memadvisor.target import load_target
+
+    device = _make_device(kind, budget_bytes, target, profile, fork=False)
+    t0 = time.perf_counter()
     try:
-        m = device.run(workload, candidate, steps)
+        m = device.run(load_target(target), pick, steps)
+        out = {"oom": False, "samples_per_s": m.samples_per_s, "peak_gib": m.peak_bytes / GIB}
     except Exception as e:
         if not is_oom(e):
             raise
-        return {"samples_per_s": None, "oom": str(e).splitlines()[0][:200]}
-    return {
-        "samples_per_s": m.samples_per_s,
-        "peak_gib": m.peak_bytes / GIB,
-        "reserved_gib": (m.reserved_peak_bytes or 0) / GIB,
-    }
+        out = {"oom": True, "error": str(e).splitlines()[0][:200]}
+    finally:
+        getattr(device, "close", lambda: None)()
+    return {"steps": steps, "s": time.perf_counter() - t0, **out}
 
 
 def bench_one(
     name: str, target: str, budget_gib: float, profile: Any, args: argparse.Namespace
 ) -> dict:
     from memadvisor.config import PlanConfig, gib_to_bytes
-    from memadvisor.device.cuda import CudaDevice
     from memadvisor.estimate import Candidate
-    from memadvisor.planner import measure_configuration, plan_workload
+    from memadvisor.planner import plan_workload
     from memadvisor.target import load_target
 
     workload = load_target(target)
     config = PlanConfig(budget_bytes=gib_to_bytes(budget_gib), rerank_top=args.rerank_top)
     out: dict[str, Any] = {"model": name, "budget_gib": budget_gib}
-
-    t0 = time.perf_counter()
-    plan = plan_workload(workload, config, target=target, profile=profile, progress=False)
-    out["plan_s"] = time.perf_counter() - t0
-    out["probes"] = sum(p.stage in ("probe", "timing") for p in plan.probes)
-    out["verify_runs"] = sum(p.stage == "verify" for p in plan.probes)
-    out["pick"] = plan.candidate.model_dump(mode="json")
-    out["pick_label"] = _label(plan.candidate.choices, len(profile.blocks))
-    out["verified"] = plan.verified.model_dump(mode="json") if plan.verified else None
-    out["estimate_peak_gib"] = plan.estimate.peak_bytes / GIB
-    out["notes"] = plan.notes
-
-    device = CudaDevice(config.budget_bytes, target=target, profile=profile)
+    # One device (one fork server) for the plan and the hand rows: measured alike.
+    device = _make_device(args.device, config.budget_bytes, target, profile, fork=True)
     try:
+        t0 = time.perf_counter()
+        plan = plan_workload(
+            workload, config, target=target, profile=profile, device=device, progress=False
+        )
+        out["plan_s"] = time.perf_counter() - t0
+        out.update(_device_runs(plan))
+        out["pick"] = plan.candidate.model_dump(mode="json")
+        out["pick_label"] = _label(plan.candidate.choices, len(profile.blocks))
+        out["plan_samples_per_s"] = plan.verified.samples_per_s if plan.verified else None
+        out["verified"] = plan.verified.model_dump(mode="json") if plan.verified else None
+        out["estimate_peak_gib"] = plan.estimate.peak_bytes / GIB
+        out["notes"] = plan.notes
+        out["device_mode"] = getattr(device, "mode", device.kind)
+        out["hand"] = {} if args.skip_hand else _hand(workload, config, profile, device)
+    finally:
+        getattr(device, "close", lambda: None)()
+    rates = [h["samples_per_s"] for h in out["hand"].values() if h["samples_per_s"]]
+    if rates and out["plan_samples_per_s"]:
+        out["best_hand_samples_per_s"] = max(rates)
+        out["plan_over_best"] = out["plan_samples_per_s"] / max(rates)
+        out["plan_ge_best"] = out["plan_over_best"] >= 1.0 - args.tolerance
+    if args.long_steps:
         pick = Candidate(
             batch_size=plan.candidate.batch_size,
             accumulation_steps=plan.candidate.accumulation_steps,
             choices=plan.candidate.choices,
         )
-        out["plan_rate"] = _rate(device, workload, pick, args.timing_steps)
-        out["hand"] = {}
-        if not args.skip_hand:
-            for label, choices in _hand_configurations(profile):
-                t1 = time.perf_counter()
-                row, runs = measure_configuration(
-                    workload, config, choices, profile=profile, device=device, label=label
-                )
-                entry: dict[str, Any] = {
-                    "batch": row.largest_batch,
-                    "runs": len(runs),
-                    "search_s": time.perf_counter() - t1,
-                }
-                if row.largest_batch:
-                    entry.update(_rate(device, workload, row.candidate, args.timing_steps))
-                out["hand"][label] = entry
-        if args.long_steps:
-            t2 = time.perf_counter()
-            long = _rate(device, workload, pick, args.long_steps)
-            out["long_run"] = {
-                "steps": args.long_steps,
-                "oom": long["samples_per_s"] is None,
-                "s": time.perf_counter() - t2,
-                **long,
-            }
-    finally:
-        device.close()
+        out["long_run"] = _long_run(
+            args.device, target, config.budget_bytes, profile, pick, args.long_steps
+        )
     return out
 
 
 def _label(choices: dict, n_blocks: int) -> str:
     precision = choices.get("precision", "fp32")
     ckpt = choices.get("checkpointing") or []
-    extra = sorted(k for k in choices if k not in ("precision", "checkpointing", "batch_size"))
-    text = f"{precision}, ckpt {len(ckpt)}/{n_blocks}"
-    return text + (f", {'+'.join(extra)}" if extra else "")
+    extra = sorted(
+        k
+        for k in choices
+        if k not in ("precision", "checkpointing", "batch_size", "optimizer_habits", "inference")
+    )
+    text = f"{precision} ckpt {len(ckpt)}/{n_blocks}"
+    return text + (f" +{'+'.join(extra)}" if extra else "")
+
+
+def _profile(workload: Any, kind: str) -> Any:
+    from memadvisor.planner._plan import _profile as planner_profile
+    from memadvisor.planner._progress import Progress
+
+    # As plan_workload profiles for that device (the simulated one under CUDA's autocast).
+    return planner_profile(workload, kind, Progress(enabled=False))
 
 
 # -- table -----------------------------------------------------------------------------------
 
+HAND = ("fp32", "fp32+ckpt", "bf16", "bf16+ckpt")
 
-def _fmt_rate(entry: dict | None) -> str:
-    if not entry or entry.get("samples_per_s") is None:
-        return "OOM" if entry and "oom" in entry else "-"
-    return f"{entry['samples_per_s']:.0f}"
+
+def _rate_text(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0f}"
 
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'model':14s} {'GiB':>4s} {'runs':>4s} {'+ver':>4s} {'plan s':>7s}  "
-        f"{'pick':30s} {'batch':>7s} {'plan/s':>8s}  "
-        f"{'fp32':>12s} {'fp32+ckpt':>12s} {'bf16':>12s} {'bf16+ckpt':>12s}  "
-        f"{'plan/best':>9s} {'200 steps':>9s}"
+        f"{'model':13s} {'GiB':>4s} {'prb':>3s} {'runs':>4s} {'plan s':>6s}  "
+        f"{'pick':22s} {'batch':>7s} {'plan/s':>8s}  "
+        + " ".join(f"{h:>14s}" for h in HAND)
+        + f"  {'plan/best':>9s} {'>=best':>6s} {'200 steps':>9s}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:14s} {r.get('budget_gib', ''):>4} {r['error']}")
+            print(f"{r['model']:13s} {r.get('budget_gib', ''):>4} {r['error'][:160]}")
             continue
         pick = r["pick"]
         batch = f"{pick['batch_size']}x{pick['accumulation_steps']}"
-        hand_cells, best = [], None
-        for label in ("fp32", "fp32+ckpt", "bf16", "bf16+ckpt"):
+        cells = []
+        for label in HAND:
             h = r["hand"].get(label)
-            if h is None:
-                hand_cells.append(f"{'-':>12s}")
-                continue
-            rate = h.get("samples_per_s")
-            hand_cells.append(f"{h['batch']:>5d}@{_fmt_rate(h):>6s}")
-            if rate is not None:
-                best = rate if best is None else max(best, rate)
-        plan_rate = r["plan_rate"].get("samples_per_s")
-        ratio = f"{plan_rate / best:.2f}" if plan_rate and best else "-"
+            cells.append(
+                f"{'-':>14s}"
+                if h is None
+                else f"{h['batch']:>6d}@{_rate_text(h['samples_per_s']):>7s}"
+            )
+        ratio = f"{r['plan_over_best']:.3f}" if "plan_over_best" in r else "-"
+        verdict = "-" if "plan_ge_best" not in r else ("yes" if r["plan_ge_best"] else "NO")
         long = r.get("long_run")
-        long_text = "-" if not long else ("OOM" if long["oom"] else "ok")
+        long_text = "-" if not long else ("OOM" if long["oom"] else f"ok {long['steps']}")
         print(
-            f"{r['model']:14s} {r['budget_gib']:>4g} {r['probes']:>4d} {r['verify_runs']:>4d} "
-            f"{r['plan_s']:>7.1f}  {r['pick_label'][:30]:30s} {batch:>7s} "
-            f"{_fmt_rate(r['plan_rate']):>8s}  {' '.join(hand_cells)}  {ratio:>9s} "
-            f"{long_text:>9s}"
+            f"{r['model']:13s} {r['budget_gib']:>4g} {r['probes']:>3d} {r['runs']:>4d} "
+            f"{r['plan_s']:>6.1f}  {r['pick_label'][:22]:22s} {batch:>7s} "
+            f"{_rate_text(r['plan_samples_per_s']):>8s}  {' '.join(cells)}  {ratio:>9s} "
+            f"{verdict:>6s} {long_text:>9s}"
         )
     print(
-        "\nruns: probe and timing runs of the plan (each a fresh process); +ver: verification "
-        "runs. Hand cells: largest batch @ samples/s, found and measured like the plan's. "
-        "plan/best: the plan's samples/s over the best hand configuration's, all measured "
-        "the same way in fresh processes."
+        "\nprb: runs of the pick's choices (its timing run and batch search); runs: all device "
+        "runs of the plan, verification included (each a forked child of the fork server). "
+        "Hand cells: largest batch @ samples/s, found and measured like the plan's, on the "
+        "same device. >=best: plan/best at least 1 - tolerance. 200 steps: the pick in a "
+        "fresh process."
     )
+
+
+def _write(row: dict, path: Path | None) -> None:
+    print(json.dumps(row), flush=True)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {sorted(MODELS)}")
     parser.add_argument("--budgets", default="4,8,16", help="GiB, comma separated")
-    parser.add_argument("--timing-steps", type=int, default=10)
     parser.add_argument("--long-steps", type=int, default=200)
     parser.add_argument("--rerank-top", type=int, default=3)
+    parser.add_argument("--tolerance", type=float, default=0.02, help="timing noise allowed")
     parser.add_argument("--skip-hand", action="store_true", help="only the plan and long run")
     parser.add_argument("--json", type=Path, default=None, help="append JSON lines here")
+    parser.add_argument("--table", type=Path, default=None, help="print the table of a --json file")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "simulated"),
+        default="cuda",
+        help="simulated: a CPU smoke run of this script (small budgets such as 0.25)",
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/planner.py needs a CUDA device.")
+    if args.table is not None:
+        print_table([json.loads(line) for line in args.table.read_text().splitlines() if line])
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/planner.py needs a CUDA device (or --device simulated for a smoke run).")
 
-    from memadvisor.profiler import profile_workload
     from memadvisor.target import load_target
 
-    print("torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
+    name_of_device = torch.cuda.get_device_name() if args.device == "cuda" else "simulated"
+    print("torch", torch.__version__, name_of_device, flush=True)
     rows: list[dict] = []
     budgets = [float(b) for b in args.budgets.split(",")]
     for name in args.models.split(","):
         target = MODELS[name]
         try:
             t0 = time.perf_counter()
-            profile = profile_workload(load_target(target), device="cuda")
+            profile = _profile(load_target(target), args.device)
             profile_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - a missing package or model: report, go on
-            rows.append({"model": name, "error": f"profile failed: {type(e).__name__}: {e}"})
+            row = {"model": name, "error": f"profile failed: {type(e).__name__}: {e}"}
+            rows.append(row)
+            _write(row, args.json)
             continue
         for budget in budgets:
             t1 = time.perf_counter()
@@ -299,10 +380,7 @@ def main() -> None:
             row["profile_s"] = profile_s
             row["total_s"] = time.perf_counter() - t1
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json is not None:
-                with args.json.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+            _write(row, args.json)
     print()
     print_table(rows)
 
