@@ -200,6 +200,16 @@ def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_mo
     assert result.device_kind == "cuda" and result.verified is not None
     assert result.verified.steps == QUICK["verify_steps"]
     assert result.verified.reserved_peak_bytes <= result.config.budget_bytes
+    # Few runs, all children of the fork server: each candidate timed once (2 best by the
+    # estimate + the Baseline/+AMP guards, at most 4), the winner's search continuing from
+    # its timing run, and its verify_steps-step run at the final batch as its verification.
+    runs = [p for p in result.probes if p.stage in ("timing", "probe", "verify")]
+    picked = {k: v for k, v in result.candidate.choices.items() if k != "batch_size"}
+    winner = [p for p in runs if p.candidate.choices == picked]  # batch_size: the pick's record
+    assert len(runs) <= 6 and len(winner) <= 3, [(p.stage, p.batch_size, p.fits) for p in runs]
+    stepped_down = any("stepped down" in n for n in result.notes)
+    assert stepped_down or not [p for p in runs if p.stage == "verify"]
+    assert not any("fresh process each" in n for n in result.notes), result.notes
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= allocated
     assert torch.cuda.memory_reserved() <= reserved
