@@ -4,7 +4,7 @@ Built to give a steady number on a shared, noisy card. For each model, after a w
 of ``steps`` steps alternate between the plain loop (P) and a monitored one, light (L) or
 full (T), in one process:
 
-    P L P T P T P L P L P T P ...      (a round is one L and one T; their order alternates)
+    P L P L P L ... P T P T P ...      (light rounds first, then fewer trace rounds)
 
 Each run is timed between two ``torch.cuda.synchronize()`` calls. Each monitored run is
 paired with the mean of the plain runs just before and after it, so a drift of the card's
@@ -216,16 +216,25 @@ def _bench_model(
     plain_runs = [before]
     ratios: dict[str, list[float]] = {"light": [], "trace": []}
     sums = {"light": [0.0, 0.0], "trace": [0.0, 0.0]}  # monitored ms, paired plain ms
-    rounds = 0
-    while rounds < args.rounds:
-        now = time.perf_counter()
-        if rounds >= args.min_rounds and now - t_start > args.budget_s:
-            break
-        if rounds >= 1 and now > deadline:
-            break
-        order = ("light", "trace") if rounds % 2 == 0 else ("trace", "light")
-        row: dict[str, Any] = {"kind": "round", "model": name, "round": rounds, "steps": steps}
-        for arm in order:
+    # Light rounds first, trace rounds after: a trace run leaves ~10^5 event objects for the
+    # garbage collector, and a light run next to it would pay for their collection.
+    rounds = {"light": 0, "trace": 0}
+    for arm, share in (("light", 0.75), ("trace", 1.0)):
+        arm_deadline = t_start + args.budget_s * share
+        wanted = args.rounds if arm == "light" else max(args.min_rounds, args.rounds // 4)
+        while rounds[arm] < wanted:
+            now = time.perf_counter()
+            if rounds[arm] >= args.min_rounds and now > arm_deadline:
+                break
+            if rounds[arm] >= 1 and now > deadline:
+                break
+            row: dict[str, Any] = {
+                "kind": "round",
+                "model": name,
+                "arm": arm,
+                "round": rounds[arm],
+                "steps": steps,
+            }
             ms = loop.run(arm, steps)
             after = loop.run("plain", steps)
             plain_runs.append(after)
@@ -236,9 +245,9 @@ def _bench_model(
             sums[arm][1] += paired
             row.update({f"{arm}_ms": ms, f"{arm}_plain_ms": paired, f"{arm}_overhead": ratio})
             before = after
-        rounds += 1
-        row["counter_period"] = monitor.counter_period
-        out.write(**row)
+            rounds[arm] += 1
+            row["counter_period"] = monitor.counter_period
+            out.write(**row)
     monitor.close()
     measured = [r.iteration for r in monitor.history if r.layers_measured]
     own_us = monitor.own_ms * 1e3 / max(1, monitor.iteration)
@@ -250,7 +259,8 @@ def _bench_model(
         "torch": torch.__version__,
         "steps_per_run": steps,
         "print_period": steps,
-        "rounds": rounds,
+        "rounds": rounds["light"],
+        "trace_rounds": rounds["trace"],
         "plain_ms_per_step": statistics.median(plain_runs),
         "light_overhead_median": statistics.median(ratios["light"]),
         "light_overhead_mad": _mad(ratios["light"]),

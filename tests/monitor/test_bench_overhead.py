@@ -48,8 +48,8 @@ def test_mad_and_the_medians_standard_error(bench):
 
 
 def test_rounds_pair_each_monitored_run_with_the_plain_runs_around_it(bench, tmp_path):
-    """Three rounds on the CPU: one JSON line per round, written as measured, then the
-    summary; each ratio is the run's time over its paired plain time, minus one; the
+    """Three light rounds, then max(min_rounds, 3 // 4) = 1 trace round, on the CPU: one JSON
+    line per round, written as measured, then the summary; each ratio is the run's time over its paired plain time, minus one; the
     summary's overheads are the medians of those; the light monitor printed once per run
     (print_period = steps) and covered every step it was given."""
     path = tmp_path / "out.jsonl"
@@ -57,14 +57,18 @@ def test_rounds_pair_each_monitored_run_with_the_plain_runs_around_it(bench, tmp
     summary = bench._bench_model("tiny", _tiny, torch.device("cpu"), _args(), out, NO_DEADLINE)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     rounds = [line for line in lines if line["kind"] == "round"]
-    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert [(r["arm"], r["round"]) for r in rounds] == [
+        ("light", 0), ("light", 1), ("light", 2), ("trace", 0)
+    ]  # fmt: skip
     assert lines[-1] == json.loads(json.dumps(summary))
     for arm in ("light", "trace"):
-        ratios = [r[f"{arm}_ms"] / r[f"{arm}_plain_ms"] - 1 for r in rounds]
-        assert [r[f"{arm}_overhead"] for r in rounds] == pytest.approx(ratios)
+        arm_rounds = [r for r in rounds if r["arm"] == arm]
+        ratios = [r[f"{arm}_ms"] / r[f"{arm}_plain_ms"] - 1 for r in arm_rounds]
+        assert [r[f"{arm}_overhead"] for r in arm_rounds] == pytest.approx(ratios)
         assert summary[f"{arm}_overhead_median"] == pytest.approx(statistics.median(ratios))
         assert summary[f"{arm}_overhead_mad"] == pytest.approx(bench._mad(ratios))
-    assert summary["rounds"] == 3 and summary["steps_per_run"] == summary["print_period"] == 4
+    assert summary["rounds"] == 3 and summary["trace_rounds"] == 1
+    assert summary["steps_per_run"] == summary["print_period"] == 4
     # The light monitor saw the warm-up run and one run per round, 4 steps each.
     assert summary["light_iterations"] == 4 * (1 + 3)
     assert summary["light_layers_measured"] >= 1  # its first printed iteration

@@ -706,7 +706,7 @@ def test_cuda_monitor_matches_allocator_and_cpu_layer_numbers():
 @pytest.mark.gpu
 def test_cuda_short_steps_are_read_every_few_iterations_and_lose_no_peak():
     """On a card, a tiny model's step is a few hundred us of launches, so a ~20 us reading
-    every iteration would exceed the 0.2% budget: after 200 iterations readings are spaced
+    every iteration would exceed the 0.05% budget: after 200 iterations readings are spaced
     out; a 4 MiB temporary freed in an iteration that is not read is in the next reading's
     peak; allocated at a reading is the allocator's; the records cover every iteration."""
     torch.manual_seed(0)
