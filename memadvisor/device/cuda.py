@@ -158,6 +158,8 @@ class CudaDevice(Device):
         fresh_process: False runs in this process (with clean-state checks) from the start.
         fork_server: False starts a fresh process per run instead of forking a zygote.
         timeout_s: a run taking longer is killed and reported as a PlanningError.
+        runner: ``"file.py:function"`` each forked child runs instead of the CUDA runner
+            (:mod:`memadvisor.device._zygote`); the CPU tests drive this device with one.
     """
 
     kind: ClassVar[Literal["cuda"]] = "cuda"
@@ -176,6 +178,7 @@ class CudaDevice(Device):
         fresh_process: bool = True,
         fork_server: bool = True,
         timeout_s: float = 600.0,
+        runner: str | None = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise BadInputError(
@@ -195,6 +198,7 @@ class CudaDevice(Device):
         self.profile = profile
         self.strategy_names = list(strategy_names) if strategy_names is not None else None
         self.timeout_s = timeout_s
+        self.runner = runner
         self.notes: list[str] = []
         self.mode: Literal["fork_server", "fresh_process", "in_process"] = "in_process"
         if fresh_process:
@@ -289,7 +293,7 @@ class CudaDevice(Device):
                 "s and was killed; pass fewer probe_steps or a larger timeout."
             ) from e
         except ZygoteDied as e:
-            tail = zygote.stderr_tail() if zygote is not None else ""
+            tail = zygote.stderr_tail(500) if zygote is not None else ""
             self._to_fresh_processes(f"the fork server stopped ({e}); its stderr ends:\n{tail}")
             return None
         if answer["status"] == "unforkable":
@@ -306,14 +310,15 @@ class CudaDevice(Device):
 
     def _start_zygote(self) -> ForkServer | None:
         """A ready zygote, or None when this device fell back (the mode says to what)."""
-        zygote = ForkServer(self._setup(), stderr_path=self._dir / "zygote.stderr")
+        setup = {**self._setup(), "runner": self.runner}
+        zygote = ForkServer(setup, stderr_path=self._dir / "zygote.stderr")
         try:
             answer = zygote.start(self.timeout_s)
         except (ZygoteDied, TimeoutError) as e:
             zygote.kill()
             self._to_fresh_processes(
                 f"the fork server did not start ({e}); its stderr ends with:\n"
-                f"{zygote.stderr_tail()}"
+                f"{zygote.stderr_tail(500)}"
             )
             return None
         if answer["status"] != "ready":
@@ -340,7 +345,7 @@ class CudaDevice(Device):
         self.mode = "fresh_process"
         self.notes.append(
             f"Probes ran in a fresh process each (slower), not as children of a fork server, "
-            f"because {why.strip()}"
+            f"because {why.strip().rstrip('.')}."
         )
 
     # -- fresh process ------------------------------------------------------------------------

@@ -280,3 +280,39 @@ def test_the_answer_line_is_found_among_whatever_the_model_printed() -> None:
     )
     assert _parse_answer(out) == {"status": "ok"}
     assert _parse_answer("the model printed only this\n") is None
+
+
+def test_the_fork_server_path_of_cuda_device_on_the_cpu(monkeypatch, tmp_path: Path) -> None:
+    """CudaDevice's fork-server path without a card (the card's properties faked here, a CPU
+    runner in the children): a fit is a Measurement, an out-of-memory answer is an error
+    is_oom accepts with the steps that finished, a child's own error and a child killed by a
+    signal are PlanningErrors, and the same zygote serves every run until close() ends it."""
+    from types import SimpleNamespace
+
+    from memadvisor.errors import PlanningError
+
+    helpers = Path(__file__).resolve().parent / "zygote_runner.py"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    card = SimpleNamespace(name="fake card", total_memory=80 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    device = _device(GIB, target=f"{helpers}:build", runner=f"{helpers}:run", timeout_s=120)
+    workload = load_target(f"{helpers}:build")
+    try:
+        measured = device.run(workload, Candidate(batch_size=3), steps=2)
+        assert device.mode == "fork_server" and measured.steps == 2
+        zygote = device._zygote
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            device.run(workload, Candidate(batch_size=1000), steps=3)
+        assert is_oom(caught.value) and caught.value.memadvisor_steps_completed == 1
+        with pytest.raises(PlanningError, match="KeyError"):
+            device.run(workload, Candidate(batch_size=13), steps=2)
+        with pytest.raises(PlanningError, match="SIGKILL"):
+            device.run(workload, Candidate(batch_size=666), steps=2)
+        again = device.run(workload, Candidate(batch_size=3), steps=2)
+        assert device._zygote is zygote and again.peak_bytes != measured.peak_bytes  # pids
+        assert device.notes == []
+    finally:
+        device.close()
+    assert zygote is not None and zygote.process is not None
+    assert zygote.process.poll() == 0
