@@ -1,4 +1,8 @@
-"""The fresh process one CUDA probe runs in: ``python -m memadvisor.device._worker REQUEST``.
+"""A fresh process for one CUDA run: ``python -m memadvisor.device._worker REQUEST``.
+
+CudaDevice's fallback where its fork server (:mod:`memadvisor.device._zygote`) cannot serve
+(no ``os.fork``, the zygote died, or CUDA would not start in a forked child), and what the
+GPU bench's 200-step runs use, as a user's own job would start.
 
 It caps the card at the budget before anything is allocated, rebuilds the workload (from
 the user's factory, or from the parent's ``torch.save``'d copy), trains the candidate and

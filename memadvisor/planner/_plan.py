@@ -17,8 +17,9 @@ first step's kernel loading), and every run counts twice where it can:
    winner's fitting run at the final batch is its verification; a separate sustained run
    happens only where runs are short (the simulated device) or the final batch never ran.
 
-With an estimate within one margin of the device that is 5 runs for the GPT example (4
-timing, 1 probe), 2 of them the winner's (tests/planner/test_plan.py has the exact table).
+With an estimate within one margin of the device and one guard outside the best three, that
+is 5 runs (4 timing, 1 probe), 2 of them the winner's (tests/planner/test_plan.py has the
+exact table).
 """
 
 from __future__ import annotations

@@ -42,15 +42,19 @@ def _picklable_workload(batch: int = 8, width: int = 16) -> Workload:
 
 
 def _settled_allocated() -> int:
-    """This process's allocated bytes once garbage (earlier tests' cycles) is collected.
+    """This process's allocated bytes once garbage (earlier tests' cycles) is collected and
+    its cached blocks are given back to the card.
 
     Without the collection a cycle left by an earlier test may be freed in the middle of a
-    test, and an equality of allocated bytes fails only in the full run (order-dependent).
+    test, and an equality of allocated bytes fails only in the full run (order-dependent);
+    without emptying the cache, what earlier tests cached here is card memory a probe
+    process cannot have.
     """
     import gc
 
     gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     return torch.cuda.memory_allocated()
 
 
@@ -79,6 +83,7 @@ def test_a_fresh_process_probe_measures_within_the_budget_and_leaves_this_proces
 def test_a_forked_child_measures_what_a_fresh_process_measures() -> None:
     """The fork server's clean state is a fresh process's: the same candidate has the same
     allocated peak in both (measured equal to the byte on an H200), and reserved within 2%."""
+    _settled_allocated()
     workload = load_target(GPT)
     candidate = Candidate(batch_size=16)
     measured = {}
