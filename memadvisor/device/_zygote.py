@@ -72,6 +72,7 @@ __all__ = [
 
 ANSWER_MARKER = "MEMADVISOR_ZYGOTE "  # prefixes each answer line on the zygote's stdout
 _CLOSE_WAIT_S = 10.0  # a zygote told to exit gets this long before it is killed
+_EXIT_POLL_S = 1.0  # how often the zygote checks whether a silent child has exited
 
 
 class Unforkable(RuntimeError):
@@ -277,13 +278,8 @@ def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
         os.close(read_fd)
         _child(state, run, write_fd)  # never returns
     os.close(write_fd)
-    chunks = []
-    # Read to the end before waiting: a long answer (a traceback) fills the pipe otherwise.
-    while chunk := os.read(read_fd, 1 << 16):
-        chunks.append(chunk)
+    data, status = _collect(pid, read_fd)
     os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    data = b"".join(chunks)
     if data:
         with contextlib.suppress(ValueError):
             return json.loads(data)
@@ -301,6 +297,35 @@ def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
         "message": f"the run's process exited with code {os.waitstatus_to_exitcode(status)} "
         "before it answered",
     }
+
+
+def _collect(pid: int, read_fd: int) -> tuple[bytes, int]:
+    """The child's answer and its wait status.
+
+    Read while waiting: a long answer (a traceback) would fill the pipe and stall a child
+    that is waited for first. Read until end-of-file or the child's exit, whichever is
+    first: a process the child forked without exec (a multiprocessing pool it left behind)
+    keeps the pipe open after the child is gone.
+    """
+    chunks: list[bytes] = []
+    with selectors.DefaultSelector() as selector:
+        selector.register(read_fd, selectors.EVENT_READ)
+        while True:
+            if selector.select(_EXIT_POLL_S):
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                os.set_blocking(read_fd, False)
+                with contextlib.suppress(BlockingIOError):
+                    while chunk := os.read(read_fd, 1 << 16):
+                        chunks.append(chunk)
+                return b"".join(chunks), status
+    _, status = os.waitpid(pid, 0)
+    return b"".join(chunks), status
 
 
 def main() -> int:
@@ -348,6 +373,10 @@ class ForkServer:
     ) -> None:
         self.setup = setup
         self.stderr_path = stderr_path
+        # A fresh process inherits the environment at the moment it starts; a forked child
+        # inherits the zygote's. The owner compares this snapshot with os.environ to know
+        # when the zygote is stale (e.g. a compile cache directory set after it started).
+        self.parent_env = dict(os.environ)
         self.env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(env or {})}
         # ``-m memadvisor...`` must import this very package, whatever the working directory.
         root = str(Path(__file__).resolve().parents[2])

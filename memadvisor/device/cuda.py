@@ -280,6 +280,11 @@ class CudaDevice(Device):
     def _run_forked(self, candidate: Candidate, steps: int) -> Measurement | None:
         """The run in a forked child of the zygote; None when this device fell back instead."""
         zygote = self._zygote
+        if zygote is not None and zygote.parent_env != dict(os.environ):
+            # Its children would run with the environment it started with, not this one
+            # (the compile stage points inductor's cache somewhere): start one that has it.
+            self._stop_zygote()
+            zygote = None
         try:
             if zygote is None or not zygote.alive:
                 zygote = self._start_zygote()

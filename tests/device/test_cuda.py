@@ -291,7 +291,8 @@ def test_the_fork_server_path_of_cuda_device_on_the_cpu(monkeypatch, tmp_path: P
     """CudaDevice's fork-server path without a card (the card's properties faked here, a CPU
     runner in the children): a fit is a Measurement, an out-of-memory answer is an error
     is_oom accepts with the steps that finished, a child's own error and a child killed by a
-    signal are PlanningErrors, and the same zygote serves every run until close() ends it."""
+    signal are PlanningErrors, the same zygote serves every run until the environment
+    changes, and close() ends it."""
     from types import SimpleNamespace
 
     from memadvisor.errors import PlanningError
@@ -316,8 +317,11 @@ def test_the_fork_server_path_of_cuda_device_on_the_cpu(monkeypatch, tmp_path: P
             device.run(workload, Candidate(batch_size=666), steps=2)
         again = device.run(workload, Candidate(batch_size=3), steps=2)
         assert device._zygote is zygote and again.peak_bytes != measured.peak_bytes  # pids
+        # The environment changed (as the compile stage points inductor's cache elsewhere):
+        # the stale zygote is closed and a new one, started with it, serves the next run.
+        monkeypatch.setenv("MEMADVISOR_TEST_MARK", "changed")
+        assert device.run(workload, Candidate(batch_size=3), steps=2).steps == 2
+        assert device._zygote is not zygote and zygote.process.poll() == 0
         assert device.notes == []
     finally:
         device.close()
-    assert zygote is not None and zygote.process is not None
-    assert zygote.process.poll() == 0

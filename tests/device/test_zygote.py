@@ -96,6 +96,17 @@ def test_a_child_killed_by_a_signal_is_reported_and_the_zygote_survives(
     assert server.run(_candidate(2), steps=2, timeout_s=TIMEOUT_S)["status"] == "ok"
 
 
+def test_a_process_the_child_left_behind_does_not_hold_up_the_answer(
+    server: ForkServer,
+) -> None:
+    """A child that forked a process which outlives it (and so holds the answer pipe open)
+    is answered when the child exits, not when that process does (20 s later)."""
+    t0 = time.perf_counter()
+    answer = server.run(_candidate(777), steps=2, timeout_s=TIMEOUT_S)
+    assert answer["status"] == "ok"
+    assert time.perf_counter() - t0 < 15
+
+
 def _live_members(group: int) -> list[int]:
     """Pids of the process group's members that are not zombies (Linux /proc)."""
     live = []

@@ -18,6 +18,7 @@ from memadvisor.workload import train_step
 
 BUG_BATCH = 13  # raises a KeyError: an error that is not out-of-memory
 KILLED_BATCH = 666  # the child kills itself with SIGKILL before answering
+LINGERING_BATCH = 777  # the child leaves a forked process holding its answer pipe open
 OOM_FROM = 1000  # from here on the child runs out of memory after one step
 _touched = {"runs": 0}  # a module global each child changes: the next child must not see it
 
@@ -49,6 +50,9 @@ def run(workload, candidate, steps, context) -> Measurement:
         raise KeyError("the model's own bug")
     if batch_size == KILLED_BATCH:
         os.kill(os.getpid(), signal.SIGKILL)
+    if batch_size == LINGERING_BATCH and os.fork() == 0:
+        time.sleep(20)  # as a pool process the run left behind: holds every inherited fd
+        os._exit(0)
     # A parallel CPU op (10^6 floats) after the fork: it hangs in a child forked after
     # OpenMP started its pool (the zygote builds single-threaded to prevent that).
     torch.randn(1_000_000).exp().sum()
