@@ -10,7 +10,9 @@ an out-of-memory in one child left the next child's peak unchanged.
 Clean state: every run is a fresh child of a process that never touched CUDA. The zygote
 imports torch and builds the workload on the CPU only: it never initializes CUDA (not even
 ``torch.cuda.is_available()``, which starts the driver; its environment sets
-``PYTORCH_NVML_BASED_CUDA_CHECK=1`` so a library that asks gets NVML's answer instead). The
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` so a library that asks gets NVML's answer instead), and
+never runs a backward (autograd's first backward asks the driver for its devices and starts
+threads a forked child does not have). The
 child creates its own CUDA context and caching allocator, caps them at the budget, trains,
 answers and exits; nothing it allocated, fragmented or leaked outlives it, and the zygote's
 own objects are the child's copy-on-write pages, untouched by the run.
@@ -41,8 +43,8 @@ which is how the CPU tests drive the protocol without a card.
 Known limitations:
     * Needs ``os.fork`` (Linux, macOS); elsewhere CudaDevice starts a fresh process per run.
     * A workload whose factory initializes CUDA (moves the model to the card, or calls
-      ``torch.cuda.init()``) cannot be forked: the first child answers ``unforkable`` and the
-      device falls back to a fresh process per run.
+      ``torch.cuda.init()``) or runs a backward cannot be forked: the first child answers
+      ``unforkable`` and the device falls back to a fresh process per run.
     * A thread the factory started does not exist in the children.
 """
 
@@ -73,6 +75,9 @@ __all__ = [
 ANSWER_MARKER = "MEMADVISOR_ZYGOTE "  # prefixes each answer line on the zygote's stdout
 _CLOSE_WAIT_S = 10.0  # a zygote told to exit gets this long before it is killed
 _EXIT_POLL_S = 1.0  # how often the zygote checks whether a silent child has exited
+# torch's error in a child forked after autograd started its device threads (a factory that
+# ran a backward): such a zygote cannot serve, fresh processes can.
+_FORKED_AUTOGRAD = "autograd's threading in combination with fork"
 
 
 class Unforkable(RuntimeError):
@@ -133,7 +138,7 @@ def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) 
 def _error_answer(e: BaseException) -> dict[str, Any]:
     from memadvisor.device._oom import is_oom
 
-    if isinstance(e, Unforkable):
+    if isinstance(e, Unforkable) or _FORKED_AUTOGRAD in str(e):
         return {"status": "unforkable", "message": str(e)}
     if isinstance(e, Exception) and is_oom(e):
         text = str(e).strip()
@@ -213,14 +218,14 @@ def _setup(setup: dict[str, Any], answers: IO[str]) -> _State | None:
             _say(answers, {"status": "unloadable", "message": f"{type(e).__name__}: {e}"})
         return None
     try:
-        context, runner = _context(setup, workload, threads)
+        context, runner = _context(setup, threads)
     except Exception as e:  # noqa: BLE001 - e.g. a strategy that does not import
         _say(answers, _error_answer(e))
         return None
     return _State(workload=workload, runner=runner, context=context, answers=answers)
 
 
-def _context(setup: dict[str, Any], workload: Any, threads: int) -> tuple[RunContext, Any]:
+def _context(setup: dict[str, Any], threads: int) -> tuple[RunContext, Any]:
     # What every child would otherwise import or parse again, done once here.
     import memadvisor.apply  # noqa: F401 - warm for the children
     from memadvisor.profiler import Profile
@@ -232,7 +237,7 @@ def _context(setup: dict[str, Any], workload: Any, threads: int) -> tuple[RunCon
     if setup.get("profile_path"):
         profile = Profile.model_validate_json(Path(setup["profile_path"]).read_text())
     runner = load_factory(setup["runner"]) if setup.get("runner") else cuda_runner
-    _warm_up(workload)
+    _warm_up()
     context = RunContext(
         budget_bytes=int(setup["budget_bytes"]),
         device_index=int(setup.get("device_index", 0)),
@@ -244,20 +249,18 @@ def _context(setup: dict[str, Any], workload: Any, threads: int) -> tuple[RunCon
     return context, runner
 
 
-def _warm_up(workload: Any) -> None:
-    """A throwaway CPU step with the workload's optimizer, for the imports a first step makes.
+def _warm_up() -> None:
+    """Build a throwaway optimizer, for the imports a first step makes.
 
-    The first ``optimizer.step()`` imports ``torch._dynamo`` (3.5 s here, and in every child
-    that has not got it); the zygote pays it once. The RNG is put back, so every child draws
-    what a fresh process that just built the workload would.
+    Constructing any torch optimizer imports ``torch._dynamo`` (3.5 s here, and in every
+    child that has not got it); the zygote pays it once. Nothing more: a backward here would
+    start autograd's device threads, which asks the CUDA driver for its devices (CUDA is
+    then unusable in the children) and marks every child as forked after those threads
+    (its first backward on the card raises).
     """
     import torch
 
-    with torch.random.fork_rng(devices=[]), contextlib.suppress(Exception):
-        module = torch.nn.Linear(2, 2)
-        optimizer = workload.make_optimizer(module)
-        module(torch.zeros(1, 2)).sum().backward()
-        optimizer.step()
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 
 
 def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:

@@ -169,3 +169,17 @@ def test_a_zygote_whose_factory_initialized_cuda_forks_nothing_and_exits_on_clos
     finally:
         zygote.close()
     assert zygote.process is not None and zygote.process.poll() == 0 and not zygote.alive
+
+
+def test_a_child_forked_after_autograd_started_its_threads_is_unforkable() -> None:
+    """torch's error for a backward in a child forked after autograd's device threads started
+    (a factory that ran a backward on a CUDA machine) means 'do not fork': the device then
+    runs fresh processes. Any other error stays an error."""
+    from memadvisor.device._zygote import _error_answer
+
+    message = (
+        "Unable to handle autograd's threading in combination with fork-based "
+        "multiprocessing. See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork"
+    )
+    assert _error_answer(RuntimeError(message))["status"] == "unforkable"
+    assert _error_answer(RuntimeError("shape mismatch"))["status"] == "error"
