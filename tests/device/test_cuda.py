@@ -107,13 +107,13 @@ def test_an_out_of_memory_child_leaves_the_next_child_unchanged() -> None:
     device = _device(GIB, target=GPT)
     workload = load_target(GPT)
     try:
-        first = device.run(workload, Candidate(batch_size=8), steps=3)
+        first = device.run(workload, Candidate(batch_size=4), steps=3)
         zygote = device._zygote
         assert zygote is not None and zygote.alive
         with pytest.raises(Exception) as caught:  # noqa: PT011 - the type is is_oom's to decide
             device.run(workload, Candidate(batch_size=4096), steps=3)
         assert is_oom(caught.value)
-        again = device.run(workload, Candidate(batch_size=8), steps=3)
+        again = device.run(workload, Candidate(batch_size=4), steps=3)
         assert device._zygote is zygote and device.mode == "fork_server"
         assert again.peak_bytes == first.peak_bytes
     finally:
