@@ -41,6 +41,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.estimate import Candidate, estimate
 from memadvisor.planner._budget import check_static_fits, infeasible
 from memadvisor.planner._compare import hand_configurations, unchecked_hand_choices
+from memadvisor.planner._compiled import compiled_pick
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
 from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._schema import Plan, Probe, Row
@@ -431,6 +432,7 @@ def plan_workload(
             guard = step_times_rank(device) and config.objective != "largest_batch"
             timed = timed_candidates(space, ranked, guard)
             best = _best_on_device(prober, timed, notes, ui)
+            best, compiled = compiled_pick(prober, best, notes, ui)
             pick, verified = _verified(prober, best, ui)
             pick = _with_batch_record(pick, chosen, config)
             pick_estimate = estimate(profile, pick, chosen)
@@ -464,6 +466,7 @@ def plan_workload(
                 checks=checks,
                 notes=notes,
                 plan_wall_ms=(time.perf_counter() - started) * 1e3,
+                compile=compiled,
                 profile=profile,
             )
         finally:
