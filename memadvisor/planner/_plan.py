@@ -513,8 +513,9 @@ def _best_on_device(
     the device's best alone.
 
     A candidate that ran out there gets one more run the margin below, when (by the estimate
-    at that batch) it could still beat the best that fitted, or when nothing fitted yet (the
-    estimate's best only). If still nothing fitted, the candidates' batch searches run in
+    at that batch) it could still beat the best that fitted, or when nothing fitted yet, and
+    no candidate of its precision ran out at its own margin below already. If still nothing
+    fitted, the candidates' batch searches run in
     full, best by the estimate first, until one finds a batch.
 
     Raises:
@@ -526,16 +527,23 @@ def _best_on_device(
         prober.bar = bar
         first = {s.choices_json: _timing(prober, s, _start(prober, s)) for s in timed}
         best = _device_best(prober, timed, first, measured_times)
+        twice_out: set[JsonValue] = set()  # precisions whose retry ran out too
         for s in timed:  # the estimate's order
             if first[s.choices_json] is not None:
                 continue
+            precision = s.candidate.choices.get("precision", "fp32")
             below = safe_below(_start(prober, s), space.config.margin_fraction)
-            if below < 1 or (best is not None and not _could_beat(space, s, below, best)):
+            if below < 1 or precision in twice_out:
+                continue  # the estimate is as far off for this precision's other candidates
+            if best is not None and not _could_beat(space, s, below, best):
                 continue
+            # Every precision gets its retry, even when another's failed twice: the estimate
+            # can be optimistic for one (a card's fragmentation around fp32's large logits)
+            # and right for another.
             first[s.choices_json] = _timing(prober, s, below)
+            if first[s.choices_json] is None:
+                twice_out.add(precision)
             best = _device_best(prober, timed, first, measured_times)
-            if best is None:
-                break  # two margins off and nothing fitted: the batch searches take over
         winner = None
         if best is not None:
             winner = prober.confirm(best[0], stage="probe")

@@ -16,7 +16,10 @@ How a pass runs (``profile_workload``):
     4. On CUDA, for each precision, what the allocator holds beyond tracked tensors (cuDNN's
        workspaces, which grow with the batch only past the small sizes) is measured at two
        larger sizes, a warm-up and one bare metered step each
-       (:mod:`~memadvisor.profiler._untracked`).
+       (:mod:`~memadvisor.profiler._untracked`), then two timed steps at each: where both
+       sizes ran, every time is fitted at them, not at the small sizes, whose steps on a
+       card are launch latency (the GPT example on an H200: 5.4 ms at batch 4 and at 8,
+       so a line through them says a sample costs nothing).
     5. Every size that grows with the batch is fitted through its two measurements.
 
 The RNG states are put back at the end. Under ``FakeTensorMode`` no step is timed (fake ops
@@ -294,6 +297,9 @@ class _Pass:
         self.progress = ProgressReporter(progress, len(precisions) * per_precision)
         self.timed_steps = timed
         self.workspace_bytes = 0
+        self.owners: dict[str, list[str]] = {}
+        # CUDA: per precision, the steps timed at the untracked bytes' two larger sizes.
+        self.large_timing: dict[str, tuple[tuple[int, int], list[TimingMeasurement]]] = {}
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return not self.target.is_cuda or t.device.type == "cuda"
@@ -320,6 +326,7 @@ class _Pass:
                 self._timed(model, optimizer, step_wl, b, precision, owners) for b in self.sizes
             ]
             measured[precision] = (mem, timing)
+            self.owners[precision] = owners
         state_bytes = _unique_bytes(
             (t for s in optimizer.state.values() for t in tensors_in(s)), self._on_device
         )
@@ -419,6 +426,7 @@ class _Pass:
         _release(self.target)
         sizes = untracked_batch_sizes(per_sample, self.sizes, torch.cuda.mem_get_info(dev)[0])
         left = UNTRACKED_SIZES
+        timed_at: dict[int, TimingMeasurement] = {}
 
         def measure(b: int) -> dict[str, int]:
             nonlocal left
@@ -427,12 +435,23 @@ class _Pass:
             batch = self.workload.batch(b, dev)
             train_step(wl, model, optimizer, batch)  # warm-up: cuDNN's choice for the shape
             result = untracked_step(model, optimizer, wl, batch, self.target)
+            if self.timed_steps:
+                stepper = TimingStep(model, self.block_names, self.owners[precision], self.target)
+                runs = [stepper.run(wl, optimizer, batch) for _ in range(self.timed_steps)]
+                timed_at[b] = TimingMeasurement.fastest(runs)
             left -= 1
             self.progress.advance(what)
             return result
 
         try:
-            return measure_untracked(measure, sizes, profiled, is_oom)
+            fit = measure_untracked(measure, sizes, profiled, is_oom)
+            if len(timed_at) == 2:
+                # A card's step at the profile's small sizes is launch latency: its time
+                # barely grows with the batch (gpt on an H200: 5.4 ms at batch 4 and 8).
+                # Times fitted at sizes that fill the card rank batches and precisions.
+                (s1, t1), (s2, t2) = sorted(timed_at.items())
+                self.large_timing[precision] = ((s1, s2), [t1, t2])
+            return fit
         finally:
             # A step cut short by an out-of-memory error leaves gradients behind.
             optimizer.zero_grad(set_to_none=True)
@@ -462,8 +481,13 @@ class _Pass:
         b1, b2 = self.sizes
         return LinearBytes.fit(b1, value1, b2, value2)
 
-    def _ms(self, times: list[TimingMeasurement | None], read: Callable) -> LinearMs:
-        b1, b2 = self.sizes
+    def _ms(
+        self,
+        times: list[TimingMeasurement | None],
+        read: Callable,
+        sizes: tuple[int, int] | None = None,
+    ) -> LinearMs:
+        b1, b2 = sizes or self.sizes
         if times[0] is None or times[1] is None:
             return LinearMs()
         return LinearMs.fit(b1, read(times[0]), b2, read(times[1]))
@@ -476,6 +500,12 @@ class _Pass:
         timing: list[TimingMeasurement | None],
         untracked: UntrackedFit | None = None,
     ) -> StepProfile:
+        # On a card the times come from the larger sizes where there are any (_untracked).
+        time_sizes, timing = self.large_timing.get(precision, (self.sizes, timing))
+
+        def ms(read: Callable[[TimingMeasurement], float]) -> LinearMs:
+            return self._ms(timing, read, time_sizes)
+
         m1, m2 = mem
         blocks = [
             BlockActivity(
@@ -484,8 +514,8 @@ class _Pass:
                 input=self._bytes(m1.block_input[i], m2.block_input[i]),
                 output=self._bytes(m1.block_output[i], m2.block_output[i]),
                 forward_transient=self._bytes(m1.block_transient[i], m2.block_transient[i]),
-                forward_ms=self._ms(timing, lambda t, i=i: t.block_forward_ms[i]),
-                backward_ms=self._ms(timing, lambda t, i=i: t.block_backward_ms[i]),
+                forward_ms=ms(lambda t, i=i: t.block_forward_ms[i]),
+                backward_ms=ms(lambda t, i=i: t.block_backward_ms[i]),
                 output_kept=self._walk_bytes(mem, lambda m, i=i: m.block_output_kept[i]),
                 cast_weight_bytes=m2.block_cast[i] if m2.block_cast else 0,
                 backward_start=self._walk_bytes(mem, lambda m, i=i: m.block_backward_start[i]),
@@ -497,11 +527,11 @@ class _Pass:
         for owner in {o for m in mem for o in m.outside}:
             a1, a2 = m1.outside.get(owner, 0), m2.outside.get(owner, 0)
             if owner == LOSS_OWNER:
-                forward = self._ms(timing, lambda t: t.loss_ms)
+                forward = ms(lambda t: t.loss_ms)
             elif owner == OTHER_OWNER:
                 forward = LinearMs()
             else:
-                forward = self._ms(timing, lambda t, o=owner: t.module_forward_ms.get(o, 0.0))
+                forward = ms(lambda t, o=owner: t.module_forward_ms.get(o, 0.0))
             type_name = "" if owner.startswith("<") else type(model.get_submodule(owner)).__name__
             outside.append(
                 ModuleActivity(
@@ -539,10 +569,10 @@ class _Pass:
             activation_total=self._bytes(m1.activation_total, m2.activation_total),
             phases=phases,
             cast_weight_bytes=m2.cast_weight_bytes,
-            forward_ms=self._ms(timing, lambda t: t.forward_ms),
-            backward_ms=self._ms(timing, lambda t: t.backward_ms),
+            forward_ms=ms(lambda t: t.forward_ms),
+            backward_ms=ms(lambda t: t.backward_ms),
             optimizer_ms=optimizer_ms,
-            step_ms=self._ms(timing, lambda t: t.step_ms),
+            step_ms=ms(lambda t: t.step_ms),
             end_of_forward=self._walk_bytes(mem, lambda m: m.end_of_forward),
             backward_head_peak=self._walk_bytes(mem, lambda m: m.backward_head_peak),
             untracked_batch_sizes=untracked[0] if untracked else None,

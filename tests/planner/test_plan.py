@@ -136,8 +136,9 @@ PLAN_CASES = [
         ],
         ("bf16/0", 29),
     ),
-    # 15% optimistic (two margins): bf16/0's 29 fails too (threshold 27) and nothing fitted,
-    # so bf16/0's batch search continues alone: safe_below(29) = 26 fits. 6 runs, the
+    # 15% optimistic (two margins): bf16/0's 29 fails too (threshold 27), so bf16's other
+    # candidates get no retry; fp32 gets its own (16 fails, threshold 15). Nothing fitted,
+    # so bf16/0's batch search continues alone: safe_below(29) = 26 fits. 7 runs, the
     # winner's 3 (32, 29, 26).
     (
         "optimistic 15%",
@@ -149,6 +150,7 @@ PLAN_CASES = [
             ("timing", "bf16/2", 46, False),
             ("timing", "fp32/0", 18, False),
             ("timing", "bf16/0", 29, False),
+            ("timing", "fp32/0", 16, False),
             ("probe", "bf16/0", 26, True),
         ],
         ("bf16/0", 26),
@@ -213,8 +215,9 @@ def test_a_typical_plan_takes_at_most_five_device_runs_and_three_for_the_winner(
 ) -> None:
     """The issue's goal: with an estimate within two margins of the device (thresholds from
     85% to 115% of the estimate's batch), a plan on a card-like device uses at most 3 runs
-    of the winner's choices and at most 6 device runs in all (5 within one margin, 92% and
-    up), verification included."""
+    of the winner's choices and at most 7 device runs in all (5 within one margin, 92% and
+    up; beyond it each precision, fp32 and bf16 here, gets its retry the margin below),
+    verification included."""
     config = _config()
     thresholds = _estimate_thresholds(profile, strategies, config)
     for percent in (85, 88, 90, 91, 92, 95, 100, 105, 110, 115):
@@ -225,7 +228,7 @@ def test_a_typical_plan_takes_at_most_five_device_runs_and_three_for_the_winner(
         plan = _plan(workload, profile, strategies, device, measure_comparison=False)
         winner = [p for p in plan.probes if p.candidate.choices == plan.candidate.choices]
         assert len(winner) <= 3, (percent, plan.probes)
-        assert len(plan.probes) <= (5 if percent >= 92 else 6), (percent, plan.probes)
+        assert len(plan.probes) <= (5 if percent >= 92 else 7), (percent, plan.probes)
 
 
 def test_the_pick_is_the_fastest_measured_of_the_reranked(
