@@ -49,9 +49,10 @@ def test_mad_and_the_medians_standard_error(bench):
 
 def test_rounds_pair_each_monitored_run_with_the_plain_runs_around_it(bench, tmp_path):
     """Three light rounds, then max(min_rounds, 3 // 4) = 1 trace round, on the CPU: one JSON
-    line per round, written as measured, then the summary; each ratio is the run's time over its paired plain time, minus one; the
-    summary's overheads are the medians of those; the light monitor printed once per run
-    (print_period = steps) and covered every step it was given."""
+    line per round, written as measured, then the summary; each ratio is the run's time
+    over its paired plain time, minus one; the summary's overheads are the medians of those;
+    the light monitor printed once per run (print_period = steps) and covered every step it
+    was given."""
     path = tmp_path / "out.jsonl"
     out = bench._JsonLines(str(path))
     summary = bench._bench_model("tiny", _tiny, torch.device("cpu"), _args(), out, NO_DEADLINE)
