@@ -47,10 +47,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
+MODELS_FILE = HERE.parent / "_models.py"  # the non-example factories, loaded by path
 GIB, MIB = 2**30, 2**20
 
 # name -> (target the probe processes rebuild the workload from, guessed seconds for one
@@ -62,74 +62,15 @@ GIB, MIB = 2**30, 2**20
 MODELS: dict[str, tuple[str, float]] = {
     "gpt": (f"{ROOT}/examples/gpt.py:build", 150),
     "cnn": (f"{ROOT}/examples/cnn.py:build", 120),
-    "resnet18": (f"{HERE}:resnet18", 180),
-    "convnext_tiny": (f"{HERE}:convnext_tiny", 300),
-    "bert-base": (f"{HERE}:bert_base", 300),
-    "hf-llama": (f"{HERE}:hf_llama", 360),
-    "vit_b_16": (f"{HERE}:vit_b_16", 300),
+    "resnet18": (f"{MODELS_FILE}:resnet18", 180),
+    "convnext_tiny": (f"{MODELS_FILE}:convnext_tiny", 300),
+    "bert-base": (f"{MODELS_FILE}:bert_base", 300),
+    "hf-llama": (f"{MODELS_FILE}:hf_llama", 360),
+    "vit_b_16": (f"{MODELS_FILE}:vit_b_16", 300),
     "llama": (f"{ROOT}/examples/llama.py:build", 240),
 }
 DEFAULT_MODELS = "gpt,cnn,resnet18,convnext_tiny,bert-base,hf-llama"
 QUICK_FACTOR = 0.55  # --quick: one eager candidate, one variant, 5 verify steps
-
-
-# -- model factories (no downloads: built from configs, as bench/estimate_accuracy.py) -------
-
-
-def classification_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-    return F.cross_entropy(logits, batch[1])
-
-
-def _vision(name: str) -> dict:
-    import torchvision
-
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(weights=None, num_classes=1000)
-    images, labels = torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2,))
-    return {"model": model, "sample_batch": (images, labels), "loss_fn": classification_loss}
-
-
-def resnet18() -> dict:
-    return _vision("resnet18")
-
-
-def convnext_tiny() -> dict:
-    return _vision("convnext_tiny")
-
-
-def vit_b_16() -> dict:
-    return _vision("vit_b_16")
-
-
-def bert_base() -> dict:
-    """BertForMaskedLM with bert-base's config (12 layers of 768, vocab 30522), sequence 512."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig())
-    ids = torch.randint(0, 30522, (2, 512))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    return {"model": model, "sample_batch": batch}
-
-
-def hf_llama() -> dict:
-    """LlamaForCausalLM, 8 layers of 1024 (GQA, 8 KV heads), vocab 32000, sequence 1024."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
-        use_cache=False,
-    )
-    model = LlamaForCausalLM(config)
-    ids = torch.randint(0, 32000, (2, 1024))
-    return {"model": model, "sample_batch": {"input_ids": ids, "labels": ids.clone()}}
 
 
 # -- recording ----------------------------------------------------------------------------------

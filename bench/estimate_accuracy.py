@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.nn.functional as F
+from _models import bert_base, hf_llama, vision  # bench/, first on sys.path
 
 from memadvisor._torch_private import clear_cublas_workspaces
 from memadvisor.apply import apply_candidate
@@ -71,54 +71,15 @@ def _example(name: str, **kwargs: Any) -> Workload:
     return workload_from_result(load_factory(f"{ROOT}/examples/{name}.py:build")(**kwargs))
 
 
-def _torchvision(name: str) -> Workload:
-    import torchvision
-
-    model = getattr(torchvision.models, name)(weights=None, num_classes=1000)
-    images, labels = torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2,))
-    return Workload(
-        model=model,
-        sample_batch=(images, labels),
-        loss_fn=lambda logits, batch: F.cross_entropy(logits, batch[1]),
-    )
-
-
-def _bert() -> Workload:
-    from transformers import BertConfig, BertForMaskedLM
-
-    model = BertForMaskedLM(BertConfig())  # bert-base: 12 layers of 768, vocab 30522
-    ids = torch.randint(0, 30522, (2, 512))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    return Workload(model=model, sample_batch=batch)
-
-
-def _hf_llama() -> Workload:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
-        use_cache=False,
-    )
-    model = LlamaForCausalLM(config)
-    ids = torch.randint(0, 32000, (2, 1024))
-    return Workload(model=model, sample_batch={"input_ids": ids, "labels": ids.clone()})
-
-
 # The convolutional models first: cuDNN's workspaces made their estimates the worst.
 MODELS: dict[str, Callable[[], Workload]] = {
     "cnn": lambda: _example("cnn", batch_size=2),
     "gpt": lambda: _example("gpt", batch_size=2, block_size=256, n_layer=6, n_embd=384),
-    "resnet18": lambda: _torchvision("resnet18"),
-    "convnext_tiny": lambda: _torchvision("convnext_tiny"),
+    "resnet18": lambda: workload_from_result(vision("resnet18")),
+    "convnext_tiny": lambda: workload_from_result(vision("convnext_tiny")),
     "llama": lambda: _example("llama", batch_size=2, n_layers=8, dim=512, ffn_dim=1376),
-    "bert-base": _bert,
-    "hf-llama": _hf_llama,
+    "bert-base": lambda: workload_from_result(bert_base()),
+    "hf-llama": lambda: workload_from_result(hf_llama()),
 }
 
 

@@ -46,79 +46,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 GIB = 2**30
+MODELS_FILE = HERE.parent / "_models.py"  # the non-example factories, loaded by path
 
 MODELS = {
     "gpt": f"{ROOT}/examples/gpt.py:build",
     "cnn": f"{ROOT}/examples/cnn.py:build",
     "llama": f"{ROOT}/examples/llama.py:build",
-    "resnet18": f"{HERE}:resnet18",
-    "convnext_tiny": f"{HERE}:convnext_tiny",
-    "bert": f"{HERE}:bert",
-    "llama_small": f"{HERE}:llama_small",
+    "resnet18": f"{MODELS_FILE}:resnet18_b8",
+    "convnext_tiny": f"{MODELS_FILE}:convnext_tiny_b8",
+    "bert": f"{MODELS_FILE}:bert_base_b4",
+    "llama_small": f"{MODELS_FILE}:llama_small",
 }
 DEFAULT_MODELS = "gpt,cnn,resnet18,convnext_tiny,bert,llama_small"
-
-
-# -- model factories (no downloads: built from configs) ------------------------------------
-
-
-def classification_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-    return F.cross_entropy(logits, batch[1])
-
-
-def _vision(name: str, batch_size: int = 8) -> dict:
-    import torchvision
-
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(weights=None)
-    images = torch.randn(batch_size, 3, 224, 224)
-    labels = torch.randint(0, 1000, (batch_size,))
-    return {"model": model, "sample_batch": (images, labels), "loss_fn": classification_loss}
-
-
-def resnet18() -> dict:
-    return _vision("resnet18")
-
-
-def convnext_tiny() -> dict:
-    return _vision("convnext_tiny")
-
-
-def _tokens(vocab: int, batch_size: int, seq: int) -> dict:
-    ids = torch.randint(0, vocab, (batch_size, seq))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def bert(batch_size: int = 4, seq: int = 512) -> dict:
-    """BertForMaskedLM with bert-base's config (12 layers, 768 wide, 30522 tokens)."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig())
-    return {"model": model, "sample_batch": _tokens(model.config.vocab_size, batch_size, seq)}
-
-
-def llama_small(batch_size: int = 2, seq: int = 1024) -> dict:
-    """LlamaForCausalLM, ~200M parameters: 8 layers, 1024 wide, 32000 tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=seq,
-    )
-    model = LlamaForCausalLM(config)
-    return {"model": model, "sample_batch": _tokens(config.vocab_size, batch_size, seq)}
 
 
 # -- one (model, budget) ---------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""The non-example models the benches train, built from configs (no downloads).
+
+One builder per model, with the sample batch as a parameter: ``bench/estimate_accuracy.py``
+and ``bench/compile_vs_eager.py`` profile from batches of 2, ``bench/planner.py`` from larger
+ones. The zero-argument functions at the end are ``file.py:factory`` targets: probe
+processes load this file by path and call them, so it imports nothing of the benches'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def classification_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(logits, batch[1])
+
+
+def vision(name: str, batch_size: int = 2) -> dict:
+    """A torchvision classifier (1000 classes) on 224x224 images."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None, num_classes=1000)
+    images = torch.randn(batch_size, 3, 224, 224)
+    labels = torch.randint(0, 1000, (batch_size,))
+    return {"model": model, "sample_batch": (images, labels), "loss_fn": classification_loss}
+
+
+def bert_base(batch_size: int = 2, seq: int = 512) -> dict:
+    """BertForMaskedLM with bert-base's config (12 layers of 768, vocab 30522)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig())
+    ids = torch.randint(0, 30522, (batch_size, seq))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return {"model": model, "sample_batch": batch}
+
+
+def hf_llama(
+    batch_size: int = 2,
+    seq: int = 1024,
+    *,
+    max_positions: int = 2048,
+    use_cache: bool = False,
+    attention_mask: bool = False,
+) -> dict:
+    """LlamaForCausalLM, ~200M parameters: 8 layers of 1024 (GQA, 8 KV heads), vocab 32000."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=max_positions,
+        use_cache=use_cache,
+    )
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 32000, (batch_size, seq))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if attention_mask:
+        batch["attention_mask"] = torch.ones_like(ids)
+    return {"model": model, "sample_batch": batch}
+
+
+# -- file.py:factory targets ------------------------------------------------------------------
+
+
+def resnet18() -> dict:
+    return vision("resnet18")
+
+
+def convnext_tiny() -> dict:
+    return vision("convnext_tiny")
+
+
+def vit_b_16() -> dict:
+    return vision("vit_b_16")
+
+
+# bench/planner.py's sample batches (its profile's batch sizes follow from them).
+
+
+def resnet18_b8() -> dict:
+    return vision("resnet18", batch_size=8)
+
+
+def convnext_tiny_b8() -> dict:
+    return vision("convnext_tiny", batch_size=8)
+
+
+def bert_base_b4() -> dict:
+    return bert_base(batch_size=4)
+
+
+def llama_small() -> dict:
+    return hf_llama(max_positions=1024, use_cache=True, attention_mask=True)
