@@ -44,9 +44,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
+from _recorder import Recorder  # bench/, first on sys.path
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -71,28 +72,6 @@ MODELS: dict[str, tuple[str, float]] = {
 }
 DEFAULT_MODELS = "gpt,cnn,resnet18,convnext_tiny,bert-base,hf-llama"
 QUICK_FACTOR = 0.55  # --quick: one eager candidate, one variant, 5 verify steps
-
-
-# -- recording ----------------------------------------------------------------------------------
-
-
-class Recorder:
-    """One JSON line per event, flushed as it happens; the rows kept for the final table."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.out: IO[str] | None = path.open("a") if path is not None else None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if record.get("event") == "row":
-            self.rows.append(record)
-        if self.out is not None:
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
-
-    def close(self) -> None:
-        if self.out is not None:
-            self.out.close()
 
 
 # -- one model ----------------------------------------------------------------------------------
@@ -359,7 +338,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("This benchmark needs a CUDA device (compiled candidates are measured on it).")
         return 1
-    rec = Recorder(args.json)
+    rec = Recorder(args.json, lambda r: r.get("event") == "row", mode="a")
     started = time.perf_counter()
     try:
         if args.cache_test:

@@ -38,17 +38,17 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from _models import bert_base, hf_llama, vision  # bench/, first on sys.path
+from _recorder import Recorder
 
 from memadvisor._torch_private import clear_cublas_workspaces
 from memadvisor.apply import apply_candidate
@@ -129,26 +129,8 @@ def _largest_batch(profile: Profile, choices: dict, target: int, strategies: lis
     return lo
 
 
-class Recorder:
-    """Rows for the final table, and one JSON line per event, flushed as it happens."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.out: IO[str] | None = path.open("w") if path is not None else None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if record.get("kind") == "run":
-            self.rows.append(record)
-        if self.out is not None:
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
-
-    def errors(self) -> list[float]:
-        return [r["error"] for r in self.rows if r.get("error") is not None]
-
-    def close(self) -> None:
-        if self.out is not None:
-            self.out.close()
+def _errors(rec: Recorder) -> list[float]:
+    return [r["error"] for r in rec.rows if r.get("error") is not None]
 
 
 def _profile(name: str, workload: Workload, args: argparse.Namespace) -> Profile:
@@ -284,7 +266,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (simulated card)"
     print("torch", torch.__version__, where)
     strategies = load_strategies(["precision", "checkpointing"])
-    rec = Recorder(args.json)
+    rec = Recorder(args.json, lambda r: r.get("kind") == "run")
     rec.write({"kind": "start", "torch": torch.__version__, "device": where,
                "models": args.models, "targets": args.targets, "steps": args.steps,
                "precisions": args.precisions})  # fmt: skip
@@ -301,7 +283,7 @@ def main() -> None:
                 rec.write({"kind": "failed", "model": name, "why": f"{type(e).__name__}: {e}"})
                 _free_cuda()
         print_table(rec)
-        errors = rec.errors()
+        errors = _errors(rec)
         summary: dict[str, Any] = {"kind": "summary", "runs": len(errors),
                                    "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
         if errors:
