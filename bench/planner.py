@@ -79,15 +79,14 @@ def _hand_configurations(profile: Any) -> list[tuple[str, dict]]:
 
 
 def _device_runs(plan: Any) -> dict[str, int]:
-    """The plan's device runs: all of them, and the winner's batch search among them."""
-    choices = plan.candidate.choices
+    """The plan's device runs: all of them, and the winner's batch search among them (for a
+    compiled pick, the search of the eager choices it was compiled from)."""
+
+    def eager(choices: dict) -> dict:
+        return {k: v for k, v in choices.items() if k not in ("batch_size", "compile")}
+
     own = [p for p in plan.probes if p.stage in ("timing", "probe") and p.candidate is not None]
-    winner = [
-        p
-        for p in own
-        if {k: v for k, v in p.candidate.choices.items() if k != "batch_size"}
-        == {k: v for k, v in choices.items() if k != "batch_size"}
-    ]
+    winner = [p for p in own if eager(p.candidate.choices) == eager(plan.candidate.choices)]
     return {
         "runs": sum(p.stage in ("timing", "probe", "verify") for p in plan.probes),
         "probes": len(winner),
@@ -258,8 +257,9 @@ def print_table(rows: list[dict]) -> None:
             f"{verdict:>6s} {long_text:>9s}"
         )
     print(
-        "\nprb: runs of the pick's choices (its timing run and batch search); runs: all device "
-        "runs of the plan, verification included (each a forked child of the fork server). "
+        "\nprb: runs of the pick's choices, without compile (its timing run and batch "
+        "search); runs: all eager device runs of the plan, verification included (each a "
+        "forked child of the fork server). "
         "Hand cells: largest batch @ samples/s, found and measured like the plan's, on the "
         "same device. >=best: plan/best at least 1 - tolerance. 200 steps: the pick in a "
         "fresh process."

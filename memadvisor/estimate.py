@@ -68,8 +68,14 @@ an H200 with torch 2.11):
       segments: 4-12 MiB at the peak on a 6-block GPT; in ``fixed_overhead_bytes`` on CUDA.
     * Fragmentation: the caching allocator *reserved* 3-32% more than it had allocated at
       the peak, and a memory fraction caps reserved bytes. :attr:`Estimate.peak_bytes` is
-      allocated bytes; :attr:`Estimate.reserved_peak_bytes` scales it by the profile's
-      measured ratio where there is one. The planner's margin and OOM probing cover it.
+      allocated bytes; :attr:`Estimate.reserved_peak_bytes` adds the step's largest single
+      allocation (``StepProfile.largest_allocation``, measured on a card at the untracked
+      bytes' larger sizes): under a cap, a freed block that size gets split by smaller
+      requests and stranded for the next step's (the GPT example: 1.72 GiB reserved beyond
+      allocated at batch 291, its logits 1.75 GiB). Without that line it scales by the
+      small-batch reserved/allocated ratio. The planner fits :attr:`Estimate.limit_bytes`,
+      the larger of the two. Where nothing gets stranded the line errs high by up to one
+      largest tensor; the planner's extrapolation from a measured run takes that back.
     * The CUDA context (~500 MiB) is outside both, as it is outside the budget.
     * A checkpointed block whose input no op of its own saved keeps that input in
       addition (rare: most blocks start with a norm or a matmul, which save it).
@@ -127,9 +133,15 @@ class Estimate(BaseModel):
     )
     reserved_peak_bytes: int | None = Field(
         None,
-        description="peak_bytes scaled by the profile's measured reserved/allocated ratio "
-        "(CUDA); None where the profile has none.",
+        description="CUDA: what the caching allocator reserves at the peak: peak_bytes plus "
+        "the step's largest allocation at this batch where the profile has its line, else "
+        "peak_bytes scaled by its reserved/allocated ratio; None where it has neither.",
     )
+
+    @property
+    def limit_bytes(self) -> int:
+        """What a memory cap must hold for this step: a memory fraction caps reserved bytes."""
+        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
 
 
 def _line(value: LinearBytes | None) -> tuple[float, float] | None:
@@ -164,6 +176,7 @@ class _AtBatch:
         "step_forward_ms",
         "step_backward_ms",
         "untracked",
+        "largest_allocation",
     )
 
     def __init__(self, lines: _Lines, b: int) -> None:
@@ -183,6 +196,9 @@ class _AtBatch:
         self.step_backward_ms = max(0.0, lines.step_backward_ms[0] * b + lines.step_backward_ms[1])
         # phase -> (untracked bytes at b, what the phase's measured peak already holds)
         self.untracked = {ph: (_pos(x, b), held) for ph, (x, held) in lines.untracked.items()}
+        self.largest_allocation = (
+            None if lines.largest_allocation is None else _pos(lines.largest_allocation, b)
+        )
 
 
 class _Lines:
@@ -211,6 +227,7 @@ class _Lines:
         "step_forward_ms",
         "step_backward_ms",
         "untracked",
+        "largest_allocation",
         "batches",
     )
 
@@ -237,6 +254,7 @@ class _Lines:
         self.step_forward_ms = (step.forward_ms.per_sample_ms, step.forward_ms.constant_ms)
         self.step_backward_ms = (step.backward_ms.per_sample_ms, step.backward_ms.constant_ms)
         self.untracked = {u.phase: (_line(u.untracked), u.profiled_bytes) for u in step.untracked}
+        self.largest_allocation = _line(step.largest_allocation)
         self.batches: dict[int, _AtBatch] = {}
 
     def at(self, b: int) -> _AtBatch:
@@ -504,10 +522,15 @@ class StepModel:
             },
             step_ms=step_ms,
             samples_per_s=samples / step_ms * 1000.0 if step_ms > 0 else float("inf"),
-            reserved_peak_bytes=(
-                int(peak * p.fragmentation_ratio) if p.fragmentation_ratio else None
-            ),
+            reserved_peak_bytes=self._reserved(peak),
         )
+
+    def _reserved(self, peak: int) -> int | None:
+        largest = self.numbers.largest_allocation
+        if largest is not None:
+            return peak + largest
+        ratio = self.profile.fragmentation_ratio
+        return int(peak * ratio) if ratio else None
 
     def _untracked_growth(self, overhead: int) -> dict[str, int]:
         """Untracked bytes at this batch beyond what each estimated moment already holds.

@@ -161,6 +161,23 @@ def test_cuda_fixed_costs_are_added_once_and_reserved_scales_by_the_measured_rat
     assert model.result().peak_bytes == (60 + 200) * MIB  # the optimizer phase, as read
 
 
+def test_reserved_adds_the_largest_allocation_where_the_profile_has_its_line() -> None:
+    """Under a memory cap a freed block of the step's largest tensor can be stranded: the
+    reserved peak is the allocated peak plus that tensor at the batch (the line wins over the
+    small-batch ratio), and limit_bytes, what the planner fits, is the larger of the two."""
+    base = _walk_profile(kind="cuda").model_copy(update={"fragmentation_ratio": 1.25})
+    step = base.steps["fp32"].model_copy(
+        update={"largest_allocation": LinearBytes(per_sample_bytes=3 * MIB, constant_bytes=MIB)}
+    )
+    profile = base.model_copy(update={"steps": {**base.steps, "fp32": step}})
+    for b in (4, 8):
+        est = _peak(profile, b)
+        assert est.reserved_peak_bytes == est.peak_bytes + (3 * b + 1) * MIB
+        assert est.limit_bytes == est.reserved_peak_bytes
+    cpu = _peak(_walk_profile(), 4)
+    assert cpu.reserved_peak_bytes is None and cpu.limit_bytes == cpu.peak_bytes
+
+
 def _with_untracked(profile: Profile, *lines: UntrackedBytes) -> Profile:
     step = profile.steps["fp32"].model_copy(
         update={"untracked": list(lines), "untracked_batch_sizes": (64, 128)}

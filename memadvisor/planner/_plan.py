@@ -12,14 +12,16 @@ first step's kernel loading), and every run counts twice where it can:
    measured times rank, Baseline and +AMP as guards, each run once at the estimate's largest
    batch under the usable budget. That run is both the candidate's fit probe and its timing.
 2. Batch search: the device's best alone continues :func:`find_batch` from what its timing
-   run said (the bracket's top when it fitted, the margin below when it did not).
+   run said: when it fitted, one run at the batch its measured peak extrapolates to (the
+   estimate's bytes per sample up to the usable budget), none when it already fills it;
+   when it did not, the margin below.
 3. Verification: on a card every run takes ``verify_steps`` steps from a clean state, so the
    winner's fitting run at the final batch is its verification; a separate sustained run
    happens only where runs are short (the simulated device) or the final batch never ran.
 
-With an estimate within one margin of the device and one guard outside the best three, that
-is 5 runs (4 timing, 1 probe), 2 of them the winner's (tests/planner/test_plan.py has the
-exact table).
+With an exact estimate and one guard outside the best three, that is 4 runs (all timing),
+1 of them the winner's; with a pessimistic one 5, 2 the winner's; within one margin
+optimistic 5, 2 the winner's (tests/planner/test_plan.py has the exact table).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,9 +146,26 @@ class _Prober:
             # The budget caps what a card reserves; the simulated device reserves nothing extra.
             return max(m.peak_bytes, m.reserved_peak_bytes or 0) <= cfg.usable_bytes
 
+        def extrapolate(batch: int) -> int | None:
+            m = measured.get(batch)
+            slope = self.space.bytes_per_sample(choices, batch)
+            if m is None or slope <= 0:
+                return None
+            held = max(m.peak_bytes, m.reserved_peak_bytes or 0)
+            # Aimed a quarter margin under the usable budget: a probe that lands just over
+            # it fits but cannot be taken (within_margin), and the search keeps ``start``.
+            aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
+            return batch + math.floor((aim - held) / slope)
+
         upper = self.space.upper_batch(scored)
         found = find_batch(
-            fits, scored.largest_batch, upper, cfg.margin_fraction, cfg.max_batch, within_margin
+            fits,
+            scored.largest_batch,
+            upper,
+            cfg.margin_fraction,
+            cfg.max_batch,
+            within_margin,
+            extrapolate,
         )
         return found, measured
 

@@ -4,10 +4,12 @@ Each probe is one :meth:`Device.run` from a clean state for more than one step; 
 decides nothing about memory, :func:`memadvisor.device.is_oom` does. The search:
 
 1. Probe ``start``, the estimate's largest batch under the usable budget (budget less margin).
-2. If it fits, probe ``upper`` once, the estimate's largest batch under the *whole* budget
-   (one step above the bracket). If it fits with its measured peak inside the usable
-   budget, the estimate was pessimistic: take ``upper``. Otherwise take ``start``, kept the
-   margin below ``upper`` if that failed.
+2. If it fits, probe once above it: where the caller can extrapolate from ``start``'s
+   measured peak (the planner: the estimate's bytes per sample from there up to the usable
+   budget), at that batch; otherwise at ``upper``, the estimate's largest batch under the
+   *whole* budget. If it fits with its measured peak inside the usable budget, take it.
+   Otherwise take ``start``, kept the margin below the failure if that failed. Where the
+   extrapolation says ``start`` already fills the budget, nothing more is probed.
 3. If ``start`` fails, the estimate was optimistic. Probe the highest batch that could still
    be picked, the margin below the failure; a fit ends the search. After a third failure
    the estimate is far off: halve until something fits, then bisect.
@@ -34,6 +36,7 @@ from memadvisor.workload import Workload
 __all__ = ["BatchSearch", "find_batch", "probe", "safe_below"]
 
 TryBatch = Callable[[int], bool]
+Extrapolate = Callable[[int], "int | None"]
 # Steps of one margin down before halving: an estimate up to ~2 margins optimistic (its
 # stated worst case is 10%) then costs 3 probes; one further off is found by bisection.
 _MARGIN_DESCENTS = 2
@@ -69,6 +72,7 @@ def find_batch(
     margin_fraction: float,
     max_batch: int,
     within_margin: TryBatch | None = None,
+    extrapolate: Extrapolate | None = None,
 ) -> BatchSearch:
     """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
 
@@ -82,6 +86,8 @@ def find_batch(
             the usable budget. ``upper`` fitting only proves the device holds it at the
             edge of the budget; it is taken over ``start`` only when its peak also left the
             margin free (the estimate was pessimistic). None takes it whenever it fits.
+        extrapolate: for ``start`` once it fitted, the largest batch its measured peak says
+            fits the usable budget; None (or a None answer) probes ``upper`` instead.
 
     Returns:
         The search; ``batch == 0`` when not even batch 1 fits.
@@ -109,11 +115,15 @@ def find_batch(
     lo, hi = 0, None  # the largest fit below every failure, the lowest failure
     if run(start):
         lo = start
-        if upper > start:
-            if not run(upper):
-                hi = upper
-            elif within_margin is None or within_margin(upper):
-                lo = upper
+        top = upper
+        guess = extrapolate(start) if extrapolate is not None else None
+        if guess is not None:
+            top = min(guess, max_batch)
+        if top > start:
+            if not run(top):
+                hi = top
+            elif within_margin is None or within_margin(top):
+                lo = top
     else:
         hi = start
         failures_before_a_fit = 1

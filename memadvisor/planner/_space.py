@@ -38,6 +38,8 @@ def largest_batch(
 ) -> int:
     """The largest batch whose estimated peak is at most ``limit_bytes`` (0: not even one).
 
+    The peak is :attr:`Estimate.limit_bytes`: on a card, what the allocator reserves.
+
     The estimated peak is non-decreasing and convex in the batch (each phase is linear in it,
     the peak their maximum), so the chord between a fitting and a failing batch crosses the
     limit at a batch that fits: a few chord steps land on the answer (about 5 estimate calls
@@ -47,7 +49,7 @@ def largest_batch(
 
     def peak(b: int) -> int:
         cand = Candidate(batch_size=b, choices=choices)
-        return estimate(profile, cand, strategies).peak_bytes
+        return estimate(profile, cand, strategies).limit_bytes
 
     lo, peak_lo = 1, peak(1)
     if peak_lo > limit_bytes:
@@ -208,6 +210,20 @@ class SearchSpace:
         )
         return max(upper, scored.largest_batch)
 
+    def bytes_per_sample(self, choices: dict[str, JsonValue], batch: int) -> float:
+        """What one more sample adds to the estimated :attr:`Estimate.limit_bytes` of
+        ``choices``, over the upper half of ``[0, batch]`` (the estimate is convex in the
+        batch, so the slope there is the one that reaches above ``batch``)."""
+        low = max(1, batch // 2)
+        if batch <= low:
+            low, batch = batch, batch + 1
+
+        def limit(b: int) -> int:
+            cand = Candidate(batch_size=b, choices=choices)
+            return estimate(self.profile, cand, self.strategies).limit_bytes
+
+        return (limit(batch) - limit(low)) / (batch - low)
+
     def batch_for(self, largest: int) -> tuple[int, int]:
         """(micro-batch, accumulation) the objective takes when ``largest`` fits."""
         if self.config.objective == "effective_batch":
@@ -229,6 +245,6 @@ class SearchSpace:
         best: int | None = None
         for indices in itertools.islice(self.combinations(), limit):
             cand = Candidate(batch_size=1, choices=self.choices_of(indices))
-            peak = estimate(self.profile, cand, self.strategies).peak_bytes
+            peak = estimate(self.profile, cand, self.strategies).limit_bytes
             best = peak if best is None else min(best, peak)
         return best if best is not None else 0

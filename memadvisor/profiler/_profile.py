@@ -73,6 +73,7 @@ from memadvisor.profiler._schema import (
 from memadvisor.profiler._state import private_model, rng_restored
 from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
 from memadvisor.profiler._untracked import (
+    LargestAllocation,
     UntrackedFit,
     measure_untracked,
     untracked_batch_sizes,
@@ -300,6 +301,8 @@ class _Pass:
         self.owners: dict[str, list[str]] = {}
         # CUDA: per precision, the steps timed at the untracked bytes' two larger sizes.
         self.large_timing: dict[str, tuple[tuple[int, int], list[TimingMeasurement]]] = {}
+        # CUDA: per precision, the step's largest single allocation at those sizes.
+        self.largest_allocation: dict[str, LinearBytes] = {}
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return not self.target.is_cuda or t.device.type == "cuda"
@@ -427,6 +430,7 @@ class _Pass:
         sizes = untracked_batch_sizes(per_sample, self.sizes, torch.cuda.mem_get_info(dev)[0])
         left = UNTRACKED_SIZES
         timed_at: dict[int, TimingMeasurement] = {}
+        largest_at: dict[int, int] = {}
 
         def measure(b: int) -> dict[str, int]:
             nonlocal left
@@ -434,7 +438,9 @@ class _Pass:
             self.progress.begin(what)
             batch = self.workload.batch(b, dev)
             train_step(wl, model, optimizer, batch)  # warm-up: cuDNN's choice for the shape
-            result = untracked_step(model, optimizer, wl, batch, self.target)
+            largest = LargestAllocation()
+            result = untracked_step(model, optimizer, wl, batch, self.target, largest)
+            largest_at[b] = largest.bytes
             if self.timed_steps:
                 stepper = TimingStep(model, self.block_names, self.owners[precision], self.target)
                 runs = [stepper.run(wl, optimizer, batch) for _ in range(self.timed_steps)]
@@ -451,6 +457,9 @@ class _Pass:
                 # Times fitted at sizes that fill the card rank batches and precisions.
                 (s1, t1), (s2, t2) = sorted(timed_at.items())
                 self.large_timing[precision] = ((s1, s2), [t1, t2])
+            if fit is not None and len(largest_at) == 2:
+                (low, v1), (high, v2) = sorted(largest_at.items())
+                self.largest_allocation[precision] = LinearBytes.fit(low, v1, high, v2)
             return fit
         finally:
             # A step cut short by an out-of-memory error leaves gradients behind.
@@ -577,6 +586,7 @@ class _Pass:
             backward_head_peak=self._walk_bytes(mem, lambda m: m.backward_head_peak),
             untracked_batch_sizes=untracked[0] if untracked else None,
             untracked=untracked[1] if untracked else [],
+            largest_allocation=self.largest_allocation.get(precision),
         )
 
     def _walk_bytes(

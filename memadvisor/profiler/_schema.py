@@ -226,6 +226,13 @@ class StepProfile(_Model):
         description="CUDA: per phase, the bytes the allocator held beyond tracked tensors, "
         "as a line in the batch size; empty where not measured.",
     )
+    largest_allocation: LinearBytes | None = Field(
+        None,
+        description="CUDA: the step's largest single tensor allocation, fitted at "
+        "``untracked_batch_sizes``. Under a memory cap a freed block that size can be split "
+        "and stranded, so the allocator reserves about that much beyond its allocated peak "
+        "(the estimate's reserved_peak_bytes); None where not measured.",
+    )
 
 
 class LayerRow(_Model):

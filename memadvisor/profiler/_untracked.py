@@ -49,6 +49,7 @@ __all__ = [
     "UNTRACKED_BATCH_BYTES",
     "UNTRACKED_FREE_FRACTION",
     "fit_untracked",
+    "LargestAllocation",
     "measure_untracked",
     "untracked_batch_sizes",
     "untracked_step",
@@ -141,12 +142,18 @@ def measure_untracked(
 
 
 def untracked_step(
-    model: nn.Module, optimizer: Any, workload: Workload, batch: Any, target: Target
+    model: nn.Module,
+    optimizer: Any,
+    workload: Workload,
+    batch: Any,
+    target: Target,
+    largest: LargestAllocation | None = None,
 ) -> dict[str, int]:
     """One CUDA step: per phase, the allocator's peak minus the tracked peak.
 
     cuBLAS's workspaces are freed first and made again inside the step, as in a fresh
     process: they are part of the difference, as they are of ``fixed_overhead_bytes``.
+    ``largest``, when given, sees every storage the step makes.
     """
     dev = target.device
     gc.collect()
@@ -157,6 +164,8 @@ def untracked_step(
     on_card = [t for t in _step_tensors(model, optimizer, batch) if t.device.type == "cuda"]
     meter.adopt(on_card)
     del on_card
+    if largest is not None:
+        meter.add_storage_listener(largest)
     peaks = PhasePeakMeter(meter, target)
 
     def on_phase(phase: str) -> None:
@@ -170,6 +179,28 @@ def untracked_step(
     peaks.finish()
     torch.cuda.synchronize(dev)
     return {ph: max(0, peaks.allocated[ph] - peaks.tracked[ph]) for ph in peaks.allocated}
+
+
+class LargestAllocation:
+    """The largest single storage a :class:`~memadvisor.memory.MemoryMeter` saw made.
+
+    Why it matters on a card: ``set_per_process_memory_fraction`` caps *reserved* bytes, and
+    a freed block of the step's largest tensor can be split by smaller requests and left
+    stranded for the next step's largest one. The GPT example in bf16 on an H200 under
+    8 GiB: every run that failed (batch 335 to 375) passed step 1 and ran out in step 2
+    asking for its logits (2.01-2.25 GiB) with as much again reserved but unallocated; at
+    batch 291 it held 5.73 GiB allocated and 7.45 GiB reserved, a gap of 1.72 GiB where its
+    largest tensor is 1.75 GiB. Measured uncapped, reserved minus allocated stays far
+    smaller (0.4 GiB at batch 204): an uncapped allocator just adds a block.
+    """
+
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type
+        self.bytes = 0
+
+    def __call__(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        if nbytes > self.bytes and storage.device.type == self.device_type:
+            self.bytes = nbytes
 
 
 def _step_tensors(model: nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:

@@ -139,12 +139,14 @@ class FakeDevice(Device):
         self.inverse_times = inverse_times  # smaller batches "faster": against the estimate
         self.calls: list[tuple[int, int, dict]] = []
 
-    def fits(self, candidate: Candidate, steps: int) -> bool:
-        b = candidate.batch_size
+    def limit(self, candidate: Candidate, steps: int) -> int:
         limit = self.threshold(candidate) if callable(self.threshold) else self.threshold
         if self.sustained is not None and steps > self.short_steps:
             limit = min(limit, self.sustained)
-        return b <= limit
+        return limit
+
+    def fits(self, candidate: Candidate, steps: int) -> bool:
+        return candidate.batch_size <= self.limit(candidate, steps)
 
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
         self.calls.append((candidate.batch_size, steps, dict(candidate.choices)))
@@ -158,8 +160,11 @@ class FakeDevice(Device):
         step_ms = k * (1.0 + per_sample * b) + 1.0
         if self.inverse_times:
             step_ms = float(b * b)
+        # Memory grows linearly with the batch and fills the budget half a sample past the
+        # threshold: what a run measures says how far the threshold is, as on a card.
+        peak = int(b * self.budget_bytes / (self.limit(candidate, steps) + 0.5))
         return Measurement(
-            steps=steps, peak_bytes=b * MIB, step_ms=step_ms, samples_per_s=b * k / step_ms * 1e3
+            steps=steps, peak_bytes=peak, step_ms=step_ms, samples_per_s=b * k / step_ms * 1e3
         )
 
 

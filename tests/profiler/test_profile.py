@@ -384,6 +384,12 @@ def _plain_cuda_step(wl: Workload, b: int) -> tuple[int, int]:
     """(peak, forward growth) of one steady-state step, read from the allocator itself."""
     import copy
 
+    from memadvisor._torch_private import clear_cublas_workspaces
+
+    # As in a fresh process: cuBLAS's workspaces (made by earlier tests) are made in the
+    # step, so they count in its peak as the profile counts them.
+    clear_cublas_workspaces()
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     model = copy.deepcopy(wl.model).cuda()
     opt = wl.make_optimizer(model)

@@ -8,8 +8,10 @@ import torch
 from memadvisor.device import is_oom
 from memadvisor.errors import BadInputError
 from memadvisor.profiler import LinearBytes, profile_workload
+from memadvisor.memory import MemoryMeter
 from memadvisor.profiler._untracked import (
     UNTRACKED_BATCH_BYTES,
+    LargestAllocation,
     fit_untracked,
     measure_untracked,
     untracked_batch_sizes,
@@ -158,3 +160,24 @@ def test_on_cuda_cnn_fp32_backward_untracked_bytes_grow_with_the_batch(examples_
     backward = {u.phase: u for u in step.untracked}["backward"]
     assert backward.untracked.per_sample_bytes > 0.5 * MIB
     assert backward.profiled_bytes > 0
+
+
+# -- the largest allocation ---------------------------------------------------------------------
+
+
+def test_largest_allocation_is_the_biggest_storage_made_on_its_device() -> None:
+    """It keeps the largest storage a meter sees made on its device type; tensors adopted
+    before it listens, and storages on other devices, do not count."""
+    adopted = torch.zeros(1024)  # 4 KiB, held before the listener
+    meter = MemoryMeter()
+    meter.adopt([adopted])
+    largest, elsewhere = LargestAllocation("cpu"), LargestAllocation("cuda")
+    meter.add_storage_listener(largest)
+    meter.add_storage_listener(elsewhere)
+    with meter:
+        a = torch.ones(100)  # 400 B
+        b = torch.ones(300)  # 1200 B, the largest made
+        c = (a.sum() + b.sum()).expand(10)
+    del a, b, c
+    assert largest.bytes == 300 * 4
+    assert elsewhere.bytes == 0
