@@ -19,12 +19,11 @@ to ``--json PATH``), then the table:
 * 200 steps: the pick trains ``--long-steps`` steps in a fresh process (not a forked child:
   the way a user's own job starts); OOMs counted.
 
-Wall time per (model, budget) on an H100/H200, measured parts summed: fork-server start
-~8 s; a run ~4 s (3.5 s of it the first step's CUDA warm-up) plus 20 steps; the plan ~5
-runs; the hand rows ~2-3 runs each, ~10 runs; the 200-step run ~8 s plus 200 steps. About
-70-90 s for gpt, cnn and resnet18, 2-3 min for convnext_tiny, bert and llama_small (longer
-steps), plus the profile once per model (5-30 s). One model at three budgets fits a 9-minute
-chunk; run models in parallel on separate cards with CUDA_VISIBLE_DEVICES.
+Wall time per (model, budget), measured on an H200 (torch 2.11): 96-136 s a row for gpt,
+cnn and llama (the plan 54-101 s of it, its compile stage the largest part; the four hand
+rows 1-2 runs each; the 200-step run), 164 s for resnet18 and 285 s for convnext_tiny at
+8 GiB, plus the profile once per model (4-30 s). Three budgets of one light model fit a
+9-minute chunk; run models in parallel on separate cards with CUDA_VISIBLE_DEVICES.
 
     python bench/planner.py --models gpt --budgets 4,8,16 --json out/planner.jsonl
     python bench/planner.py --models gpt,cnn --budgets 8 --skip-hand   # plan and 200 steps

@@ -468,7 +468,7 @@ def plan_workload(
                 measure_comparison = _rows_are_cheap(device, prober.probes, space)
             rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
             notes += _pick_notes(config, pick, best)
-            notes.append(_runs_note(prober.probes, verified, config))
+            notes.append(_runs_note(prober.probes, best, verified, config))
             with ui.stage("checks", total=None):
                 checks = run_checks(workload, pick, chosen)
             notes += prober.notes + getattr(device, "notes", []) + row_notes
@@ -707,32 +707,35 @@ def _pick_notes(config: PlanConfig, pick: Candidate, best: _Confirmed) -> list[s
     found = best.search
     if found.lowest_failure is None and found.probe_count > 1:
         kept = (
-            " and kept the batch whose estimate leaves the margin free."
+            f" and kept {best.found_batch}: the higher one's measured peak passed the "
+            "usable budget (budget less margin)."
             if best.found_batch < found.largest_fit
             else " (its measured peak left the margin free)."
         )
         notes.append(
-            f"The device held batch {found.largest_fit}, the estimate's largest under the "
-            f"whole budget; the plan did not probe higher{kept}"
+            f"The device held batch {found.largest_fit}, as far as the first run's measured "
+            f"peak said would fit; the plan did not probe higher{kept}"
         )
     return notes
 
 
-def _runs_note(runs: Sequence[Probe], verified: Measurement, config: PlanConfig) -> str:
-    """How many device runs each stage took, and what verified the pick."""
-    count = {stage: sum(r.stage == stage for r in runs) for stage in ("timing", "probe", "verify")}
-    total = sum(count.values())
-    text = (
-        f"The pick took {total} device runs: {count['timing']} timing candidates at their "
-        f"estimated batches, {count['probe']} finishing the pick's batch search, "
-        f"{count['verify']} verifying"
-    )
-    if count["verify"] == 0:
+def _runs_note(
+    runs: Sequence[Probe], best: _Confirmed, verified: Measurement, config: PlanConfig
+) -> str:
+    """The batch search of the pick's choices in runs, and what verified the pick.
+
+    The report tallies every run by stage (``report._facts.device_runs``); this says what
+    that tally cannot: how many runs found the pick's batch, and which run verified it.
+    """
+    search = best.search.probe_count
+    tried = ", ".join(f"{b} {'fits' if ok else 'OOM'}" for b, ok in best.search.tried)
+    text = f"The pick's batch took {search} device run{'s' if search != 1 else ''} ({tried})"
+    if not any(r.stage == "verify" for r in runs):
         return (
             f"{text}; the pick's own {verified.steps}-step run from a clean state (at least "
             f"verify_steps={config.verify_steps}) is its verification."
         )
-    return text + "."
+    return f"{text}, and a run of its own verified it over {verified.steps} steps."
 
 
 def measure_configuration(
