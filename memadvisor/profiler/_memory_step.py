@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,6 +87,10 @@ class _Record:
     block: int  # index into the blocks; -1 outside every block
     in_loss: bool
     cast_weight: bool
+    # The storage itself: records are keyed by id(storage), and the id of one that died can
+    # be taken by a storage the step did not make (a constant whose first Python wrapper is
+    # made only when the graph is walked). Seen as a flaky extra b x row in a block.
+    storage: weakref.ref
 
 
 class _StepMeter(MemoryMeter):
@@ -272,7 +277,13 @@ class MemoryStep:
             block=self.block_stack[-1] if self.block_stack else -1,
             in_loss=self.in_loss,
             cast_weight=self.meter.casting_weight,
+            storage=weakref.ref(storage),
         )
+
+    def _record_of(self, storage: torch.UntypedStorage) -> _Record | None:
+        """This step's record of ``storage``; None when the step did not make it."""
+        rec = self.records.get(id(storage))
+        return rec if rec is not None and rec.storage() is storage else None
 
     def _on_live(self, _delta: int, live: int) -> None:
         if self.window is not None and live > self.window[1]:
@@ -330,9 +341,9 @@ class MemoryStep:
         """The storage's identity if this step made it (it is alive, so its record is its own)."""
         if t.device.type == "meta":
             return None
-        key = id(t.untyped_storage())
-        rec = self.records.get(key)
-        return (key, rec.serial) if rec is not None else None
+        storage = t.untyped_storage()
+        rec = self._record_of(storage)
+        return (id(storage), rec.serial) if rec is not None else None
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -343,8 +354,8 @@ class MemoryStep:
         self.module_activation: dict[str, int] = {}
         self.activation_total = 0
         self.cast_weight_bytes = 0
-        for key, storage in self.saved.items():
-            rec = self.records.get(key)
+        for storage in self.saved.values():
+            rec = self._record_of(storage)
             if rec is None:
                 continue  # existed before the step: a weight, the batch, a constant
             if self.target.is_cuda and storage.device.type != "cuda":
