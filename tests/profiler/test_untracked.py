@@ -7,8 +7,8 @@ import torch
 
 from memadvisor.device import is_oom
 from memadvisor.errors import BadInputError
-from memadvisor.profiler import LinearBytes, profile_workload
 from memadvisor.memory import MemoryMeter
+from memadvisor.profiler import LinearBytes, profile_workload
 from memadvisor.profiler._untracked import (
     UNTRACKED_BATCH_BYTES,
     LargestAllocation,
