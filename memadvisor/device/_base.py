@@ -28,6 +28,12 @@ class Measurement(BaseModel):
     step_ms: float = Field(description="Median step time (the first step excluded when >1).")
     samples_per_s: float
 
+    @property
+    def limit_bytes(self) -> int:
+        """What the run needed of a memory cap: a memory fraction caps reserved bytes (the
+        simulated device reserves nothing beyond its tensors)."""
+        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
+
 
 class Device(ABC):
     """Where probes, timing and verification run.

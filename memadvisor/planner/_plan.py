@@ -143,19 +143,19 @@ class _Prober:
 
         def within_margin(batch: int) -> bool:
             m = measured[batch]
-            # The budget caps what a card reserves; the simulated device reserves nothing extra.
-            return max(m.peak_bytes, m.reserved_peak_bytes or 0) <= cfg.usable_bytes
+            return m.limit_bytes <= cfg.usable_bytes
 
         def extrapolate(batch: int) -> int | None:
             m = measured.get(batch)
-            slope = self.space.bytes_per_sample(choices, batch)
-            if m is None or slope <= 0:
+            if m is None:
                 return None
-            held = max(m.peak_bytes, m.reserved_peak_bytes or 0)
+            slope = self.space.bytes_per_sample(choices, batch)
+            if slope <= 0:
+                return None
             # Aimed a quarter margin under the usable budget: a probe that lands just over
             # it fits but cannot be taken (within_margin), and the search keeps ``start``.
             aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
-            return batch + math.floor((aim - held) / slope)
+            return batch + math.floor((aim - m.limit_bytes) / slope)
 
         upper = self.space.upper_batch(scored)
         found = find_batch(

@@ -24,9 +24,17 @@ __all__ = [
     "Scored",
     "SearchSpace",
     "largest_batch",
+    "limit_at",
     "micro_batch_for",
     "rank_key",
 ]
+
+
+def limit_at(
+    profile: Profile, choices: dict[str, JsonValue], strategies: Sequence[Strategy], batch: int
+) -> int:
+    """The estimate's :attr:`Estimate.limit_bytes` for ``choices`` at ``batch``."""
+    return estimate(profile, Candidate(batch_size=batch, choices=choices), strategies).limit_bytes
 
 
 def largest_batch(
@@ -48,8 +56,7 @@ def largest_batch(
     """
 
     def peak(b: int) -> int:
-        cand = Candidate(batch_size=b, choices=choices)
-        return estimate(profile, cand, strategies).limit_bytes
+        return limit_at(profile, choices, strategies, b)
 
     lo, peak_lo = 1, peak(1)
     if peak_lo > limit_bytes:
@@ -217,12 +224,9 @@ class SearchSpace:
         low = max(1, batch // 2)
         if batch <= low:
             low, batch = batch, batch + 1
-
-        def limit(b: int) -> int:
-            cand = Candidate(batch_size=b, choices=choices)
-            return estimate(self.profile, cand, self.strategies).limit_bytes
-
-        return (limit(batch) - limit(low)) / (batch - low)
+        high_bytes = limit_at(self.profile, choices, self.strategies, batch)
+        low_bytes = limit_at(self.profile, choices, self.strategies, low)
+        return (high_bytes - low_bytes) / (batch - low)
 
     def batch_for(self, largest: int) -> tuple[int, int]:
         """(micro-batch, accumulation) the objective takes when ``largest`` fits."""
@@ -244,7 +248,6 @@ class SearchSpace:
         """The smallest estimated peak at batch 1 over (up to ``limit``) combinations."""
         best: int | None = None
         for indices in itertools.islice(self.combinations(), limit):
-            cand = Candidate(batch_size=1, choices=self.choices_of(indices))
-            peak = estimate(self.profile, cand, self.strategies).limit_bytes
+            peak = limit_at(self.profile, self.choices_of(indices), self.strategies, 1)
             best = peak if best is None else min(best, peak)
         return best if best is not None else 0

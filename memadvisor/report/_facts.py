@@ -273,7 +273,7 @@ def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
     m = row.measured
     peak = m.peak_bytes if m is not None else row.estimate.peak_bytes
     # The budget caps what the allocator reserves, not only what tensors hold.
-    held = max(peak, (m.reserved_peak_bytes or 0) if m is not None else 0)
+    held = m.limit_bytes if m is not None else peak
     return ComparisonLine(
         label=row.label,
         batch_size=row.candidate.batch_size,
