@@ -338,7 +338,8 @@ class MemoryStep:
         return hook
 
     def _step_storage(self, t: torch.Tensor) -> StorageId | None:
-        """The storage's identity if this step made it (it is alive, so its record is its own)."""
+        """The storage's identity if this step made it (its record is checked to be its own:
+        an id alone can be a dead storage's)."""
         if t.device.type == "meta":
             return None
         storage = t.untyped_storage()
