@@ -13,7 +13,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import click
 import typer
 from rich.console import Console
 
@@ -95,8 +94,11 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
-            raise  # typer's own exits and usage errors carry their codes already
+        except (typer.Exit, typer.Abort, typer.BadParameter):
+            # typer's own exits and usage errors carry their codes already. These three names
+            # exist in every typer this package supports, whether it vendors click (0.26 and
+            # later) or depends on it.
+            raise
         except MemadvisorError as e:
             _fail(str(e), e.exit_code, debug=kwargs.get("debug", False))
         except Exception as e:
