@@ -89,7 +89,7 @@ def _strategies(args: argparse.Namespace) -> list:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from memadvisor.config import PlanConfig, gib_to_bytes
+    from memadvisor.schema.config import PlanConfig, gib_to_bytes
 
     return PlanConfig(
         budget_bytes=gib_to_bytes(args.budget_gb),
@@ -217,7 +217,7 @@ def bench_model(name: str, args: argparse.Namespace, rec: Recorder) -> None:
 
 def _child(target: str, choice: str) -> None:
     """A fresh process: the compiled step at the sample batch (bf16), timed, with cache hits."""
-    from memadvisor.estimate import Candidate
+    from memadvisor.schema.candidate import Candidate
     from memadvisor.target import load_target
     from strategies.compile import try_compile
 
@@ -229,7 +229,7 @@ def _child(target: str, choice: str) -> None:
 
 def cache_test(name: str, rec: Recorder) -> None:
     """The same compile in two fresh processes sharing an empty cache: cold, then warm."""
-    from memadvisor.compile_cache import shared_compile_cache
+    from strategies._compile_cache import shared_compile_cache
 
     with tempfile.TemporaryDirectory() as tmp, shared_compile_cache(tmp) as cache:
         for run in ("cold", "warm"):

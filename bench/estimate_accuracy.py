@@ -54,8 +54,10 @@ from memadvisor._torch_private import clear_cublas_workspaces
 from memadvisor.apply import apply_candidate
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device.simulated import SimulatedDevice
-from memadvisor.estimate import Candidate, Estimate, estimate
-from memadvisor.profiler import Profile, profile_workload
+from memadvisor.estimate import estimate
+from memadvisor.profiler import profile_workload
+from memadvisor.schema.candidate import Candidate, Estimate
+from memadvisor.schema.profile import Profile
 from memadvisor.strategy import load_strategies
 from memadvisor.target import load_factory, workload_from_result
 from memadvisor.workload import Workload, train_step

@@ -13,8 +13,9 @@ import argparse
 import random
 import time
 
-from memadvisor.estimate import Candidate, estimate
-from memadvisor.profiler import (
+from memadvisor.estimate import estimate
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     DeviceInfo,

@@ -129,7 +129,7 @@ def _long_run(
     kind: str, target: str, budget_bytes: int, profile: Any, pick: Any, steps: int
 ) -> dict:
     """``pick`` for ``steps`` steps in a fresh process (no fork server), as a user's job."""
-    from memadvisor.device import is_oom
+    from memadvisor.errors import is_oom
     from memadvisor.target import load_target
 
     device = _make_device(kind, budget_bytes, target, profile, fork=False)
@@ -149,9 +149,9 @@ def _long_run(
 def bench_one(
     name: str, target: str, budget_gib: float, profile: Any, args: argparse.Namespace
 ) -> dict:
-    from memadvisor.config import PlanConfig, gib_to_bytes
-    from memadvisor.estimate import Candidate
     from memadvisor.planner import plan_workload
+    from memadvisor.schema.candidate import Candidate
+    from memadvisor.schema.config import PlanConfig, gib_to_bytes
     from memadvisor.target import load_target
 
     workload = load_target(target)

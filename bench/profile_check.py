@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memadvisor.profiler import Profile, profile_workload
+from memadvisor.profiler import profile_workload
+from memadvisor.schema.profile import Profile
 from memadvisor.target import load_target
 from memadvisor.workload import Workload, train_step
 

@@ -3,9 +3,9 @@
 tuned = memadvisor.optimize(model, sample_batch, budget_gb=8)
 """
 
+from memadvisor._version import __version__
 from memadvisor.api import optimize, plan
 from memadvisor.apply import apply_plan
-from memadvisor.config import PlanConfig
 from memadvisor.errors import (
     BadInputError,
     InfeasibleBudgetError,
@@ -13,16 +13,19 @@ from memadvisor.errors import (
     PlanningError,
     SimulatedOutOfMemoryError,
 )
-from memadvisor.estimate import Candidate, Estimate, estimate
+from memadvisor.estimate import estimate
 from memadvisor.monitor import Monitor, trace
-from memadvisor.planner import Plan
-from memadvisor.profiler import Profile, profile
-from memadvisor.strategy import Advice, Strategy, load_strategies
+from memadvisor.profiler import profile
+from memadvisor.schema.advice import Advice
+from memadvisor.schema.candidate import Candidate, Estimate
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import Profile
+from memadvisor.strategy import Strategy, load_strategies
 from memadvisor.workload import Workload, train_step
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "Advice",
     "BadInputError",
     "Candidate",

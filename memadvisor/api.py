@@ -18,10 +18,11 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from memadvisor.config import PlanConfig, gib_to_bytes
 from memadvisor.device import Device
 from memadvisor.errors import BadInputError
-from memadvisor.planner import Plan, plan_workload
+from memadvisor.planner import plan_workload
+from memadvisor.schema.config import PlanConfig, gib_to_bytes
+from memadvisor.schema.plan import Plan
 from memadvisor.workload import Workload
 
 __all__ = ["optimize", "plan"]

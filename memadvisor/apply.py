@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.strategy import Check, Strategy, load_strategies
+from memadvisor.schema.advice import Check
+from memadvisor.strategy import Strategy, load_strategies
 
 if TYPE_CHECKING:
-    from memadvisor.estimate import Candidate
-    from memadvisor.planner import Plan
-    from memadvisor.profiler import Profile
+    from memadvisor.schema.candidate import Candidate
+    from memadvisor.schema.plan import Plan
+    from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
 __all__ = ["apply_candidate", "apply_plan", "run_checks"]

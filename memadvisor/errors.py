@@ -3,6 +3,11 @@
 One base class, :class:`MemadvisorError`; the CLI catches only these and turns each into one
 message on stderr and the exit code named on its class. Anything else is a bug in memadvisor
 (or in the user's model) and keeps its traceback.
+
+:func:`is_oom` is the one place that decides "is this an out-of-memory error?": the
+simulated device's error below and the CUDA stack's own both count, so every stage that
+runs a step (workload, profiler, devices, strategies' trials) asks it and re-raises
+anything else unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ __all__ = [
     "MemadvisorError",
     "PlanningError",
     "SimulatedOutOfMemoryError",
+    "is_oom",
 ]
 
 
@@ -65,3 +71,30 @@ class SimulatedOutOfMemoryError(MemadvisorError, torch.OutOfMemoryError):
         self.requested_bytes = requested_bytes
         self.live_bytes = live_bytes
         self.budget_bytes = budget_bytes
+
+
+# Messages the CUDA stack uses for an allocation failure that arrives as a plain RuntimeError
+# (cuDNN and cuBLAS report their own allocation failures this way, not as OutOfMemoryError).
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "Simulated device out of memory",
+)
+
+
+def is_oom(error: BaseException) -> bool:
+    """True when ``error`` means the device ran out of memory.
+
+    ``torch.OutOfMemoryError`` (which the simulated device's error subclasses) and the CUDA,
+    cuDNN and cuBLAS allocation messages count; anything else does not, and the caller
+    re-raises it unchanged.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if isinstance(error, RuntimeError) and len(error.args) == 1:
+        message = str(error.args[0])
+        return any(m in message for m in _OOM_MESSAGES)
+    return False

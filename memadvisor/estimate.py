@@ -84,64 +84,27 @@ an H200 with torch 2.11):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import JsonValue
 
-from memadvisor.profiler import LinearBytes, Profile, StepProfile
+from memadvisor.schema.candidate import Candidate, Estimate, PeakPhase
+from memadvisor.schema.profile import LinearBytes, Profile, StepProfile
 
-if TYPE_CHECKING:
-    from memadvisor.strategy import Strategy
-
-__all__ = ["Candidate", "Estimate", "StepModel", "estimate"]
-
-PeakPhase = Literal["forward", "backward", "optimizer"]
-MemoryKind = Literal["params", "grads", "optimizer_state", "activations", "temporaries"]
+__all__ = ["Effect", "StepModel", "estimate"]
 
 
-class Candidate(BaseModel):
-    """One configuration: a batch size and each strategy's choice, keyed by strategy name."""
+class Effect(Protocol):
+    """What the estimate asks of a strategy: its name, its order, and its effect on a step.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    :class:`memadvisor.strategy.Strategy` is one; the estimate names only this much of it,
+    so that it stays below the strategy contract (which builds on :class:`StepModel`).
+    """
 
-    batch_size: int = Field(gt=0, description="The micro-batch run per forward/backward.")
-    accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    choices: dict[str, JsonValue] = Field(
-        default_factory=dict,
-        description="Strategy name -> its choice, e.g. {'precision': 'bf16', "
-        "'checkpointing': ['blocks.0', 'blocks.1']}. A strategy left out is off.",
-    )
+    name: str
+    effect_order: int
 
-    def choice(self, strategy: str, default: JsonValue = None) -> JsonValue:
-        return self.choices.get(strategy, default)
-
-
-class Estimate(BaseModel):
-    """What the estimate says one candidate will do."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    peak_bytes: int = Field(description="Highest bytes held during the step.")
-    peak_phase: PeakPhase = Field(description="Where that peak happens.")
-    breakdown: dict[MemoryKind, int] = Field(description="What is held at the peak, by kind.")
-    step_ms: float = Field(description="One optimizer step, accumulation included.")
-    samples_per_s: float = Field(description="batch * accumulation / step time.")
-    peak_at: str = Field(
-        "",
-        description="The moment of the peak: 'forward', 'backward: head', 'backward: <block>' "
-        "(its backward, or its recompute), or 'optimizer'.",
-    )
-    reserved_peak_bytes: int | None = Field(
-        None,
-        description="CUDA: what the caching allocator reserves at the peak: peak_bytes plus "
-        "the step's largest allocation at this batch where the profile has its line, else "
-        "peak_bytes scaled by its reserved/allocated ratio; None where it has neither.",
-    )
-
-    @property
-    def limit_bytes(self) -> int:
-        """What a memory cap must hold for this step: a memory fraction caps reserved bytes."""
-        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
+    def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None: ...
 
 
 def _line(value: LinearBytes | None) -> tuple[float, float] | None:
@@ -588,9 +551,7 @@ class StepModel:
         return eof, head, starts, peaks
 
 
-def estimate(
-    profile: Profile, candidate: Candidate, strategies: Sequence[Strategy] = ()
-) -> Estimate:
+def estimate(profile: Profile, candidate: Candidate, strategies: Sequence[Effect] = ()) -> Estimate:
     """The estimated peak and step time of ``candidate``.
 
     Args:

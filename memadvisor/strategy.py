@@ -15,46 +15,21 @@ from abc import ABC, abstractmethod
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
+from memadvisor.schema.advice import Advice, Check
 
 if TYPE_CHECKING:
-    from memadvisor.config import PlanConfig
     from memadvisor.estimate import StepModel
-    from memadvisor.profiler import Profile
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
-__all__ = ["ENTRY_POINT_GROUP", "Advice", "Check", "Strategy", "load_strategies"]
+__all__ = ["ENTRY_POINT_GROUP", "Strategy", "load_strategies"]
 
 ENTRY_POINT_GROUP = "memadvisor.strategies"
-
-
-class Advice(BaseModel):
-    """One recommendation a person can adopt by hand."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    strategy: str = Field(description="The strategy's registered name.")
-    title: str = Field(description="A few words: 'Checkpoint 6 of 12 blocks'.")
-    sentence: str = Field(description="What to do and why, in plain words.")
-    snippet: str = Field("", description="Code to paste into one's own training script.")
-    effect: str = Field("", description="Its effect, measured or marked as estimated.")
-
-
-class Check(BaseModel):
-    """What a strategy measured about a choice on the user's own workload (e.g. numerics)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    strategy: str = Field(description="The strategy's registered name.")
-    choice: JsonValue = Field(None, description="The choice that was checked.")
-    summary: str = Field(description="One sentence a person reads: what differed, by how much.")
-    passed: bool = Field(description="False when the difference is worth a person's attention.")
-    metrics: dict[str, float] = Field(
-        default_factory=dict, description="The measured numbers, named with their units."
-    )
 
 
 class Strategy(ABC):

@@ -298,6 +298,6 @@ def train_step(
 def _is_oom_text(e: BaseException) -> bool:
     # The one OOM decision lives in memadvisor.device.is_oom; this guard only keeps an OOM
     # raised as a plain RuntimeError (cuDNN, cuBLAS) from being reported as bad input.
-    from memadvisor.device import is_oom
+    from memadvisor.errors import is_oom
 
     return is_oom(e)

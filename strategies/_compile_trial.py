@@ -22,9 +22,8 @@ from torch import nn
 
 from memadvisor import _torch_private
 from memadvisor.apply import apply_candidate
-from memadvisor.device import is_oom
-from memadvisor.errors import BadInputError
-from memadvisor.estimate import Candidate
+from memadvisor.errors import BadInputError, is_oom
+from memadvisor.schema.candidate import Candidate
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
 from strategies._compiled_forward import (

@@ -20,12 +20,14 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.strategy import Advice, Strategy
+from memadvisor.schema.advice import Advice
+from memadvisor.strategy import Strategy
 
 if TYPE_CHECKING:
-    from memadvisor.config import PlanConfig
-    from memadvisor.estimate import Candidate, StepModel
-    from memadvisor.profiler import Profile
+    from memadvisor.estimate import StepModel
+    from memadvisor.schema.candidate import Candidate
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.profile import Profile
 
 __all__ = ["BatchSize", "accumulation_steps_for", "choice_for"]
 

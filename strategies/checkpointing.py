@@ -23,14 +23,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memadvisor.errors import BadInputError
-from memadvisor.strategy import Advice, Strategy
+from memadvisor.schema.advice import Advice
+from memadvisor.strategy import Strategy
 from strategies import _forward
 from strategies._format import mib, names_text
 
 if TYPE_CHECKING:
-    from memadvisor.config import PlanConfig
     from memadvisor.estimate import StepModel
-    from memadvisor.profiler import Profile
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.profile import Profile
 
 __all__ = ["ActivationCheckpointing", "CheckpointedForward", "ranked_blocks"]
 

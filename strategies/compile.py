@@ -60,7 +60,8 @@ import torch
 from pydantic import JsonValue
 from torch import nn
 
-from memadvisor.strategy import Advice, Check, Strategy
+from memadvisor.schema.advice import Advice, Check
+from memadvisor.strategy import Strategy
 from strategies import _forward
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
@@ -71,9 +72,10 @@ from strategies._compile_trial import (
 from strategies._compiled_forward import MODES, CompileChoice, CompiledForward, parse_choice
 
 if TYPE_CHECKING:
-    from memadvisor.config import PlanConfig
-    from memadvisor.estimate import Candidate, StepModel
-    from memadvisor.profiler import Profile
+    from memadvisor.estimate import StepModel
+    from memadvisor.schema.candidate import Candidate
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
 __all__ = [

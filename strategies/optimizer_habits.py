@@ -21,13 +21,14 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.strategy import Advice, Strategy
+from memadvisor.schema.advice import Advice
+from memadvisor.strategy import Strategy
 from strategies._format import mib
 
 if TYPE_CHECKING:
-    from memadvisor.config import PlanConfig
     from memadvisor.estimate import StepModel
-    from memadvisor.profiler import Profile
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.profile import Profile
 
 __all__ = ["OptimizerHabits", "optimizer_temporary_bytes"]
 

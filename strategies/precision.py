@@ -23,15 +23,16 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.strategy import Advice, Check, Strategy
+from memadvisor.schema.advice import Advice, Check
+from memadvisor.strategy import Strategy
 from memadvisor.workload import train_step
 from strategies import _forward
 from strategies._format import mib
 
 if TYPE_CHECKING:
-    from memadvisor.config import PlanConfig
     from memadvisor.estimate import StepModel
-    from memadvisor.profiler import Profile
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
 __all__ = [

@@ -18,7 +18,7 @@ from torch import nn
 
 import memadvisor
 from memadvisor.errors import BadInputError, InfeasibleBudgetError
-from memadvisor.planner import Plan
+from memadvisor.schema.plan import Plan
 from memadvisor.target import load_factory
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

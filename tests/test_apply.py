@@ -13,11 +13,12 @@ from torch import nn
 
 import memadvisor
 from memadvisor.apply import apply_candidate, run_checks
-from memadvisor.config import PlanConfig
 from memadvisor.errors import BadInputError
-from memadvisor.estimate import Candidate, Estimate, estimate
-from memadvisor.planner import Plan
-from memadvisor.profiler import (
+from memadvisor.estimate import estimate
+from memadvisor.schema.candidate import Candidate, Estimate
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     DeviceInfo,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from memadvisor import _torch_private
-from memadvisor.compile_cache import cache_env, directory_bytes, shared_compile_cache
+from strategies._compile_cache import cache_env, directory_bytes, shared_compile_cache
 
 KEYS = (
     "TORCHINDUCTOR_CACHE_DIR",

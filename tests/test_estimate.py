@@ -10,8 +10,10 @@ from torch.overrides import TorchFunctionMode
 
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device.simulated import SimulatedDevice
-from memadvisor.estimate import Candidate, StepModel, estimate
-from memadvisor.profiler import (
+from memadvisor.estimate import StepModel, estimate
+from memadvisor.profiler import profile_workload
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     DeviceInfo,
@@ -20,7 +22,6 @@ from memadvisor.profiler import (
     Profile,
     StepProfile,
     UntrackedBytes,
-    profile_workload,
 )
 from memadvisor.strategy import load_strategies
 from memadvisor.target import load_factory, load_target, workload_from_result
@@ -347,7 +348,7 @@ def test_on_cuda_the_estimate_is_within_5_percent_of_max_memory_allocated(cnn: W
     Known limitations), and an estimate that errs high costs a probe, never an OOM.
     """
     from memadvisor._torch_private import clear_cublas_workspaces
-    from memadvisor.device.cuda import train_candidate
+    from memadvisor.device._train import train_candidate
 
     profile = profile_workload(cnn, device="cuda", precisions=["fp32", "bf16"])
     strategies = load_strategies(["precision", "checkpointing"])
@@ -389,7 +390,7 @@ def test_on_cuda_full_cnn_fp32_at_4_gib_is_within_10_percent_of_max_memory_alloc
     block checkpointed): cuDNN's workspaces grow 1.44 MiB a sample there, which the estimate
     missed (-17%, -30%) before the profile fitted them at larger sizes."""
     from memadvisor._torch_private import clear_cublas_workspaces
-    from memadvisor.device.cuda import train_candidate
+    from memadvisor.device._train import train_candidate
 
     workload = load_target(f"{EXAMPLES}/cnn.py:build")
     profile = profile_workload(workload, device="cuda", precisions=["fp32"])

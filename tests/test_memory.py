@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memadvisor.device import is_oom
-from memadvisor.errors import SimulatedOutOfMemoryError
+from memadvisor.errors import SimulatedOutOfMemoryError, is_oom
 from memadvisor.memory import MemoryMeter, unique_storage_bytes
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from memadvisor.config import GIB, PlanConfig, gib_to_bytes
-from memadvisor.estimate import Candidate, Estimate
-from memadvisor.planner import Measurement, Plan, Probe, Row
-from memadvisor.profiler import (
+from memadvisor.schema.candidate import Candidate, Estimate, Measurement
+from memadvisor.schema.config import GIB, PlanConfig, gib_to_bytes
+from memadvisor.schema.plan import Plan, Probe, Row
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     DeviceInfo,

@@ -35,7 +35,7 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from memadvisor import __version__
+        from memadvisor._version import __version__
 
         typer.echo(f"memadvisor {__version__}")
         raise typer.Exit()
@@ -195,7 +195,3 @@ def write_text(path: Path, text: str, what: str, *, quiet: bool) -> None:
 def say_written(what: str, path: object, *, quiet: bool) -> None:
     if not quiet:
         err_console.print(f"Wrote {what} to {path}", highlight=False, soft_wrap=True)
-
-
-from memadvisor.cli import plan as _plan  # noqa: E402,F401  (registers the command)
-from memadvisor.cli import profile as _profile  # noqa: E402,F401

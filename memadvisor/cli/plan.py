@@ -23,12 +23,12 @@ from memadvisor.cli._app import (
     resolve_device,
     write_text,
 )
-from memadvisor.config import PlanConfig, gib_to_bytes
 from memadvisor.errors import BadInputError
+from memadvisor.schema.config import PlanConfig, gib_to_bytes
 
 if TYPE_CHECKING:
-    from memadvisor.planner import Plan
     from memadvisor.report import MemorySeries
+    from memadvisor.schema.plan import Plan
     from memadvisor.workload import Workload
 
 

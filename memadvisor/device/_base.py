@@ -5,34 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 if TYPE_CHECKING:
-    from memadvisor.estimate import Candidate
+    from memadvisor.schema.candidate import Candidate, Measurement
     from memadvisor.workload import Workload
 
-__all__ = ["Device", "Measurement"]
-
-
-class Measurement(BaseModel):
-    """A candidate run on a device for some sustained steps."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    steps: int
-    peak_bytes: int = Field(description="Most bytes allocated to tensors at once.")
-    reserved_peak_bytes: int | None = Field(
-        None,
-        description="CUDA: the caching allocator's reserved peak, which a memory fraction caps.",
-    )
-    step_ms: float = Field(description="Median step time (the first step excluded when >1).")
-    samples_per_s: float
-
-    @property
-    def limit_bytes(self) -> int:
-        """What the run needed of a memory cap: a memory fraction caps reserved bytes (the
-        simulated device reserves nothing beyond its tensors)."""
-        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
+__all__ = ["Device"]
 
 
 class Device(ABC):

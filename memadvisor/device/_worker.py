@@ -25,7 +25,7 @@ from typing import Any
 
 
 def _say(answer: dict[str, Any]) -> None:
-    from memadvisor.device.cuda import RESULT_MARKER
+    from memadvisor.device._train import RESULT_MARKER
 
     sys.stdout.write("\n" + RESULT_MARKER + json.dumps(answer) + "\n")
     sys.stdout.flush()
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from memadvisor.device._oom import is_oom
-    from memadvisor.device.cuda import train_candidate
-    from memadvisor.estimate import Candidate
-    from memadvisor.profiler import Profile
+    from memadvisor.device._train import train_candidate
+    from memadvisor.errors import is_oom
+    from memadvisor.schema.candidate import Candidate
+    from memadvisor.schema.profile import Profile
 
     index = int(request["device_index"])
     torch.cuda.set_device(index)

@@ -112,7 +112,7 @@ def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) 
     """
     import torch
 
-    from memadvisor.device.cuda import train_candidate
+    from memadvisor.device._train import train_candidate
 
     index = context.device_index
     try:
@@ -136,7 +136,7 @@ def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) 
 
 
 def _error_answer(e: BaseException) -> dict[str, Any]:
-    from memadvisor.device._oom import is_oom
+    from memadvisor.errors import is_oom
 
     if isinstance(e, Unforkable) or _FORKED_AUTOGRAD in str(e):
         return {"status": "unforkable", "message": str(e)}
@@ -164,7 +164,7 @@ def _child(state: _State, run: dict[str, Any], answer_fd: int) -> None:
         os.close(state.answers.fileno())  # and the answers its to write
         import torch
 
-        from memadvisor.estimate import Candidate
+        from memadvisor.schema.candidate import Candidate
 
         torch.set_num_threads(state.context.intra_op_threads)
         candidate = Candidate.model_validate(run["candidate"])
@@ -228,7 +228,7 @@ def _setup(setup: dict[str, Any], answers: IO[str]) -> _State | None:
 def _context(setup: dict[str, Any], threads: int) -> tuple[RunContext, Any]:
     # What every child would otherwise import or parse again, done once here.
     import memadvisor.apply  # noqa: F401 - warm for the children
-    from memadvisor.profiler import Profile
+    from memadvisor.schema.profile import Profile
     from memadvisor.strategy import load_strategies
     from memadvisor.target import load_factory
 

@@ -35,16 +35,13 @@ Known limitations:
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,92 +49,17 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from memadvisor.device._base import Device, Measurement
-from memadvisor.device._oom import is_oom
+from memadvisor.device._base import Device
+from memadvisor.device._train import RESULT_MARKER, train_candidate
 from memadvisor.device._zygote import ForkServer, ZygoteDied
 from memadvisor.errors import BadInputError, PlanningError
-from memadvisor.estimate import Candidate
-from memadvisor.profiler import Profile
-from memadvisor.strategy import Strategy
-from memadvisor.workload import Workload, train_step
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.profile import Profile
+from memadvisor.workload import Workload
 
-__all__ = ["RESULT_MARKER", "CudaDevice", "train_candidate"]
+__all__ = ["CudaDevice"]
 
-RESULT_MARKER = "MEMADVISOR_RESULT "  # prefixes the child's answer; the model may print too
 MIB = 2**20
-
-
-def _apply(
-    model: torch.nn.Module,
-    candidate: Candidate,
-    strategy_names: Sequence[str] | None,
-    profile: Profile | None,
-    strategies: Sequence[Strategy] | None = None,
-) -> torch.nn.Module:
-    from memadvisor.apply import apply_candidate  # the strategies' package; imported late
-    from memadvisor.strategy import load_strategies
-
-    if strategies is None:
-        strategies = load_strategies(list(strategy_names) if strategy_names is not None else None)
-    return apply_candidate(model, candidate, strategies, profile=profile)
-
-
-def train_candidate(
-    workload: Workload,
-    candidate: Candidate,
-    steps: int,
-    *,
-    device: torch.device,
-    strategy_names: Sequence[str] | None = None,
-    profile: Profile | None = None,
-    copy_model: bool = True,
-    strategies: Sequence[Strategy] | None = None,
-) -> Measurement:
-    """Train ``candidate`` for ``steps`` steps on ``device`` and measure it.
-
-    The peak is what this run added to what was allocated when it began (in a fresh process
-    that is everything: weights, optimizer state, activations). ``strategies`` (instances)
-    spares loading them again; else they are loaded by ``strategy_names``.
-
-    Raises:
-        torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit;
-            ``memadvisor_steps_completed`` on the error says how many steps finished.
-    """
-    torch.cuda.synchronize(device)
-    base_allocated = torch.cuda.memory_allocated(device)
-    base_reserved = torch.cuda.memory_reserved(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    times_ms: list[float] = []
-    try:
-        model = copy.deepcopy(workload.model) if copy_model else workload.model
-        for p in model.parameters():
-            p.grad = None  # a run starts without gradients, as train_step leaves them
-        model = _apply(model.to(device), candidate, strategy_names, profile, strategies)
-        optimizer = workload.make_optimizer(model)
-        batch = workload.batch(candidate.batch_size, device)
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            train_step(
-                workload, model, optimizer, batch, accumulation_steps=candidate.accumulation_steps
-            )
-            torch.cuda.synchronize(device)
-            times_ms.append((time.perf_counter() - t0) * 1e3)
-    except Exception as e:
-        if is_oom(e):
-            e.memadvisor_steps_completed = len(times_ms)  # type: ignore[attr-defined]
-        raise
-    peak = torch.cuda.max_memory_allocated(device) - base_allocated
-    reserved = torch.cuda.max_memory_reserved(device) - base_reserved
-    # The first step creates the optimizer state and warms up kernels: not a steady step.
-    step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
-    samples = candidate.batch_size * candidate.accumulation_steps
-    return Measurement(
-        steps=steps,
-        peak_bytes=peak,
-        reserved_peak_bytes=max(reserved, 0),
-        step_ms=step_ms,
-        samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
-    )
 
 
 def _get_fraction(index: int) -> float:

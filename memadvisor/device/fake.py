@@ -45,7 +45,7 @@ from memadvisor.target import workload_from_result
 from memadvisor.workload import Workload
 
 if TYPE_CHECKING:
-    from memadvisor.profiler import Profile
+    from memadvisor.schema.profile import Profile
 
 __all__ = ["CUDA_FIXED_BYTES", "FakeDevice", "FakeWorkload", "fake_workload", "profile_fake"]
 

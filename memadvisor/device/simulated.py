@@ -33,12 +33,11 @@ import torch
 from torch import nn
 
 from memadvisor.device._autocast import cuda_autocast_policy
-from memadvisor.device._base import Device, Measurement
-from memadvisor.device._oom import is_oom
-from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError
-from memadvisor.estimate import Candidate
+from memadvisor.device._base import Device
+from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError, is_oom
 from memadvisor.memory import MemoryMeter
-from memadvisor.profiler import Profile
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload, tensor_leaves, train_step
 
 __all__ = ["AutocastPolicy", "SimulatedDevice", "tensor_leaves"]

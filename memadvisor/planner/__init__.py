@@ -1,17 +1,15 @@
-"""Planner: search the strategies' choices on the estimate, probe the device, verify the pick."""
+"""Planner: search the strategies' choices on the estimate, probe the device, verify the pick.
+
+Its answer is a :class:`~memadvisor.schema.plan.Plan` (``memadvisor.schema``).
+"""
 
 from memadvisor.planner._plan import measure_configuration, plan_workload
 from memadvisor.planner._probe import BatchSearch, find_batch, safe_below
 from memadvisor.planner._progress import Progress
-from memadvisor.planner._schema import Measurement, Plan, Probe, Row
 
 __all__ = [
     "BatchSearch",
-    "Measurement",
-    "Plan",
-    "Probe",
     "Progress",
-    "Row",
     "find_batch",
     "measure_configuration",
     "plan_workload",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from memadvisor.config import GIB, PlanConfig
 from memadvisor.errors import InfeasibleBudgetError
-from memadvisor.profiler import Profile
+from memadvisor.schema.config import GIB, PlanConfig
+from memadvisor.schema.profile import Profile
 
 __all__ = ["budget_needed_bytes", "check_static_fits", "infeasible"]
 

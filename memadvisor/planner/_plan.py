@@ -38,22 +38,24 @@ import torch
 from pydantic import JsonValue
 
 from memadvisor.apply import run_checks
-from memadvisor.config import PlanConfig
-from memadvisor.device import Device, Measurement
+from memadvisor.device import Device
 from memadvisor.errors import BadInputError
-from memadvisor.estimate import Candidate, estimate
+from memadvisor.estimate import estimate
 from memadvisor.planner._budget import check_static_fits, infeasible
 from memadvisor.planner._compare import hand_configurations, unchecked_hand_choices
-from memadvisor.planner._compiled import compiled_pick
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
 from memadvisor.planner._progress import Progress, Stage
-from memadvisor.planner._schema import Plan, Probe, Row
 from memadvisor.planner._search import search
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.planner._state import preserved_state
-from memadvisor.profiler import Profile
-from memadvisor.strategy import Advice, Strategy, load_strategies
+from memadvisor.schema.advice import Advice
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Plan, Probe, Row
+from memadvisor.schema.profile import Profile
+from memadvisor.strategy import Strategy, load_strategies
 from memadvisor.workload import Workload
+from strategies._compile_stage import compiled_pick
 
 __all__ = ["measure_configuration", "plan_workload"]
 

@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memadvisor.device import Device, Measurement, is_oom
-from memadvisor.estimate import Candidate
-from memadvisor.planner._schema import Probe
+from memadvisor.device import Device
+from memadvisor.errors import is_oom
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
 __all__ = ["BatchSearch", "find_batch", "probe", "safe_below"]

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from pydantic import JsonValue
 
-from memadvisor.config import PlanConfig
-from memadvisor.estimate import Candidate, Estimate, estimate
-from memadvisor.profiler import Profile
+from memadvisor.estimate import estimate
+from memadvisor.schema.candidate import Candidate, Estimate
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Strategy
 
 __all__ = [

@@ -1,34 +1,13 @@
-"""Profiler: one instrumented training step measured at two small batch sizes."""
+"""Profiler: one instrumented training step measured at two small batch sizes.
+
+What it measures is a :class:`~memadvisor.schema.profile.Profile` (``memadvisor.schema``).
+"""
 
 from memadvisor.profiler._blocks import find_blocks
 from memadvisor.profiler._export import record_timeline, write_memory_snapshot
 from memadvisor.profiler._profile import as_optimizer_factory, profile, profile_workload
-from memadvisor.profiler._schema import (
-    BlockActivity,
-    BlockInfo,
-    DeviceInfo,
-    LayerRow,
-    LinearBytes,
-    LinearMs,
-    ModuleActivity,
-    PhasePeak,
-    Profile,
-    StepProfile,
-    UntrackedBytes,
-)
 
 __all__ = [
-    "BlockActivity",
-    "BlockInfo",
-    "DeviceInfo",
-    "LayerRow",
-    "LinearBytes",
-    "LinearMs",
-    "ModuleActivity",
-    "PhasePeak",
-    "Profile",
-    "StepProfile",
-    "UntrackedBytes",
     "as_optimizer_factory",
     "find_blocks",
     "profile",

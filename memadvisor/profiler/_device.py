@@ -10,7 +10,7 @@ from torch import nn
 
 from memadvisor._torch_private import fake_mode_active, is_fake
 from memadvisor.errors import BadInputError
-from memadvisor.profiler._schema import DeviceInfo
+from memadvisor.schema.profile import DeviceInfo
 
 __all__ = ["AUTOCAST_DTYPES", "DeviceChoice", "Target", "resolve_target"]
 

@@ -59,7 +59,16 @@ from memadvisor.profiler._memory_step import (
     tensors_in,
 )
 from memadvisor.profiler._progress import ProgressArg, ProgressReporter
-from memadvisor.profiler._schema import (
+from memadvisor.profiler._state import private_model, rng_restored
+from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
+from memadvisor.profiler._untracked import (
+    LargestAllocation,
+    UntrackedFit,
+    measure_untracked,
+    untracked_batch_sizes,
+    untracked_step,
+)
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     LayerRow,
@@ -69,15 +78,6 @@ from memadvisor.profiler._schema import (
     PhasePeak,
     Profile,
     StepProfile,
-)
-from memadvisor.profiler._state import private_model, rng_restored
-from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
-from memadvisor.profiler._untracked import (
-    LargestAllocation,
-    UntrackedFit,
-    measure_untracked,
-    untracked_batch_sizes,
-    untracked_step,
 )
 from memadvisor.workload import Workload, train_step
 
@@ -179,7 +179,7 @@ def profile_workload(
             patterns, a device that is not there, or a model that rejects its batch.
     """
     # memadvisor.device imports the profiler's schema: imported here, not at the top.
-    from memadvisor.device import is_oom
+    from memadvisor.errors import is_oom
 
     started = time.perf_counter()
     if not isinstance(workload, Workload):
@@ -409,7 +409,7 @@ class _Pass:
         or where the card has no room for them."""
         if not self.target.is_cuda:
             return None
-        from memadvisor.device import is_oom  # imports the profiler's schema
+        from memadvisor.errors import is_oom
 
         dev, (b1, b2) = self.target.device, self.sizes
         m1, m2 = mem

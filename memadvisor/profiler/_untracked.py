@@ -42,7 +42,7 @@ from memadvisor._torch_private import clear_cublas_workspaces
 from memadvisor.memory import MemoryMeter
 from memadvisor.profiler._device import Target
 from memadvisor.profiler._memory_step import PhasePeakMeter, tensors_in
-from memadvisor.profiler._schema import LinearBytes, UntrackedBytes
+from memadvisor.schema.profile import LinearBytes, UntrackedBytes
 from memadvisor.workload import Workload, train_step
 
 __all__ = [

@@ -13,10 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from memadvisor.estimate import Candidate
-from memadvisor.planner import Plan, Row
-from memadvisor.planner._schema import CompileOutcome
-from memadvisor.profiler import Profile, StepProfile
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.plan import CompileOutcome, Plan, Row
+from memadvisor.schema.profile import Profile, StepProfile
 
 __all__ = [
     "Answer",

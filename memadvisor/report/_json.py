@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memadvisor.errors import BadInputError
-from memadvisor.planner import Plan
+from memadvisor.schema.plan import Plan
 
 __all__ = ["write_plan_json"]
 

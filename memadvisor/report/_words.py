@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from memadvisor.profiler import Profile
 from memadvisor.report._facts import Answer
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+from memadvisor.schema.profile import Profile
 
 __all__ = ["OWNERS_NOTE", "answer_rows", "device_title", "fragmentation", "kind_words"]
 

@@ -12,8 +12,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from memadvisor.errors import BadInputError
-from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._html_assets import CSS, SCRIPT
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
@@ -24,6 +22,8 @@ from memadvisor.report._words import (
     fragmentation,
     kind_words,
 )
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import Profile
 
 __all__ = ["render_plan_html", "render_profile_html", "write_html"]
 
@@ -156,7 +156,7 @@ def _e(text: object) -> str:
 def _page(title: str, parts: Iterable[str], data: dict) -> str:
     # "<" escaped so no string in the data (a module name, a note) can close the script tag.
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
-    from memadvisor import __version__
+    from memadvisor._version import __version__
 
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'

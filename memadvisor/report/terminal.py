@@ -10,8 +10,6 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
@@ -21,6 +19,8 @@ from memadvisor.report._words import (
     fragmentation,
     kind_words,
 )
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import Profile
 
 __all__ = ["one_line", "one_line_profile", "print_plan", "print_profile"]
 

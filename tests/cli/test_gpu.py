@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 
-from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
 from memadvisor.report._units import fmt_bytes
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import Profile
 
 pytestmark = pytest.mark.gpu
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import memadvisor
-from memadvisor.config import gib_to_bytes
-from memadvisor.planner import Plan
 from memadvisor.report._units import fmt_bytes, fmt_rate
+from memadvisor.schema.config import gib_to_bytes
+from memadvisor.schema.plan import Plan
 from memadvisor.target import load_target
 
 NO_CUDA = not torch.cuda.is_available()

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from memadvisor.profiler import Profile
 from memadvisor.report._units import fmt_bytes
+from memadvisor.schema.profile import Profile
 from memadvisor.timeline import Timeline
 
 

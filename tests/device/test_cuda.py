@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memadvisor
-from memadvisor.device import is_oom
-from memadvisor.errors import BadInputError
-from memadvisor.estimate import Candidate
+from memadvisor.errors import BadInputError, is_oom
+from memadvisor.schema.candidate import Candidate
 from memadvisor.target import load_target
 from memadvisor.workload import Workload
 
@@ -278,7 +277,8 @@ def test_a_saved_workload_using_a_target_file_loads_in_a_fresh_process(tmp_path:
 
 def test_the_answer_line_is_found_among_whatever_the_model_printed() -> None:
     """The child's answer is the last line with the marker, whatever else it printed."""
-    from memadvisor.device.cuda import RESULT_MARKER, _parse_answer
+    from memadvisor.device._train import RESULT_MARKER
+    from memadvisor.device.cuda import _parse_answer
 
     out = (
         f'loss 1.0\n{RESULT_MARKER}{{"status": "old"}}\nstep 2\n{RESULT_MARKER}{{"status": "ok"}}\n'

@@ -16,7 +16,8 @@ from memadvisor.device.fake import (
 )
 from memadvisor.device.simulated import SimulatedDevice
 from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError
-from memadvisor.estimate import Candidate, estimate
+from memadvisor.estimate import estimate
+from memadvisor.schema.candidate import Candidate
 from memadvisor.strategy import load_strategies
 from memadvisor.target import load_factory, workload_from_result
 

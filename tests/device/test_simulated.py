@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.device import is_oom
 from memadvisor.device.simulated import SimulatedDevice
-from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError
-from memadvisor.estimate import Candidate
+from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError, is_oom
+from memadvisor.schema.candidate import Candidate
 from memadvisor.target import load_target
 from memadvisor.workload import Workload
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from memadvisor.device._zygote import ForkServer, ZygoteDied
-from memadvisor.estimate import Candidate
+from memadvisor.schema.candidate import Candidate
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

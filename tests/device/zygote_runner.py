@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from memadvisor.device import Measurement
+from memadvisor.schema.candidate import Measurement
 from memadvisor.workload import train_step
 
 BUG_BATCH = 13  # raises a KeyError: an error that is not out-of-memory

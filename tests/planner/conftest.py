@@ -13,9 +13,11 @@ import torch
 from pydantic import JsonValue
 from torch import nn
 
-from memadvisor.device import Device, Measurement
-from memadvisor.estimate import Candidate, StepModel
-from memadvisor.profiler import (
+from memadvisor.device import Device
+from memadvisor.estimate import StepModel
+from memadvisor.schema.advice import Advice
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     DeviceInfo,
@@ -24,7 +26,7 @@ from memadvisor.profiler import (
     Profile,
     StepProfile,
 )
-from memadvisor.strategy import Advice, Strategy
+from memadvisor.strategy import Strategy
 from memadvisor.workload import Workload
 
 MIB = 2**20

@@ -18,17 +18,17 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.config import PlanConfig
-from memadvisor.device import Measurement
-from memadvisor.estimate import Candidate
-from memadvisor.planner import Plan, Progress
-from memadvisor.planner._compiled import MIN_SPEEDUP, compiled_pick, compiled_variants, kept_share
+from memadvisor.planner import Progress
 from memadvisor.planner._plan import _Prober
 from memadvisor.planner._space import SearchSpace
-from memadvisor.profiler import DeviceInfo
 from memadvisor.report._facts import answer, device_runs
 from memadvisor.report._words import answer_rows
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import DeviceInfo
 from memadvisor.workload import Workload
+from strategies._compile_stage import MIN_SPEEDUP, compiled_pick, compiled_variants, kept_share
 from strategies.compile import Compile, CompileResult, parse_choice
 
 MIB = 2**20

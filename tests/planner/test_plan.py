@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from memadvisor.config import GIB, PlanConfig
 from memadvisor.errors import InfeasibleBudgetError
-from memadvisor.planner import Plan, measure_configuration, plan_workload, safe_below
+from memadvisor.planner import measure_configuration, plan_workload, safe_below
 from memadvisor.planner._search import search
 from memadvisor.planner._space import SearchSpace
+from memadvisor.schema.config import GIB, PlanConfig
+from memadvisor.schema.plan import Plan
 
 MIB = 2**20
 FAST = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 4}

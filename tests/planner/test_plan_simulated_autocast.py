@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memadvisor.config import PlanConfig
 from memadvisor.planner import plan_workload
+from memadvisor.schema.config import PlanConfig
 from memadvisor.workload import Workload
 
 

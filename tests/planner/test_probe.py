@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memadvisor.estimate import Candidate
 from memadvisor.planner import find_batch, safe_below
 from memadvisor.planner._probe import probe
+from memadvisor.schema.candidate import Candidate
 
 MARGIN = 0.08
 

@@ -8,12 +8,14 @@ import optuna
 import pytest
 from pydantic import JsonValue
 
-from memadvisor.config import PlanConfig
-from memadvisor.estimate import Candidate, StepModel, estimate
+from memadvisor.estimate import StepModel, estimate
 from memadvisor.planner import _search
 from memadvisor.planner._search import search
 from memadvisor.planner._space import SearchSpace, largest_batch, micro_batch_for
-from memadvisor.strategy import Advice, Strategy
+from memadvisor.schema.advice import Advice
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
+from memadvisor.strategy import Strategy
 
 MIB = 2**20
 

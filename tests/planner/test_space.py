@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from memadvisor.config import PlanConfig
-from memadvisor.estimate import Candidate, estimate
+from memadvisor.estimate import estimate
 from memadvisor.planner._space import SearchSpace, largest_batch
-from memadvisor.profiler import LinearBytes, Profile
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.profile import LinearBytes, Profile
 
 MIB = 2**20
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from memadvisor.config import GIB, PlanConfig
 from memadvisor.planner._space import SearchSpace
+from memadvisor.schema.config import GIB, PlanConfig
 from memadvisor.strategy import Strategy
 
 
@@ -27,7 +27,7 @@ class _MeasuredOnly(Strategy):
 
 
 def test_measured_only_strategies_offer_only_their_neutral_choice(tmp_path) -> None:  # noqa: ANN001
-    from memadvisor.profiler import DeviceInfo, LinearBytes, Profile, StepProfile
+    from memadvisor.schema.profile import DeviceInfo, LinearBytes, Profile, StepProfile
 
     profile = Profile(
         model_name="m",

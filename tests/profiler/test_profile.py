@@ -29,7 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memadvisor
 from memadvisor.errors import BadInputError
-from memadvisor.profiler import Profile, profile_workload
+from memadvisor.profiler import profile_workload
+from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload, train_step
 
 W = 64  # width

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memadvisor.device import is_oom
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, is_oom
 from memadvisor.memory import MemoryMeter
-from memadvisor.profiler import LinearBytes, profile_workload
+from memadvisor.profiler import profile_workload
 from memadvisor.profiler._untracked import (
     UNTRACKED_BATCH_BYTES,
     LargestAllocation,
@@ -16,6 +15,7 @@ from memadvisor.profiler._untracked import (
     measure_untracked,
     untracked_batch_sizes,
 )
+from memadvisor.schema.profile import LinearBytes
 from memadvisor.workload import Workload
 
 MIB, GIB = 2**20, 2**30

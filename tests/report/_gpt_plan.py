@@ -8,10 +8,12 @@ real StepModel verbs, so they add up the way the planner's would.
 
 from __future__ import annotations
 
-from memadvisor.config import GIB, PlanConfig
-from memadvisor.estimate import Candidate, Estimate, StepModel
-from memadvisor.planner import Measurement, Plan, Probe, Row
-from memadvisor.profiler import (
+from memadvisor.estimate import StepModel
+from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.candidate import Candidate, Estimate, Measurement
+from memadvisor.schema.config import GIB, PlanConfig
+from memadvisor.schema.plan import Plan, Probe, Row
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     DeviceInfo,
@@ -23,7 +25,6 @@ from memadvisor.profiler import (
     Profile,
     StepProfile,
 )
-from memadvisor.strategy import Advice, Check
 
 MIB = 2**20
 BLOCKS = [f"transformer.h.{i}" for i in range(4)]

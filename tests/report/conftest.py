@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import Profile
 
 
 def load_gpt_plan_module():

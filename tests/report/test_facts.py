@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from memadvisor.config import GIB
-from memadvisor.estimate import Candidate
-from memadvisor.planner import Measurement, Plan, Probe
-from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import GIB
+from memadvisor.schema.plan import Plan, Probe
+from memadvisor.schema.profile import Profile
 
 
 def test_answer_names_the_pick_and_compares_with_the_measured_baseline(plan: Plan) -> None:

@@ -6,10 +6,10 @@ import io
 
 from rich.console import Console
 
-from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
 from memadvisor.report import one_line, print_plan, print_profile
 from memadvisor.report._units import fmt_bytes, fmt_rate
+from memadvisor.schema.plan import Plan
+from memadvisor.schema.profile import Profile
 
 
 def _render(fn, obj, **kwargs) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.profiler import (
+from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
     DeviceInfo,

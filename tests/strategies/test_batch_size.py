@@ -7,9 +7,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from memadvisor.config import PlanConfig
 from memadvisor.errors import BadInputError
-from memadvisor.estimate import Candidate, StepModel, estimate
+from memadvisor.estimate import StepModel, estimate
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
 from strategies.batch_size import BatchSize, accumulation_steps_for, choice_for
 
 BATCH = BatchSize()

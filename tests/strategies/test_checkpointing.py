@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memadvisor.config import PlanConfig
 from memadvisor.errors import BadInputError
 from memadvisor.estimate import StepModel
+from memadvisor.schema.config import PlanConfig
 from strategies import _forward, checkpointing
 from strategies.checkpointing import ActivationCheckpointing, CheckpointedForward
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.config import PlanConfig
 from memadvisor.errors import BadInputError
-from memadvisor.estimate import Candidate, estimate
+from memadvisor.estimate import estimate
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
 from memadvisor.strategy import load_strategies
 from memadvisor.workload import Workload
 from strategies import _forward
@@ -359,8 +360,8 @@ def test_cuda_partitioner_budget_lowers_the_compiled_peak(gpt_example) -> None:
 @pytest.mark.gpu
 def test_cuda_probe_process_applies_compile_by_entry_point(gpt_example, examples_dir) -> None:
     """A fresh-process probe rebuilds the workload and compiles the candidate (shared cache)."""
-    from memadvisor.compile_cache import shared_compile_cache
     from memadvisor.device.cuda import CudaDevice
+    from strategies._compile_cache import shared_compile_cache
 
     target = f"{examples_dir / 'gpt.py'}:build"
     device = CudaDevice(4 * 2**30, target=target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memadvisor.config import PlanConfig
+from memadvisor.schema.config import PlanConfig
 from memadvisor.workload import Workload
 from strategies import _forward
 from strategies.inference import Inference, measure_inference

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from memadvisor.config import PlanConfig
-from memadvisor.estimate import Candidate, estimate
+from memadvisor.estimate import estimate
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
 from strategies import _forward
 from strategies.optimizer_habits import OptimizerHabits, optimizer_temporary_bytes
 

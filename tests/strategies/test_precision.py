@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.config import PlanConfig
 from memadvisor.errors import BadInputError
-from memadvisor.estimate import Candidate, StepModel, estimate
+from memadvisor.estimate import StepModel, estimate
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
 from memadvisor.strategy import load_strategies
 from memadvisor.workload import Workload
 from strategies import _forward

@@ -12,7 +12,6 @@ __all__ = [
     "DeviceKind",
     "Objective",
     "PlanConfig",
-    "Precision",
     "gib_to_bytes",
 ]
 
@@ -20,7 +19,6 @@ GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count i
 
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated"]
-Precision = Literal["fp32", "bf16", "fp16"]
 CompilePolicy = Literal["auto", "off", "on"]
 
 

@@ -6,12 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from memadvisor.compile_cache import CompileCacheReport
-from memadvisor.config import PlanConfig
-from memadvisor.device._base import Measurement
-from memadvisor.estimate import Candidate, Estimate
-from memadvisor.profiler import Profile
-from memadvisor.strategy import Advice, Check
+from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.candidate import Candidate, Estimate, Measurement
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.profile import Profile
+from strategies._compile_cache import CompileCacheReport
 
 __all__ = ["CompileOutcome", "CompiledVariant", "Measurement", "Plan", "Probe", "Row"]
 

@@ -52,12 +52,13 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import JsonValue
 
-from memadvisor.compile_cache import shared_compile_cache
-from memadvisor.estimate import Candidate, estimate
+from memadvisor.estimate import estimate
 from memadvisor.planner._progress import Progress
-from memadvisor.planner._schema import CompiledVariant, CompileOutcome
 from memadvisor.planner._space import Scored
-from memadvisor.profiler import Profile
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.plan import CompiledVariant, CompileOutcome
+from memadvisor.schema.profile import Profile
+from strategies._compile_cache import shared_compile_cache
 
 if TYPE_CHECKING:
     from memadvisor.planner._plan import _Confirmed, _Prober

@@ -1,0 +1,96 @@
+"""One candidate's training steps on a card, measured: what every CUDA run executes.
+
+The same function runs in a fork-server child (:mod:`memadvisor.device._zygote`), in a
+fresh worker process (:mod:`memadvisor.device._worker`) and in the planner's own process
+(:class:`~memadvisor.device.cuda.CudaDevice`'s fallback), so the three measure one step.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from memadvisor.apply import apply_candidate
+from memadvisor.errors import is_oom
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.profile import Profile
+from memadvisor.strategy import Strategy, load_strategies
+from memadvisor.workload import Workload, train_step
+
+__all__ = ["RESULT_MARKER", "train_candidate"]
+
+RESULT_MARKER = "MEMADVISOR_RESULT "  # prefixes the child's answer; the model may print too
+
+
+def _apply(
+    model: torch.nn.Module,
+    candidate: Candidate,
+    strategy_names: Sequence[str] | None,
+    profile: Profile | None,
+    strategies: Sequence[Strategy] | None = None,
+) -> torch.nn.Module:
+    if strategies is None:
+        strategies = load_strategies(list(strategy_names) if strategy_names is not None else None)
+    return apply_candidate(model, candidate, strategies, profile=profile)
+
+
+def train_candidate(
+    workload: Workload,
+    candidate: Candidate,
+    steps: int,
+    *,
+    device: torch.device,
+    strategy_names: Sequence[str] | None = None,
+    profile: Profile | None = None,
+    copy_model: bool = True,
+    strategies: Sequence[Strategy] | None = None,
+) -> Measurement:
+    """Train ``candidate`` for ``steps`` steps on ``device`` and measure it.
+
+    The peak is what this run added to what was allocated when it began (in a fresh process
+    that is everything: weights, optimizer state, activations). ``strategies`` (instances)
+    spares loading them again; else they are loaded by ``strategy_names``.
+
+    Raises:
+        torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit;
+            ``memadvisor_steps_completed`` on the error says how many steps finished.
+    """
+    torch.cuda.synchronize(device)
+    base_allocated = torch.cuda.memory_allocated(device)
+    base_reserved = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    times_ms: list[float] = []
+    try:
+        model = copy.deepcopy(workload.model) if copy_model else workload.model
+        for p in model.parameters():
+            p.grad = None  # a run starts without gradients, as train_step leaves them
+        model = _apply(model.to(device), candidate, strategy_names, profile, strategies)
+        optimizer = workload.make_optimizer(model)
+        batch = workload.batch(candidate.batch_size, device)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            train_step(
+                workload, model, optimizer, batch, accumulation_steps=candidate.accumulation_steps
+            )
+            torch.cuda.synchronize(device)
+            times_ms.append((time.perf_counter() - t0) * 1e3)
+    except Exception as e:
+        if is_oom(e):
+            e.memadvisor_steps_completed = len(times_ms)  # type: ignore[attr-defined]
+        raise
+    peak = torch.cuda.max_memory_allocated(device) - base_allocated
+    reserved = torch.cuda.max_memory_reserved(device) - base_reserved
+    # The first step creates the optimizer state and warms up kernels: not a steady step.
+    step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
+    samples = candidate.batch_size * candidate.accumulation_steps
+    return Measurement(
+        steps=steps,
+        peak_bytes=peak,
+        reserved_peak_bytes=max(reserved, 0),
+        step_ms=step_ms,
+        samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+    )

@@ -1,0 +1,84 @@
+r"""What every stage passes on about one configuration: the candidate, its estimate, its run.
+
+The search writes :class:`Candidate`\ s, the estimate answers each with an
+:class:`Estimate`, and a device run answers with a :class:`Measurement`. They sit here, below
+every stage, so that the estimate, the devices, the planner and the report share them
+without importing one another.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+__all__ = ["Candidate", "Estimate", "Measurement", "MemoryKind", "PeakPhase"]
+
+PeakPhase = Literal["forward", "backward", "optimizer"]
+MemoryKind = Literal["params", "grads", "optimizer_state", "activations", "temporaries"]
+
+
+class Candidate(BaseModel):
+    """One configuration: a batch size and each strategy's choice, keyed by strategy name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: int = Field(gt=0, description="The micro-batch run per forward/backward.")
+    accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    choices: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="Strategy name -> its choice, e.g. {'precision': 'bf16', "
+        "'checkpointing': ['blocks.0', 'blocks.1']}. A strategy left out is off.",
+    )
+
+    def choice(self, strategy: str, default: JsonValue = None) -> JsonValue:
+        return self.choices.get(strategy, default)
+
+
+class Estimate(BaseModel):
+    """What the estimate says one candidate will do."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    peak_bytes: int = Field(description="Highest bytes held during the step.")
+    peak_phase: PeakPhase = Field(description="Where that peak happens.")
+    breakdown: dict[MemoryKind, int] = Field(description="What is held at the peak, by kind.")
+    step_ms: float = Field(description="One optimizer step, accumulation included.")
+    samples_per_s: float = Field(description="batch * accumulation / step time.")
+    peak_at: str = Field(
+        "",
+        description="The moment of the peak: 'forward', 'backward: head', 'backward: <block>' "
+        "(its backward, or its recompute), or 'optimizer'.",
+    )
+    reserved_peak_bytes: int | None = Field(
+        None,
+        description="CUDA: what the caching allocator reserves at the peak: peak_bytes plus "
+        "the step's largest allocation at this batch where the profile has its line, else "
+        "peak_bytes scaled by its reserved/allocated ratio; None where it has neither.",
+    )
+
+    @property
+    def limit_bytes(self) -> int:
+        """What a memory cap must hold for this step: a memory fraction caps reserved bytes."""
+        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
+
+
+class Measurement(BaseModel):
+    """A candidate run on a device for some sustained steps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int
+    peak_bytes: int = Field(description="Most bytes allocated to tensors at once.")
+    reserved_peak_bytes: int | None = Field(
+        None,
+        description="CUDA: the caching allocator's reserved peak, which a memory fraction caps.",
+    )
+    step_ms: float = Field(description="Median step time (the first step excluded when >1).")
+    samples_per_s: float
+
+    @property
+    def limit_bytes(self) -> int:
+        """What the run needed of a memory cap: a memory fraction caps reserved bytes (the
+        simulated device reserves nothing beyond its tensors)."""
+        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
