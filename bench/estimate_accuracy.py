@@ -51,14 +51,13 @@ from _models import bert_base, hf_llama, vision  # bench/, first on sys.path
 from _recorder import Recorder
 
 from memadvisor._torch_private import clear_cublas_workspaces
-from memadvisor.apply import apply_candidate
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device.simulated import SimulatedDevice
 from memadvisor.estimate import estimate
 from memadvisor.profiler import profile_workload
 from memadvisor.schema.candidate import Candidate, Estimate
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import load_strategies
+from memadvisor.strategy import apply_candidate, load_strategies
 from memadvisor.target import load_factory, workload_from_result
 from memadvisor.workload import Workload, train_step
 

@@ -27,13 +27,12 @@ from typing import Any
 
 import torch
 
-from memadvisor.apply import apply_candidate
 from memadvisor.estimate import estimate
 from memadvisor.memory import MemoryMeter
 from memadvisor.profiler import profile_workload
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import load_strategies
+from memadvisor.strategy import apply_candidate, load_strategies
 from memadvisor.target import load_target
 from memadvisor.workload import Workload, tensor_leaves, train_step
 from strategies.checkpointing import ranked_blocks

@@ -4,7 +4,7 @@ tuned = memadvisor.optimize(model, sample_batch, budget_gb=8)
 """
 
 from memadvisor._version import __version__
-from memadvisor.api import optimize, plan
+from memadvisor.api import optimize, plan, profile
 from memadvisor.apply import apply_plan
 from memadvisor.errors import (
     BadInputError,
@@ -15,7 +15,6 @@ from memadvisor.errors import (
 )
 from memadvisor.estimate import estimate
 from memadvisor.monitor import Monitor, trace
-from memadvisor.profiler import profile
 from memadvisor.schema.advice import Advice
 from memadvisor.schema.candidate import Candidate, Estimate
 from memadvisor.schema.config import PlanConfig

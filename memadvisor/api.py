@@ -1,95 +1,113 @@
-"""The two calls most users need: ``plan()`` says what fits, ``optimize()`` applies it.
+"""What users call: ``plan()`` says what fits, ``optimize()`` applies it, ``profile()`` measures.
 
     tuned = memadvisor.optimize(model, sample_batch, budget_gb=8)
     tuned.memadvisor_plan.candidate.batch_size      # the batch to train with
 
-Both leave the caller's weights, gradients, optimizer state, RNG states and train/eval
-flags as they were: every profiling step, probe and verification runs on copies.
+All leave the caller's weights, gradients, optimizer state, RNG states and train/eval
+flags as they were: every profiling step, probe and verification runs on copies. User input
+becomes a Workload in :func:`memadvisor.workload.build_workload` (which the CLI's factories
+also go through, in this process and in the probe processes) and a PlanConfig in
+:func:`plan_config` (which the CLI calls with its flags' names).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 from torch import nn
 
+from memadvisor.apply import apply_plan
 from memadvisor.device import Device
 from memadvisor.errors import BadInputError
 from memadvisor.planner import plan_workload
+from memadvisor.profiler import profile_workload
+from memadvisor.profiler._blocks import BlockSpec
+from memadvisor.profiler._progress import ProgressArg
 from memadvisor.schema.config import PlanConfig, gib_to_bytes
 from memadvisor.schema.plan import Plan
-from memadvisor.workload import Workload
+from memadvisor.schema.profile import Profile
+from memadvisor.strategy import registered_names
+from memadvisor.workload import build_workload
 
-__all__ = ["optimize", "plan"]
-
-
-class SameOptimizer:
-    """Builds the caller's optimizer class with its defaults over new parameters.
-
-    A module-level class rather than a lambda so that a CUDA probe process can load it
-    (``torch.save`` pickles the workload). The caller's optimizer and its state are only read.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.cls = type(optimizer)
-        # ``defaults`` may hold keys the constructor does not take (torch 2.13's AdamW keeps
-        # Adam's 'decoupled_weight_decay'): pass only what __init__ accepts.
-        accepted = inspect.signature(self.cls.__init__).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-        self.defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-
-    def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return self.cls(params, **self.defaults)
+__all__ = ["optimize", "plan", "plan_config", "profile"]
 
 
-def _optimizer_factory(optimizer: Any) -> Callable[..., torch.optim.Optimizer] | None:
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return SameOptimizer(optimizer)
-    if callable(optimizer):
-        return optimizer
-    raise BadInputError(
-        "optimizer must be a factory f(params) -> torch.optim.Optimizer or an optimizer "
-        f"(its class and defaults are reused), but got {type(optimizer).__name__}."
-    )
+#: How plan() names each PlanConfig field in its messages (the CLI passes its flags instead).
+PYTHON_NAMES = {
+    "budget_gb": "budget_gb",
+    "objective": "objective",
+    "effective_batch": "effective_batch",
+    "margin_fraction": "margin_fraction",
+}
+_SET_BY_NAME = {"budget_bytes", "objective", "effective_batch", "device"}
 
 
-def _config(
+def plan_config(
     budget_gb: float,
-    objective: str,
-    effective_batch: int | None,
-    device: str | Device,
-    options: dict[str, Any],
+    *,
+    objective: str | None = "throughput",
+    effective_batch: int | None = None,
+    device: str = "auto",
+    options: dict[str, Any] | None = None,
+    names: dict[str, str] | None = None,
 ) -> PlanConfig:
+    """The :class:`PlanConfig` a user asked for: the one place user input becomes one.
+
+    ``plan()``, ``optimize()`` and the CLI all build their config here, so they check the
+    same things and say the same words about them.
+
+    Args:
+        budget_gb: the budget in GiB (2^30 bytes).
+        objective: throughput, largest_batch or effective_batch; None: effective_batch
+            when ``effective_batch`` is given, else throughput.
+        effective_batch: the batch the user trains with.
+        device: auto, cuda or simulated.
+        options: any other PlanConfig field (``margin_fraction``, ``verify_steps``...), or
+            a registered strategy's name with its setting (``compile="off"``).
+        names: how the caller spells each field in messages (the CLI: ``--budget-gb``).
+
+    Raises:
+        BadInputError: an option is unknown, out of range, or lacks what it needs.
+    """
+    said = {**PYTHON_NAMES, **(names or {})}
     if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
-        raise BadInputError(f"budget_gb must be a number of GiB, e.g. 8, but got {budget_gb=}.")
-    if not (math.isfinite(budget_gb) and gib_to_bytes(budget_gb) > 0):
-        raise BadInputError(f"budget_gb must be a positive number of GiB, but got {budget_gb=}.")
-    unknown = sorted(set(options) - set(PlanConfig.model_fields))
-    reserved = {"budget_bytes", "objective", "effective_batch", "device"} & set(options)
-    if unknown or reserved:
-        settable = sorted(
-            set(PlanConfig.model_fields)
-            - {"budget_bytes", "objective", "effective_batch"}
-            - {"device"}
-        )
         raise BadInputError(
-            f"Unknown or duplicate planning options {unknown + sorted(reserved)}; the options "
-            f"besides budget_gb, objective, effective_batch and device are {settable}."
+            f"{said['budget_gb']} must be a number of GiB, e.g. 8, but got {budget_gb=}."
         )
+    if not (math.isfinite(budget_gb) and gib_to_bytes(budget_gb) > 0):
+        raise BadInputError(
+            f"{said['budget_gb']} must be a positive number of GiB, e.g. 8, but got {budget_gb=}."
+        )
+    fields, strategy_options = _split_options(dict(options or {}))
+    margin = fields.get("margin_fraction", 0.08)
+    if isinstance(margin, (int, float)) and not 0.0 <= margin < 0.5:
+        raise BadInputError(
+            f"{said['margin_fraction']} must be at least 0 and below 0.5, but got {margin=}."
+        )
+    if effective_batch is not None and effective_batch <= 0:
+        raise BadInputError(
+            f"{said['effective_batch']} must be positive, but got {effective_batch=}."
+        )
+    if objective is None:
+        objective = "effective_batch" if effective_batch is not None else "throughput"
+    if objective == "effective_batch" and effective_batch is None:
+        raise BadInputError(
+            f"{said['objective']} effective_batch needs {said['effective_batch']} N, the batch "
+            f"you train with, but got {effective_batch=}."
+        )
+    if strategy_options:
+        fields["options"] = {**fields.get("options", {}), **strategy_options}
     try:
         return PlanConfig(
             budget_bytes=gib_to_bytes(budget_gb),
             objective=objective,
             effective_batch=effective_batch,
-            device=device if isinstance(device, str) else "auto",
-            **options,
+            device=device,
+            **fields,
         )
     except ValidationError as e:
         problems = "; ".join(
@@ -98,6 +116,28 @@ def _config(
             for err in e.errors()
         )
         raise BadInputError(f"Invalid planning options: {problems}.") from None
+
+
+def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """PlanConfig fields, and the settings named after a registered strategy.
+
+    Raises:
+        BadInputError: a name is neither, or is one plan() takes by name.
+    """
+    known = set(PlanConfig.model_fields)
+    reserved = sorted(_SET_BY_NAME & set(options))
+    rest = {k: v for k, v in options.items() if k not in known}
+    registered = set(registered_names()) if rest else set()
+    unknown = sorted(k for k in rest if k not in registered)
+    if unknown or reserved:
+        settable = sorted(known - _SET_BY_NAME)
+        raise BadInputError(
+            f"Unknown or duplicate planning options {unknown + reserved}; the options "
+            f"besides budget_gb, objective, effective_batch and device are {settable}, or a "
+            f"registered strategy's name with its setting ({sorted(registered_names())})."
+        )
+    fields = {k: v for k, v in options.items() if k in known}
+    return fields, {k: v for k, v in rest.items() if k in registered}
 
 
 def plan(
@@ -139,23 +179,30 @@ def plan(
         measure_comparison: also run the hand configurations (Baseline, +Checkpointing,
             +AMP, +Both) on the device for the report; by default only where that is cheap
             (never on CUDA); unmeasured rows are marked as estimated.
-        **config: any other :class:`~memadvisor.config.PlanConfig` field
-            (``margin_fraction``, ``probe_steps``, ``verify_steps``, ``seed``, ...).
+        **config: any other :class:`~memadvisor.schema.config.PlanConfig` field
+            (``margin_fraction``, ``probe_steps``, ``verify_steps``, ``seed``, ...), or a
+            registered strategy's setting by its name (``compile="off"``).
 
     Raises:
         BadInputError: an input or option is unusable (the message says what to pass).
         InfeasibleBudgetError: nothing fits; the message names the minimum budget.
         PlanningError: a probe failed for a reason other than memory.
     """
-    workload = Workload(
-        model=model,
-        sample_batch=sample_batch,
+    workload = build_workload(
+        model,
+        sample_batch,
         loss_fn=loss_fn,
-        optimizer_factory=_optimizer_factory(optimizer),
+        optimizer=optimizer,
         make_batch=make_batch,
         forward_fn=forward_fn,
     )
-    cfg = _config(budget_gb, objective, effective_batch, device, config)
+    cfg = plan_config(
+        budget_gb,
+        objective=objective,
+        effective_batch=effective_batch,
+        device=device if isinstance(device, str) else "auto",
+        options=config,
+    )
     return plan_workload(
         workload,
         cfg,
@@ -179,7 +226,60 @@ def optimize(model: nn.Module, sample_batch: Any, **kwargs: Any) -> nn.Module:
     Raises:
         BadInputError, InfeasibleBudgetError, PlanningError: as :func:`plan`.
     """
-    from memadvisor.apply import apply_plan  # the strategies' rewrite, shared with apply_plan()
-
     result = plan(model, sample_batch, **kwargs)
     return apply_plan(model, result)
+
+
+def profile(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: Any = None,
+    make_batch: Callable[[int], Any] | None = None,
+    forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+    blocks: BlockSpec | None = None,
+    device: str = "auto",
+    precisions: Sequence[str] | None = None,
+    batch_sizes: tuple[int, int] | None = None,
+    progress: ProgressArg = None,
+) -> Profile:
+    """Measure one training step of ``model``: memory per block, per layer and per phase.
+
+    Args:
+        model: the model to train; it is not changed (a copy is profiled).
+        sample_batch: one batch as the model takes it (see :mod:`memadvisor.workload`).
+        loss_fn: ``loss_fn(output, batch)``; default: ``output.loss`` or a scalar output.
+        optimizer: an optimizer factory ``f(params)``, or an optimizer whose class and
+            defaults are reused; default AdamW.
+        make_batch: ``make_batch(b)`` for batches whose dim 0 is not the batch.
+        forward_fn: ``forward_fn(model, batch)`` when the model is not called as the
+            workload rules say.
+        blocks: which modules are blocks (names, globs, class names or types); detected if None.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        precisions: subset of fp32/bf16/fp16; default fp32 and, where supported, bf16.
+        batch_sizes: the two batch sizes to measure; default ``(n, 2n)`` for a sample of n.
+        progress: ``progress(description, done, total)`` or a rich ``Progress``.
+
+    Returns:
+        The :class:`~memadvisor.schema.profile.Profile`.
+
+    Raises:
+        BadInputError: an input is unusable (the message says which and what to pass).
+    """
+    workload = build_workload(
+        model,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        make_batch=make_batch,
+        forward_fn=forward_fn,
+    )
+    return profile_workload(
+        workload,
+        blocks=blocks,
+        device=device,
+        precisions=precisions,
+        batch_sizes=batch_sizes,
+        progress=progress,
+    )

@@ -1,7 +1,7 @@
-"""Rewrite a model to a candidate (or a saved plan) with the strategies that chose it.
+"""Rewrite a model to a saved plan, and run the chosen strategies' checks.
 
-``apply_candidate`` is what ``optimize()`` and the devices' probe models use;
-``apply_plan`` is the same rewrite from a plan loaded back from JSON, so the two agree by
+``apply_plan`` is :func:`memadvisor.strategy.apply_candidate` (what ``optimize()`` and the
+devices' probe models use) on a plan loaded back from JSON, so the two agree by
 construction. Each strategy rewrites in place (or returns a module whose parameter names and
 ``state_dict`` keys are unchanged); applying the same candidate twice changes nothing more.
 """
@@ -13,78 +13,15 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
-from memadvisor.strategy import Strategy, load_strategies
+from memadvisor.strategy import Strategy, apply_candidate, chosen_strategies
 
 if TYPE_CHECKING:
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.plan import Plan
-    from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
-__all__ = ["apply_candidate", "apply_plan", "run_checks"]
-
-
-def _chosen(
-    candidate: Candidate, strategies: Sequence[Strategy] | None
-) -> list[tuple[Strategy, object]]:
-    """(strategy, choice) for each strategy the candidate turns on, in effect order.
-
-    Raises:
-        BadInputError: the candidate names a strategy that is not registered or given.
-    """
-    names = list(candidate.choices)
-    if strategies is None:
-        strategies = load_strategies(names)
-    by_name = {s.name: s for s in strategies}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise BadInputError(
-            f"The candidate uses strategies {unknown} that are not among {sorted(by_name)}. "
-            "Install the package that provides them, or pass them in `strategies`."
-        )
-    chosen = [(by_name[n], c) for n, c in candidate.choices.items() if not by_name[n].is_neutral(c)]
-    return sorted(chosen, key=lambda sc: sc[0].effect_order)
-
-
-def apply_candidate(
-    model: nn.Module,
-    candidate: Candidate,
-    strategies: Sequence[Strategy] | None = None,
-    profile: Profile | None = None,
-) -> nn.Module:
-    """Rewrite ``model`` in place to ``candidate``'s choices and return it.
-
-    Batch size and accumulation are not the model's to carry: they are the training loop's
-    (see the batch_size strategy's advice). Neutral choices are skipped.
-
-    Args:
-        model: the user's model (or a copy a device trains).
-        candidate: the batch size and each strategy's choice.
-        strategies: the strategies to apply with; None loads those the candidate names.
-        profile: the profile the candidate was planned from; strategies use it to check
-            the choice (e.g. a precision the device lacks).
-
-    Raises:
-        BadInputError: a strategy is unknown, or a choice does not fit this model.
-    """
-    if not isinstance(model, nn.Module):
-        raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
-    for strategy, choice in _chosen(candidate, strategies):
-        rewritten = strategy.apply(model, choice, profile)
-        if rewritten is not model:
-            _check_same_keys(model, rewritten, strategy.name)
-            model = rewritten
-    return model
-
-
-def _check_same_keys(before: nn.Module, after: nn.Module, strategy: str) -> None:
-    if list(before.state_dict()) != list(after.state_dict()):
-        raise BadInputError(
-            f"Strategy {strategy!r} returned a model whose state_dict keys differ from the "
-            "original's; a strategy must keep them (fix the strategy's apply())."
-        )
+__all__ = ["apply_plan", "run_checks"]
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
@@ -115,7 +52,7 @@ def run_checks(
     The planner puts these in ``Plan.checks`` (precision's numerics check is one).
     """
     checks = []
-    for strategy, choice in _chosen(candidate, strategies):
+    for strategy, choice in chosen_strategies(candidate, strategies):
         result = strategy.check(workload, choice)
         if result is not None:
             checks.append(result)

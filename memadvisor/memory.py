@@ -19,6 +19,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from memadvisor.errors import SimulatedOutOfMemoryError
 
-__all__ = ["MemoryMeter", "storage_bytes", "unique_storage_bytes"]
+__all__ = ["MemoryMeter", "release_cached_memory", "storage_bytes", "unique_storage_bytes"]
 
 _LIFT_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 AllocationListener = Callable[[int, int], None]  # (delta_bytes, live_bytes)
@@ -172,3 +173,25 @@ class MemoryMeter(TorchDispatchMode):
         for st in new.values():
             self._track(st, enforce=False)
         return out
+
+
+def release_cached_memory(*, workspaces: bool = False) -> None:
+    """Give back to the card what this process's allocator caches but no tensor holds.
+
+    After a stage ran a model here (the profile, a strategy's trial, the checks), so that the
+    probe processes can ask the card for the whole budget and a finished plan holds no more
+    than before it began.
+
+    Args:
+        workspaces: also free the cuBLAS workspace each thread that ran a matmul keeps
+            (``docs/design.md``, "What a card holds beyond tensors"); the next matmul makes
+            it again.
+    """
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if workspaces:
+            from memadvisor._torch_private import clear_cublas_workspaces
+
+            torch.cuda.synchronize()
+            clear_cublas_workspaces()
+        torch.cuda.empty_cache()

@@ -1,17 +1,35 @@
 """The contract every memory strategy implements, and the registry that finds them.
 
-A strategy is one way to trade memory for something else. The planner knows none by name:
-it asks each registered strategy four questions (:class:`Strategy`). Built-ins live in the
-top-level ``strategies`` package and register through the entry-point group
+A strategy is one way to trade memory for something else. The planner and the report know
+none by name: they ask each registered strategy the questions of :class:`Strategy`. Built-ins
+live in the top-level ``strategies`` package and register through the entry-point group
 ``memadvisor.strategies`` exactly as a third-party package does::
 
     [project.entry-points."memadvisor.strategies"]
     my_strategy = "my_package.module:MyStrategy"
+
+Four questions are required (``choices``, ``effect``, ``apply``, ``explain``); the rest have
+defaults that change nothing, so a strategy answers only what it has to say:
+
+* ``check``: measure a choice on copies of the user's workload (precision's numerics).
+* ``by_hand``: the choice a person would try first by hand, for the report's comparison rows.
+* ``record``: a choice that only records the planner's pick, for the advice (the batch).
+* ``refine``: for a ``measured_only`` strategy, a stage that measures variants of the eager
+  pick on the device through a :class:`PickStage` and returns the pick to verify
+  (torch.compile: the estimate cannot predict a compiled step, the device can).
+
+Known limitations:
+    * ``refine`` runs after the eager pick, once per measured-only strategy in registration
+      order; a variant is judged against the pick the previous stage returned, never in
+      combination with the other re-ranked candidates.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, ClassVar
 
@@ -20,6 +38,8 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.plan import Probe, StageOutcome
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -27,9 +47,77 @@ if TYPE_CHECKING:
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
-__all__ = ["ENTRY_POINT_GROUP", "Strategy", "load_strategies"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Confirmed",
+    "PickStage",
+    "Refinement",
+    "Strategy",
+    "apply_candidate",
+    "load_strategies",
+    "registered_names",
+]
 
 ENTRY_POINT_GROUP = "memadvisor.strategies"
+
+
+@dataclass
+class Confirmed:
+    """A candidate the device ran at the batch its probes allow, and what that run measured."""
+
+    candidate: Candidate
+    found_batch: int  # the largest micro-batch the probes allow (before the objective's pick)
+    measured: Measurement  # a run of exactly ``candidate``
+
+
+class PickStage(ABC):
+    """What the planner lends a measured-only strategy after the eager pick.
+
+    The strategy sees the plan's inputs and the device's capabilities, and measures its
+    variants only through :meth:`confirm`, which runs the same batch search the eager pick
+    got (so a variant and the eager pick are judged by one rule). Every run is logged in the
+    plan's probes under the strategy's name.
+    """
+
+    config: PlanConfig
+    profile: Profile
+    workload: Workload
+    strategies: Sequence[Strategy]
+    #: The device's kind (``"cuda"``, ``"simulated"``, ``"fake"``, ...).
+    device_kind: str
+    #: Whether the device's step times rank candidates (a card's do; a CPU meter's do not).
+    step_times_rank: bool
+    #: Whether every run starts in a fresh process (False: runs share the planner's).
+    fresh_processes: bool
+
+    @abstractmethod
+    def confirm(self, choices: dict[str, JsonValue], start_batch: int) -> Confirmed | None:
+        """``choices`` at the largest batch the device allows, searched from ``start_batch``
+        (the eager pick's confirmed batch is a good start); None when not even batch 1 fits.
+        """
+
+    @property
+    @abstractmethod
+    def probes(self) -> Sequence[Probe]:
+        """Every device run of the plan so far, this stage's included."""
+
+    @abstractmethod
+    def describe(self, text: str) -> None:
+        """Say on the progress line what the stage is doing now."""
+
+    @contextlib.contextmanager
+    def progress(self) -> Iterator[None]:
+        """The stage's own progress line, while its device runs happen (default: none)."""
+        yield
+
+
+@dataclass
+class Refinement:
+    """What a measured stage decided: the pick to verify, and what it measured."""
+
+    pick: Confirmed
+    outcome: StageOutcome | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 class Strategy(ABC):
@@ -72,8 +160,45 @@ class Strategy(ABC):
         return None
 
     def is_neutral(self, choice: JsonValue) -> bool:
-        """True when ``choice`` changes nothing (default: falsy, or 'fp32'/'off')."""
-        return choice in (None, False, 0, [], "off", "fp32")
+        """True when ``choice`` changes nothing (default: falsy, or 'off').
+
+        A strategy whose neutral choice is another word (precision's 'fp32') says so here.
+        """
+        return choice in (None, False, 0, [], "off")
+
+    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str, JsonValue] | None:
+        """The choice a person tries first by hand among ``options`` (this profile's), and
+        the comparison row's label for it (``("+AMP", "bf16")``); None: no such row.
+
+        The planner sets the plan against these rows (and their combination) in the report.
+        """
+        return None
+
+    #: True when the estimate's step times for this strategy's choices can be off by more
+    #: than the gap between candidates (autocast): the planner then times each of its
+    #: choices, everything else plain, beside the estimate's best.
+    guarded: ClassVar[bool] = False
+
+    def record(self, pick: Candidate, config: PlanConfig) -> JsonValue | None:
+        """A choice that records the planner's ``pick`` for this strategy's advice; None: none.
+
+        For a strategy that searches nothing but explains the pick (the batch size).
+        """
+        return None
+
+    def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
+        """A measured stage after the eager pick: for a ``measured_only`` strategy, measure
+        variants of ``eager`` through ``stage`` and return the pick to verify.
+
+        Default: None, nothing to measure. The planner calls it for measured-only strategies
+        only, after the device has chosen the eager pick and before verification.
+        """
+        return None
+
+
+def registered_names() -> list[str]:
+    """The names the ``memadvisor.strategies`` entry points register, without loading them."""
+    return [ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)]
 
 
 def load_strategies(names: list[str] | None = None) -> list[Strategy]:
@@ -104,3 +229,72 @@ def load_strategies(names: list[str] | None = None) -> list[Strategy]:
             f"that provides them or fix the name."
         )
     return [found[n] for n in names]
+
+
+def _chosen(
+    candidate: Candidate, strategies: Sequence[Strategy] | None
+) -> list[tuple[Strategy, JsonValue]]:
+    """(strategy, choice) for each strategy the candidate turns on, in effect order.
+
+    Raises:
+        BadInputError: the candidate names a strategy that is not registered or given.
+    """
+    names = list(candidate.choices)
+    if strategies is None:
+        strategies = load_strategies(names)
+    by_name = {s.name: s for s in strategies}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise BadInputError(
+            f"The candidate uses strategies {unknown} that are not among {sorted(by_name)}. "
+            "Install the package that provides them, or pass them in `strategies`."
+        )
+    chosen = [(by_name[n], c) for n, c in candidate.choices.items() if not by_name[n].is_neutral(c)]
+    return sorted(chosen, key=lambda sc: sc[0].effect_order)
+
+
+def chosen_strategies(
+    candidate: Candidate, strategies: Sequence[Strategy] | None = None
+) -> list[tuple[Strategy, JsonValue]]:
+    """The strategies ``candidate`` turns on, with their choices, in effect order."""
+    return _chosen(candidate, strategies)
+
+
+def apply_candidate(
+    model: nn.Module,
+    candidate: Candidate,
+    strategies: Sequence[Strategy] | None = None,
+    profile: Profile | None = None,
+) -> nn.Module:
+    """Rewrite ``model`` in place to ``candidate``'s choices and return it.
+
+    What the devices' probe models, a strategy's trial, ``optimize()`` and ``apply_plan``
+    all use, so they rewrite alike. Batch size and accumulation are not the model's to
+    carry: they are the training loop's. Neutral choices are skipped.
+
+    Args:
+        model: the user's model (or a copy a device trains).
+        candidate: the batch size and each strategy's choice.
+        strategies: the strategies to apply with; None loads those the candidate names.
+        profile: the profile the candidate was planned from; strategies use it to check
+            the choice (e.g. a precision the device lacks).
+
+    Raises:
+        BadInputError: a strategy is unknown, or a choice does not fit this model.
+    """
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
+    for strategy, choice in _chosen(candidate, strategies):
+        rewritten = strategy.apply(model, choice, profile)
+        if rewritten is not model:
+            _check_same_keys(model, rewritten, strategy.name)
+            model = rewritten
+    return model
+
+
+def _check_same_keys(before: nn.Module, after: nn.Module, strategy: str) -> None:
+    if list(before.state_dict()) != list(after.state_dict()):
+        raise BadInputError(
+            f"Strategy {strategy!r} returned a model whose state_dict keys differ from the "
+            "original's; a strategy must keep them (fix the strategy's apply())."
+        )

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memadvisor.errors import BadInputError
-from memadvisor.workload import Workload
+from memadvisor.workload import Workload, build_workload
 
 __all__ = [
     "TARGET_MODULE_PREFIX",
@@ -108,16 +108,16 @@ def workload_from_result(result: Any, origin: str = "the factory") -> Workload:
                 f"{origin} returned a mapping with keys {sorted(result)}; it needs 'model' and "
                 f"'sample_batch', and may have {sorted(_KEYS - {'model', 'sample_batch'})}."
             )
-        return Workload(
-            model=result["model"],
-            sample_batch=result["sample_batch"],
+        return build_workload(
+            result["model"],
+            result["sample_batch"],
             loss_fn=result.get("loss_fn"),
-            optimizer_factory=result.get("optimizer"),
+            optimizer=result.get("optimizer"),
             make_batch=result.get("make_batch"),
             forward_fn=result.get("forward_fn"),
         )
     if isinstance(result, tuple) and len(result) == 2:
-        return Workload(model=result[0], sample_batch=result[1])
+        return build_workload(result[0], result[1])
     raise BadInputError(
         f"{origin} must return (model, sample_batch) or a dict with 'model' and 'sample_batch', "
         f"but returned {type(result).__name__}."

@@ -15,11 +15,18 @@ Rules (documented in README.md):
     * The loss is ``loss_fn(output, batch)`` if given, else ``output.loss`` (HF models),
       else ``output`` itself when it is a scalar tensor; otherwise :class:`BadInputError`.
     * The optimizer is ``optimizer_factory(params)``, else AdamW (lr 1e-3): its two state
-      tensors per parameter are what most users pay for.
+      tensors per parameter are what most users pay for. A user may pass an optimizer
+      instead: its class and the defaults its constructor takes are reused over new
+      parameters (:class:`SameOptimizer`).
+
+:func:`build_workload` is the one place user input becomes a :class:`Workload`:
+``memadvisor.plan()``, ``optimize()``, ``profile()`` and the CLI's factories (through
+:mod:`memadvisor.target`, also in the probe processes) all go through it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,10 +34,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, is_oom
 
 __all__ = [
     "LossFn",
+    "SameOptimizer",
+    "build_workload",
     "MakeBatch",
     "OptimizerFactory",
     "Phase",
@@ -226,6 +235,67 @@ class Workload:
         return p.device if p is not None else torch.device("cpu")
 
 
+class SameOptimizer:
+    """Builds the caller's optimizer class with its defaults over new parameters.
+
+    A module-level class rather than a lambda so that a CUDA probe process can load it
+    (``torch.save`` pickles the workload). The caller's optimizer and its state are only read.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.cls = type(optimizer)
+        # ``defaults`` may hold keys the constructor does not take (torch 2.13's AdamW keeps
+        # Adam's 'decoupled_weight_decay'): pass only what __init__ accepts.
+        accepted = inspect.signature(self.cls.__init__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        self.defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+
+    def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return self.cls(params, **self.defaults)
+
+
+def _optimizer_factory(optimizer: Any) -> OptimizerFactory | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return SameOptimizer(optimizer)
+    if callable(optimizer):
+        return optimizer
+    raise BadInputError(
+        "optimizer must be a factory f(params) -> torch.optim.Optimizer or an optimizer "
+        f"(its class and defaults are reused), but got {type(optimizer).__name__}."
+    )
+
+
+def build_workload(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: Any = None,
+    make_batch: MakeBatch | None = None,
+    forward_fn: ForwardFn | None = None,
+) -> Workload:
+    """The :class:`Workload` of what a user passed (the module docstring's rules).
+
+    Args:
+        optimizer: a factory ``f(params)``, or an optimizer whose class and constructor
+            defaults are reused (its state is never touched); None: AdamW.
+
+    Raises:
+        BadInputError: the model is not a module, the batch has no batch dimension, or the
+            optimizer is neither a factory nor an optimizer.
+    """
+    return Workload(
+        model=model,
+        sample_batch=sample_batch,
+        loss_fn=loss_fn,
+        optimizer_factory=_optimizer_factory(optimizer),
+        make_batch=make_batch,
+        forward_fn=forward_fn,
+    )
+
+
 def _has_tensor(batch: Any) -> bool:
     return any(t.dim() >= 1 for t in tensor_leaves(batch))
 
@@ -298,6 +368,5 @@ def train_step(
 def _is_oom_text(e: BaseException) -> bool:
     # The one OOM decision lives in memadvisor.device.is_oom; this guard only keeps an OOM
     # raised as a plain RuntimeError (cuDNN, cuBLAS) from being reported as bad input.
-    from memadvisor.errors import is_oom
 
     return is_oom(e)

@@ -1,10 +1,11 @@
-"""The eager pick compiled: variants tried here, measured on the device, kept when faster.
+"""The compile strategy's measured stage: the eager pick compiled, measured, kept when faster.
 
 The estimate cannot rank a compiled model: the compile strategy is ``measured_only``
 (fusion removes intermediates and the partitioner chooses what backward keeps, which the
 eager profile does not show), so the search ranks eager combinations only. Once the device
-has chosen the eager pick, :func:`compiled_pick` judges compiled variants of it by
-measuring them:
+has chosen the eager pick, the planner calls ``Compile.refine`` (:func:`compiled_pick`),
+which judges compiled variants of it by measuring them through the planner's
+:class:`~memadvisor.strategy.PickStage`:
 
 1. Variants. The pick's choices with each compiled choice the compile strategy offers. The
    plain one (``"default"``) keeps the pick's checkpointed blocks, compiled with the model.
@@ -19,14 +20,14 @@ measuring them:
    model that does not compile (an error, no graph, graph breaks everywhere) is a note and
    the plan stays eager.
 3. Device. Each variant that compiled gets the batch search eager candidates get
-   (``_Prober.confirm``), bracketed from the eager pick's confirmed batch, inside one shared
-   inductor cache (:func:`~memadvisor.compile_cache.shared_compile_cache`), so a probe
+   (``PickStage.confirm``), bracketed from the eager pick's confirmed batch, inside one shared
+   inductor cache (:func:`~strategies._compile_cache.shared_compile_cache`), so a probe
    process at a batch already compiled (the verify run, the user's own first step) loads
    the kernels instead of building them.
 4. Verdict. The best compiled variant replaces the eager pick only when its measured
    steady-state throughput beats eager's by :data:`MIN_SPEEDUP` (objective
    ``largest_batch``: a larger batch, or the same batch that much faster). The plan keeps
-   the one-off compile time and the cache's cost (:class:`CompileOutcome`) and a note.
+   the one-off compile time and the cache's cost (a ``StageOutcome``) and a note.
 
 Known limitations:
     * Only the eager pick is compiled, not the other re-ranked candidates: each compiled
@@ -41,34 +42,73 @@ Known limitations:
 
 from __future__ import annotations
 
-import gc
 import json
 import math
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from pydantic import JsonValue
 
-from memadvisor.estimate import estimate
-from memadvisor.planner._progress import Progress
-from memadvisor.planner._space import Scored
+from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
-from memadvisor.schema.plan import CompiledVariant, CompileOutcome
+from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
+from memadvisor.strategy import Confirmed, PickStage, Refinement
+from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
+from memadvisor.workload import Workload
 from strategies._compile_cache import shared_compile_cache
+from strategies._compile_trial import CompileResult
+from strategies._compiled_forward import CompileChoice, parse_choice
 
-if TYPE_CHECKING:
-    from memadvisor.planner._plan import _Confirmed, _Prober
-    from strategies.compile import Compile, CompileChoice
 
-__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share"]
+@dataclass(frozen=True)
+class DeviceGain:
+    """What the device measured for a compiled choice against the eager pick (the planner's)."""
+
+    batch_size: int
+    samples_per_s: float
+    eager_batch_size: int
+    eager_samples_per_s: float
+
+
+class Compile(Protocol):
+    """What the stage needs of the compile strategy: its offered choices, its trial (kept
+    for its check and advice), and where to keep the gains the device measured."""
+
+    offered: list[JsonValue]
+    gains: dict[CompileChoice, DeviceGain]
+
+    def trial(
+        self,
+        workload: Workload,
+        choice: JsonValue,
+        *,
+        candidate: Candidate | None = None,
+        device: torch.device | str | None = None,
+    ) -> CompileResult: ...
+
+
+__all__ = [
+    "MIN_SPEEDUP",
+    "POLICIES",
+    "DeviceGain",
+    "compiled_pick",
+    "compiled_variants",
+    "kept_share",
+]
 
 COMPILE = "compile"
 CHECKPOINTING = "checkpointing"
-STAGE = "compile"  # Probe.stage of the compiled variants' runs
+STAGE = COMPILE  # Probe.stage of the compiled variants' runs: the strategy's name
+#: The compile strategy's settings (``PlanConfig.options["compile"]``): auto weighs compiling
+#: on CUDA only, where a compiled step can be measured (each compiled candidate costs a
+#: compile per probe process, seconds to minutes; the simulated CPU device runs a compiled
+#: step eagerly under its byte meter, so it cannot judge one); off never; on wherever the
+#: device's step times rank.
+POLICIES = ("auto", "off", "on")
 # Two timed steps a side: gains of a percent or two are within their noise, and a compiled
 # model pays a compile in every process that trains it. Below this, eager is kept.
 MIN_SPEEDUP = 1.03
@@ -78,76 +118,118 @@ _BUDGET_STEP = 0.05
 
 
 def compiled_pick(
-    prober: _Prober,
-    eager_best: _Confirmed,
-    notes: list[str],
-    ui: Progress,
+    stage: PickStage,
+    eager_best: Confirmed,
+    strategy: Compile,
     *,
     cache_dir: str | Path | None = None,
-) -> tuple[_Confirmed, CompileOutcome | None]:
+) -> Refinement:
     """The pick to verify: ``eager_best``, or a compiled variant of it the device found faster.
 
     Args:
-        prober: the planner's prober (its device, workload, search space and config).
+        stage: the planner's stage (its config, profile, workload, device's capabilities and
+            batch search).
         eager_best: the eager pick, confirmed on the device.
-        notes: the plan's notes; the verdict (and the compile cache's cost) is added.
-        ui: progress display; the compiled variants get a stage of their own.
+        strategy: the compile strategy (its offered choices; it keeps the trials and gains).
         cache_dir: the inductor cache the variants' processes share; None keeps the user's,
             so what the plan compiled is warm for the user's own training.
 
     Returns:
         The confirmed pick (``eager_best`` itself when compiling was not considered, failed
-        or lost) and what compiling measured (None when it was not considered).
+        or lost), what compiling measured (None when it was not considered) and the notes
+        (the verdict and the compile cache's cost).
     """
-    strategy = _compile_strategy(prober)
-    why_not = _not_considered(prober, strategy)
-    if why_not is not None or strategy is None:
-        if why_not:
-            notes.append(why_not)
-        return eager_best, None
-    started = time.perf_counter()
-    space = prober.space
+    why_not = _not_considered(stage, strategy)
+    if why_not is not None:
+        return Refinement(pick=eager_best, notes=[why_not] if why_not else [])
     variants = compiled_variants(
-        eager_best.candidate.choices, strategy.offered, space.profile, eager_best.found_batch
+        eager_best.candidate.choices, strategy.offered, stage.profile, eager_best.found_batch
     )
     if not variants:  # only budget choices offered, and the pick recomputes nothing
-        return eager_best, None
-    runs_before = len(prober.probes)
-    records: list[CompiledVariant] = []
-    confirmed: list[tuple[CompiledVariant, _Confirmed]] = []
-    with ui.stage("compile", total=None) as bar, shared_compile_cache(cache_dir) as cache:
-        prober.bar = bar
+        return Refinement(pick=eager_best)
+    runs_before = len(stage.probes)
+    records: list[StageVariant] = []
+    confirmed: list[tuple[StageVariant, Confirmed]] = []
+    with stage.progress(), shared_compile_cache(cache_dir) as cache:
         for choices in variants:
-            bar.describe(f"compile: trying {_label(choices)}")
-            record, found = _measure_variant(prober, strategy, choices, eager_best.found_batch)
+            stage.describe(f"compile: trying {_label(choices)}")
+            record, found = _measure_variant(stage, strategy, choices, eager_best.found_batch)
             records.append(record)
             if found is not None:
                 confirmed.append((record, found))
         # The cache is the device runs' (the trials run here): only they make it worth a note.
-        ran = len(prober.probes) > runs_before
+        ran = len(stage.probes) > runs_before
         cache_report = cache.report() if ran else None
 
-    winner = _best(prober.config.objective, confirmed)
-    picked = winner is not None and _beats(prober.config.objective, winner[1], eager_best)
-    outcome = CompileOutcome(
+    objective = stage.config.objective
+    winner = _best(objective, confirmed)
+    picked = winner is not None and _beats(objective, winner[1], eager_best)
+    one_off_ms = winner[0].one_off_ms if picked and winner is not None else None
+    costs = []
+    if one_off_ms is not None:
+        costs.append(
+            f"first step compiles for about {fmt_ms(one_off_ms)}, once per process and input shape"
+        )
+    if cache_report is not None and cache_report.added_bytes > 0:
+        costs.append(
+            f"the plan added {fmt_bytes(cache_report.added_bytes)} to inductor's cache in "
+            f"{cache_report.cache_dir}"
+        )
+    outcome = StageOutcome(
+        strategy=COMPILE,
+        label="Compile",
+        runs_label="compiling (compiled variants)",
         picked=picked,
         summary=_verdict(records, winner, eager_best, picked),
+        pick_words=_pick_words(winner[1].candidate) if picked and winner is not None else "",
+        answer=_kept_eager(records, eager_best),
+        costs=costs,
         eager_batch_size=eager_best.candidate.batch_size,
         eager_candidate=eager_best.candidate,
         eager_samples_per_s=eager_best.measured.samples_per_s,
         eager_measured=eager_best.measured,
         variants=records,
-        compile_ms=winner[0].compile_ms if picked and winner is not None else None,
-        cache=cache_report,
-        wall_ms=(time.perf_counter() - started) * 1e3,
+        one_off_ms=one_off_ms,
+        details={"cache": _cache_details(cache_report)} if cache_report is not None else {},
     )
-    notes.append(outcome.summary)
+    notes = [outcome.summary]
     if cache_report is not None:
         notes.append(cache_report.note)
     if not picked or winner is None:
-        return eager_best, outcome
+        return Refinement(pick=eager_best, outcome=outcome, notes=notes)
     _record_gain(strategy, winner[1], eager_best)
-    return winner[1], outcome
+    return Refinement(pick=winner[1], outcome=outcome, notes=notes)
+
+
+def _cache_details(report) -> dict[str, JsonValue]:
+    """The shared cache's cost as plain JSON for ``StageOutcome.details``."""
+    return {**report.model_dump(), "added_bytes": report.added_bytes}
+
+
+def _kept_eager(records: Sequence[StageVariant], eager: Confirmed) -> str:
+    """The report's Compile row when the eager pick was kept: why, in a clause."""
+    measured = [v.measured for v in records if v.measured is not None]
+    if measured:
+        best = max(m.samples_per_s for m in measured)
+        return (
+            f"weighed, planned eager: compiled ran {fmt_rate(best)} samples/s against the "
+            f"eager pick's {fmt_rate(eager.measured.samples_per_s)} samples/s, not enough to "
+            "pay for compiling"
+        )
+    if any(v.ok for v in records):
+        return "weighed, planned eager: the compiled runs failed on the device (see notes)"
+    return "weighed, planned eager: the model does not compile (see notes)"
+
+
+def _pick_words(candidate: Candidate) -> str:
+    """``'torch.compile (default mode)'``; a budget adds its activation memory budget."""
+    parsed = _parse(candidate.choices.get(COMPILE))
+    if parsed is None:
+        return ""
+    words = f"torch.compile ({parsed.mode} mode"
+    if parsed.activation_memory_budget is not None:
+        words += f", activation memory budget {parsed.activation_memory_budget:g}"
+    return words + ")"
 
 
 # -- which variants -----------------------------------------------------------------------
@@ -229,40 +311,32 @@ def _block_names(choice: JsonValue, profile: Profile) -> set[str]:
 
 
 def _parse(choice: JsonValue) -> CompileChoice | None:
-    # Imported late: the strategies build on memadvisor (its package imports the planner).
-    from strategies.compile import parse_choice
-
     return parse_choice(choice)
 
 
-def _compile_strategy(prober: _Prober) -> Compile | None:
-    from strategies.compile import Compile
+def policy_of(stage: PickStage) -> str:
+    """The compile setting the plan's config gives (``options["compile"]``), checked."""
+    policy = stage.config.option(COMPILE, "auto")
+    if policy not in POLICIES:
+        from memadvisor.errors import BadInputError
 
-    for strategy in prober.space.strategies:
-        if strategy.name == COMPILE and isinstance(strategy, Compile):
-            return strategy
-    return None
+        raise BadInputError(
+            f"The compile option is one of {POLICIES}, but got {policy=}; pass "
+            "compile='auto', 'off' or 'on'."
+        )
+    return str(policy)
 
 
-def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
+def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
     """None when the variants are tried; else why not ('' when nothing needs saying)."""
-    from memadvisor.planner._plan import step_times_rank  # _plan imports this module
-
-    policy, device = prober.config.compile, prober.device
+    policy = policy_of(stage)
     if policy == "off":
         return ""
-    if policy == "auto" and device.kind != "cuda":
+    if policy == "auto" and stage.device_kind != "cuda":
         return ""  # the simulated device runs a compiled step eagerly: nothing to measure
-    if strategy is None:
-        return (
-            "compile='on' was asked, but the compile strategy is not among the strategies; "
-            "planned eager."
-            if policy == "on"
-            else ""
-        )
     if not any(_parse(c) is not None for c in strategy.offered):
         return ""
-    if getattr(device, "mode", None) == "in_process":
+    if not stage.fresh_processes:
         # One process compiles each new batch with a dynamic batch dimension (dynamo's
         # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.
         return (
@@ -270,10 +344,10 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
             "would compile with a dynamic batch dimension; pass a target ('file.py:factory') "
             "or a picklable loss_fn for fresh-process probes. Planned eager."
         )
-    if not step_times_rank(device):
+    if not stage.step_times_rank:
         return (
-            f"compile='on' was asked, but the {device.kind} device's step times cannot tell a "
-            "compiled step from an eager one (the simulated device runs a compiled step "
+            f"compile='on' was asked, but the {stage.device_kind} device's step times cannot "
+            "tell a compiled step from an eager one (the simulated device runs a compiled step "
             "eagerly under its byte meter); planned eager. Plan on a CUDA device to weigh "
             "compiling."
         )
@@ -284,10 +358,10 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
 
 
 def _measure_variant(
-    prober: _Prober, strategy: Compile, choices: dict[str, JsonValue], start_batch: int
-) -> tuple[CompiledVariant, _Confirmed | None]:
+    stage: PickStage, strategy: Compile, choices: dict[str, JsonValue], start_batch: int
+) -> tuple[StageVariant, Confirmed | None]:
     """Try ``choices`` at the sample batch here; if it compiles, confirm it on the device."""
-    workload, device = prober.workload, prober.device
+    workload = stage.workload
     others = {name: c for name, c in choices.items() if name != COMPILE}
     at_sample = Candidate(batch_size=workload.sample_batch_size, choices=others)
     try:
@@ -295,26 +369,28 @@ def _measure_variant(
             workload,
             choices[COMPILE],
             candidate=at_sample,
-            device="cuda" if device.kind == "cuda" else None,
+            device="cuda" if stage.device_kind == "cuda" else None,
         )
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
         text = f"the compile trial could not run its eager step ({_first_line(e)})."
-        return CompiledVariant(choices=choices, compiles=False, trial=text, error=text), None
+        return StageVariant(choices=choices, ok=False, trial=text, error=text), None
     finally:
-        _release_trial_memory()
+        # The trial ran in the planner's process: what it cached goes back before the probe
+        # processes ask the card for the budget.
+        release_cached_memory()
     if not result.ok:
-        return CompiledVariant(choices=choices, compiles=False, trial=result.summary), None
+        return StageVariant(choices=choices, ok=False, trial=result.summary), None
 
-    record = CompiledVariant(
-        choices=choices, compiles=True, trial=result.summary, compile_ms=result.compile_ms
+    record = StageVariant(
+        choices=choices, ok=True, trial=result.summary, one_off_ms=result.compile_ms
     )
-    runs_before = len(prober.probes)
-    found: _Confirmed | None = None
+    runs_before = len(stage.probes)
+    found: Confirmed | None = None
     try:
-        found = prober.confirm(_bracket(prober, choices, start_batch), stage=STAGE)
+        found = stage.confirm(choices, start_batch)
     except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
         record.error = _first_line(e)
-    record.device_wall_ms = sum(p.wall_ms for p in prober.probes[runs_before:])
+    record.device_wall_ms = sum(p.wall_ms for p in stage.probes[runs_before:])
     if found is None:
         record.error = record.error or "not even batch 1 fitted on the device."
         return record, None
@@ -323,26 +399,8 @@ def _measure_variant(
     return record, found
 
 
-def _bracket(prober: _Prober, choices: dict[str, JsonValue], start_batch: int) -> Scored:
-    """The variant as the batch search takes it, starting at the eager pick's confirmed batch.
-
-    The estimate is eager's (compile is measured only): the device's answer for the eager
-    pick is the better start. The search's top stays the estimate's, whole budget.
-    """
-    space = prober.space
-    candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
-    return Scored(
-        candidate=candidate,
-        estimate=estimate(space.profile, candidate, space.strategies),
-        largest_batch=candidate.batch_size,
-        active=len(choices),
-    )
-
-
-def _record_gain(strategy: Compile, compiled: _Confirmed, eager: _Confirmed) -> None:
+def _record_gain(strategy: Compile, compiled: Confirmed, eager: Confirmed) -> None:
     """Tell the strategy what the device measured, so its advice quotes the gain."""
-    from strategies.compile import DeviceGain
-
     parsed = _parse(compiled.candidate.choices[COMPILE])
     if parsed is not None:
         strategy.gains[parsed] = DeviceGain(
@@ -353,18 +411,10 @@ def _record_gain(strategy: Compile, compiled: _Confirmed, eager: _Confirmed) -> 
         )
 
 
-def _release_trial_memory() -> None:
-    # The trial ran in the planner's process: what it cached goes back before the probe
-    # processes ask the card for the budget.
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 # -- the verdict ------------------------------------------------------------------------------
 
 
-def _rank(objective: str, confirmed: _Confirmed) -> tuple:
+def _rank(objective: str, confirmed: Confirmed) -> tuple:
     rate = confirmed.measured.samples_per_s
     if objective == "largest_batch":
         return (confirmed.candidate.batch_size, rate)
@@ -372,14 +422,14 @@ def _rank(objective: str, confirmed: _Confirmed) -> tuple:
 
 
 def _best(
-    objective: str, confirmed: Sequence[tuple[CompiledVariant, _Confirmed]]
-) -> tuple[CompiledVariant, _Confirmed] | None:
+    objective: str, confirmed: Sequence[tuple[StageVariant, Confirmed]]
+) -> tuple[StageVariant, Confirmed] | None:
     if not confirmed:
         return None
     return max(confirmed, key=lambda pair: _rank(objective, pair[1]))
 
 
-def _beats(objective: str, compiled: _Confirmed, eager: _Confirmed) -> bool:
+def _beats(objective: str, compiled: Confirmed, eager: Confirmed) -> bool:
     """Whether ``compiled`` is worth a compile per process over ``eager``, by the objective."""
     batch, eager_batch = compiled.candidate.batch_size, eager.candidate.batch_size
     if objective == "largest_batch" and batch != eager_batch:
@@ -388,9 +438,9 @@ def _beats(objective: str, compiled: _Confirmed, eager: _Confirmed) -> bool:
 
 
 def _verdict(
-    records: Sequence[CompiledVariant],
-    winner: tuple[CompiledVariant, _Confirmed] | None,
-    eager: _Confirmed,
+    records: Sequence[StageVariant],
+    winner: tuple[StageVariant, Confirmed] | None,
+    eager: Confirmed,
     picked: bool,
 ) -> str:
     eager_rate = eager.measured.samples_per_s
@@ -413,7 +463,7 @@ def _verdict(
             f"{MIN_SPEEDUP - 1:.0%} faster (or, for the largest batch, larger) to be worth a "
             "compile in every process."
         )
-    compile_s = (record.compile_ms or 0.0) / 1e3
+    compile_s = (record.one_off_ms or 0.0) / 1e3
     return (
         f"Compiled: {measured}. The first step compiles for about {compile_s:.1f} s, once per "
         "process and input shape; throughput is the steady state. The estimate shown is "

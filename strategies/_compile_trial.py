@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from torch import nn
 
 from memadvisor import _torch_private
-from memadvisor.apply import apply_candidate
 from memadvisor.errors import BadInputError, is_oom
 from memadvisor.schema.candidate import Candidate
+from memadvisor.strategy import apply_candidate
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
 from strategies._compiled_forward import (

@@ -86,6 +86,10 @@ class BatchSize(Strategy):
     def is_neutral(self, choice: JsonValue) -> bool:
         return choice in (None, "off")
 
+    def record(self, pick: Candidate, config: PlanConfig) -> JsonValue | None:
+        """The pick's batch (and accumulation), so that its advice explains the batch."""
+        return choice_for(pick, config.effective_batch)
+
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         # The planner searches Candidate.batch_size / accumulation_steps directly.
         return [None]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,6 +145,11 @@ class ActivationCheckpointing(Strategy):
             sorted(names[:k], key=position.__getitem__) for k in range(1, len(names) + 1)
         ]
         return [[], *prefixes]
+
+    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str, JsonValue] | None:
+        """ "+Checkpointing": every block this strategy offers to checkpoint."""
+        lists = [c for c in options if isinstance(c, list) and c]
+        return ("+Checkpointing", max(lists, key=len)) if lists else None
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         model.checkpoint(_block_indices(profile, _names(choice)))

@@ -11,13 +11,14 @@ Choices:
       rest. For a compiled model this is the recompute knob: it recomputes cheap pointwise
       ops inside the fused graph, where block checkpointing recomputes whole blocks.
 
-How the planner uses them (``memadvisor/planner/_compiled.py``): after the device has chosen
-the eager pick, it tries each offered choice on that pick. ``"default"`` keeps the pick's
-checkpointed blocks (compiled with the model); a choice with a budget replaces them, its
-budget set to the share of activations the pick keeps, so the device's measurements say
-which recompute is cheaper under compile. The faster compiled variant is kept only when it
-beats eager's measured throughput; :meth:`Compile.trial` and :attr:`Compile.gains` keep what
-was measured for :meth:`Compile.check` and :meth:`Compile.explain`.
+How the planner uses them (:meth:`Compile.refine`, ``strategies/_compile_stage.py``): after
+the device has chosen the eager pick, it tries each offered choice on that pick.
+``"default"`` keeps the pick's checkpointed blocks (compiled with the model); a choice with
+a budget replaces them, its budget set to the share of activations the pick keeps, so the
+device's measurements say which recompute is cheaper under compile. The faster compiled
+variant is kept only when it beats eager's measured throughput; :meth:`Compile.trial` and
+:attr:`Compile.gains` keep what was measured for :meth:`Compile.check` and
+:meth:`Compile.explain`.
 
 Offered only for a profile measured on CUDA. Compiled memory and speed are not predicted by
 the eager profile (fusion removes intermediates, the partitioner chooses what to save):
@@ -53,7 +54,6 @@ Known limitations:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,8 +61,9 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.schema.advice import Advice, Check
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
 from strategies import _forward
+from strategies._compile_stage import DeviceGain, compiled_pick
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
     STRATEGY_NAME,
@@ -170,6 +171,12 @@ class Compile(Strategy):
             return None
         return advice(parsed, self.results.get(parsed), self.gains.get(parsed))
 
+    def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
+        """Compiled variants of the eager pick, measured on the device, kept when faster
+        (:func:`strategies._compile_stage.compiled_pick`). The plan's ``options["compile"]``
+        says whether: ``"auto"`` (default: on CUDA), ``"off"`` or ``"on"``."""
+        return compiled_pick(stage, eager, self)
+
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Compile ``choice`` on copies of the workload and compare with eager (see try_compile).
 
@@ -206,16 +213,6 @@ class Compile(Strategy):
         if parsed is not None:
             self.results[parsed] = result
         return result
-
-
-@dataclass(frozen=True)
-class DeviceGain:
-    """What the device measured for a compiled choice against the eager pick (the planner's)."""
-
-    batch_size: int
-    samples_per_s: float
-    eager_batch_size: int
-    eager_samples_per_s: float
 
 
 def check_from(result: CompileResult) -> Check:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.precision import AUTOCAST_DTYPES, FULL, PRECISIONS
 from memadvisor.strategy import Strategy
 from memadvisor.workload import train_step
 from strategies import _forward
@@ -43,8 +45,6 @@ __all__ = [
     "precision_of",
 ]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_PRECISIONS = ("fp32", "bf16", "fp16")
 
 # What check_numerics calls fine. bf16 keeps 8 bits of mantissa (~0.4% relative error per
 # value); a loss that moves by more than 2%, or gradients whose direction moves by more than
@@ -54,8 +54,8 @@ GRAD_TOLERANCE = 0.25
 
 
 def _check_choice(choice: JsonValue) -> str:
-    if choice not in _PRECISIONS:
-        raise BadInputError(f"A precision choice is one of {_PRECISIONS}, but got {choice=}.")
+    if choice not in PRECISIONS:
+        raise BadInputError(f"A precision choice is one of {PRECISIONS}, but got {choice=}.")
     return str(choice)
 
 
@@ -78,7 +78,7 @@ class AutocastForward(_forward.ForwardWrapper):
         self.precision = precision
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(_device_type(self.module), dtype=_DTYPES[self.precision]):
+        with torch.autocast(_device_type(self.module), dtype=AUTOCAST_DTYPES[self.precision]):
             return self.call_inner(*args, **kwargs)
 
 
@@ -102,6 +102,19 @@ class Precision(Strategy):
     # First: use_precision() reads a different measured step and resets the activation
     # numbers every other strategy then edits.
     effect_order = 0
+    # The estimate's step times for autocast can be off by more than the gap between
+    # candidates (docs/design.md, "Re-ranking on the device"): the planner times each
+    # precision, everything else plain, beside the estimate's best.
+    guarded = True
+
+    def is_neutral(self, choice: JsonValue) -> bool:
+        """fp32 (no autocast) is this strategy's off."""
+        return choice in (None, "off", FULL)
+
+    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str, JsonValue] | None:
+        """ "+AMP": bf16 autocast where offered, else fp16."""
+        amp = next((p for p in ("bf16", "fp16") if p in options), None)
+        return None if amp is None else ("+AMP", amp)
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if profile.device.bf16_supported:
@@ -266,7 +279,7 @@ def check_numerics(workload: Workload, precision: str, steps: int = 3, seed: int
     Raises:
         BadInputError: ``precision`` is not 'bf16' or 'fp16', or ``steps`` < 1.
     """
-    if precision not in _DTYPES:
+    if precision not in AUTOCAST_DTYPES:
         raise BadInputError(f"Numerics are checked for 'bf16' or 'fp16', but got {precision=}.")
     if steps < 1:
         raise BadInputError(f"The numerics check needs at least one step, but got {steps=}.")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import memadvisor
-from memadvisor.apply import apply_candidate, run_checks
+from memadvisor.apply import run_checks
 from memadvisor.errors import BadInputError
 from memadvisor.estimate import estimate
 from memadvisor.schema.candidate import Candidate, Estimate
@@ -26,7 +26,7 @@ from memadvisor.schema.profile import (
     Profile,
     StepProfile,
 )
-from memadvisor.strategy import load_strategies
+from memadvisor.strategy import apply_candidate, load_strategies
 from memadvisor.workload import Workload
 from strategies import _forward
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -23,13 +22,21 @@ from memadvisor.cli._app import (
     resolve_device,
     write_text,
 )
-from memadvisor.errors import BadInputError
-from memadvisor.schema.config import PlanConfig, gib_to_bytes
 
 if TYPE_CHECKING:
     from memadvisor.report import MemorySeries
+    from memadvisor.schema.config import PlanConfig
     from memadvisor.schema.plan import Plan
     from memadvisor.workload import Workload
+
+
+#: How this command spells each option in messages (memadvisor.api.plan_config writes them).
+FLAGS = {
+    "budget_gb": "--budget-gb",
+    "objective": "--objective",
+    "effective_batch": "--effective-batch",
+    "margin_fraction": "--margin",
+}
 
 
 class ObjectiveOption(str, Enum):
@@ -142,35 +149,20 @@ def _config(
     margin: float,
     device: DeviceOption,
 ) -> PlanConfig:
-    """The PlanConfig the options describe.
+    """The PlanConfig the options describe, built and checked by ``memadvisor.api``.
 
     Raises:
         BadInputError: an option is out of range, or the objective lacks what it needs.
     """
-    if not (math.isfinite(budget_gb) and gib_to_bytes(budget_gb) > 0):
-        raise BadInputError(
-            f"--budget-gb must be a positive number of GiB, e.g. 8, but got {budget_gb=}."
-        )
-    if not 0.0 <= margin < 0.5:
-        raise BadInputError(f"--margin must be at least 0 and below 0.5, but got {margin=}.")
-    if effective_batch is not None and effective_batch <= 0:
-        raise BadInputError(f"--effective-batch must be positive, but got {effective_batch=}.")
-    if objective is None:
-        objective = (
-            ObjectiveOption.effective_batch
-            if effective_batch is not None
-            else ObjectiveOption.throughput
-        )
-    if objective is ObjectiveOption.effective_batch and effective_batch is None:
-        raise BadInputError(
-            "--objective effective_batch needs --effective-batch N, the batch you train with."
-        )
-    return PlanConfig(
-        budget_bytes=gib_to_bytes(budget_gb),
-        objective=objective.value,
+    from memadvisor.api import plan_config  # torch and the planner: only when a plan is made
+
+    return plan_config(
+        budget_gb,
+        objective=objective.value if objective is not None else None,
         effective_batch=effective_batch,
-        margin_fraction=margin,
-        device=resolve_device(device),  # type: ignore[arg-type]
+        device=resolve_device(device),
+        options={"margin_fraction": margin},
+        names=FLAGS,
     )
 
 

@@ -14,11 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from memadvisor.apply import apply_candidate
 from memadvisor.errors import is_oom
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Strategy, load_strategies
+from memadvisor.strategy import Strategy, apply_candidate, load_strategies
 from memadvisor.workload import Workload, train_step
 
 __all__ = ["RESULT_MARKER", "train_candidate"]

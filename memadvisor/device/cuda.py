@@ -87,7 +87,8 @@ class CudaDevice(Device):
     kind: ClassVar[Literal["cuda"]] = "cuda"
     # A run's fixed cost (a process, a CUDA context, the first step's kernel loading: seconds)
     # dwarfs its steps (milliseconds): the planner's probes run the verification's steps.
-    runs_cost_more_than_steps: ClassVar[bool] = True
+    runs_cost_more_than_steps = True
+    step_times_rank = True  # a card's own times
 
     def __init__(
         self,
@@ -121,7 +122,6 @@ class CudaDevice(Device):
         self.strategy_names = list(strategy_names) if strategy_names is not None else None
         self.timeout_s = timeout_s
         self.runner = runner
-        self.notes: list[str] = []
         self.mode: Literal["fork_server", "fresh_process", "in_process"] = "in_process"
         if fresh_process:
             forks = fork_server and hasattr(os, "fork")
@@ -132,6 +132,11 @@ class CudaDevice(Device):
         self._baseline_allocated: int | None = None
         self._zygote: ForkServer | None = None
         self._zygote_finalizer: weakref.finalize | None = None
+
+    @property
+    def fresh_processes(self) -> bool:  # type: ignore[override]
+        """False once runs fell back to this process (a workload that cannot be saved)."""
+        return self.mode != "in_process"
 
     def close(self) -> None:
         """Stop the zygote; remove the saved workload and requests."""

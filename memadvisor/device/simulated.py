@@ -76,7 +76,6 @@ class SimulatedDevice(Device):
         self.profile = profile
         self.strategy_names = list(strategy_names) if strategy_names is not None else None
         self.autocast_policy = autocast_policy
-        self.notes: list[str] = []
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -150,8 +149,7 @@ class SimulatedDevice(Device):
     def _apply(self, model: nn.Module, candidate: Candidate) -> nn.Module:
         if not candidate.choices:
             return model
-        from memadvisor.apply import apply_candidate  # strategies build on the device layer
-        from memadvisor.strategy import load_strategies
+        from memadvisor.strategy import apply_candidate, load_strategies
 
         names = self.strategy_names if self.strategy_names is not None else list(candidate.choices)
         strategies = load_strategies(names)

@@ -1,9 +1,9 @@
 """The configurations a person would try by hand, for the report to set the plan against.
 
-Baseline (fp32, nothing checkpointed), +Checkpointing (every block the strategy offers),
-+AMP (bf16, else fp16 autocast), +Both. This is the one place in the planner that names
-strategies: the rows are defined by what people try, and a row whose strategy is not
-registered is left out rather than faked.
+Baseline (every strategy off), then each strategy's own hand choice (``Strategy.by_hand``:
+"+Checkpointing" every block, "+AMP" bf16 else fp16 autocast), the strategy applied last
+first, then all of them together ("+Both" for two). A strategy that offers no hand choice for this profile has no row, rather
+than a faked one.
 """
 
 from __future__ import annotations
@@ -14,54 +14,53 @@ from memadvisor.planner._space import SearchSpace
 
 __all__ = ["hand_configurations", "unchecked_hand_choices"]
 
-CHECKPOINTING = "checkpointing"
-PRECISION = "precision"
 
-
-def _all_blocks(space: SearchSpace) -> JsonValue | None:
-    lists = [c for c in space.options.get(CHECKPOINTING, []) if isinstance(c, list) and c]
-    return max(lists, key=len) if lists else None
-
-
-def _autocast(space: SearchSpace) -> str | None:
-    offered = space.options.get(PRECISION, [])
-    return next((p for p in ("bf16", "fp16") if p in offered), None)
+def _hand_choices(space: SearchSpace) -> list[tuple[str, str, JsonValue]]:
+    """(label, strategy name, choice) of each strategy's hand choice, the strategy applied
+    last first (checkpointing before precision's autocast, which every other one reads)."""
+    out = []
+    for s in sorted(space.strategies, key=lambda s: -s.effect_order):
+        picked = s.by_hand(space.options.get(s.name, []))
+        if picked is not None:
+            label, choice = picked
+            out.append((label, s.name, choice))
+    return out
 
 
 def hand_configurations(space: SearchSpace) -> list[tuple[str, dict[str, JsonValue]]]:
     """(label, choices) of each hand configuration this profile's strategies can express."""
-    every_block, amp = _all_blocks(space), _autocast(space)
+    hand = _hand_choices(space)
     rows: list[tuple[str, dict[str, JsonValue]]] = [("Baseline", {})]
-    if every_block is not None:
-        rows.append(("+Checkpointing", {CHECKPOINTING: every_block}))
-    if amp is not None:
-        rows.append(("+AMP", {PRECISION: amp}))
-    if every_block is not None and amp is not None:
-        rows.append(("+Both", {PRECISION: amp, CHECKPOINTING: every_block}))
+    rows += [(label, {name: choice}) for label, name, choice in hand]
+    if len(hand) > 1:
+        # In the order the strategies apply them.
+        together = {name: choice for _, name, choice in reversed(hand)}
+        rows.append(("+Both" if len(hand) == 2 else "+All", together))
     return rows
 
 
 def unchecked_hand_choices(space: SearchSpace) -> list[dict[str, JsonValue]]:
-    """Baseline and +AMP (each precision offered, nothing checkpointed) as the search writes
-    candidates: a strategy with one option keeps it (an advice-only strategy is in every
-    candidate), every other strategy its neutral option.
+    """Baseline and each choice of a guarded strategy (``Strategy.guarded``: precision), the
+    rest plain, as the search writes candidates: a strategy with one option keeps it (an
+    advice-only strategy is in every candidate), every other strategy its neutral option.
 
     The planner times these beside the estimate's best, so that an error in the estimate's
-    step times (up to 1.6x for bf16 on an H200) cannot make the plan lose to a
-    configuration a person tries first. Empty when the space has no neutral option for a
-    strategy other than precision to fall back on.
+    step times (``docs/design.md``, "Re-ranking on the device") cannot make the plan lose to
+    a configuration a person tries first. Empty when the space has no neutral option for a
+    strategy other than the guarded ones to fall back on.
     """
     plain = space.plain_indices()
     if plain is None:
         return []
-    names = space.names
-    precisions = space.options.get(PRECISION)
-    if precisions is None:
+    guarded = [i for i, s in enumerate(space.strategies) if s.guarded]
+    if not guarded:
         return [space.choices_of(plain)]
-    at = names.index(PRECISION)
-    out = []
-    for index in range(len(precisions)):
-        indices = list(plain)
-        indices[at] = index
-        out.append(space.choices_of(indices))
+    out: list[dict[str, JsonValue]] = []
+    for at in guarded:
+        for index in range(len(space.options[space.strategies[at].name])):
+            indices = list(plain)
+            indices[at] = index
+            choices = space.choices_of(indices)
+            if choices not in out:
+                out.append(choices)
     return out

@@ -10,12 +10,12 @@ from torch import nn
 
 from memadvisor._torch_private import fake_mode_active, is_fake
 from memadvisor.errors import BadInputError
+from memadvisor.schema.precision import AUTOCAST_DTYPES
 from memadvisor.schema.profile import DeviceInfo
 
-__all__ = ["AUTOCAST_DTYPES", "DeviceChoice", "Target", "resolve_target"]
+__all__ = ["DeviceChoice", "Target", "resolve_target"]
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Target:

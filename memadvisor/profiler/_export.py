@@ -18,10 +18,12 @@ import torch
 from memadvisor._torch_private import memory_snapshot, memory_snapshot_html, record_memory_history
 from memadvisor.errors import BadInputError
 from memadvisor.memory import MemoryMeter
+from memadvisor.process_state import rng_restored
 from memadvisor.profiler._device import Target, resolve_target
 from memadvisor.profiler._memory_step import tensors_in
-from memadvisor.profiler._profile import PRECISIONS, autocast_workload
-from memadvisor.profiler._state import private_model, rng_restored
+from memadvisor.profiler._profile import autocast_workload
+from memadvisor.profiler._state import private_model
+from memadvisor.schema.precision import PRECISIONS
 from memadvisor.timeline import (
     CudaMemoryReader,
     MeterMemoryReader,

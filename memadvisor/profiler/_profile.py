@@ -49,8 +49,9 @@ from torch import nn
 
 from memadvisor._torch_private import clear_cublas_workspaces
 from memadvisor.errors import BadInputError
+from memadvisor.process_state import rng_restored
 from memadvisor.profiler._blocks import BlockSpec, find_blocks
-from memadvisor.profiler._device import AUTOCAST_DTYPES, Target, resolve_target
+from memadvisor.profiler._device import Target, resolve_target
 from memadvisor.profiler._memory_step import (
     LOSS_OWNER,
     OTHER_OWNER,
@@ -59,7 +60,7 @@ from memadvisor.profiler._memory_step import (
     tensors_in,
 )
 from memadvisor.profiler._progress import ProgressArg, ProgressReporter
-from memadvisor.profiler._state import private_model, rng_restored
+from memadvisor.profiler._state import private_model
 from memadvisor.profiler._timing_step import TimingMeasurement, TimingStep
 from memadvisor.profiler._untracked import (
     LargestAllocation,
@@ -68,6 +69,7 @@ from memadvisor.profiler._untracked import (
     untracked_batch_sizes,
     untracked_step,
 )
+from memadvisor.schema.precision import AUTOCAST_DTYPES, PRECISIONS
 from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
@@ -81,86 +83,10 @@ from memadvisor.schema.profile import (
 )
 from memadvisor.workload import Workload, train_step
 
-__all__ = ["as_optimizer_factory", "autocast_workload", "profile", "profile_workload"]
+__all__ = ["autocast_workload", "profile_workload"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 TIMED_STEPS = 2  # per batch size and precision; the faster reading of each number is kept
 UNTRACKED_SIZES = 2  # CUDA: the larger sizes the untracked bytes are fitted at, per precision
-
-
-def profile(
-    model: nn.Module,
-    sample_batch: Any,
-    *,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    optimizer: Any = None,
-    make_batch: Callable[[int], Any] | None = None,
-    forward_fn: Callable[[nn.Module, Any], Any] | None = None,
-    blocks: BlockSpec | None = None,
-    device: str = "auto",
-    precisions: Sequence[str] | None = None,
-    batch_sizes: tuple[int, int] | None = None,
-    progress: ProgressArg = None,
-) -> Profile:
-    """Measure one training step of ``model``: memory per block, per layer and per phase.
-
-    Args:
-        model: the model to train; it is not changed (a copy is profiled).
-        sample_batch: one batch as the model takes it (see :mod:`memadvisor.workload`).
-        loss_fn: ``loss_fn(output, batch)``; default: ``output.loss`` or a scalar output.
-        optimizer: an optimizer factory ``f(params)``, or an optimizer whose class and
-            defaults are reused; default AdamW.
-        make_batch: ``make_batch(b)`` for batches whose dim 0 is not the batch.
-        forward_fn: ``forward_fn(model, batch)`` when the model is not called as the
-            workload rules say.
-        blocks: which modules are blocks (names, globs, class names or types); detected if None.
-        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
-        precisions: subset of fp32/bf16/fp16; default fp32 and, where supported, bf16.
-        batch_sizes: the two batch sizes to measure; default ``(n, 2n)`` for a sample of n.
-        progress: ``progress(description, done, total)`` or a rich ``Progress``.
-
-    Returns:
-        The :class:`~memadvisor.profiler.Profile`.
-
-    Raises:
-        BadInputError: an input is unusable (the message says which and what to pass).
-    """
-    workload = Workload(
-        model=model,
-        sample_batch=sample_batch,
-        loss_fn=loss_fn,
-        optimizer_factory=as_optimizer_factory(optimizer),
-        make_batch=make_batch,
-        forward_fn=forward_fn,
-    )
-    return profile_workload(
-        workload,
-        blocks=blocks,
-        device=device,
-        precisions=precisions,
-        batch_sizes=batch_sizes,
-        progress=progress,
-    )
-
-
-def as_optimizer_factory(optimizer: Any) -> Callable[[Iterable[nn.Parameter]], Any] | None:
-    """A factory ``f(params)`` from a factory, an optimizer instance (its class and defaults
-    over new parameters; its state is never touched) or None.
-
-    Raises:
-        BadInputError: ``optimizer`` is none of those.
-    """
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, torch.optim.Optimizer):
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
-        return lambda params: cls(params, **defaults)
-    if callable(optimizer):
-        return optimizer
-    raise BadInputError(
-        "optimizer must be a factory f(params) -> torch.optim.Optimizer or an optimizer, "
-        f"but got {type(optimizer).__name__}."
-    )
 
 
 def profile_workload(

@@ -1,11 +1,12 @@
-"""Leaving the caller's world as it was: a private copy of the model, and every RNG put back."""
+"""Leaving the caller's model as it was: a private copy of it, or its tensors put back.
+
+The RNG states are put back by :func:`memadvisor.process_state.rng_restored`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import random
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 
-__all__ = ["clone_module", "private_model", "rng_restored"]
+__all__ = ["clone_module", "private_model"]
 
 
 def clone_module(model: nn.Module) -> nn.Module:
@@ -108,30 +109,3 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 def _unique(tensors: Any) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
-
-
-@contextlib.contextmanager
-def rng_restored(*, uses_cuda: bool = False) -> Iterator[None]:
-    """Run a block and put back torch's (CPU and every CUDA device), Python's and, if
-    imported, NumPy's random states.
-
-    Args:
-        uses_cuda: the block will use CUDA. CUDA is then initialised first, so the states saved
-            are the ones ``torch.manual_seed`` queued for its lazy start.
-    """
-    if uses_cuda:
-        torch.cuda.init()
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    py = random.getstate()
-    numpy = sys.modules.get("numpy")
-    np_state = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        random.setstate(py)
-        if numpy is not None and np_state is not None:
-            numpy.random.set_state(np_state)

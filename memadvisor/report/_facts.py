@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from memadvisor.schema.candidate import Candidate
-from memadvisor.schema.plan import CompileOutcome, Plan, Row
+from memadvisor.schema.plan import Plan, Row, StageOutcome
 from memadvisor.schema.profile import Profile, StepProfile
 
 __all__ = [
@@ -80,11 +80,9 @@ class Answer(_Model):
     other_choices: dict[str, str] = Field(
         default_factory=dict, description="Non-neutral choices of other strategies, as JSON."
     )
-    compile: CompileOutcome | None = Field(
-        None, description="What compiling the eager pick measured; None when not considered."
-    )
-    compile_choice: JsonValue = Field(
-        None, description="The pick's compile choice when the plan weighed compiling."
+    stages: list[StageOutcome] = Field(
+        default_factory=list,
+        description="What each measured-only strategy's stage found; a row of its own each.",
     )
     notes: list[str] = Field(default_factory=list)
 
@@ -210,8 +208,8 @@ def answer(plan: Plan) -> Answer:
     rate = ver.samples_per_s if ver is not None else est.samples_per_s
     base = _baseline(plan.comparison)
     base_rate, base_measured = _rate(base) if base is not None else (None, False)
-    # A compile the planner weighed has an answer line of its own (the Compile row).
-    named = (*_NAMED_STRATEGIES, "compile") if plan.compile is not None else _NAMED_STRATEGIES
+    # A measured stage the planner ran has an answer line of its own (the Compile row).
+    named = (*_NAMED_STRATEGIES, *(stage.strategy for stage in plan.stages))
     others = {
         name: choice if isinstance(choice, str) else json.dumps(choice)
         for name, choice in cand.choices.items()
@@ -244,8 +242,7 @@ def answer(plan: Plan) -> Answer:
         speedup=rate / base_rate if base_rate else None,
         same_as_baseline=base is not None and _runs(base.candidate) == _runs(cand),
         other_choices=others,
-        compile=plan.compile,
-        compile_choice=cand.choice("compile") if plan.compile is not None else None,
+        stages=list(plan.stages),
         notes=list(plan.notes),
     )
 
@@ -289,7 +286,6 @@ def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
 
 
 _RUN_STAGES = {
-    "compile": "compiling (compiled variants)",
     "timing": "timed",
     "verify": "verifying",
     "compare": "for the comparison rows",
@@ -306,7 +302,8 @@ def device_runs(plan: Plan, *, shown: int = 8) -> str:
         )
         more = f", … {len(search) - shown} more" if len(search) > shown else ""
         parts.append(f"{len(search)} batch probes ({outcomes}{more})")
-    for stage, words in _RUN_STAGES.items():
+    measured_stages = {o.strategy: o.runs_label for o in plan.stages}
+    for stage, words in {**measured_stages, **_RUN_STAGES}.items():
         count = sum(p.stage == stage for p in plan.probes)
         if count:
             parts.append(f"{count} {words}")

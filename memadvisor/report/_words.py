@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from memadvisor.report._facts import Answer
-from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+from memadvisor.schema.plan import StageOutcome
 from memadvisor.schema.profile import Profile
+from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
 __all__ = ["OWNERS_NOTE", "answer_rows", "device_title", "fragmentation", "kind_words"]
 
@@ -56,55 +57,22 @@ def answer_rows(a: Answer) -> list[tuple[str, str]]:
         ("Peak", _peak(a)),
         ("Throughput", _throughput(a)),
     ]
-    if a.compile is not None:
-        rows.append(("Compile", _compile(a)))
+    rows += [(stage.label, _stage(a, stage)) for stage in a.stages]
     if a.other_choices:
         rows.append(("Also", ", ".join(f"{k}: {v}" for k, v in a.other_choices.items())))
     return rows
 
 
-def _compile(a: Answer) -> str:
-    """torch.compile's verdict: the speed it bought and its one-off costs, or why eager."""
-    outcome = a.compile
-    if outcome is None:
-        return "not considered"
-    eager = f"the eager pick's {fmt_rate(outcome.eager_samples_per_s)} samples/s"
+def _stage(a: Answer, outcome: StageOutcome) -> str:
+    """A measured stage's verdict: what its pick bought over the eager pick and its one-off
+    costs, or (in the strategy's words) why the eager pick was kept."""
     if not outcome.picked:
-        measured = [v for v in outcome.variants if v.measured is not None]
-        if measured:
-            best = max(v.measured.samples_per_s for v in measured if v.measured is not None)
-            return (
-                f"weighed, planned eager: compiled ran {fmt_rate(best)} samples/s against "
-                f"{eager}, not enough to pay for compiling"
-            )
-        if any(v.compiles for v in outcome.variants):
-            return "weighed, planned eager: the compiled runs failed on the device (see notes)"
-        return "weighed, planned eager: the model does not compile (see notes)"
-    words = f"torch.compile {_compile_words(a.compile_choice)}"
+        return outcome.answer or "weighed, planned eager (see notes)"
+    words = outcome.pick_words
     if a.measured and outcome.eager_samples_per_s > 0:
+        eager = f"the eager pick's {fmt_rate(outcome.eager_samples_per_s)} samples/s"
         words += f": {fmt_ratio(a.samples_per_s / outcome.eager_samples_per_s)} {eager}"
-    if outcome.compile_ms is not None:
-        words += (
-            f" · first step compiles for about {fmt_ms(outcome.compile_ms)}, once per process "
-            "and input shape"
-        )
-    if outcome.cache is not None and outcome.cache.added_bytes > 0:
-        words += (
-            f" · the plan added {fmt_bytes(outcome.cache.added_bytes)} to inductor's cache in "
-            f"{outcome.cache.cache_dir}"
-        )
-    return words
-
-
-def _compile_words(choice: object) -> str:
-    """``"default"`` -> ``'(default mode)'``; a mapping adds its activation memory budget."""
-    if isinstance(choice, dict):
-        words = f"({choice.get('mode', 'default')} mode"
-        budget = choice.get("activation_memory_budget")
-        if isinstance(budget, int | float):
-            words += f", activation memory budget {budget:g}"
-        return words + ")"
-    return f"({choice} mode)" if isinstance(choice, str) else ""
+    return " · ".join([words, *outcome.costs])
 
 
 def _checkpointed(a: Answer) -> str:

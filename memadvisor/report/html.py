@@ -14,7 +14,6 @@ from pathlib import Path
 from memadvisor.errors import BadInputError
 from memadvisor.report import _facts as facts
 from memadvisor.report._html_assets import CSS, SCRIPT
-from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
     OWNERS_NOTE,
     answer_rows,
@@ -24,6 +23,7 @@ from memadvisor.report._words import (
 )
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
+from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 
 __all__ = ["render_plan_html", "render_profile_html", "write_html"]
 

@@ -11,7 +11,6 @@ from rich.table import Table
 from rich.text import Text
 
 from memadvisor.report import _facts as facts
-from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
     OWNERS_NOTE,
     answer_rows,
@@ -21,6 +20,7 @@ from memadvisor.report._words import (
 )
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
+from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 
 __all__ = ["one_line", "one_line_profile", "print_plan", "print_profile"]
 

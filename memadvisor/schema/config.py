@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 __all__ = [
     "GIB",
-    "CompilePolicy",
     "DeviceKind",
     "Objective",
     "PlanConfig",
@@ -19,7 +18,6 @@ GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count i
 
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated"]
-CompilePolicy = Literal["auto", "off", "on"]
 
 
 def gib_to_bytes(gib: float) -> int:
@@ -84,14 +82,10 @@ class PlanConfig(BaseModel):
     strategies: list[str] | None = Field(
         None, description="Names of the strategies to use; None uses every registered one."
     )
-    # auto: only on CUDA, where a compiled step can be measured (each compiled candidate
-    # costs a compile per probe process, seconds to minutes); the simulated CPU device runs
-    # a compiled step eagerly under its byte meter, so it cannot judge one.
-    compile: CompilePolicy = Field(
-        "auto",
-        description="Whether the planner also measures the eager pick compiled with "
-        "torch.compile and keeps it when faster: auto (on CUDA, when the compile strategy is "
-        "among `strategies`), off, or on (on any device whose step times rank).",
+    options: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="Settings of individual strategies, keyed by strategy name; each strategy "
+        "documents its own (the compile strategy: 'auto', 'off' or 'on').",
     )
 
     @model_validator(mode="after")
@@ -104,14 +98,20 @@ class PlanConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _compile_strategy_chosen(self) -> PlanConfig:
+    def _options_of_chosen_strategies(self) -> PlanConfig:
         chosen = self.strategies
-        if self.compile == "on" and chosen is not None and "compile" not in chosen:
+        missing = [name for name in self.options if chosen is not None and name not in chosen]
+        if missing:
             raise ValueError(
-                "compile='on' needs the compile strategy, but it is not in strategies; add "
-                f"'compile' to them or use compile='auto', but got {self.strategies=}."
+                f"options are given for strategies that are not in strategies: add "
+                f"{missing[0]!r} to them or drop its option, but got {self.strategies=} and "
+                f"{self.options=}."
             )
         return self
+
+    def option(self, strategy: str, default: JsonValue = None) -> JsonValue:
+        """The setting ``options`` gives ``strategy``, or ``default``."""
+        return self.options.get(strategy, default)
 
     @property
     def usable_bytes(self) -> int:

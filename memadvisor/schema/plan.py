@@ -10,9 +10,8 @@ from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.profile import Profile
-from strategies._compile_cache import CompileCacheReport
 
-__all__ = ["CompileOutcome", "CompiledVariant", "Measurement", "Plan", "Probe", "Row"]
+__all__ = ["Plan", "Probe", "Row", "StageOutcome", "StageVariant"]
 
 
 class _Model(BaseModel):
@@ -28,11 +27,11 @@ class Probe(_Model):
     peak_bytes: int | None = Field(None, description="Measured peak; None when it ran out.")
     error: str | None = Field(None, description="The out-of-memory message, when it ran out.")
     wall_ms: float = 0.0
-    stage: Literal["probe", "timing", "verify", "compare", "compile"] = Field(
+    stage: str = Field(
         "probe",
         description="probe: searching the batch; timing: re-ranking the best candidates; "
         "verify: the pick's sustained run; compare: a comparison row's own batch search; "
-        "compile: a compiled variant's batch search (each run compiles).",
+        "a measured-only strategy's name: its variants' batch search ('compile').",
     )
     candidate: Candidate | None = Field(None, description="What ran (batch and choices).")
 
@@ -47,42 +46,56 @@ class Row(_Model):
     measured: Measurement | None = Field(None, description="None when only estimated.")
 
 
-class CompiledVariant(_Model):
-    """One compiled variant of the eager pick: whether it compiled, and what the device measured."""
+class StageVariant(_Model):
+    """One variant a measured stage tried: whether its trial ran, and what the device measured."""
 
-    choices: dict[str, JsonValue] = Field(description="Its choices, the compile choice included.")
-    compiles: bool = Field(description="The trial at the sample batch compiled and ran well.")
-    trial: str = Field(description="The trial's sentence: compile time, graph breaks, or why not.")
-    compile_ms: float | None = Field(
-        None, description="The one-off compile in the trial: first step less a steady one."
+    choices: dict[str, JsonValue] = Field(description="Its choices, the stage's own included.")
+    ok: bool = Field(description="Its trial here ran well (torch.compile: it compiled).")
+    trial: str = Field(description="The trial's sentence: its one-off cost, or why it failed.")
+    one_off_ms: float | None = Field(
+        None, description="What the trial paid once (a compile: first step less a steady one)."
     )
     batch_size: int | None = Field(None, description="The batch the device confirmed, if run.")
     measured: Measurement | None = Field(None, description="Its steady steps at that batch.")
-    device_wall_ms: float = Field(0.0, description="Its device runs' wall time, compiles included.")
+    device_wall_ms: float = Field(0.0, description="Its device runs' wall time.")
     error: str | None = Field(None, description="Why its device runs failed, when they did.")
 
 
-class CompileOutcome(_Model):
-    """What compiling the eager pick bought: the variants measured and the verdict."""
+class StageOutcome(_Model):
+    """What a measured-only strategy's stage found for the eager pick (``Strategy.refine``).
 
-    picked: bool = Field(description="True when the plan's pick is compiled.")
+    The report shows one answer row per outcome: ``label``, then ``pick_words`` with the
+    measured gain and ``costs`` when the stage's variant was picked, else ``answer``.
+    """
+
+    strategy: str = Field(description="The measured-only strategy whose stage this was.")
+    label: str = Field(description="The report's row label: 'Compile'.")
+    runs_label: str = Field(
+        description="How the report counts this stage's device runs: 'compiling (compiled "
+        "variants)'."
+    )
+    picked: bool = Field(description="True when the plan's pick is the stage's variant.")
     summary: str = Field(description="The verdict in a sentence (also among the plan's notes).")
+    pick_words: str = Field("", description="The picked variant in a few words.")
+    answer: str = Field("", description="The report's row when the eager pick was kept: why.")
+    costs: list[str] = Field(
+        default_factory=list, description="What the picked variant costs once, in phrases."
+    )
     eager_batch_size: int = Field(description="The eager pick's batch the variants started from.")
     eager_candidate: Candidate | None = Field(None, description="The eager pick itself.")
     eager_samples_per_s: float = Field(description="The eager pick's measured throughput.")
     eager_measured: Measurement | None = Field(
         None, description="The eager pick's measured steps (its peak too), before verification."
     )
-    variants: list[CompiledVariant] = Field(default_factory=list)
-    compile_ms: float | None = Field(
-        None,
-        description="The pick's one-off compile (once per process and input shape); None when "
-        "the pick is eager.",
+    variants: list[StageVariant] = Field(default_factory=list)
+    one_off_ms: float | None = Field(
+        None, description="The pick's one-off cost (once per process); None when eager."
     )
-    cache: CompileCacheReport | None = Field(
-        None, description="The shared inductor cache the variants' processes used, and its cost."
+    details: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="What else the strategy measured, by name (compile: its shared cache).",
     )
-    wall_ms: float = Field(0.0, description="Planner wall time spent on compiled variants.")
+    wall_ms: float = Field(0.0, description="Planner wall time spent in the stage.")
 
 
 class Plan(_Model):
@@ -108,7 +121,8 @@ class Plan(_Model):
         description="What a person should know: step-downs, fallbacks, what was only estimated.",
     )
     plan_wall_ms: float = 0.0
-    compile: CompileOutcome | None = Field(
-        None, description="What compiling the eager pick measured; None when not considered."
+    stages: list[StageOutcome] = Field(
+        default_factory=list,
+        description="What each measured-only strategy's stage found for the eager pick.",
     )
     profile: Profile | None = Field(None, description="The profile the plan was made from.")

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memadvisor.schema.precision import Precision
+
 __all__ = [
     "BlockActivity",
     "BlockInfo",
@@ -187,7 +189,7 @@ class UntrackedBytes(_Model):
 class StepProfile(_Model):
     """One training step measured in one precision."""
 
-    precision: Literal["fp32", "bf16", "fp16"]
+    precision: Precision
     blocks: list[BlockActivity] = Field(description="In the order of Profile.blocks.")
     outside: list[ModuleActivity] = Field(
         default_factory=list, description="Activation owners that are not blocks."

@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 
-from memadvisor.report._units import fmt_bytes
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
+from memadvisor.units import fmt_bytes
 
 pytestmark = pytest.mark.gpu
 

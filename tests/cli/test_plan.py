@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import memadvisor
-from memadvisor.report._units import fmt_bytes, fmt_rate
 from memadvisor.schema.config import gib_to_bytes
 from memadvisor.schema.plan import Plan
 from memadvisor.target import load_target
+from memadvisor.units import fmt_bytes, fmt_rate
 
 NO_CUDA = not torch.cuda.is_available()
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from memadvisor.report._units import fmt_bytes
 from memadvisor.schema.profile import Profile
 from memadvisor.timeline import Timeline
+from memadvisor.units import fmt_bytes
 
 
 def _one_error_line(result) -> str:

@@ -70,8 +70,17 @@ def make_profile(param_mib: float = 1.0) -> Profile:
 
 
 class FakePrecision(Strategy):
+    """fp32 or bf16; its own hand row (+AMP) and guard, as the built-in precision has."""
+
     name = "precision"
     effect_order = 10
+    guarded = True
+
+    def is_neutral(self, choice) -> bool:
+        return choice in (None, "off", "fp32")
+
+    def by_hand(self, options):
+        return ("+AMP", "bf16") if "bf16" in options else None
 
     def choices(self, profile, config) -> list[JsonValue]:
         return ["fp32", "bf16"]
@@ -89,7 +98,13 @@ class FakePrecision(Strategy):
 
 
 class FakeCheckpointing(Strategy):
+    """Any prefix of the blocks; every block is its hand row (+Checkpointing)."""
+
     name = "checkpointing"
+
+    def by_hand(self, options):
+        lists = [c for c in options if isinstance(c, list) and c]
+        return ("+Checkpointing", max(lists, key=len)) if lists else None
 
     def choices(self, profile, config) -> list[JsonValue]:
         names = [b.name for b in profile.blocks]
@@ -117,7 +132,7 @@ class FakeDevice(Device):
     """
 
     kind = "fake"
-    step_times_are_real = True  # its times are a model of a card's: they rank candidates
+    step_times_rank = True  # its times are a model of a card's: they rank candidates
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""compiled_pick: the eager pick's compiled variants are tried, measured and kept only when faster.
+"""compiled_pick (Compile.refine): the eager pick's compiled variants are tried, measured and
+kept only when faster.
 
 The device is the planner's fake one with a compiled speed-up of the test's choosing, and the
 compile trial is replaced by a stand-in that answers at once, so what is checked is the
@@ -19,8 +20,9 @@ import torch
 from torch import nn
 
 from memadvisor.planner import Progress
-from memadvisor.planner._plan import _Prober
+from memadvisor.planner._prober import Prober
 from memadvisor.planner._space import SearchSpace
+from memadvisor.planner._stage import ProberStage
 from memadvisor.report._facts import answer, device_runs
 from memadvisor.report._words import answer_rows
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -37,7 +39,9 @@ TRIAL_FIRST_MS, TRIAL_STEADY_MS = 2010.0, 8.0  # the stand-in trial: 2002 ms of 
 
 
 def _config(**overrides) -> PlanConfig:
-    fast = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 4, "compile": "on"}
+    fast = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 4, "options": {"compile": "on"}}
+    if "compile" in overrides:
+        fast["options"] = {"compile": overrides.pop("compile")}
     return PlanConfig(**{"budget_bytes": 100 * MIB, **fast, **overrides})
 
 
@@ -88,10 +92,20 @@ def _setup(profile, strategies, device, workload, eager_choices, **config):
     eager pick ``eager_choices`` confirmed on ``device``."""
     compile_strategy = Compile()
     space = SearchSpace(profile, [*strategies, compile_strategy], _config(**config))
-    prober = _Prober(device, workload, space, space.config)
+    prober = Prober(device, workload, space, space.config)
     eager = prober.confirm(space.score_choices(eager_choices))
     assert eager is not None
     return prober, eager, compile_strategy
+
+
+def _refine(prober, eager, notes: list[str], *, cache_dir=None):
+    """The compile strategy's stage through the planner's PickStage, as plan_workload runs it:
+    (the pick, the outcome), its notes added to ``notes``."""
+    strategy = next(s for s in prober.space.strategies if s.name == "compile")
+    stage = ProberStage(prober, "compile", QUIET)
+    result = compiled_pick(stage, eager, strategy, cache_dir=cache_dir)
+    notes += result.notes
+    return result.pick, result.outcome
 
 
 def _compile_runs(prober) -> list:
@@ -110,7 +124,7 @@ def test_a_faster_compiled_variant_is_the_pick_with_its_compile_time(
     device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)
     prober, eager, strategy = _setup(profile, strategies, device, workload, {"precision": "bf16"})
     notes: list[str] = []
-    pick, outcome = compiled_pick(prober, eager, notes, QUIET, cache_dir=tmp_path)
+    pick, outcome = _refine(prober, eager, notes, cache_dir=tmp_path)
 
     assert pick is not eager
     assert pick.candidate.choices == {"precision": "bf16", "compile": "default"}
@@ -119,10 +133,11 @@ def test_a_faster_compiled_variant_is_the_pick_with_its_compile_time(
     assert runs and runs[0].batch_size == eager.found_batch
     assert all(r.candidate.choices["compile"] == "default" for r in runs)
     assert outcome is not None and outcome.picked
-    assert outcome.compile_ms == pytest.approx(TRIAL_FIRST_MS - TRIAL_STEADY_MS)
+    assert outcome.one_off_ms == pytest.approx(TRIAL_FIRST_MS - TRIAL_STEADY_MS)
     # The device runs saw the shared cache in their environment, and it was measured.
-    assert outcome.cache is not None and outcome.cache.cache_dir == str(tmp_path.resolve())
-    assert outcome.cache.added_bytes == 1024 * sum(r.fits for r in runs)  # a fit writes
+    cache = outcome.details["cache"]
+    assert isinstance(cache, dict) and cache["cache_dir"] == str(tmp_path.resolve())
+    assert cache["added_bytes"] == 1024 * sum(r.fits for r in runs)  # a fit writes
     ratio = pick.measured.samples_per_s / eager.measured.samples_per_s
     assert notes[0].startswith("Compiled:") and f"{ratio:.2f}x the eager pick's" in notes[0]
     assert "inductor's on-disk cache" in notes[1]
@@ -143,9 +158,9 @@ def test_a_compiled_variant_not_faster_enough_keeps_the_eager_pick(
     device = _compiling_device(fake_device, {'"default"': 1.01}, threshold=40)
     prober, eager, _ = _setup(profile, strategies, device, workload, {"precision": "bf16"})
     notes: list[str] = []
-    pick, outcome = compiled_pick(prober, eager, notes, QUIET, cache_dir=tmp_path)
+    pick, outcome = _refine(prober, eager, notes, cache_dir=tmp_path)
     assert pick is eager
-    assert outcome is not None and not outcome.picked and outcome.compile_ms is None
+    assert outcome is not None and not outcome.picked and outcome.one_off_ms is None
     assert outcome.variants[0].measured is not None  # it was measured, and lost
     assert notes[0].startswith("Planned eager because compiling did not pay")
 
@@ -170,11 +185,11 @@ def test_a_model_that_does_not_compile_is_a_note_and_no_device_run(
     device = _compiling_device(fake_device, {'"default"': 2.0}, threshold=40)
     prober, eager, _ = _setup(profile, strategies, device, workload, {})
     notes: list[str] = []
-    pick, outcome = compiled_pick(prober, eager, notes, QUIET)
+    pick, outcome = _refine(prober, eager, notes)
     assert pick is eager
     assert outcome is not None and not outcome.picked
-    assert [v.compiles for v in outcome.variants] == [False]
-    assert not _compile_runs(prober) and outcome.cache is None
+    assert [v.ok for v in outcome.variants] == [False]
+    assert not _compile_runs(prober) and "cache" not in outcome.details
     assert notes == [outcome.summary]
     assert notes[0].startswith("Planned eager because no compiled variant ran")
     assert "no graph" in notes[0]
@@ -193,7 +208,7 @@ def test_a_compiled_variant_failing_on_the_device_keeps_the_eager_pick(
 
     prober, eager, _ = _setup(profile, strategies, Exploding(threshold=40), workload, {})
     notes: list[str] = []
-    pick, outcome = compiled_pick(prober, eager, notes, QUIET)
+    pick, outcome = _refine(prober, eager, notes)
     assert pick is eager and outcome is not None and not outcome.picked
     assert "inductor crashed" in outcome.variants[0].error
     assert "inductor crashed" in notes[0]
@@ -209,7 +224,7 @@ def test_largest_batch_objective_takes_a_compiled_variant_that_fits_more(
 
     device = _compiling_device(fake_device, {'"default"': 0.9}, threshold=threshold)
     prober, eager, _ = _setup(profile, strategies, device, workload, {}, objective="largest_batch")
-    pick, outcome = compiled_pick(prober, eager, [], QUIET, cache_dir=tmp_path)
+    pick, outcome = _refine(prober, eager, [], cache_dir=tmp_path)
     assert pick.candidate.batch_size > eager.candidate.batch_size
     assert outcome is not None and outcome.picked
 
@@ -238,9 +253,9 @@ def test_the_partitioner_budget_replaces_block_checkpointing_at_the_picks_kept_s
     speedup = {'"default"': 1.1, json.dumps(budget): 1.4}
     device = _compiling_device(fake_device, speedup, threshold=40)
     prober, eager, _ = _setup(profile, strategies, device, workload, eager_choices)
-    pick, outcome = compiled_pick(prober, eager, [], QUIET, cache_dir=tmp_path)
+    pick, outcome = _refine(prober, eager, [], cache_dir=tmp_path)
     assert pick.candidate.choices == {"compile": budget}
-    assert outcome is not None and [v.compiles for v in outcome.variants] == [True, True]
+    assert outcome is not None and [v.ok for v in outcome.variants] == [True, True]
 
 
 def test_compile_is_weighed_only_when_asked_and_measurable(
@@ -252,27 +267,27 @@ def test_compile_is_weighed_only_when_asked_and_measurable(
     for policy in ("auto", "off"):
         prober, eager, _ = _setup(profile, strategies, device, workload, {}, compile=policy)
         notes: list[str] = []
-        assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
+        assert _refine(prober, eager, notes) == (eager, None)
         assert notes == [] and not _compile_runs(prober)
 
     class Untimed(fake_device):
-        step_times_are_real = False
+        step_times_rank = False
 
     class InProcess(fake_device):
-        mode = "in_process"  # as CudaDevice when its probes cannot run in fresh processes
+        fresh_processes = False  # as CudaDevice when its probes cannot run in fresh processes
 
     for unfit, words in ((Untimed, "cannot tell a compiled step"), (InProcess, "dynamic batch")):
         prober, eager, _ = _setup(profile, strategies, unfit(threshold=40), workload, {})
         notes = []
-        assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
+        assert _refine(prober, eager, notes) == (eager, None)
         assert words in notes[0] and not _compile_runs(prober)
     assert trials == []
 
 
 def test_compile_on_needs_the_compile_strategy() -> None:
-    """compile='on' with strategies that leave compile out is refused, naming the fix."""
+    """A compile option with strategies that leave compile out is refused, naming the fix."""
     with pytest.raises(ValueError, match="add 'compile'"):
-        PlanConfig(budget_bytes=MIB, compile="on", strategies=["precision"])
+        PlanConfig(budget_bytes=MIB, options={"compile": "on"}, strategies=["precision"])
 
 
 # -- the plan and its report ------------------------------------------------------------------
@@ -287,7 +302,7 @@ def test_the_report_shows_the_speedup_compile_time_and_cache(
     device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)
     prober, eager, strategy = _setup(profile, strategies, device, workload, {})
     notes: list[str] = []
-    pick, outcome = compiled_pick(prober, eager, notes, QUIET, cache_dir=tmp_path)
+    pick, outcome = _refine(prober, eager, notes, cache_dir=tmp_path)
     plan = Plan(
         model_name="Toy",
         config=prober.config,
@@ -298,7 +313,7 @@ def test_the_report_shows_the_speedup_compile_time_and_cache(
         verified=pick.measured,
         probes=prober.probes,
         notes=notes,
-        compile=outcome,
+        stages=[outcome],
         profile=profile.model_copy(update={"device": DeviceInfo(kind="cuda", name="gpu")}),
     )
     assert Plan.model_validate_json(plan.model_dump_json()) == plan
@@ -309,8 +324,8 @@ def test_the_report_shows_the_speedup_compile_time_and_cache(
     assert "Also" not in rows
     assert "compiling (compiled variants)" in device_runs(plan)
 
-    lost = outcome.model_copy(update={"picked": False, "compile_ms": None})
-    eager_plan = plan.model_copy(update={"compile": lost, "candidate": eager.candidate})
+    lost = outcome.model_copy(update={"picked": False, "one_off_ms": None})
+    eager_plan = plan.model_copy(update={"stages": [lost], "candidate": eager.candidate})
     assert "planned eager" in dict(answer_rows(answer(eager_plan)))["Compile"]
 
 
@@ -337,9 +352,9 @@ def test_a_real_inductor_compile_is_tried_and_a_faster_variant_kept(
     )
     device = _compiling_device(fake_device, {'"default"': 1.5}, writes=False, threshold=40)
     prober, eager, strategy = _setup(profile, strategies, device, workload, {})
-    pick, outcome = compiled_pick(prober, eager, [], QUIET)
+    pick, outcome = _refine(prober, eager, [])
     assert outcome is not None and outcome.picked, outcome.summary
-    assert outcome.compile_ms is not None and outcome.compile_ms > 0
+    assert outcome.one_off_ms is not None and outcome.one_off_ms > 0
     assert strategy.results and strategy.check(workload, "default").passed
 
 
@@ -357,19 +372,19 @@ def test_cuda_compiled_variant_is_trialled_measured_in_fresh_processes_and_judge
     target = f"{examples_dir / 'gpt.py'}:build"
     workload = load_target(target)
     profile = profile_workload(workload, device="cuda")
-    config = PlanConfig(budget_bytes=2 * 2**30, device="cuda", compile="auto")
+    config = PlanConfig(budget_bytes=2 * 2**30, device="cuda", options={"compile": "auto"})
     space = SearchSpace(profile, load_strategies(), config)
     device = CudaDevice(config.budget_bytes, target=target, profile=profile)
     try:
-        prober = _Prober(device, workload, space, config)
+        prober = Prober(device, workload, space, config)
         eager = prober.confirm(space.score_choices({"precision": "bf16"}))
         assert eager is not None
-        pick, outcome = compiled_pick(prober, eager, [], QUIET)
+        pick, outcome = _refine(prober, eager, [])
     finally:
         device.close()
-    assert outcome is not None and outcome.variants[0].compiles, outcome.summary
+    assert outcome is not None and outcome.variants[0].ok, outcome.summary
     variant = outcome.variants[0]
-    assert variant.measured is not None and variant.compile_ms and variant.compile_ms > 0
+    assert variant.measured is not None and variant.one_off_ms and variant.one_off_ms > 0
     assert all(p.fits or p.error for p in prober.probes if p.stage == "compile")
     faster = variant.measured.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
     assert outcome.picked == faster and (pick is not eager) == faster

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.planner._state import preserved_state
+from memadvisor.process_state import preserved_state
 
 
 def test_rng_and_modes_are_restored_even_after_an_error() -> None:

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memadvisor.process_state import rng_restored
 from memadvisor.profiler import profile_workload
-from memadvisor.profiler._state import clone_module, private_model, rng_restored
+from memadvisor.profiler._state import clone_module, private_model
 from memadvisor.workload import Workload
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from memadvisor.report import render_plan_html, render_profile_html, write_html
-from memadvisor.report._units import fmt_bytes, fmt_rate
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
+from memadvisor.units import fmt_bytes, fmt_rate
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Without the networking flags Chromium stalls on a closed network; --no-sandbox because

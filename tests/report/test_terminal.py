@@ -7,9 +7,9 @@ import io
 from rich.console import Console
 
 from memadvisor.report import one_line, print_plan, print_profile
-from memadvisor.report._units import fmt_bytes, fmt_rate
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
+from memadvisor.units import fmt_bytes, fmt_rate
 
 
 def _render(fn, obj, **kwargs) -> str:

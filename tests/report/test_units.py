@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
+from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,65 @@
+"""The plan's notes in words: where it was planned, what found the pick's batch, and how.
+
+What a person should know that the numbers do not say; each sentence is made here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memadvisor.planner._prober import Confirmed
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Probe
+
+__all__ = ["SIMULATED_NOTE", "pick_notes", "runs_note"]
+
+SIMULATED_NOTE = (
+    "This plan is for the simulated CPU device{why}. It enforces the budget on the tracked "
+    "bytes of real CPU tensors; times are CPU times."
+)
+
+
+def pick_notes(config: PlanConfig, pick: Candidate, best: Confirmed) -> list[str]:
+    """What a person should know about the pick's batch."""
+    notes = []
+    wanted = config.effective_batch
+    reached = pick.batch_size * pick.accumulation_steps
+    if config.objective == "effective_batch" and wanted and reached != wanted:
+        notes.append(
+            f"Effective batch {reached}, not {wanted}: no micro-batch that fits divides "
+            f"{wanted} within twice the fewest accumulation steps, so the micro-batch was "
+            f"rounded up ({pick.batch_size} x {pick.accumulation_steps})."
+        )
+    found = best.search
+    if found.lowest_failure is None and found.probe_count > 1:
+        kept = (
+            f" and kept {best.found_batch}: the higher one's measured peak passed the "
+            "usable budget (budget less margin)."
+            if best.found_batch < found.largest_fit
+            else " (its measured peak left the margin free)."
+        )
+        notes.append(
+            f"The device held batch {found.largest_fit}, as far as the first run's measured "
+            f"peak said would fit; the plan did not probe higher{kept}"
+        )
+    return notes
+
+
+def runs_note(
+    runs: Sequence[Probe], best: Confirmed, verified: Measurement, config: PlanConfig
+) -> str:
+    """The batch search of the pick's choices in runs, and what verified the pick.
+
+    The report tallies every run by stage (``report._facts.device_runs``); this says what
+    that tally cannot: how many runs found the pick's batch, and which run verified it.
+    """
+    search = best.search.probe_count
+    tried = ", ".join(f"{b} {'fits' if ok else 'OOM'}" for b, ok in best.search.tried)
+    text = f"The pick's batch took {search} device run{'s' if search != 1 else ''} ({tried})"
+    if not any(r.stage == "verify" for r in runs):
+        return (
+            f"{text}; the pick's own {verified.steps}-step run from a clean state (at least "
+            f"verify_steps={config.verify_steps}) is its verification."
+        )
+    return f"{text}, and a run of its own verified it over {verified.steps} steps."

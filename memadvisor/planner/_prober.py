@@ -1,0 +1,187 @@
+"""The prober: every device run of a plan goes through it, is logged, and is asked once.
+
+Each run takes :func:`run_steps` steps from a clean state. What a run said is kept by
+candidate, so asking again for a batch already run (the winner's batch search continuing
+from its timing run, a comparison row the re-rank already ran) costs no device run. A
+candidate that runs out of memory where shorter probes fitted steps down the margin below
+(halving after a few such steps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from memadvisor import strategy
+from memadvisor.device import Device
+from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
+from memadvisor.planner._progress import Stage
+from memadvisor.planner._space import Scored, SearchSpace
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Probe
+from memadvisor.workload import Workload
+
+__all__ = ["Confirmed", "Prober", "Run", "run_steps"]
+
+# Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
+_MARGIN_STEP_DOWNS = 3
+
+
+@dataclass
+class Confirmed(strategy.Confirmed):
+    """A candidate the device ran (its batch as probed, its measured step), with the search
+    that found the batch and the scored choices it came from; a measured stage gets it as
+    the contract's :class:`memadvisor.strategy.Confirmed`."""
+
+    scored: Scored
+    search: BatchSearch
+
+
+@dataclass
+class Run:
+    """What one device run of a candidate said; a failure holds the steps that completed."""
+
+    steps: int
+    measured: Measurement | None
+
+
+class Prober:
+    """Runs candidates on the device, logs every run, and steps down when one runs out.
+
+    Every run takes :attr:`steps` steps from a clean state, and what it said is kept by
+    candidate: asking again for a batch already run (the winner's batch search continuing
+    from its timing run, a comparison row the re-rank already ran) is answered without a
+    device run.
+    """
+
+    def __init__(
+        self, device: Device, workload: Workload, space: SearchSpace, config: PlanConfig
+    ) -> None:
+        self.device, self.workload, self.space, self.config = device, workload, space, config
+        self.probes: list[Probe] = []
+        self.notes: list[str] = []
+        self.bar: Stage | None = None
+        self.steps = run_steps(device, config)
+        self._runs: dict[str, Run] = {}
+
+    def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
+        """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
+        known = self._runs.get(_key(candidate))
+        if known is not None:
+            if known.measured is not None and known.steps >= steps:
+                return known.measured
+            if known.measured is None and known.steps < steps:
+                return None  # it ran out within the steps asked for now
+        record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
+        self.probes.append(record)
+        self._runs[_key(candidate)] = Run(steps if measured else record.steps, measured)
+        if self.bar is not None:
+            self.bar.advance()
+            self.bar.describe(
+                f"{stage}: batch {candidate.batch_size} {'fits' if record.fits else 'ran out'}"
+            )
+        return measured
+
+    def largest(self, scored: Scored, stage: str) -> tuple[BatchSearch, dict[int, Measurement]]:
+        """Probe the largest micro-batch of ``scored``'s choices, bracketed by its estimate."""
+        cfg = self.config
+        choices = scored.candidate.choices
+        measured: dict[int, Measurement] = {}
+
+        def fits(batch: int) -> bool:
+            m = self.run(Candidate(batch_size=batch, choices=choices), self.steps, stage)
+            if m is not None:
+                measured[batch] = m
+            return m is not None
+
+        def within_margin(batch: int) -> bool:
+            m = measured[batch]
+            return m.limit_bytes <= cfg.usable_bytes
+
+        def extrapolate(batch: int) -> int | None:
+            m = measured.get(batch)
+            if m is None:
+                return None
+            slope = self.space.bytes_per_sample(choices, batch)
+            if slope <= 0:
+                return None
+            # Aimed a quarter margin under the usable budget: a probe that lands just over
+            # it fits but cannot be taken (within_margin), and the search keeps ``start``.
+            aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
+            return batch + math.floor((aim - m.limit_bytes) / slope)
+
+        upper = self.space.upper_batch(scored)
+        found = find_batch(
+            fits,
+            scored.largest_batch,
+            upper,
+            cfg.margin_fraction,
+            cfg.max_batch,
+            within_margin,
+            extrapolate,
+        )
+        return found, measured
+
+    def confirm(self, scored: Scored, stage: str = "probe") -> Confirmed | None:
+        """The candidate at the batch the device allows, timed; None when batch 1 fails.
+
+        The batch search continues from whatever this prober already ran of the same choices.
+        """
+        found, measured = self.largest(scored, stage)
+        if found.batch < 1:
+            return None
+        batch, accumulation = self.space.batch_for(found.batch)
+        candidate = Candidate(
+            batch_size=batch, accumulation_steps=accumulation, choices=scored.candidate.choices
+        )
+        m = measured.get(batch) if accumulation == 1 else None
+        if m is None:  # the pick itself was not run (margin below a failure, or accumulation)
+            candidate, m = self.stepping_down(candidate, self.steps, stage)
+            if m is None:
+                return None
+        return Confirmed(
+            candidate=candidate, found_batch=found.batch, measured=m, scored=scored, search=found
+        )
+
+    def stepping_down(
+        self, candidate: Candidate, steps: int, stage: str
+    ) -> tuple[Candidate, Measurement | None]:
+        """Run ``candidate``; while it runs out, take the margin below and try again."""
+        failures = 0
+        while True:
+            measured = self.run(candidate, steps, stage)
+            if measured is not None:
+                return candidate, measured
+            failures += 1
+            failed = candidate.batch_size
+            micro = (
+                safe_below(failed, self.config.margin_fraction)
+                if failures <= _MARGIN_STEP_DOWNS
+                else failed // 2
+            )
+            batch, accumulation = self.space.batch_for(micro)
+            if batch < 1:
+                return candidate, None
+            self.notes.append(
+                f"Batch {failed} ran out of memory during {stage} ({steps} steps from a clean "
+                f"state) though shorter probes fitted; stepped down to batch {batch}."
+            )
+            candidate = Candidate(
+                batch_size=batch, accumulation_steps=accumulation, choices=candidate.choices
+            )
+
+
+def _key(candidate: Candidate) -> str:
+    return json.dumps(
+        [candidate.batch_size, candidate.accumulation_steps, candidate.choices], sort_keys=True
+    )
+
+
+def run_steps(device: Device, config: PlanConfig) -> int:
+    """Steps each probe and timing run takes on ``device``."""
+    steps = max(config.probe_steps, config.timing_steps)
+    if device.runs_cost_more_than_steps:
+        steps = max(steps, config.verify_steps)
+    return steps

@@ -1,0 +1,226 @@
+"""Re-ranking on the device: the estimate's best few, each timed once, the best searched on.
+
+The estimate's best ``rerank_top`` candidates (those within :data:`RERANK_FLOOR` of the
+best) and, where measured times rank, each choice of a *guarded* strategy with everything
+else plain (Baseline and +AMP: ``Strategy.guarded``), run once at the estimate's largest
+batch under the usable budget. That run is both the candidate's fit probe and its timing.
+The device's best alone then finishes its batch search (``Prober.confirm``).
+
+Known limitations:
+    * A candidate that ran out at its estimated batch gets one retry the margin below, and
+      none when a candidate of the same guarded choices (the same precision) ran out twice:
+      the estimate is taken to be as far off for the rest of that group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import JsonValue
+
+from memadvisor.estimate import estimate
+from memadvisor.planner._budget import infeasible
+from memadvisor.planner._compare import unchecked_hand_choices
+from memadvisor.planner._probe import safe_below
+from memadvisor.planner._prober import Confirmed, Prober
+from memadvisor.planner._progress import Progress
+from memadvisor.planner._space import Scored, SearchSpace
+from memadvisor.schema.candidate import Candidate, Measurement
+
+__all__ = ["RERANK_FLOOR", "best_on_device", "timed_candidates"]
+
+# Of the estimate's best rerank_top, those under this share of the best's estimated samples/s
+# (batch, for largest_batch) are not timed: the estimate's time errors seen on an H200
+# (within ~1.6x per candidate, mostly shared by candidates of one precision) leave them behind.
+RERANK_FLOOR = 0.7
+
+
+def _device_key(objective: str, batch: int, samples_per_s: float, estimate_rank: int) -> tuple:
+    """Best first by the device's answer; a tie keeps the estimate's order."""
+    if objective == "largest_batch":
+        return (-batch, -samples_per_s, estimate_rank)
+    return (-samples_per_s, estimate_rank)
+
+
+def timed_candidates(space: SearchSpace, ranked: Sequence[Scored], guard: bool) -> list[Scored]:
+    """The candidates the device times: the estimate's best ``rerank_top``, less those far
+    behind the best by the estimate, and with ``guard`` the hand configurations without
+    checkpointing (Baseline, +AMP), best by the estimate first, each choice set once.
+
+    ``guard`` is for objectives that rank by time on devices whose times rank: the estimate's
+    step times can be off by more than the gap between candidates, and then only the device
+    can say whether the plan beats the configuration a person would try first.
+    """
+    cfg = space.config
+    if not ranked:
+        return []
+
+    def worth(s: Scored) -> float:
+        if cfg.objective == "largest_batch":
+            return float(s.candidate.batch_size)
+        return s.estimate.samples_per_s
+
+    floor = RERANK_FLOOR * worth(ranked[0])
+    chosen = [s for s in ranked[: cfg.rerank_top] if worth(s) >= floor]
+    if guard:
+        for choices in unchecked_hand_choices(space):
+            scored = space.score_choices(choices)
+            if scored is not None:
+                chosen.append(scored)
+    out: dict[str, Scored] = {}
+    for s in chosen:
+        out.setdefault(s.choices_json, s)
+    return sorted(out.values(), key=space.key)
+
+
+def best_on_device(
+    prober: Prober, timed: Sequence[Scored], notes: list[str], ui: Progress
+) -> Confirmed:
+    """Time each candidate with one run at its estimated batch and finish the batch search of
+    the device's best alone.
+
+    A candidate that ran out there gets one more run the margin below, when (by the estimate
+    at that batch) it could still beat the best that fitted, or when nothing fitted yet, and
+    no candidate of its precision ran out at its own margin below already. If still nothing
+    fitted, the candidates' batch searches run in
+    full, best by the estimate first, until one finds a batch.
+
+    Raises:
+        InfeasibleBudgetError: not even batch 1 fitted for any of them.
+    """
+    space, device = prober.space, prober.device
+    measured_times = device.step_times_rank
+    with ui.stage("probes", total=None) as bar:
+        prober.bar = bar
+        first = {s.choices_json: _timing(prober, s, _start(prober, s)) for s in timed}
+        best = _device_best(prober, timed, first, measured_times)
+        twice_out: set[str] = set()  # groups whose retry ran out too
+        for s in timed:  # the estimate's order
+            if first[s.choices_json] is not None:
+                continue
+            group = _guarded_key(space, s)
+            below = safe_below(_start(prober, s), space.config.margin_fraction)
+            if below < 1 or group in twice_out:
+                continue  # the estimate is as far off for this group's other candidates
+            if best is not None and not _could_beat(space, s, below, best):
+                continue
+            # Every group gets its retry, even when another's failed twice: the estimate can
+            # be optimistic for one precision (a card's fragmentation around fp32's large
+            # logits) and right for another.
+            first[s.choices_json] = _timing(prober, s, below)
+            if first[s.choices_json] is None:
+                twice_out.add(group)
+            best = _device_best(prober, timed, first, measured_times)
+        winner = None
+        if best is not None:
+            winner = prober.confirm(best[0], stage="probe")
+        for s in timed if winner is None else ():
+            winner = prober.confirm(s, stage="probe")
+            if winner is not None:
+                break
+    if winner is None:
+        raise infeasible(
+            space.profile,
+            space.config,
+            space.cheapest_peak_bytes(),
+            f"On the device not even batch 1 fitted for the {len(timed)} best configurations "
+            "by the estimate.",
+        )
+    fitted = sum(m is not None for m in first.values())
+    if not measured_times and fitted > 1:
+        notes.append(
+            f"The {fitted} best candidates were re-ranked at the batches the "
+            f"{device.kind} device confirmed, by the estimate's step time: this device's own "
+            "times do not rank (CPU times, slowed by tracking)."
+        )
+    return winner
+
+
+@dataclass
+class _Timing:
+    """A candidate's first fitting run: the batch it ran and what it measured."""
+
+    candidate: Candidate
+    measured: Measurement
+
+
+def _start(prober: Prober, scored: Scored) -> int:
+    """The estimate's largest batch under the usable budget: where a candidate is timed."""
+    return min(max(scored.largest_batch, 1), prober.config.max_batch)
+
+
+def _timing(prober: Prober, scored: Scored, batch: int) -> _Timing | None:
+    """One run of ``scored``'s choices at ``batch``; None when it ran out."""
+    candidate = Candidate(batch_size=batch, choices=scored.candidate.choices)
+    measured = prober.run(candidate, prober.steps, "timing")
+    return _Timing(candidate, measured) if measured is not None else None
+
+
+def _pick_at(space: SearchSpace, choices: dict[str, JsonValue], largest: int) -> Candidate:
+    """What the objective takes of ``choices`` when ``largest`` fits (accumulation included)."""
+    batch, accumulation = space.batch_for(largest)
+    return Candidate(batch_size=batch, accumulation_steps=accumulation, choices=choices)
+
+
+def _rate(space: SearchSpace, scored: Scored, timing: _Timing, measured_times: bool) -> float:
+    """Samples/s of ``scored``'s pick, judged from its timing run.
+
+    The pick is what the objective takes when the run's batch fits (for effective_batch a
+    micro-batch and accumulation, else the run itself). Measured times are carried from the
+    run to the pick by the estimate's ratio between the two (exactly the measurement when
+    the pick is what ran); where times do not rank, the estimate's samples/s of the pick.
+    """
+    pick = _pick_at(space, scored.candidate.choices, timing.candidate.batch_size)
+    at_pick = estimate(space.profile, pick, space.strategies).samples_per_s
+    if not measured_times:
+        return at_pick
+    if pick == timing.candidate:
+        return timing.measured.samples_per_s
+    ran = estimate(space.profile, timing.candidate, space.strategies).samples_per_s
+    return timing.measured.samples_per_s * at_pick / ran if ran > 0 else at_pick
+
+
+def _device_best(
+    prober: Prober,
+    timed: Sequence[Scored],
+    first: dict[str, _Timing | None],
+    measured_times: bool,
+) -> tuple[Scored, _Timing] | None:
+    """The best of the candidates that fitted, by the objective on the device's answer."""
+    space = prober.space
+    keyed = []
+    for rank, s in enumerate(timed):
+        timing = first.get(s.choices_json)
+        if timing is None:
+            continue
+        rate = _rate(space, s, timing, measured_times)
+        batch = timing.candidate.batch_size
+        keyed.append((_device_key(space.config.objective, batch, rate, rank), s, timing))
+    if not keyed:
+        return None
+    _, scored, timing = min(keyed, key=lambda entry: entry[0])
+    return scored, timing
+
+
+def _could_beat(
+    space: SearchSpace, scored: Scored, batch: int, best: tuple[Scored, _Timing]
+) -> bool:
+    """Whether ``scored``, if ``batch`` fits, beats the best that fitted (at the batch it
+    ran), by the estimate: both sides estimated, so errors they share cancel."""
+    ran = best[1].candidate
+    if space.config.objective == "largest_batch":
+        return batch > ran.batch_size
+    mine = _pick_at(space, scored.candidate.choices, batch)
+    theirs = _pick_at(space, best[0].candidate.choices, ran.batch_size)
+    rate = estimate(space.profile, mine, space.strategies).samples_per_s
+    return rate > estimate(space.profile, theirs, space.strategies).samples_per_s
+
+
+def _guarded_key(space: SearchSpace, scored: Scored) -> str:
+    """The choices of the guarded strategies (precision): candidates that share them share
+    the estimate's errors."""
+    guarded = {s.name for s in space.strategies if s.guarded}
+    choices = scored.candidate.choices
+    return json.dumps({n: choices.get(n) for n in sorted(guarded)}, sort_keys=True)

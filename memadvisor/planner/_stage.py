@@ -1,0 +1,98 @@
+"""The measured stages after the eager pick: the planner's side of ``Strategy.refine``.
+
+A measured-only strategy (torch.compile) cannot be ranked on the estimate, so the search
+ranks eager combinations only; once the device has chosen the eager pick, each such strategy
+gets a :class:`ProberStage` and measures its variants of the pick through it. The stage runs
+them with the same batch search the eager pick got and logs them under the strategy's name;
+the strategy decides which pick is verified and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+
+from pydantic import JsonValue
+
+from memadvisor.errors import PlanningError
+from memadvisor.estimate import estimate
+from memadvisor.planner._prober import Confirmed, Prober
+from memadvisor.planner._progress import Progress, Stage
+from memadvisor.planner._space import Scored
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.plan import Probe, StageOutcome
+from memadvisor.strategy import PickStage, Strategy
+
+__all__ = ["ProberStage", "refined_pick"]
+
+
+class ProberStage(PickStage):
+    """A :class:`~memadvisor.strategy.PickStage` over the plan's prober, for one strategy."""
+
+    def __init__(self, prober: Prober, name: str, ui: Progress) -> None:
+        self._prober, self._name, self._ui = prober, name, ui
+        self.config = prober.config
+        self.profile = prober.space.profile
+        self.workload = prober.workload
+        self.strategies = prober.space.strategies
+        self.device_kind = prober.device.kind
+        self.step_times_rank = prober.device.step_times_rank
+        self.fresh_processes = prober.device.fresh_processes
+        self._bar: Stage | None = None
+
+    def confirm(self, choices: dict[str, JsonValue], start_batch: int) -> Confirmed | None:
+        """``choices``' batch search from ``start_batch``, logged under this stage's name.
+
+        The estimate is eager's (the stage's choice is measured only): the device's answer
+        for the eager pick is the better start. The search's top stays the estimate's.
+        """
+        space = self._prober.space
+        candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
+        scored = Scored(
+            candidate=candidate,
+            estimate=estimate(space.profile, candidate, space.strategies),
+            largest_batch=candidate.batch_size,
+            active=len(choices),
+        )
+        return self._prober.confirm(scored, stage=self._name)
+
+    @property
+    def probes(self) -> Sequence[Probe]:
+        return tuple(self._prober.probes)
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.describe(text)
+
+    @contextlib.contextmanager
+    def progress(self) -> Iterator[None]:
+        with self._ui.stage(self._name, total=None) as bar:
+            self._bar = self._prober.bar = bar
+            yield
+
+
+def refined_pick(
+    prober: Prober, eager: Confirmed, strategies: Sequence[Strategy], ui: Progress
+) -> tuple[Confirmed, list[StageOutcome], list[str]]:
+    """The pick to verify after every measured-only strategy's stage, what each found, and
+    their notes; each stage starts from the pick the previous one returned."""
+    pick, outcomes, notes = eager, [], []
+    for strategy in strategies:
+        if not strategy.measured_only:
+            continue
+        started = time.perf_counter()
+        result = strategy.refine(ProberStage(prober, strategy.name, ui), pick)
+        if result is None:
+            continue
+        notes += result.notes
+        if result.outcome is not None:
+            wall_ms = (time.perf_counter() - started) * 1e3
+            outcomes.append(result.outcome.model_copy(update={"wall_ms": wall_ms}))
+        if not isinstance(result.pick, Confirmed):
+            raise PlanningError(
+                f"Strategy {strategy.name!r} returned a pick its stage did not confirm; "
+                "refine() must return the eager pick or one that stage.confirm() gave."
+            )
+        pick = result.pick
+    return pick, outcomes, notes

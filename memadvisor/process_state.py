@@ -1,0 +1,71 @@
+"""Put back what running a model could disturb in the caller's process: RNG states and modes.
+
+The caller's weights, gradients and optimizer state are never written (every stage runs on
+copies); this guards what lives in the process rather than in the model: the torch, CUDA,
+Python and NumPy random generators (dropout, ``randn`` in a probe draw from them), and each
+submodule's train/eval flag (profilers and strategies may call ``eval()``). Restored in a
+``finally``, as Lightning's batch-size finder restores its trainer. The profiler's passes
+and the whole plan both use :func:`rng_restored`; the plan adds the flags
+(:func:`preserved_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["preserved_state", "rng_restored"]
+
+
+def _numpy_random() -> Any | None:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random
+
+
+@contextlib.contextmanager
+def rng_restored(*, uses_cuda: bool = False) -> Iterator[None]:
+    """Run a block and put back torch's (CPU and every CUDA device), Python's and, if
+    installed, NumPy's random states.
+
+    Args:
+        uses_cuda: the block will use CUDA. CUDA is then initialised first, so the states saved
+            are the ones ``torch.manual_seed`` queued for its lazy start (a generator first
+            seeded inside the block is put back to its unused state).
+    """
+    if uses_cuda:
+        torch.cuda.init()
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    py = random.getstate()
+    np_random = _numpy_random()
+    np_state = np_random.get_state() if np_random is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(py)
+        if np_random is not None and np_state is not None:
+            np_random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Run the block, then restore RNG states and every submodule's training flag."""
+    modes = [(m, m.training) for m in model.modules()]
+    # Reading CUDA's generators initialises CUDA: planning on a card does that anyway.
+    with rng_restored(uses_cuda=torch.cuda.is_available()):
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training  # the flag alone: train() would recurse and run user hooks
