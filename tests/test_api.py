@@ -250,3 +250,42 @@ def test_asking_for_cuda_without_a_card_is_bad_input_naming_the_way_out() -> Non
     """device='cuda' on a machine without one: BadInputError pointing at 'simulated'."""
     with pytest.raises(BadInputError, match="simulated"):
         memadvisor.plan(nn.Linear(4, 1), torch.randn(2, 4), budget_gb=1, device="cuda")
+
+
+def test_profile_takes_an_optimizer_instance_as_plan_does() -> None:
+    """profile(), like plan(), reuses an optimizer instance's class and the defaults its
+    constructor takes (torch 2.13's AdamW keeps 'decoupled_weight_decay' in its defaults,
+    which AdamW() refuses): the step is profiled with AdamW's two state tensors per weight,
+    and the caller's optimizer keeps no state."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.05)
+    profile = memadvisor.profile(
+        model,
+        torch.randn(4, 8),
+        loss_fn=lambda out, batch: out.mean(),
+        optimizer=optimizer,
+        device="cpu",
+        progress=None,
+    )
+    assert profile.optimizer_state_bytes >= 2 * profile.param_bytes
+    assert not optimizer.state
+
+
+def test_a_factorys_optimizer_instance_is_built_the_same_way(tmp_path: Path) -> None:
+    """The CLI's factories go through the same builder: an optimizer instance under the
+    'optimizer' key becomes a factory of its class and accepted defaults."""
+    from memadvisor.target import load_target
+    from memadvisor.workload import SameOptimizer
+
+    (tmp_path / "job.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    model = torch.nn.Linear(4, 1)\n"
+        "    opt = torch.optim.AdamW(model.parameters(), lr=0.01)\n"
+        "    return {'model': model, 'sample_batch': torch.randn(2, 4),\n"
+        "            'loss_fn': lambda o, b: o.mean(), 'optimizer': opt}\n"
+    )
+    workload = load_target(f"{tmp_path / 'job.py'}:build")
+    assert isinstance(workload.optimizer_factory, SameOptimizer)
+    made = workload.make_optimizer(nn.Linear(4, 1))
+    assert isinstance(made, torch.optim.AdamW) and made.defaults["lr"] == 0.01

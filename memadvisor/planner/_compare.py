@@ -2,8 +2,8 @@
 
 Baseline (every strategy off), then each strategy's own hand choice (``Strategy.by_hand``:
 "+Checkpointing" every block, "+AMP" bf16 else fp16 autocast), the strategy applied last
-first, then all of them together ("+Both" for two). A strategy that offers no hand choice for this profile has no row, rather
-than a faked one.
+first, then all of them together ("+Both" for two). A strategy that offers no hand choice
+for this profile has no row, rather than a faked one.
 """
 
 from __future__ import annotations
