@@ -42,6 +42,8 @@ PYTHON_NAMES = {
     "objective": "objective",
     "effective_batch": "effective_batch",
     "margin_fraction": "margin_fraction",
+    "world_size": "world_size",
+    "parallel": "parallel",
 }
 _SET_BY_NAME = {"budget_bytes", "objective", "effective_batch", "device"}
 
@@ -91,6 +93,14 @@ def plan_config(
     if effective_batch is not None and effective_batch <= 0:
         raise BadInputError(
             f"{said['effective_batch']} must be positive, but got {effective_batch=}."
+        )
+    world_size, parallel = fields.get("world_size", 1), fields.get("parallel", "none")
+    if isinstance(world_size, int) and world_size < 1:
+        raise BadInputError(f"{said['world_size']} must be at least 1, but got {world_size=}.")
+    if isinstance(world_size, int) and world_size > 1 and parallel == "none":
+        raise BadInputError(
+            f"{said['world_size']} {world_size} needs {said['parallel']} ddp or "
+            f"{said['parallel']} fsdp2 (how the ranks share the model), but got {parallel=}."
         )
     if objective is None:
         objective = "effective_batch" if effective_batch is not None else "throughput"

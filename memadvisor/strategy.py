@@ -166,9 +166,10 @@ class Strategy(ABC):
         """
         return choice in (None, False, 0, [], "off")
 
-    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str, JsonValue] | None:
+    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str | None, JsonValue] | None:
         """The choice a person tries first by hand among ``options`` (this profile's), and
-        the comparison row's label for it (``("+AMP", "bf16")``); None: no such row.
+        the comparison row's label for it (``("+AMP", "bf16")``); None: no such row. A label
+        of None puts the choice in every row instead (the ranks' wrap of a per-rank plan).
 
         The planner sets the plan against these rows (and their combination) in the report.
         """

@@ -336,6 +336,10 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
         return ""  # the simulated device runs a compiled step eagerly: nothing to measure
     if not any(_parse(c) is not None for c in strategy.offered):
         return ""
+    if stage.config.parallel != "none":
+        # A compiled step per rank (compiled FSDP2 hooks, DDP's graph breaks at buckets) is
+        # not what the estimate or the rank runner models.
+        return f"Compiling was not weighed for {stage.config.parallel} ranks; planned eager."
     if not stage.fresh_processes:
         # One process compiles each new batch with a dynamic batch dimension (dynamo's
         # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.

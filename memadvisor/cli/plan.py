@@ -36,7 +36,15 @@ FLAGS = {
     "objective": "--objective",
     "effective_batch": "--effective-batch",
     "margin_fraction": "--margin",
+    "world_size": "--world-size",
+    "parallel": "--parallel",
 }
+
+
+class ParallelOption(str, Enum):
+    none = "none"
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
 
 
 class ObjectiveOption(str, Enum):
@@ -52,6 +60,8 @@ EPILOG = """[bold]Examples[/]
   memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
 
   memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
+
+  memadvisor plan examples/gpt.py:build --budget-gb 8 --world-size 2 --parallel fsdp2
 
 A saved plan applies to a fresh model with
 memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
@@ -91,6 +101,23 @@ def plan(
     margin: Annotated[
         float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
     ] = 0.08,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size",
+            help="Ranks (one card each) that train together; the budget and the batch are "
+            "per rank.",
+        ),
+    ] = 1,
+    parallel: Annotated[
+        ParallelOption,
+        typer.Option(
+            "--parallel",
+            metavar="PARALLEL",
+            help="How the ranks share the model: ddp (a replica each) or fsdp2 (fully_shard "
+            "on the blocks); none for one card.",
+        ),
+    ] = ParallelOption.none,
     json_path: Annotated[
         Path | None,
         typer.Option(
@@ -115,7 +142,7 @@ def plan(
     strategies on the estimate, confirms the batch by OOM probes on the device, verifies the
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
-    config = _config(budget_gb, objective, effective_batch, margin, device)
+    config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
@@ -145,6 +172,8 @@ def _config(
     effective_batch: int | None,
     margin: float,
     device: DeviceOption,
+    world_size: int = 1,
+    parallel: ParallelOption = ParallelOption.none,
 ) -> PlanConfig:
     """The PlanConfig the options describe, built and checked by ``memadvisor.api``.
 
@@ -158,7 +187,7 @@ def _config(
         objective=objective.value if objective is not None else None,
         effective_batch=effective_batch,
         device=resolve_device(device),
-        options={"margin_fraction": margin},
+        options={"margin_fraction": margin, "world_size": world_size, "parallel": parallel.value},
         names=FLAGS,
     )
 

@@ -39,8 +39,11 @@ def make_device(
     target: str | None,
     profile: Profile,
     strategy_names: Sequence[str] | None,
+    world_size: int = 1,
+    parallel: str = "none",
 ) -> Device:
-    """A fresh device of ``kind`` ("cuda" or "simulated") under ``budget_bytes``.
+    """A fresh device of ``kind`` ("cuda" or "simulated") under ``budget_bytes``; with
+    ``parallel`` ("ddp", "fsdp2") ``world_size`` ranks of that kind, each under the budget.
 
     Args:
         target: ``"file.py:factory"`` when there is one: CUDA runs rebuild the workload from
@@ -48,6 +51,17 @@ def make_device(
         profile: the profile the plan reads (strategies check choices against it).
         strategy_names: the strategies a run loads to apply a candidate (None: all).
     """
+    if parallel != "none":
+        from memadvisor.device.ranks import Ranks
+
+        return Ranks(
+            budget_bytes,
+            world_size,
+            backend="cuda" if kind == "cuda" else "simulated",
+            target=target,
+            profile=profile,
+            strategy_names=strategy_names,
+        )
     if kind == "cuda":
         from memadvisor.device.cuda import CudaDevice  # starts no process until a run
 

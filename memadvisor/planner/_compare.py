@@ -15,7 +15,7 @@ from memadvisor.planner._space import SearchSpace
 __all__ = ["hand_configurations", "unchecked_hand_choices"]
 
 
-def _hand_choices(space: SearchSpace) -> list[tuple[str, str, JsonValue]]:
+def _hand_choices(space: SearchSpace) -> list[tuple[str | None, str, JsonValue]]:
     """(label, strategy name, choice) of each strategy's hand choice, the strategy applied
     last first (checkpointing before precision's autocast, which every other one reads)."""
     out = []
@@ -28,14 +28,17 @@ def _hand_choices(space: SearchSpace) -> list[tuple[str, str, JsonValue]]:
 
 
 def hand_configurations(space: SearchSpace) -> list[tuple[str, dict[str, JsonValue]]]:
-    """(label, choices) of each hand configuration this profile's strategies can express."""
-    hand = _hand_choices(space)
-    rows: list[tuple[str, dict[str, JsonValue]]] = [("Baseline", {})]
-    rows += [(label, {name: choice}) for label, name, choice in hand]
+    """(label, choices) of each hand configuration this profile's strategies can express;
+    a hand choice without a label (the ranks' wrap) is in every row."""
+    chosen = _hand_choices(space)
+    every = {name: choice for label, name, choice in chosen if label is None}
+    hand = [(label, name, choice) for label, name, choice in chosen if label is not None]
+    rows: list[tuple[str, dict[str, JsonValue]]] = [("Baseline", {**every})]
+    rows += [(label, {name: choice, **every}) for label, name, choice in hand]
     if len(hand) > 1:
         # In the order the strategies apply them.
         together = {name: choice for _, name, choice in reversed(hand)}
-        rows.append(("+Both" if len(hand) == 2 else "+All", together))
+        rows.append(("+Both" if len(hand) == 2 else "+All", {**together, **every}))
     return rows
 
 

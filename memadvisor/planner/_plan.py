@@ -169,6 +169,8 @@ def plan_workload(
                     target=target,
                     profile=profile,
                     strategy_names=config.strategies,
+                    world_size=config.world_size,
+                    parallel=config.parallel,
                 )
             prober = Prober(device, workload, space, config)
             guard = device.step_times_rank and config.objective != "largest_batch"

@@ -10,6 +10,8 @@ __all__ = [
     "GIB",
     "DeviceKind",
     "Objective",
+    "Parallel",
+    "Parallel",
     "PlanConfig",
     "gib_to_bytes",
 ]
@@ -18,6 +20,7 @@ GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count i
 
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated"]
+Parallel = Literal["none", "ddp", "fsdp2"]
 
 
 def gib_to_bytes(gib: float) -> int:
@@ -87,6 +90,46 @@ class PlanConfig(BaseModel):
         description="Settings of individual strategies, keyed by strategy name; each strategy "
         "documents its own (the compile strategy: 'auto', 'off' or 'on').",
     )
+
+    # The budget, the batch and every byte of the estimate are per rank when these are set:
+    # each of world_size processes trains batch_size samples on a card of budget_bytes.
+    world_size: int = Field(
+        1, ge=1, description="Processes (one card each) that train together; 1: one card."
+    )
+    parallel: Parallel = Field(
+        "none",
+        description="How the ranks share the model: ddp (a full replica each), fsdp2 "
+        "(torch.distributed.fsdp.fully_shard on the profile's blocks), or none (one card).",
+    )
+
+    @model_validator(mode="after")
+    def _parallel_given(self) -> PlanConfig:
+        if self.world_size > 1 and self.parallel == "none":
+            raise ValueError(
+                "world_size > 1 needs parallel='ddp' or 'fsdp2' (how the ranks share the "
+                f"model), but got {self.world_size=} and {self.parallel=}."
+            )
+        return self
+
+    # The budget, the batch and every byte of the estimate are per rank when these are set:
+    # each of world_size processes trains batch_size samples on a card of budget_bytes.
+    world_size: int = Field(
+        1, ge=1, description="Processes (one card each) that train together; 1: one card."
+    )
+    parallel: Parallel = Field(
+        "none",
+        description="How the ranks share the model: ddp (a full replica each), fsdp2 "
+        "(torch.distributed.fsdp.fully_shard on the profile's blocks), or none (one card).",
+    )
+
+    @model_validator(mode="after")
+    def _parallel_given(self) -> PlanConfig:
+        if self.world_size > 1 and self.parallel == "none":
+            raise ValueError(
+                "world_size > 1 needs parallel='ddp' or 'fsdp2' (how the ranks share the "
+                f"model), but got {self.world_size=} and {self.parallel=}."
+            )
+        return self
 
     @model_validator(mode="after")
     def _effective_batch_given(self) -> PlanConfig:
