@@ -10,22 +10,18 @@ The profiler and the training-loop monitor both record through :class:`ModuleEve
 and hand back a :class:`Timeline`.
 """
 
-from memadvisor.timeline._format import (
-    SPEEDSCOPE_SCHEMA_URL,
+from memadvisor.timeline._events import EventKind, Pass, TimelineEvent
+from memadvisor.timeline._format import LayerStats, Timeline
+from memadvisor.timeline._readers import (
     CudaMemoryReader,
-    EventKind,
-    LayerStats,
     MemoryReader,
     MemoryReading,
     MeterMemoryReader,
-    ModuleEventRecorder,
-    Pass,
-    Timeline,
-    TimelineEvent,
     cuda_memory_reader,
-    iter_tensors,
     meter_memory_reader,
 )
+from memadvisor.timeline._recorder import ModuleEventRecorder, iter_tensors
+from memadvisor.timeline._speedscope import SPEEDSCOPE_SCHEMA_URL
 
 __all__ = [
     "SPEEDSCOPE_SCHEMA_URL",
