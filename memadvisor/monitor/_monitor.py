@@ -9,9 +9,7 @@ import statistics
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import overload
 
 import torch
 from rich.console import Console
@@ -31,22 +29,13 @@ from memadvisor.monitor._output import (
     print_table,
 )
 from memadvisor.monitor._probe import LayerProbe, LayerRow, ProbeResult
+from memadvisor.monitor._readings import IterationHistory, Readings, to_record
 from memadvisor.monitor._schema import IterationRecord, LayerMemory, LeakReport, LeakSuspect
 from memadvisor.monitor._source import MemorySource, MeterSource, source_for
 from memadvisor.timeline import ModuleEventRecorder, Timeline, TimelineEvent
 
 __all__ = ["Monitor"]
 
-# A row, kept instead of an IterationRecord (a pydantic model costs more to build than the
-# rest of record()): (iteration, epoch, iteration_ms, allocated, peak allocated, reserved,
-# peak reserved, totals, layers measured, leak flagged, perf_counter_ns at record(),
-# iterations covered), with totals = (weights, grads, saved activations, optimizer state,
-# other) from the latest measured iteration. The same tuple is the CSV line (csv_row) and the
-# timeline sample. record() itself keeps only a raw reading, (iteration, perf_counter_ns at
-# record(), end of the previous reading's record(), allocated, peak allocated, reserved, peak
-# reserved), turned into rows in batches (_digest) by the rare record() that changes what the
-# rows hold (a measured, printed or growing iteration) or when someone reads them.
-_NO_TOTALS: tuple[None, ...] = (None, None, None, None, None)
 _NEVER = 1 << 62  # a perf_counter_ns deadline that never comes
 # Counters read at least once every this many iterations, whatever they cost.
 _MAX_COUNTER_PERIOD = 100
@@ -55,114 +44,37 @@ _DIGEST_EVERY = 1024
 _clock = time.perf_counter_ns
 
 
-def _to_record(row: tuple) -> IterationRecord:
-    it, epoch, ms, allocated, peak, reserved, peak_reserved, totals, measured, _, _, span = row
-    weights, grads, saved, optimizer, other = totals
-    return IterationRecord(
-        iteration=it,
-        epoch=epoch,
-        iterations=span,
-        iteration_ms=ms,
-        allocated_bytes=allocated,
-        peak_allocated_bytes=peak,
-        reserved_bytes=reserved,
-        peak_reserved_bytes=peak_reserved,
-        weight_bytes=weights,
-        grad_bytes=grads,
-        saved_activation_bytes=saved,
-        optimizer_state_bytes=optimizer,
-        other_bytes=other,
-        layers_measured=measured,
-    )
-
-
-class IterationHistory(Sequence[IterationRecord]):
-    """The latest iterations as :class:`IterationRecord` s, each built when it is read."""
-
-    def __init__(self, rows: deque[tuple]) -> None:
-        self._rows = rows
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @overload
-    def __getitem__(self, index: int) -> IterationRecord: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[IterationRecord]: ...
-    def __getitem__(self, index: int | slice) -> IterationRecord | list[IterationRecord]:
-        if isinstance(index, slice):
-            return [_to_record(r) for r in list(self._rows)[index]]
-        return _to_record(self._rows[index])
-
-    def __iter__(self) -> Iterator[IterationRecord]:
-        return (_to_record(r) for r in list(self._rows))
-
-
-class _Readings:
-    """Raw readings, the rows made of them and the epoch's running numbers.
-
-    Holds no reference to the monitor, so that a finalizer can make and write the last rows
-    of a monitor that is collected (or an interpreter that exits) without being closed.
-    """
-
-    def __init__(self, history: int, csv: CsvLog | None) -> None:
-        self.raw: list[tuple] = []  # readings not yet made into rows
-        self.rows: deque[tuple] = deque(maxlen=history)
-        self.csv = csv
-        self.pending = csv.pending if csv is not None else None  # appended without a call
-        self.epoch = 0
-        self.totals: tuple = _NO_TOTALS  # of the latest measured iteration
-        self.flagged = False  # the leak check's flag at the latest reading
-        self.read_it = 0  # the iteration of the latest reading made into a row
-        self.count = 0  # readings made into rows
-        self.start_epoch()
-
-    def start_epoch(self) -> None:
-        self.epoch_ms = 0.0
-        self.epoch_timed = 0  # iterations with a time (all but a run's first)
-        self.epoch_peak_allocated = 0
-        self.epoch_peak_reserved = -1  # none seen (the CPU has no reserve)
-
-    def last_iteration(self) -> int:
-        """The iteration of the latest reading, raw or not."""
-        return self.raw[-1][0] if self.raw else self.read_it
-
-    def digest(self) -> None:
-        """Make rows of the readings that are still raw."""
-        raw = self.raw
-        if raw:
-            for reading in raw:
-                self.add(reading, False)
-            raw.clear()
-
-    def add(self, reading: tuple, measured: bool) -> tuple:
-        """Make one reading a row (with the current totals, flag and epoch)."""
-        it, now, prev_end, allocated, peak, reserved, peak_reserved = reading
-        if peak < allocated:
-            peak = allocated
-        span = it - self.read_it
-        self.read_it = it
-        ms = None if prev_end is None else (now - prev_end) / (1e6 * span)
-        row = (it, self.epoch, ms, allocated, peak, reserved, peak_reserved, self.totals,
-               measured, self.flagged, now, span)  # fmt: skip
-        self.rows.append(row)
-        self.count += 1
-        if peak > self.epoch_peak_allocated:
-            self.epoch_peak_allocated = peak
-        if peak_reserved is not None and peak_reserved > self.epoch_peak_reserved:
-            self.epoch_peak_reserved = peak_reserved
-        if ms is not None:
-            self.epoch_ms += ms * span
-            self.epoch_timed += span
-        if self.pending is not None:
-            self.pending.append(row)
-        return row
-
-    def close(self) -> None:
-        """Make rows of the raw readings and write every queued CSV line."""
-        self.digest()
-        if self.csv is not None:
-            self.csv.close()
+def _check_options(
+    model: object,
+    print_period: int,
+    layer_period: int | None,
+    counter_period: int | None,
+    layer_budget: float,
+    counter_budget: float,
+    leak_window: int,
+    history: int,
+) -> None:
+    """Raise BadInputError naming the first option out of range (see :class:`Monitor`)."""
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"model must be a torch.nn.Module, but got {type(model)=}.")
+    if print_period < 0:
+        raise BadInputError(f"print_period must be >= 0 (0: never), but got {print_period=}.")
+    if layer_period is not None and layer_period < 0:
+        raise BadInputError(f"layer_period must be >= 0 (0: never), but got {layer_period=}.")
+    if counter_period is not None and counter_period < 1:
+        raise BadInputError(
+            f"counter_period must be >= 1 (None: chosen from the cost of a reading), but "
+            f"got {counter_period=}."
+        )
+    for name, budget in (("layer_budget", layer_budget), ("counter_budget", counter_budget)):
+        if not 0 < budget <= 1:
+            raise BadInputError(
+                f"{name} must be a share of the loop's time in (0, 1], but got {budget=}."
+            )
+    if leak_window < 2:
+        raise BadInputError(f"leak_window must be at least 2, but got {leak_window=}.")
+    if history < 1:
+        raise BadInputError(f"history must keep at least 1 iteration, but got {history=}.")
 
 
 class Monitor:
@@ -279,26 +191,16 @@ class Monitor:
         csv_flush_s: float = 5.0,
         source: MemorySource | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise BadInputError(f"model must be a torch.nn.Module, but got {type(model)=}.")
-        if print_period < 0:
-            raise BadInputError(f"print_period must be >= 0 (0: never), but got {print_period=}.")
-        if layer_period is not None and layer_period < 0:
-            raise BadInputError(f"layer_period must be >= 0 (0: never), but got {layer_period=}.")
-        if counter_period is not None and counter_period < 1:
-            raise BadInputError(
-                f"counter_period must be >= 1 (None: chosen from the cost of a reading), but "
-                f"got {counter_period=}."
-            )
-        for name, budget in (("layer_budget", layer_budget), ("counter_budget", counter_budget)):
-            if not 0 < budget <= 1:
-                raise BadInputError(
-                    f"{name} must be a share of the loop's time in (0, 1], but got {budget=}."
-                )
-        if leak_window < 2:
-            raise BadInputError(f"leak_window must be at least 2, but got {leak_window=}.")
-        if history < 1:
-            raise BadInputError(f"history must keep at least 1 iteration, but got {history=}.")
+        _check_options(
+            model,
+            print_period,
+            layer_period,
+            counter_period,
+            layer_budget,
+            counter_budget,
+            leak_window,
+            history,
+        )
         self.model = model
         self.print_period = print_period
         # None: measured on printed iterations, spaced out to stay within layer_budget.
@@ -327,7 +229,7 @@ class Monitor:
         self.probe = LayerProbe(model, self.recorder)
         self.leak_check = LeakCheck(leak_window)
         self._csv = CsvLog(csv, max_wait_s=csv_flush_s) if csv is not None else None
-        self._readings = _Readings(history, self._csv)
+        self._readings = Readings(history, self._csv)
         if self._csv is not None:
             # Writes what is queued when the monitor is collected or the interpreter exits;
             # holds the readings and the log, not the monitor, so it does not keep it alive.
@@ -451,7 +353,7 @@ class Monitor:
                    r.epoch_peak_allocated, last[5],
                    None if r.epoch_peak_reserved < 0 else r.epoch_peak_reserved,
                    last[7], last[8], last[9], last[10], count)  # fmt: skip
-            summary = _to_record(row)
+            summary = to_record(row)
             if self._csv is not None:
                 self._csv.pending.append(("epoch", row))
                 self._flush_csv()
@@ -485,7 +387,7 @@ class Monitor:
                 )
             layers = self._layer_text
         table = iteration_table(
-            _to_record(self._rows[-1]), layers, self.leak, model_name=self.recorder.model_name
+            to_record(self._rows[-1]), layers, self.leak, model_name=self.recorder.model_name
         )
         print_table(self.console, table)
 
@@ -506,7 +408,7 @@ class Monitor:
     def last(self) -> IterationRecord | None:
         """The latest reading's record, or None before the first."""
         self._digest()
-        return _to_record(self._rows[-1]) if self._rows else None
+        return to_record(self._rows[-1]) if self._rows else None
 
     @property
     def own_ms(self) -> float:
