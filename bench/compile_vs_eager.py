@@ -1,8 +1,9 @@
 """Best eager plan vs best compiled plan under one budget, per model: issue 9's table (GPU).
 
-One plan per model, with compiling weighed (``PlanConfig(compile="on")``): the planner finds
-the eager pick on the card, then measures compiled variants of it
-(``memadvisor/planner/_compiled.py``) and keeps the faster. Both sides come from that plan:
+One plan per model, with compiling weighed (``PlanConfig(options={"compile": "on"})``): the
+planner finds the eager pick on the card, then the compile strategy's ``refine``
+(``strategies/_compile_stage.py``) measures compiled variants of it and keeps the faster.
+Both sides come from that plan:
 
 * eager: the eager pick as the device measured it (batch, samples/s, allocated and reserved
   peak) and its plan wall time: the whole plan's less the compile stage;
@@ -27,8 +28,8 @@ failure), flushed as it happens, so a run cut off by a time limit keeps what fin
 ``--models`` to run next. ``--quick`` re-ranks one eager candidate, verifies 5 steps and
 tries only the plain compiled variant (about half the device time).
 
-Needs ``plan_workload`` to call ``compiled_pick`` (the lead's wiring); without it every plan
-comes back with ``plan.compile`` None and the bench says so. Models, all built from configs
+Where compiling was not weighed, a plan comes back without a compile stage in
+``plan.stages`` and the bench says so. Models, all built from configs
 (no downloads), as ``bench/estimate_accuracy.py`` builds them: examples/gpt.py and
 examples/cnn.py (their defaults); torchvision resnet18 and convnext_tiny; transformers
 BertForMaskedLM (bert-base config, sequence 512) and a small LlamaForCausalLM (8 layers of
@@ -94,7 +95,7 @@ def _config(args: argparse.Namespace) -> Any:
     return PlanConfig(
         budget_bytes=gib_to_bytes(args.budget_gb),
         device="cuda",
-        compile="on",
+        options={"compile": "on"},
         rerank_top=1 if args.quick else args.rerank_top,
         verify_steps=5 if args.quick else args.verify_steps,
     )
@@ -125,9 +126,14 @@ def _measured(m: Any) -> dict[str, Any]:
     }
 
 
+def _compile_stage(plan: Any) -> Any:
+    """The compile strategy's measured stage in ``plan.stages``, or None."""
+    return next((s for s in plan.stages if s.strategy == "compile"), None)
+
+
 def rows_of(name: str, plan: Any) -> list[dict[str, Any]]:
     """The table's rows for one plan: eager, then each compiled variant."""
-    outcome = plan.compile
+    outcome = _compile_stage(plan)
     blocks = len(plan.profile.blocks) if plan.profile is not None else None
     compile_s = (outcome.wall_ms if outcome is not None else 0.0) / 1e3
     plan_s = plan.plan_wall_ms / 1e3
@@ -145,8 +151,7 @@ def rows_of(name: str, plan: Any) -> list[dict[str, Any]]:
                 "plan_s": plan_s,
                 "what": _what(plan.candidate.choices, blocks),
                 "verified_samples_per_s": verified,
-                "note": "plan.compile is None: plan_workload does not call compiled_pick yet, "
-                "or compile was not weighed (see notes): " + " | ".join(plan.notes)[:400],
+                "note": "compile was not weighed (see notes): " + " | ".join(plan.notes)[:400],
             }
         ]
     eager = outcome.eager_candidate or plan.candidate
@@ -176,15 +181,16 @@ def rows_of(name: str, plan: Any) -> list[dict[str, Any]]:
                 "batch": variant.batch_size,
                 **_measured(variant.measured),
                 "plan_s": plan_s,
-                "compile_s": variant.compile_ms / 1e3 if variant.compile_ms is not None else None,
+                "compile_s": variant.one_off_ms / 1e3 if variant.one_off_ms is not None else None,
                 "device_s": variant.device_wall_ms / 1e3,
                 "what": _what(choices, blocks),
                 "verified_samples_per_s": verified if is_pick else None,
-                "note": variant.error or ("" if variant.compiles else variant.trial),
+                "note": variant.error or ("" if variant.ok else variant.trial),
             }
         )
-    if outcome.cache is not None:
-        rows[-1]["cache_added_mib"] = outcome.cache.added_bytes / MIB
+    cache = outcome.details.get("cache")
+    if isinstance(cache, dict):
+        rows[-1]["cache_added_mib"] = cache["added_bytes"] / MIB
     return rows
 
 
@@ -206,7 +212,8 @@ def bench_model(name: str, args: argparse.Namespace, rec: Recorder) -> None:
     wall = time.perf_counter() - started
     for row in rows_of(name, plan):
         rec.write(row)
-    summary = plan.compile.summary if plan.compile is not None else "compile not weighed"
+    stage = _compile_stage(plan)
+    summary = stage.summary if stage is not None else "compile not weighed"
     rec.write({"event": "plan", "model": name, "wall_s": wall, "summary": summary})
     print(f"[{name}] {wall:.0f} s: {summary}", flush=True)
     torch.cuda.empty_cache()

@@ -41,42 +41,27 @@ measured peak over checkpointing, precision and batch size (``tests/test_estimat
 Profiles without the walk (hand-built, older) fall back to a walk derived from per-block
 activations and parameter bytes, less exact.
 
-Known limitations (what a card adds that tensor bytes do not show; DESIGN.md, measured on
-an H200 with torch 2.11):
-    * cuBLAS workspaces: 2 x 32 MiB (one per thread that runs matmuls: the main thread and
-      autograd's) + 1 MiB cuBLASLt, held from the first matmul on. The CUDA profiler
-      measures and adds them (``Profile.fixed_overhead_bytes``); fake-tensor profiles
-      planned for CUDA add the measured total (``memadvisor.device.fake``).
-    * cuDNN's convolution workspaces: allocated through the caching allocator, invisible to a
-      dispatch mode, and growing with the batch past some tensor size. Allocator minus
-      tracked backward peak (MiB, batches 16/32/64/128/256): examples/cnn.py fp32
-      65/67/157/249/433 (65 + 1.44 a sample from batch ~32 on), the same with every block
-      checkpointed, flat 65 in bf16; resnet18 fp32 84/87/102/108/119 (with every block
-      checkpointed 85/99/120/169/265); convnext_tiny fp32 69/85/107/153/184; examples/gpt.py
-      ~35, flat. Measured only at the profile's small sizes they extrapolate as a constant,
-      and the estimate fell 17% (cnn fp32), 30% (the same, every block checkpointed) under
-      the allocator at batches filling 4 GiB. The CUDA profiler now fits them per phase at
-      two larger sizes (``StepProfile.untracked``, :mod:`memadvisor.profiler._untracked`) and
-      the estimate adds what the line gives beyond what the fixed overhead and the measured
-      phase peaks hold. What is left: below the size where the growth starts the line is
-      above the truth (cnn fp32 at batch 32: +44 MiB on a 292 MiB peak; safe, but it
-      costs batch on budgets under ~0.5 GiB); the line is fitted without checkpointing, so
-      where checkpointing changes cuDNN's choice it is under (resnet18 fp32 at 256: 119 fitted,
-      265 with every block checkpointed: -146 MiB of 4.0 GiB, -3.5%); fake-tensor profiles
-      planned for a card have no lines (no card to measure them on).
-    * Allocator rounding: each block is rounded up to a multiple of 512 bytes inside cached
-      segments: 4-12 MiB at the peak on a 6-block GPT; in ``fixed_overhead_bytes`` on CUDA.
-    * Fragmentation: the caching allocator *reserved* 3-32% more than it had allocated at
-      the peak, and a memory fraction caps reserved bytes. :attr:`Estimate.peak_bytes` is
-      allocated bytes; :attr:`Estimate.reserved_peak_bytes` adds the step's largest single
-      allocation (``StepProfile.largest_allocation``, measured on a card at the untracked
-      bytes' larger sizes): under a cap, a freed block that size gets split by smaller
-      requests and stranded for the next step's (the GPT example: 1.72 GiB reserved beyond
-      allocated at batch 291, its logits 1.75 GiB). Without that line it scales by the
+Known limitations (what a card adds that tensor bytes do not show; the measurements are in
+``docs/design.md``):
+    * cuBLAS workspaces and the allocator's rounding ("What a card holds beyond tensors"):
+      the CUDA profiler measures and adds them (``Profile.fixed_overhead_bytes``);
+      fake-tensor profiles planned for CUDA add the measured total
+      (``memadvisor.device.fake``).
+    * cuDNN's convolution workspaces ("cuDNN's workspaces grow with the batch"): invisible
+      to a dispatch mode and growing with the batch past some tensor size. The CUDA
+      profiler fits them per phase at two larger sizes (``StepProfile.untracked``) and the
+      estimate adds what the line gives beyond what the fixed overhead and the phase peaks
+      hold. Below the size where the growth starts the line is above the truth (safe, but
+      it costs batch on small budgets); where checkpointing changes cuDNN's choice it is
+      under; fake-tensor profiles planned for a card have no lines.
+    * Fragmentation ("Reserved above allocated"): a memory fraction caps reserved bytes.
+      :attr:`Estimate.peak_bytes` is allocated bytes; :attr:`Estimate.reserved_peak_bytes`
+      adds the step's largest single allocation (``StepProfile.largest_allocation``), which a
+      capped allocator can strand for the next step; without that line it scales by the
       small-batch reserved/allocated ratio. The planner fits :attr:`Estimate.limit_bytes`,
       the larger of the two. Where nothing gets stranded the line errs high by up to one
       largest tensor; the planner's extrapolation from a measured run takes that back.
-    * The CUDA context (~500 MiB) is outside both, as it is outside the budget.
+    * The CUDA context is outside both, as it is outside the budget.
     * A checkpointed block whose input no op of its own saved keeps that input in
       addition (rare: most blocks start with a norm or a matmul, which save it).
 """

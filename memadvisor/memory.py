@@ -3,8 +3,8 @@
 :class:`MemoryMeter` is a ``TorchDispatchMode`` that follows *storages*, not tensors: a view
 or an in-place result shares its base's storage and is counted once; a storage is counted
 from the op that made it until Python frees it (a weakref callback), exactly as
-``torch.distributed._tools.mem_tracker.MemTracker`` counts. On an H200 this matched the
-CUDA allocator's allocated bytes to within 0.01 MiB (``../shared/DESIGN.md``).
+``torch.distributed._tools.mem_tracker.MemTracker`` counts, and as a card's allocator
+allocates (``docs/design.md``, "The meter counts what the allocator allocates").
 
 It works on real CPU tensors and under ``FakeTensorMode`` (fake storages report their size
 but hold no memory), so a model larger than this machine's RAM can be metered.
@@ -13,8 +13,10 @@ Known limitations:
     * Tensors made before the meter starts are invisible unless passed to :meth:`adopt`
       (the model's parameters, buffers, gradients and optimizer state are).
     * No allocator rounding: CUDA rounds each block up to 512 bytes and caches freed blocks,
-      so a card's *reserved* memory is 3-32% above what is counted here (DESIGN.md).
-    * Library workspaces (cuBLAS: 2 x 32 MiB on an H200) are not tensors and are not counted.
+      so a card's *reserved* memory is above what is counted here (``docs/design.md``,
+      "Reserved above allocated").
+    * Library workspaces (cuBLAS's, "What a card holds beyond tensors") are not tensors and
+      are not counted.
     * ``UntypedStorage.resize_`` bypasses the dispatcher: FSDP2 frees and re-allocates its
       unsharded parameters that way. A meter made with ``track_resizes=True`` follows them
       by wrapping that method while it is active (torch's own ``MemTracker`` does the same).

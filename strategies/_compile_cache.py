@@ -1,7 +1,8 @@
 """One inductor on-disk cache for every process of a plan, and what it cost on disk.
 
 Compiled candidates are measured in fresh probe processes (a probe is only trusted from a
-clean state, DESIGN.md), and each process compiles the model again. Inductor keeps what it
+clean state, ``docs/design.md``, "A clean state per run"), and each process compiles the
+model again. Inductor keeps what it
 compiled on disk: the FX graph cache (generated kernels, keyed by the graph and its input
 shapes) and the AOTAutograd cache (the forward/backward split) under
 ``$TORCHINDUCTOR_CACHE_DIR``. A child process reads the same directory when it inherits the

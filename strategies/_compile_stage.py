@@ -31,7 +31,7 @@ which judges compiled variants of it by measuring them through the planner's
 
 Known limitations:
     * Only the eager pick is compiled, not the other re-ranked candidates: each compiled
-      probe pays a compile (tens of seconds for a ViT-B), so the stage stays at two
+      probe pays a compile (``docs/design.md``, "torch.compile"), so the stage stays at two
       variants of two or three probes each.
     * The partitioner budget is a share between the least and the most that the min-cut
       partitioner would save, not of eager's activations: matching it to the pick's kept

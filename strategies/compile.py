@@ -1,7 +1,8 @@
 """torch.compile: the model's forward (and so its backward) compiled by inductor.
 
-Measured on an H200 under 8 GB (ViT-B/16, bf16, batch 92): 2041 samples/s eager, 2948
-compiled, at the same peak (7.6 vs 7.7 GB); the first compiled step took 26 s.
+Inductor fuses the model's operations into fewer, larger kernels: on a card that can buy a
+large speed-up at the same peak, for a first step that compiles for tens of seconds
+(``docs/design.md``, "torch.compile", has the measurement).
 
 Choices:
     * ``"off"``.
@@ -138,9 +139,9 @@ class Compile(Strategy):
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         """Nothing: the estimate stays eager's (measured_only), for a valid choice.
 
-        Eager is a fair bracket to start probing from: compiling kept ViT-B/16's peak (7.6
-        vs 7.7 GB), and a partitioner budget below 1 is meant to lower it (on this CPU a
-        budget of 0 kept 42% fewer bytes for backward in a 3-layer MLP).
+        Eager is a fair bracket to start probing from: compiling kept the peak of the model
+        measured, and a partitioner budget below 1 is meant to lower it (``docs/design.md``,
+        "torch.compile").
         """
         parse_choice(choice)
 

@@ -4,8 +4,8 @@ CPU and CUDA autocast disagree about which ops run in fp32. On CUDA, ``layer_nor
 ``softmax``, ``log_softmax``, ``sum``, ``exp``, ``pow``, ``rsqrt`` and the norms run in fp32
 (and save fp32 tensors for backward); CPU autocast runs them in whatever dtype arrives,
 usually bf16. An activation estimate made under CPU autocast would therefore undercount a
-card's by every fp32 tensor those ops keep (DESIGN.md: on GPT-2 much of what autocast saves
-stays fp32).
+card's by every fp32 tensor those ops keep (``docs/design.md``, "Autocast keeps some
+tensors in fp32").
 
 :func:`cuda_autocast_policy` fixes that where autocast itself decides, in the dispatcher: it
 registers kernels under CPU autocast's dispatch key (``AutocastCPU``) that cast as CUDA's

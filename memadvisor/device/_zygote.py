@@ -1,11 +1,10 @@
 """A fork server for device runs: ``python -m memadvisor.device._zygote``.
 
-Why: a fresh process per run cost 7.5 s of wall time on an H200 for the GPT example at
-batch 64 and 3 steps (starting Python, importing torch, memadvisor and their dependencies,
-building the model), of which the run itself is a small part. This process, the zygote,
-pays the imports and the model build once; each run is then a ``fork()`` of it: 3.9 s wall
-per run there, with the same peak (2,766,621,184 B) and step time as a fresh process, and
-an out-of-memory in one child left the next child's peak unchanged.
+Why: a fresh process per run pays starting Python, importing torch, memadvisor and their
+dependencies and building the model, of which the run itself is a small part. This process,
+the zygote, pays the imports and the model build once; each run is then a ``fork()`` of it,
+about half the wall time per run, with the same peak and step time as a fresh process
+(``docs/design.md``, "A clean state per run", has the numbers).
 
 Clean state: every run is a fresh child of a process that never touched CUDA. The zygote
 imports torch and builds the workload on the CPU only: it never initializes CUDA (not even

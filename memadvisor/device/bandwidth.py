@@ -1,8 +1,8 @@
 """Host <-> device copy bandwidth: what activation offload's transfers cost.
 
 Measured once per profile on CUDA with pinned host memory (what
-``torch.autograd.graph.save_on_cpu(pin_memory=True)`` copies to and from); on an H200 over
-PCIe 5 expect roughly 40-55 GB/s each way.
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` copies to and from); what to expect is
+in ``docs/design.md``, "Host bandwidth for offload".
 """
 
 from __future__ import annotations

@@ -3,18 +3,19 @@
 The budget is the user's, not the card's: ``torch.cuda.set_per_process_memory_fraction``
 caps what the caching allocator may reserve, so an 80 GB card plans for an 8 GB one.
 
-Why a process per run (DESIGN.md, measured on an H200): after a few out-of-memory errors
-the allocator is fragmented and tensors leak, so a search in one process found batch 25 for
-a ViT that holds 92 in a fresh one. How each run gets its process, fastest first:
+Why a process per run (``docs/design.md``, "A clean state per run"): after a few
+out-of-memory errors the allocator is fragmented and tensors leak, so a search in one
+process finds a far smaller batch than a fresh one holds. How each run gets its process,
+fastest first:
 
 1. Fork server (default where ``os.fork`` exists): one zygote,
    ``python -m memadvisor.device._zygote``, started fresh (so this process's own CUDA
    context is never forked), imports torch, memadvisor and the strategies and builds the
    workload on the CPU without ever touching CUDA; each run is a forked child of it that
    creates its own CUDA context under the cap, trains and exits. Clean state per run is a
-   fresh child of a process that never touched CUDA: on an H200 such a child measured the
-   same peak and step time as a fresh process, and an out-of-memory in one child left the
-   next one's peak unchanged, at 3.9 s of wall time per run instead of 7.5 s.
+   fresh child of a process that never touched CUDA: such a child measured the same peak
+   and step time as a fresh process, and an out-of-memory in one child left the next one's
+   peak unchanged, at about half the wall time per run.
 2. Fresh process per run, ``python -m memadvisor.device._worker``: where there is no fork,
    or when the zygote cannot serve (it died, or CUDA would not start in a forked child).
 3. This process: when the workload cannot be saved (a ``lambda`` loss does not pickle) or a
@@ -27,9 +28,9 @@ Both children rebuild the workload from the user's factory (``target``) or from 
 planner copies it into ``Plan.notes``.
 
 Known limitations:
-    * A run still costs seconds: the child's first step loads the CUDA kernels (about 3.5 s
-      of the 3.9 s on an H200 for the GPT example); the planner keeps the runs few.
-    * The budget caps *reserved* memory; the CUDA context (~500 MiB) is outside it, as it
+    * A run still costs seconds, most of them the child's first step loading the CUDA
+      kernels; the planner keeps the runs few.
+    * The budget caps *reserved* memory; the CUDA context is outside it, as it
       is outside what ``torch.cuda.mem_get_info`` reports a card can give to tensors.
 """
 

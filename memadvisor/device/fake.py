@@ -2,7 +2,7 @@
 
 Under ``FakeTensorMode`` every tensor has a shape, a dtype and a storage size but no data, and
 every op computes only the shapes of its outputs. The :class:`~memadvisor.memory.MemoryMeter`
-counts fake storages exactly as real ones (DESIGN.md), so a 7B model's training step can be
+counts fake storages exactly as real ones, so a 7B model's training step can be
 metered on a laptop: its weights alone would need 27 GB, its AdamW state 54 GB more.
 
     workload = fake_workload(lambda: build(preset="7b"))       # examples/llama.py
@@ -52,9 +52,9 @@ __all__ = ["CUDA_FIXED_BYTES", "FakeDevice", "FakeWorkload", "fake_workload", "p
 PlanFor = Literal["cuda", "cpu"]
 
 MIB = 2**20
-# What a card holds beyond tensor bytes, measured on an H200 (DESIGN.md: +69 to +77 MiB):
+# What a card holds beyond tensor bytes (docs/design.md, "What a card holds beyond tensors"):
 # two 32 MiB cuBLAS workspaces (the main thread's and autograd's), 1 MiB of cuBLASLt's, and
-# the allocator's rounding, 4-12 MiB at a 6-block GPT's peak (the middle of that range).
+# the allocator's rounding, the middle of its measured range.
 CUDA_FIXED_BYTES = 2 * 32 * MIB + 1 * MIB + 8 * MIB
 
 

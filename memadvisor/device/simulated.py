@@ -13,9 +13,9 @@ tensor) can change the next one's answer, which on a card needs a fresh process.
 
 Known limitations (what the meter sees is tensor bytes, as ``memory_allocated`` counts):
     * No allocator: no 512-byte block rounding, no cached blocks, no fragmentation, so a
-      card fails somewhat earlier than this device (reserved ran 3-32% above allocated on
-      an H200, DESIGN.md). The planner's margin covers it.
-    * No cuBLAS workspaces or CUDA context (~69-77 MiB of workspaces on an H200).
+      card fails somewhat earlier than this device (``docs/design.md``, "Reserved above
+      allocated"). The planner's margin covers it.
+    * No cuBLAS workspaces or CUDA context ("What a card holds beyond tensors").
     * Step times are the CPU's, slowed by the meter: good for ranking nothing; the CUDA
       device times steps.
 """

@@ -136,9 +136,8 @@ class Monitor:
             that readings may take: a reading that costs ``R`` us in a loop of ``T`` us per
             iteration is made every ``ceil(R / (counter_budget * T))`` iterations (at most
             100), re-chosen every 64 iterations or so from the measured times. The default,
-            0.05%, is set low because a reading costs the loop more than its own time says:
-            on an H200 a ~20 us reading every 2nd iteration of a 6.8 ms CNN step slowed the
-            loop by 0.80%, every 10th by 0.28% (median of 25 paired rounds).
+            0.05%, is set low because a reading costs the loop more than its own time says
+            (``docs/design.md``, "The monitor's own cost").
         leak_window: consecutive growing readings that flag a leak.
         max_events: bound of the buffer of module events (those of measured iterations).
         max_rows: most layers in a printed table.

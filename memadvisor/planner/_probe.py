@@ -14,8 +14,8 @@ decides nothing about memory, :func:`memadvisor.device.is_oom` does. The search:
    be picked, the margin below the failure; a fit ends the search. After a third failure
    the estimate is far off: halve until something fits, then bisect.
 
-Near the limit fitting is deterministic but not monotone (ResNet-50 bf16 on an H200: 354
-fits, 355 fails, 356 fits; DESIGN.md), so a fit above a failure proves nothing about the
+Near the limit fitting is deterministic but not monotone (``docs/design.md``, "Fitting near
+the limit"), so a fit above a failure proves nothing about the
 batches around it. The pick therefore stays the margin below the *lowest* failure seen,
 never on a lucky island above it. An estimate within the margin of the truth costs two
 probes, within two margins three.

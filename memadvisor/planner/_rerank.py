@@ -32,7 +32,7 @@ from memadvisor.schema.candidate import Candidate, Measurement
 __all__ = ["RERANK_FLOOR", "best_on_device", "timed_candidates"]
 
 # Of the estimate's best rerank_top, those under this share of the best's estimated samples/s
-# (batch, for largest_batch) are not timed: the estimate's time errors seen on an H200
+# (batch, for largest_batch) are not timed: the estimate's time errors seen on a card
 # (within ~1.6x per candidate, mostly shared by candidates of one precision) leave them behind.
 RERANK_FLOOR = 0.7
 

@@ -6,14 +6,12 @@ How the space is walked:
   a millisecond (a few estimate calls; the batch is solved for, not sampled), so walking
   them all takes a second or two and finds the true best, where a sampler finds it only
   with luck. Enumeration is done by enqueuing each combination as a fixed trial
-  (``study.enqueue_trial``) rather than with ``GridSampler`` or ``BruteForceSampler``:
-  measured here with Optuna 5.0, ``GridSampler`` took 5.5 s for 256 trials and 584 s for
-  1024 (it re-reads every finished trial at each suggestion), ``BruteForceSampler`` 1.1 s
-  for 256, enqueued trials 0.12 s for 256 and 1.2 s for 1024.
+  (``study.enqueue_trial``) rather than with ``GridSampler`` or ``BruteForceSampler``,
+  which re-read every finished trial at each suggestion and grow far slower with the
+  number of trials (``docs/design.md``, "Enumerating the search space").
 * A larger space (many strategies, third-party ones with many choices): ``TPESampler``
   for :data:`TPE_TRIALS` trials. Its choices are categorical and it models each strategy
-  independently, which suits strategies whose effects mostly add up. 256 trials take about
-  4 s of TPE's own time here.
+  independently, which suits strategies whose effects mostly add up.
 
 Both are seeded from ``PlanConfig.seed``, and the final ranking is a pure sort of what was
 scored (objective, then the simpler plan, then the choices' JSON), so the same profile and

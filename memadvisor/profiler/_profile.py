@@ -18,8 +18,7 @@ How a pass runs (``profile_workload``):
        larger sizes, a warm-up and one bare metered step each
        (:mod:`~memadvisor.profiler._untracked`), then two timed steps at each: where both
        sizes ran, every time is fitted at them, not at the small sizes, whose steps on a
-       card are launch latency (the GPT example on an H200: 5.4 ms at batch 4 and at 8,
-       so a line through them says a sample costs nothing).
+       card are launch latency (``docs/design.md``, "Timing at small batches").
     5. Every size that grows with the batch is fitted through its two measurements.
 
 The RNG states are put back at the end. Under ``FakeTensorMode`` no step is timed (fake ops
@@ -379,7 +378,7 @@ class _Pass:
             fit = measure_untracked(measure, sizes, profiled, is_oom)
             if len(timed_at) == 2:
                 # A card's step at the profile's small sizes is launch latency: its time
-                # barely grows with the batch (gpt on an H200: 5.4 ms at batch 4 and 8).
+                # barely grows with the batch (docs/design.md, "Timing at small batches").
                 # Times fitted at sizes that fill the card rank batches and precisions.
                 (s1, t1), (s2, t2) = sorted(timed_at.items())
                 self.large_timing[precision] = ((s1, s2), [t1, t2])

@@ -6,22 +6,12 @@ with cuBLAS's workspaces, in a near-constant difference between the allocator's 
 tracked one (``Profile.fixed_overhead_bytes``). From some tensor size on, cuDNN picks
 algorithms whose workspace grows with the batch, which the small sizes cannot show.
 
-Measured on an H200 (torch 2.11): allocator minus tracked peak of backward, one AdamW step
-after a warm-up, MiB at batch 16 / 32 / 64 / 128 / 256:
-
-    examples/cnn.py fp32, no block or every block checkpointed   65 / 67 / 157 / 249 / 433
-    examples/cnn.py bf16, either                                  65 / 65 /  65 /  65 /  65
-    resnet18 fp32, none                                           84 / 87 / 102 / 108 / 119
-    resnet18 fp32, every block checkpointed                       85 / 99 / 120 / 169 / 265
-    convnext_tiny fp32, none                                      69 / 85 / 107 / 153 / 184
-    examples/gpt.py, any                                          ~35, flat
-
-Left out, the estimate was 17% (30% with every block checkpointed) under the allocator's
-peak for cnn fp32 at batches filling 4 GiB. So on CUDA the profiler measures the difference
-per phase at two larger sizes ``(B, 2B)`` (:func:`untracked_batch_sizes`) and fits a line
-(cnn fp32 through 64 and 128: 65 + 1.44 MiB a sample, exact at 256; above the truth where
-the growth has not started, 111 against 67 at batch 32, which errs on the safe side); the
-estimate adds what the line gives beyond what its phase peaks already hold.
+Left out, the estimate fell well under the allocator's peak at batches filling a card
+(``docs/design.md``, "cuDNN's workspaces grow with the batch", has the table). So on CUDA
+the profiler measures the difference per phase at two larger sizes ``(B, 2B)``
+(:func:`untracked_batch_sizes`) and fits a line; where the growth has not started yet the
+line is above the truth, which errs on the safe side; the estimate adds what the line gives
+beyond what its phase peaks already hold.
 
 Each size gets one plain warm-up step (cuDNN's choice for the shape is made, caches filled),
 then one step under a bare :class:`~memadvisor.memory.MemoryMeter` with the allocator's peak
@@ -56,13 +46,10 @@ __all__ = [
 ]
 
 # B is chosen by bytes, not by a multiple of the sample batch: cuDNN picks an algorithm (and
-# so its workspace) from the tensors' sizes. cnn fp32's workspace starts growing between
-# batch 32 and 64, where the batch-dependent bytes pass 0.2-0.45 GiB; in bf16 (half the bytes
-# per sample) it has not started at 256 (0.9 GiB). 2 GiB at B (4 GiB at 2B) is well past the
-# start for cnn, and 2B - B wide enough that ~10 MiB of noise (convnext_tiny's readings at
-# small batches wander by that much) moves the slope little. A 4 GiB step takes a fraction of
-# a second on a card. A multiple of the sample batch (16 x 2 = 32) would straddle cnn's knee:
-# the line through 32 and 64 doubles the slope and overestimates batch 580 by 700 MiB.
+# so its workspace) from the tensors' sizes. 2 GiB at B (4 GiB at 2B) is past where the
+# growth starts for the models measured, and 2B - B wide enough that the readings' noise
+# moves the slope little; a multiple of the sample batch can straddle the knee and double the
+# slope (docs/design.md, "Choosing the untracked sizes").
 UNTRACKED_BATCH_BYTES = 2 * 2**30
 # 2B may need at most this share of the memory free on the card when the pass gets there: the
 # rest is the allocator's fragmentation, the workspaces themselves and anything else running.
@@ -186,12 +173,9 @@ class LargestAllocation:
 
     Why it matters on a card: ``set_per_process_memory_fraction`` caps *reserved* bytes, and
     a freed block of the step's largest tensor can be split by smaller requests and left
-    stranded for the next step's largest one. The GPT example in bf16 on an H200 under
-    8 GiB: every run that failed (batch 335 to 375) passed step 1 and ran out in step 2
-    asking for its logits (2.01-2.25 GiB) with as much again reserved but unallocated; at
-    batch 291 it held 5.73 GiB allocated and 7.45 GiB reserved, a gap of 1.72 GiB where its
-    largest tensor is 1.75 GiB. Measured uncapped, reserved minus allocated stays far
-    smaller (0.4 GiB at batch 204): an uncapped allocator just adds a block.
+    stranded for the next step's largest one (``docs/design.md``, "Reserved above
+    allocated": the GPT example's failures under a cap, and the gap of about one largest
+    tensor between reserved and allocated). An uncapped allocator just adds a block.
     """
 
     def __init__(self, device_type: str = "cuda") -> None:

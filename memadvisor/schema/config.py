@@ -46,9 +46,9 @@ class PlanConfig(BaseModel):
     effective_batch: int | None = Field(
         None, gt=0, description="The batch the user trains with; required by effective_batch."
     )
-    # 8%: on an H200 `reserved` ran 3-32% above `allocated`, but the estimate models reserved
-    # already; the margin covers what it can't: a step or two of overshoot near the limit
-    # and non-monotone fits (DESIGN.md). Probes confirm the batch on the device anyway.
+    # 8%: the estimate models reserved bytes already; the margin covers what it can't, a step
+    # or two of overshoot near the limit and non-monotone fits (docs/design.md, "Reserved
+    # above allocated", "Fitting near the limit"). Probes confirm the batch on the device.
     # The planner uses it twice: the estimated peak stays under budget x (1 - margin), and the
     # picked batch stays the margin below the lowest batch a probe saw fail. At 8% an estimate
     # within one margin of the device costs 2 probes, within two margins 3 (tests/planner);
@@ -59,12 +59,12 @@ class PlanConfig(BaseModel):
     )
     device: DeviceKind = Field("auto", description="cuda, the CPU simulated device, or auto.")
     # On a card a run's fixed cost (a process, a CUDA context, the first step's kernel loading:
-    # ~4 s on an H200) dwarfs its steps (milliseconds), so there every probe and timing run
+    # seconds, docs/design.md "A clean state per run") dwarfs its steps, so there every run
     # takes verify_steps steps and the pick's own run at the final batch is its verification;
     # where steps cost more than runs (the simulated CPU device) probes take
     # max(probe_steps, timing_steps) and the pick is verified by a run of its own.
     probe_steps: int = Field(
-        3, ge=2, description="Steps per probe: one step overshoots near the limit (DESIGN.md)."
+        3, ge=2, description="Steps per probe: one step overshoots near the limit."
     )
     verify_steps: int = Field(
         20,

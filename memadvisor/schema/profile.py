@@ -170,8 +170,7 @@ class UntrackedBytes(_Model):
 
     Fitted at two batch sizes larger than the profile's (``StepProfile.untracked_batch_sizes``),
     where cuDNN's workspaces have started to grow with the batch; the profile's own sizes are
-    too small to show it (examples/cnn.py in fp32 holds a flat 65 MiB up to batch 32, then
-    65 + 1.44 MiB a sample).
+    too small to show it (``docs/design.md``, "cuDNN's workspaces grow with the batch").
     """
 
     phase: ProfilePhase

@@ -36,7 +36,8 @@ def test_layer_norm_saves_fp32_and_linear_saves_bf16_under_the_cuda_policy() -> 
 
 
 def test_cpu_autocast_alone_keeps_layer_norm_in_bf16() -> None:
-    """The difference the emulation exists for (DESIGN.md)."""
+    """The difference the emulation exists for (docs/design.md, "Autocast keeps some
+    tensors in fp32")."""
     _, y = _layer_norm_after_linear()
     assert y.dtype == torch.bfloat16
     assert _saved_dtypes(y.grad_fn)["_saved_input"] == torch.bfloat16

@@ -128,7 +128,7 @@ class FakeDevice(Device):
 
     ``sustained`` (optional) is the lower threshold that holds for runs longer than
     ``short_steps``: a batch between the two passes a probe and fails verification, as one
-    step overshoots near the limit on a card (DESIGN.md).
+    step overshoots near the limit on a card (docs/design.md, "Fitting near the limit").
     """
 
     kind = "fake"

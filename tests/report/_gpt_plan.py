@@ -1,6 +1,6 @@
 """A hand-built Profile and Plan of a GPT-2-like model on an 8 GiB budget.
 
-Numbers follow what DESIGN.md measured on HF GPT-2 (seq 1024): 278 MiB of activations per
+Numbers follow what was measured on HF GPT-2 (seq 1024): 278 MiB of activations per
 block and 1178 MiB for the LM head and its loss at batch 3 in fp32; 216 and 953 MiB in
 bf16. Four blocks instead of twelve keep the tables short. The estimates are made with the
 real StepModel verbs, so they add up the way the planner's would.
@@ -43,7 +43,7 @@ def _step(precision: str) -> StepProfile:
     fp32 = precision == "fp32"
     block_mib = 278 / 3 if fp32 else 216 / 3
     head_mib, loss_mib = (196.5, 196.2) if fp32 else (98.0, 219.7)
-    speed = 1.0 if fp32 else 0.4  # bf16 matmuls run ~2.5x faster (DESIGN.md: GPT-2 2.5x)
+    speed = 1.0 if fp32 else 0.4  # bf16 matmuls run ~2.5x faster (measured on GPT-2: 2.5x)
     blocks = [
         BlockActivity(
             name=name,
