@@ -289,3 +289,15 @@ def test_a_factorys_optimizer_instance_is_built_the_same_way(tmp_path: Path) -> 
     assert isinstance(workload.optimizer_factory, SameOptimizer)
     made = workload.make_optimizer(nn.Linear(4, 1))
     assert isinstance(made, torch.optim.AdamW) and made.defaults["lr"] == 0.01
+
+
+def test_a_strategys_setting_passes_by_its_name_and_unknown_options_are_named() -> None:
+    """plan(..., compile="off") reaches the compile strategy as its option (the config knows
+    no strategy by name); a name that is neither a PlanConfig field nor a registered
+    strategy is bad input that names it."""
+    from memadvisor.api import plan_config
+
+    config = plan_config(1, options={"compile": "off", "verify_steps": 5})
+    assert config.options == {"compile": "off"} and config.verify_steps == 5
+    with pytest.raises(BadInputError, match="'no_such_option'"):
+        plan_config(1, options={"no_such_option": 1})
