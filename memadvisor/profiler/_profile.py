@@ -541,13 +541,21 @@ class _Pass:
                 forward = LinearMs()
             else:
                 forward = ms(lambda t, o=owner: t.module_forward_ms.get(o, 0.0))
-            type_name = "" if owner.startswith("<") else type(model.get_submodule(owner)).__name__
+            if owner == OTHER_OWNER:
+                type_name = type(model).__name__  # made in the model's own forward
+            elif owner.startswith("<"):
+                type_name = ""
+            else:
+                type_name = type(model.get_submodule(owner)).__name__
+            ops = m2.outside_ops.get(owner, {})
             outside.append(
                 ModuleActivity(
                     name=owner,
                     type_name=type_name,
                     activation=self._bytes(a1, a2),
                     forward_ms=forward,
+                    made_by=sorted(ops, key=ops.__getitem__, reverse=True)[:3],
+                    after=m2.outside_after.get(owner),
                 )
             )
         # Largest first: the report and the advice lead with what holds the most.

@@ -23,11 +23,16 @@ from memadvisor.report._words import (
     device_title,
     fragmentation,
     kind_words,
+    owner_notes,
 )
 
 __all__ = ["render_plan_html", "render_profile_html", "write_html"]
 
-_BAR_COLORS = "Blue: a block; orange: not a block, which checkpointing cannot reach."
+_BAR_COLORS = (
+    "Blue: a block; orange: not a block, which checkpointing cannot reach. Recompute bars: the "
+    "median forward of the blocks identical to each one, the whisker from the fastest to the "
+    "slowest of them (one timing alone is noise on a busy machine)."
+)
 
 
 def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) -> str:
@@ -47,7 +52,7 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
         _answer(a),
         _section("comparison", "Configurations compared", _comparison(plan)),
     ]
-    data: dict = {"budget_bytes": a.budget_bytes}
+    data: dict = {"budget_bytes": a.budget_bytes, "phase_colors": PHASE_COLORS}
     if profile is not None:
         b = max(profile.batch_sizes)
         series = series or facts.series_from_phases(profile, b, a.precision)
@@ -69,7 +74,7 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
                 "consumers",
                 f"Top activation owners at batch {a.batch_size}, {a.precision}",
                 _consumers(owners, show_kept=bool(a.checkpointed)),
-                OWNERS_NOTE,
+                "\n".join([OWNERS_NOTE, *owner_notes(owners)]),
             ),
             _section(
                 "phases",
@@ -115,7 +120,7 @@ def render_profile_html(
             "consumers",
             f"Top activation owners at batch {b}, fp32",
             _consumers(owners, show_kept=False),
-            OWNERS_NOTE,
+            "\n".join([OWNERS_NOTE, *owner_notes(owners)]),
         ),
         _section(
             "phases",
@@ -126,6 +131,7 @@ def render_profile_html(
     ]
     data = {
         "budget_bytes": None,
+        "phase_colors": PHASE_COLORS,
         "series": series.model_dump(),
         "consumers": [c.model_dump() for c in owners],
     }
@@ -171,7 +177,7 @@ def _page(title: str, parts: Iterable[str], data: dict) -> str:
 
 
 def _section(anchor: str, title: str, body: str, note: str | None = None) -> str:
-    note_html = f'<p class="note">{_e(note)}</p>' if note else ""
+    note_html = "".join(f'<p class="note">{_e(line)}</p>' for line in (note or "").splitlines())
     return f'<section id="{anchor}"><h2>{_e(title)}</h2>{body}{note_html}</section>'
 
 
@@ -237,9 +243,21 @@ def _consumers(owners: list[facts.Consumer], *, show_kept: bool) -> str:
         rows.append(
             f"<tr><td>{_e(c.name)}{tag}</td><td>{_e(c.type_name)}</td>"
             f"<td>{fmt_bytes(c.activation_bytes)}</td><td>{c.share:.0%}</td>{kept}"
-            f"<td>{fmt_ms(c.forward_ms) if c.forward_ms else '—'}</td></tr>"
+            f"<td>{_forward(c)}</td></tr>"
         )
     return _table(head, rows)
+
+
+def _forward(c: facts.Consumer) -> str:
+    """The forward time; for identical blocks their median and, when they differ, the spread."""
+    if not c.forward_ms:
+        return "—"
+    if c.repeats > 1 and c.forward_ms_high > c.forward_ms_low:
+        return (
+            f"{fmt_ms(c.forward_ms)} <span class=\"spread\">(median of {c.repeats} identical "
+            f"blocks; {fmt_ms(c.forward_ms_low)} to {fmt_ms(c.forward_ms_high)})</span>"
+        )
+    return fmt_ms(c.forward_ms)
 
 
 def _phases(profile: Profile, b: int, precisions: list[str]) -> str:
@@ -261,10 +279,42 @@ def _phases(profile: Profile, b: int, precisions: list[str]) -> str:
     return _table(head, rows)
 
 
+# The background band of each phase in the memory chart; the script reads them from the data.
+PHASE_COLORS = {
+    "forward": "#dbe8ff",
+    "loss": "#efe0ff",
+    "backward": "#ffe6d5",
+    "optimizer": "#dcf5e3",
+    "zero_grad": "#eeeeee",
+    "end": "#f4f4f4",
+}
+
+
 def _memory_chart(series: facts.MemorySeries) -> str:
+    """The chart's frame and its legend: every phase band drawn has an entry.
+
+    The legend is HTML, not drawn by the script, so it is there before any script runs; a
+    narrow band (the loss takes a few percent of the step) has no room for a label inside.
+    """
+    phases = list(dict.fromkeys(span[0] for span in series.spans))
+    entries = "".join(
+        f'<li data-phase="{_e(p)}"><span class="swatch" '
+        f'style="background:{PHASE_COLORS.get(p, "#eeeeee")}"></span>{_e(p)}</li>'
+        for p in phases
+    )
+    lines = (
+        '<li><span class="swatch line" style="background:#2f6fdd"></span>allocated</li>'
+        + (
+            '<li><span class="swatch line dashed" style="border-color:#8e44ad"></span>'
+            "reserved</li>"
+            if any(p[2] is not None for p in series.points)
+            else ""
+        )
+    )
     return (
         '<section id="memory"><h2>Memory over the step</h2>'
         '<svg id="memory-chart" class="chart" role="img" aria-label="memory over time"></svg>'
+        f'<ul class="legend" id="memory-legend">{lines}{entries}</ul>'
         f'<p class="caption">{_e(series.caption)}</p></section>'
     )
 
