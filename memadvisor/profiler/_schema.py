@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memadvisor.workload import CallForm
+
 __all__ = [
     "BlockActivity",
     "BlockInfo",
@@ -290,6 +292,11 @@ class Profile(_Model):
         None, description="CUDA: peak reserved / peak allocated over the step."
     )
     profiling_ms: float = Field(0.0, description="Wall time of the profiling pass itself.")
+    call_form: CallForm | None = Field(
+        None,
+        description="How the step calls the model and finds the loss, for advice written in "
+        "the user's own form; None: not recorded.",
+    )
     host_bandwidth_bytes_per_ms: float | None = Field(
         None,
         description="CUDA: measured pinned host<->device copy bandwidth (the slower "

@@ -254,7 +254,7 @@ def _forward(c: facts.Consumer) -> str:
         return "—"
     if c.repeats > 1 and c.forward_ms_high > c.forward_ms_low:
         return (
-            f"{fmt_ms(c.forward_ms)} <span class=\"spread\">(median of {c.repeats} identical "
+            f'{fmt_ms(c.forward_ms)} <span class="spread">(median of {c.repeats} identical '
             f"blocks; {fmt_ms(c.forward_ms_low)} to {fmt_ms(c.forward_ms_high)})</span>"
         )
     return fmt_ms(c.forward_ms)
@@ -302,14 +302,10 @@ def _memory_chart(series: facts.MemorySeries) -> str:
         f'style="background:{PHASE_COLORS.get(p, "#eeeeee")}"></span>{_e(p)}</li>'
         for p in phases
     )
-    lines = (
-        '<li><span class="swatch line" style="background:#2f6fdd"></span>allocated</li>'
-        + (
-            '<li><span class="swatch line dashed" style="border-color:#8e44ad"></span>'
-            "reserved</li>"
-            if any(p[2] is not None for p in series.points)
-            else ""
-        )
+    lines = '<li><span class="swatch line" style="background:#2f6fdd"></span>allocated</li>' + (
+        '<li><span class="swatch line dashed" style="border-color:#8e44ad"></span>reserved</li>'
+        if any(p[2] is not None for p in series.points)
+        else ""
     )
     return (
         '<section id="memory"><h2>Memory over the step</h2>'
