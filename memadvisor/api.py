@@ -155,13 +155,15 @@ def plan(
         forward_fn=forward_fn,
     )
     cfg = _config(budget_gb, objective, effective_batch, device, config)
-    return plan_workload(
+    result = plan_workload(
         workload,
         cfg,
         device=device if isinstance(device, Device) else None,
         progress=progress,
         measure_comparison=measure_comparison,
     )
+    result._workload = workload  # for plan.to_html's recorded step
+    return result
 
 
 def optimize(model: nn.Module, sample_batch: Any, **kwargs: Any) -> nn.Module:

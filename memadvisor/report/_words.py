@@ -7,15 +7,22 @@ from memadvisor.report._facts import Answer, Consumer
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
 __all__ = [
+    "OPS_NOTE",
     "OWNERS_NOTE",
     "answer_rows",
     "device_title",
     "fragmentation",
     "kind_words",
+    "op_module",
     "owner_notes",
 ]
 
 OWNERS_NOTE = "Blocks can be checkpointed; other owners (an LM head, the loss) cannot."
+OPS_NOTE = (
+    "Bytes each op's outputs took when made, summed over its calls (torch.profiler's self "
+    "memory, before frees), by the module that ran it; in backward, the module whose backward "
+    "was running."
+)
 
 _KIND_WORDS = {
     "params": "weights",
@@ -24,6 +31,11 @@ _KIND_WORDS = {
     "activations": "activations (saved for backward)",
     "temporaries": "temporaries (recompute, workspaces)",
 }
+
+
+def op_module(module: str) -> str:
+    """An op's module as the tables show it: '' is the model's own forward."""
+    return module if module else "(model's own forward)"
 
 
 def kind_words(kind: str) -> str:

@@ -13,16 +13,19 @@ from pathlib import Path
 
 from memadvisor.errors import BadInputError
 from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
+from memadvisor.profiler import OpAllocation, Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._html_assets import CSS, SCRIPT
+from memadvisor.report._planned_step import PlannedStep
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
+    OPS_NOTE,
     OWNERS_NOTE,
     answer_rows,
     device_title,
     fragmentation,
     kind_words,
+    op_module,
     owner_notes,
 )
 
@@ -35,14 +38,24 @@ _BAR_COLORS = (
 )
 
 
-def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) -> str:
+def render_plan_html(
+    plan: Plan,
+    *,
+    series: facts.MemorySeries | None = None,
+    step: PlannedStep | None = None,
+    ops: list[OpAllocation] | None = None,
+) -> str:
     """The plan's report page.
 
     Args:
         plan: the planner's answer; its profile (when it carries one) feeds the charts.
         series: memory over time from a recorded timeline; without one the chart shows the
             profile's per-phase peaks and says so.
+        step: the plan's own step, recorded (its series and op table); overrides the two.
+        ops: the operations that allocate most, for their table; none: no table.
     """
+    if step is not None:
+        series, ops = step.series, step.ops
     a = facts.answer(plan)
     profile = plan.profile
     parts = [
@@ -83,6 +96,8 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
                 fragmentation(profile),
             ),
         ]
+    if ops:
+        parts.append(_ops_section(ops, f"at batch {a.batch_size}, {a.precision}"))
     parts.append(_section("advice", "Recommendations", _advice(plan)))
     if plan.checks:
         items = "".join(
@@ -97,7 +112,11 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
 
 
 def render_profile_html(
-    profile: Profile, *, batch_size: int | None = None, series: facts.MemorySeries | None = None
+    profile: Profile,
+    *,
+    batch_size: int | None = None,
+    series: facts.MemorySeries | None = None,
+    ops: list[OpAllocation] | None = None,
 ) -> str:
     """The profile's report page: memory over the step, activation owners, phases."""
     b = batch_size or max(profile.batch_sizes)
@@ -129,6 +148,8 @@ def render_profile_html(
             fragmentation(profile),
         ),
     ]
+    if ops:
+        parts.append(_ops_section(ops, f"at batch {b}, fp32"))
     data = {
         "budget_bytes": None,
         "phase_colors": PHASE_COLORS,
@@ -246,6 +267,20 @@ def _consumers(owners: list[facts.Consumer], *, show_kept: bool) -> str:
             f"<td>{_forward(c)}</td></tr>"
         )
     return _table(head, rows)
+
+
+def _ops_section(ops: list[OpAllocation], where: str) -> str:
+    rows = (
+        f"<tr><td><code>{_e(o.op)}</code></td><td>{_e(op_module(o.module))}</td>"
+        f"<td>{_e(o.phase)}</td><td>{o.calls}</td><td>{fmt_bytes(o.allocated_bytes)}</td></tr>"
+        for o in ops
+    )
+    return _section(
+        "ops",
+        f"Operations that allocate most, one step {where}",
+        _table(["Op", "Module", "Phase", "Calls", "Allocated"], rows),
+        OPS_NOTE,
+    )
 
 
 def _forward(c: facts.Consumer) -> str:

@@ -14,15 +14,17 @@ from rich.table import Table
 from rich.text import Text
 
 from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
+from memadvisor.profiler import OpAllocation, Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
+    OPS_NOTE,
     OWNERS_NOTE,
     answer_rows,
     device_title,
     fragmentation,
     kind_words,
+    op_module,
     owner_notes,
 )
 
@@ -77,12 +79,19 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
 
 
 def print_profile(
-    profile: Profile, console: Console, *, batch_size: int | None = None, top: int = 10
+    profile: Profile,
+    console: Console,
+    *,
+    batch_size: int | None = None,
+    top: int = 10,
+    ops: list[OpAllocation] | None = None,
 ) -> None:
-    """What the profiler measured: memory by kind, top activation owners, per-phase peaks.
+    """What the profiler measured: memory by kind, top activation owners, per-phase peaks,
+    and the operations that allocate most when ``ops`` is given.
 
     Args:
         batch_size: the batch to read the linear fits at; the larger measured one by default.
+        ops: :func:`memadvisor.profiler.top_allocations` at that batch.
     """
     b = batch_size or max(profile.batch_sizes)
     precisions = list(profile.steps)
@@ -104,6 +113,11 @@ def print_profile(
         _phases_table(profile, b, precisions),
         fragmentation(profile),
     )
+    if ops:
+        _section(
+            console, f"Operations that allocate most, one step at batch {b}, fp32",
+            ops_table(ops), OPS_NOTE,
+        )  # fmt: skip
 
 
 def _consumers_note(owners: list[facts.Consumer]) -> str:
@@ -314,6 +328,22 @@ def _profile_consumers(profile: Profile, b: int, precisions: list[str], top: int
             cells.append(fmt_bytes(other.activation_bytes) if other is not None else "—")
         cells += [f"{c.share:.0%}", _forward(c)]
         rows.append(cells)
+    return _table(columns, rows)
+
+
+def ops_table(ops: list[OpAllocation]) -> Table:
+    """Op, module, phase, calls and bytes allocated: the profiler's self-memory view."""
+    rows: list[list[Cell]] = [
+        [o.op, op_module(o.module), o.phase, str(o.calls), fmt_bytes(o.allocated_bytes)]
+        for o in ops
+    ]
+    columns: list[tuple[str, ColumnKind]] = [
+        ("Op", "name"),
+        ("Module", "name"),
+        ("Phase", "text"),
+        ("Calls", "num"),
+        ("Allocated", "num"),
+    ]
     return _table(columns, rows)
 
 
