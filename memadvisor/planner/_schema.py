@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr
 
 from memadvisor.compile_cache import CompileCacheReport
 from memadvisor.config import PlanConfig
+from memadvisor.dataloading import LoaderAdvice
 from memadvisor.device._base import Measurement
 from memadvisor.estimate import Candidate, Estimate
 from memadvisor.profiler import Profile
@@ -117,6 +118,9 @@ class Plan(_Model):
         None, description="What compiling the eager pick measured; None when not considered."
     )
     profile: Profile | None = Field(None, description="The profile the plan was made from.")
+    data_loading: LoaderAdvice | None = Field(
+        None, description="The user's DataLoader timed against the planned step, when given."
+    )
     # The workload it was planned on (memadvisor.plan() sets it): to_html records the plan's
     # step on a copy of its model. Not saved: a plan read back from JSON has none.
     _workload: Any = PrivateAttr(default=None)

@@ -53,6 +53,7 @@ ul.legend li { display: flex; align-items: center; gap: 6px; }
 .swatch.line { height: 3px; border: 0; }
 .swatch.dashed { height: 0; border-top: 2px dashed; background: none !important; }
 .spread { color: var(--mute); font-size: 12px; }
+p.limits { color: var(--warn); font-weight: 600; }
 footer { margin-top: 36px; color: var(--mute); font-size: 12px; }
 """
 

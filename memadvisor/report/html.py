@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from memadvisor.dataloading import LoaderAdvice
 from memadvisor.errors import BadInputError
 from memadvisor.planner import Plan
 from memadvisor.profiler import OpAllocation, Profile
@@ -99,6 +100,8 @@ def render_plan_html(
     if ops:
         parts.append(_ops_section(ops, f"at batch {a.batch_size}, {a.precision}"))
     parts.append(_section("advice", "Recommendations", _advice(plan)))
+    if plan.data_loading is not None:
+        parts.append(_loading(plan.data_loading))
     if plan.checks:
         items = "".join(
             f"<li><b>{_e(c.strategy)}</b> ({'passed' if c.passed else 'look at this'}): "
@@ -267,6 +270,20 @@ def _consumers(owners: list[facts.Consumer], *, show_kept: bool) -> str:
             f"<td>{_forward(c)}</td></tr>"
         )
     return _table(head, rows)
+
+
+def _loading(loading: LoaderAdvice) -> str:
+    rows = (
+        f"<tr><td>{label}</td><td>{t.num_workers}</td><td>{t.pin_memory}</td>"
+        f"<td>{fmt_ms(t.first_batch_ms)}</td><td>{fmt_ms(t.batch_ms)}</td>"
+        f"<td>{fmt_rate(t.samples_per_s)}</td></tr>"
+        for label, t in [("yours", loading.current)] + [("", v) for v in loading.variants]
+    )
+    table = _table(["Loader", "Workers", "Pinned", "First batch", "Per batch", "Samples/s"], rows)
+    cls = ' class="limits"' if loading.limits_throughput else ""
+    words = "".join(f"<p{cls}>{_e(s)}</p>" for s in loading.sentences)
+    code = f"<pre><code>{_e(loading.snippet)}</code></pre>" if loading.snippet else ""
+    return _section("loading", "Data loading", table + words + code)
 
 
 def _ops_section(ops: list[OpAllocation], where: str) -> str:

@@ -13,6 +13,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from memadvisor.dataloading import LoaderAdvice
 from memadvisor.planner import Plan
 from memadvisor.profiler import OpAllocation, Profile
 from memadvisor.report import _facts as facts
@@ -67,6 +68,8 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
             fragmentation(profile),
         )
     _print_advice(plan, console)
+    if plan.data_loading is not None:
+        _print_loading(plan.data_loading, console)
     for check in plan.checks:
         mark, style = ("passed", "green") if check.passed else ("look at this", "yellow")
         console.print(
@@ -419,6 +422,40 @@ def _print_advice(plan: Plan, console: Console) -> None:
             print_code(console, advice.snippet)
         if advice.effect:
             console.print(Text(f"Effect: {advice.effect}", style="green"))
+
+
+def _print_loading(loading: LoaderAdvice, console: Console) -> None:
+    console.print()
+    console.print(Text("Data loading", style="bold"))
+    console.print(_loader_table(loading))
+    for sentence in loading.sentences:
+        console.print(Text(sentence, style="yellow" if loading.limits_throughput else ""))
+    if loading.snippet:
+        print_code(console, loading.snippet)
+
+
+def _loader_table(loading: LoaderAdvice) -> Table:
+    rows: list[list[Cell]] = []
+    for label, t in [("yours", loading.current)] + [("", v) for v in loading.variants]:
+        rows.append(
+            [
+                Text(label, style="bold") if label else "",
+                str(t.num_workers),
+                str(t.pin_memory),
+                fmt_ms(t.first_batch_ms),
+                fmt_ms(t.batch_ms),
+                fmt_rate(t.samples_per_s),
+            ]
+        )
+    columns: list[tuple[str, ColumnKind]] = [
+        ("Loader", "name"),
+        ("Workers", "num"),
+        ("Pinned", "num"),
+        ("First batch", "num"),
+        ("Per batch", "num"),
+        ("Samples/s", "num"),
+    ]
+    return _table(columns, rows)
 
 
 def print_code(console: Console, code: str) -> None:
