@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from memadvisor.errors import BadInputError
@@ -34,8 +35,6 @@ from memadvisor.integrations._pick import apply_blocks, pick_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-
-    import torch
 
     from memadvisor.planner import Plan
 
