@@ -91,12 +91,12 @@ class _Record:
     block: int  # index into the blocks; -1 outside every block
     in_loss: bool
     cast_weight: bool
-    op: str  # the aten op that made it (``_log_softmax``), to name what no module owns
-    after: int  # the submodule whose forward finished last before it was made; -1 none
     # The storage itself: records are keyed by id(storage), and the id of one that died can
     # be taken by a storage the step did not make (a constant whose first Python wrapper is
     # made only when the graph is walked). Seen as a flaky extra b x row in a block.
     storage: weakref.ref
+    op: str = ""  # the aten op that made it (``_log_softmax``), to name what no module owns
+    after: int = -1  # the submodule whose forward finished last before it was made; -1 none
 
 
 class _StepMeter(MemoryMeter):
