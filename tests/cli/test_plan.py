@@ -230,7 +230,7 @@ def test_plan_help_ends_with_examples_and_exit_codes(cli) -> None:
     assert result.exit_code == 0
     text = result.stdout
     assert text.index("Examples") > text.index("--budget-gb")
-    assert "memadvisor plan examples/gpt.py:build --budget-gb 1" in text
+    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.5" in text
     assert "3 nothing fits the budget" in text
 
 
@@ -265,3 +265,14 @@ def test_plan_piped_at_80_columns_prints_every_advice_code_line_whole(factory, t
     # The HTML has the loss band's legend entry and the op table of the plan's own step.
     page = html_path.read_text()
     assert 'data-phase="loss"' in page and 'id="ops"' in page
+
+
+def test_plan_world_size_without_a_way_to_share_is_bad_input(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--world-size", "2")
+    assert result.exit_code == 2
+    assert "--parallel ddp or --parallel fsdp2" in _one_error_line(result)
+
+
+def test_plan_parallel_must_be_a_known_way(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--parallel", "zero3")
+    assert result.exit_code == 2
