@@ -142,7 +142,7 @@ def _long_run(
             raise
         out = {"oom": True, "error": str(e).splitlines()[0][:200]}
     finally:
-        getattr(device, "close", lambda: None)()
+        device.close()
     return {"steps": steps, "s": time.perf_counter() - t0, **out}
 
 
@@ -175,7 +175,7 @@ def bench_one(
         out["device_mode"] = getattr(device, "mode", device.kind)
         out["hand"] = {} if args.skip_hand else _hand(workload, config, profile, device)
     finally:
-        getattr(device, "close", lambda: None)()
+        device.close()
     rates = [h["samples_per_s"] for h in out["hand"].values() if h["samples_per_s"]]
     if rates and out["plan_samples_per_s"]:
         out["best_hand_samples_per_s"] = max(rates)

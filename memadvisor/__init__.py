@@ -15,6 +15,7 @@ from memadvisor.errors import (
 )
 from memadvisor.estimate import estimate
 from memadvisor.monitor import Monitor, trace
+from memadvisor.report import lend_views as _  # noqa: F401 - lends Plan its report views
 from memadvisor.schema.advice import Advice
 from memadvisor.schema.candidate import Candidate, Estimate
 from memadvisor.schema.config import PlanConfig

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from memadvisor.errors import BadInputError, is_oom
+from memadvisor.schema.call import CallForm
 
 __all__ = [
     "LossFn",
@@ -219,6 +220,29 @@ class Workload:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise BadInputError(f"The loss must be a scalar tensor, but got {_describe(loss)}.")
         return loss.reshape(())
+
+    def call_form(self, output: Any) -> CallForm:
+        """How this workload calls the model and where ``loss`` finds the loss in ``output``
+        (by the rules in this module's docstring)."""
+        if self.forward_fn is not None:
+            batch = "custom"
+        elif isinstance(self.sample_batch, Mapping):
+            batch = "mapping"
+        elif isinstance(self.sample_batch, (tuple, list)) and not hasattr(
+            self.sample_batch, "_fields"
+        ):
+            batch = "sequence"
+        else:
+            batch = "tensor"
+        if self.loss_fn is not None:
+            loss = "loss_fn"
+        elif isinstance(getattr(output, "loss", None), torch.Tensor):
+            loss = "output.loss"
+        elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            loss = "output['loss']"
+        else:
+            loss = "output"
+        return CallForm(batch=batch, loss=loss)
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The user's optimizer over ``model``'s trainable parameters, or AdamW."""

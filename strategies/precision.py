@@ -29,7 +29,7 @@ from memadvisor.schema.precision import AUTOCAST_DTYPES, FULL, PRECISIONS
 from memadvisor.strategy import Strategy
 from memadvisor.workload import train_step
 from strategies import _forward
-from strategies._format import mib
+from strategies._format import loss_line, mib
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -171,7 +171,7 @@ class Precision(Strategy):
             strategy=self.name,
             title=f"{precision} autocast",
             sentence=sentence,
-            snippet=_snippet(precision, device_type, dtype),
+            snippet=_snippet(precision, device_type, dtype, loss_line(profile.call_form)),
             effect=_effect_text(profile, precision),
         )
 
@@ -198,11 +198,11 @@ def _effect_text(profile: Profile, precision: str) -> str:
     )
 
 
-def _snippet(precision: str, device_type: str, dtype: str) -> str:
+def _snippet(precision: str, device_type: str, dtype: str, loss: str) -> str:
     if precision == "bf16":
         return f"""\
 with torch.autocast("{device_type}", dtype={dtype}):
-    loss = loss_fn(model(inputs), targets)
+    {loss}
 loss.backward()
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
@@ -211,7 +211,7 @@ optimizer.zero_grad(set_to_none=True)
 scaler = torch.amp.GradScaler("{device_type}")  # once, before the loop
 
 with torch.autocast("{device_type}", dtype={dtype}):
-    loss = loss_fn(model(inputs), targets)
+    {loss}
 scaler.scale(loss).backward()
 scaler.step(optimizer)  # skips the step if gradients overflowed
 scaler.update()

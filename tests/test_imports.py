@@ -28,7 +28,13 @@ FLOORS: list[tuple[str, ...]] = [
         "memadvisor.units",
         "memadvisor.schema",
     ),
-    ("memadvisor.workload", "memadvisor.memory", "memadvisor.process_state", "memadvisor.target"),
+    (
+        "memadvisor.workload",
+        "memadvisor.memory",
+        "memadvisor.process_state",
+        "memadvisor.target",
+        "memadvisor.dataloading",
+    ),
     ("memadvisor.timeline", "memadvisor.profiler"),
     ("memadvisor.estimate",),
     ("memadvisor.strategy",),
@@ -37,9 +43,11 @@ FLOORS: list[tuple[str, ...]] = [
     ("memadvisor.device",),
     ("memadvisor.planner",),
     ("memadvisor.report", "memadvisor.monitor"),
-    ("memadvisor.api",),
-    ("memadvisor.cli", "memadvisor"),
+    ("memadvisor.api", "memadvisor.integrations"),
+    ("memadvisor.cli", "memadvisor.__main__", "memadvisor"),
 ]
+# The package face is placed by its own name only: a new top-level module must get a floor.
+FACE = "memadvisor"
 
 
 def _modules() -> dict[str, Path]:
@@ -129,7 +137,8 @@ def floor_of(module: str) -> int:
     best, floor = -1, -1
     for n, prefixes in enumerate(FLOORS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+            inside = prefix != FACE and module.startswith(prefix + ".")
+            if (module == prefix or inside) and len(prefix) > best:
                 best, floor = len(prefix), n
     return floor
 

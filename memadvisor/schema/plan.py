@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr
 
 from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.loader import LoaderAdvice
 from memadvisor.schema.profile import Profile
 
-__all__ = ["Plan", "Probe", "Row", "StageOutcome", "StageVariant"]
+__all__ = ["Plan", "PlanViews", "Probe", "Row", "StageOutcome", "StageVariant", "lend_views"]
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class _Model(BaseModel):
@@ -126,3 +131,69 @@ class Plan(_Model):
         description="What each measured-only strategy's stage found for the eager pick.",
     )
     profile: Profile | None = Field(None, description="The profile the plan was made from.")
+    data_loading: LoaderAdvice | None = Field(
+        None, description="The user's DataLoader timed against the planned step, when given."
+    )
+    # The workload it was planned on (memadvisor.plan() sets it): to_html records the plan's
+    # step on a copy of its model. Not saved: a plan read back from JSON has none.
+    _workload: Any = PrivateAttr(default=None)
+
+    # The report from Python: the same output the CLI prints and writes. The report sits
+    # above this vocabulary, so it lends its views (PlanViews) when it is imported, and the
+    # package face imports it: this module never imports the report.
+
+    def report(self, console: Console | None = None) -> None:
+        """Print the terminal report ``memadvisor plan`` prints (to stdout by default)."""
+        _views().print(self, console)
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write the plan as ``memadvisor plan --json`` does; ``Plan.model_validate_json``
+        reads it back and ``memadvisor.apply_plan`` applies it.
+
+        Raises:
+            BadInputError: the file cannot be written.
+        """
+        return _views().write_json(self, path)
+
+    def to_html(self, path: str | Path, *, record_step: bool = True) -> Path:
+        """Write the self-contained HTML report ``memadvisor plan --html`` writes.
+
+        Args:
+            path: the file to write.
+            record_step: record one step of the plan for the memory chart, on a copy of the
+                model it was planned on (yours is not touched), as the CLI does. A plan read
+                back from JSON has no model: its chart shows the profile's per-phase peaks.
+
+        Raises:
+            BadInputError: the file cannot be written.
+        """
+        workload = self._workload if record_step else None
+        return _views().write_html(self, path, workload)
+
+
+class PlanViews(Protocol):
+    """What :class:`Plan`'s report methods ask of the report (``memadvisor.report`` lends
+    one through :func:`lend_views` when it is imported)."""
+
+    def print(self, plan: Plan, console: Console | None) -> None: ...
+
+    def write_json(self, plan: Plan, path: str | Path) -> Path: ...
+
+    def write_html(self, plan: Plan, path: str | Path, workload: Any) -> Path: ...
+
+
+_VIEWS: list[PlanViews] = []
+
+
+def lend_views(views: PlanViews) -> None:
+    """Give :class:`Plan` its report (called once, by ``memadvisor.report``)."""
+    _VIEWS[:] = [views]
+
+
+def _views() -> PlanViews:
+    if not _VIEWS:
+        raise RuntimeError(
+            "Plan.report()/to_json()/to_html() need memadvisor's report: `import memadvisor` "
+            "(or memadvisor.report) first."
+        )
+    return _VIEWS[0]
