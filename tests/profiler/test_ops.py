@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memadvisor.profiler import profile, top_allocations
+from memadvisor.api import profile
+from memadvisor.profiler import top_allocations
 from memadvisor.workload import Workload
 
 VOCAB, WIDTH, B, T = 256, 16, 4, 8
