@@ -70,12 +70,42 @@ def apply_candidate(
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
-    for strategy, choice in _chosen(candidate, strategies):
-        rewritten = strategy.apply(model, choice, profile)
-        if rewritten is not model:
-            _check_same_keys(model, rewritten, strategy.name)
-            model = rewritten
+    chosen = _chosen(candidate, strategies)
+    # All or nothing: every choice is checked before any is applied, and what was applied
+    # is taken back when a strategy still fails while applying.
+    for strategy, choice in chosen:
+        strategy.validate(model, choice, profile)
+    before = _Rewrite(model)
+    try:
+        for strategy, choice in chosen:
+            rewritten = strategy.apply(model, choice, profile)
+            if rewritten is not model:
+                _check_same_keys(model, rewritten, strategy.name)
+                model = rewritten
+    except BaseException:
+        before.restore()
+        raise
     return model
+
+
+class _Rewrite:
+    """What strategies change on a model: each module's instance ``forward`` (the wrappers)
+    and its train/eval flag, saved to be put back when applying fails half way."""
+
+    _NONE = object()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = [
+            (m, m.__dict__.get("forward", self._NONE), m.training) for m in model.modules()
+        ]
+
+    def restore(self) -> None:
+        for module, forward, training in self.saved:
+            if forward is self._NONE:
+                module.__dict__.pop("forward", None)
+            else:
+                object.__setattr__(module, "forward", forward)
+            module.training = training
 
 
 def _check_same_keys(before: nn.Module, after: nn.Module, strategy: str) -> None:

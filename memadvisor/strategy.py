@@ -84,6 +84,14 @@ class Strategy(ABC):
     def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
         """Rewrite ``model`` for ``choice``; parameter names and state_dict keys unchanged."""
 
+    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+        """Raise ``BadInputError`` when :meth:`apply` would refuse ``choice`` for ``model``.
+
+        Called for every chosen strategy before any of them applies, so that a plan that does
+        not fit the model rewrites none of it. Optional: the default accepts every choice
+        (apply's own errors are then caught and the rewrite taken back).
+        """
+
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """A sentence and a snippet a person can adopt; None when the choice is neutral."""

@@ -93,7 +93,7 @@ class CheckpointedForward(_forward.ForwardWrapper):
         super().__init__(module, inner)
         # Names (relative to the block) of the buffers its forward mutates; None until the
         # first checkpointed call has shown which.
-        self.mutated_buffers: frozenset[str] | None = None
+        self._mutated_buffers: frozenset[str] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
@@ -130,7 +130,7 @@ class _BufferGuard:
             for name, t in owner._buffers.items()
             if t is not None
         }
-        known = wrapper.mutated_buffers
+        known = wrapper._mutated_buffers
         self.before = {key: owner._buffers[name] for key, (owner, name) in self.slots.items()}
         self.versions = {key: tensor_version(t) for key, t in self.before.items()}
         with torch.no_grad():
@@ -162,8 +162,8 @@ class _BufferGuard:
                 # Kernels that update a buffer in place (batch_norm's running statistics)
                 # do not bump its version counter: on the first call the values tell.
                 self.mutated.append(key)
-        known = self.wrapper.mutated_buffers or frozenset()
-        self.wrapper.mutated_buffers = known | frozenset(self.mutated)
+        known = self.wrapper._mutated_buffers or frozenset()
+        self.wrapper._mutated_buffers = known | frozenset(self.mutated)
         self.read = {key: self.read[key] for key in self.mutated if key in self.read}
         del self.before, self.versions
 
@@ -219,9 +219,10 @@ def _block_indices(profile: Profile, names: list[str]) -> list[int]:
 def _names(choice: JsonValue) -> list[str]:
     if choice in (None, False):
         return []
-    if not (isinstance(choice, list) and all(isinstance(n, str) for n in choice)):
+    # "" names the root module: checkpointing the whole model is never a plan's choice.
+    if not (isinstance(choice, list) and all(isinstance(n, str) and n for n in choice)):
         raise BadInputError(
-            f"A checkpointing choice is a list of block names, but got {choice=}. "
+            f"A checkpointing choice is a list of block names (non-empty), but got {choice=}. "
             "Example: ['h.0', 'h.1']."
         )
     return list(choice)
@@ -247,20 +248,17 @@ class ActivationCheckpointing(Strategy):
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         model.checkpoint(_block_indices(profile, _names(choice)))
 
+    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+        """Raises ``BadInputError`` when a name is empty or not a submodule of ``model``."""
+        _blocks(model, _names(choice))
+
     def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
         """Wrap each named block; applying the same choice twice wraps nothing twice.
 
         Raises:
             BadInputError: a name is not a submodule of ``model``.
         """
-        for name in _names(choice):
-            try:
-                block = model.get_submodule(name)
-            except AttributeError as e:
-                raise BadInputError(
-                    f"Cannot checkpoint {name!r}: {model.__class__.__name__} has no such "
-                    "submodule. Use a plan made for this model."
-                ) from e
+        for block in _blocks(model, _names(choice)):
             _forward.install(block, CheckpointedForward)
         return model
 
@@ -289,6 +287,23 @@ class ActivationCheckpointing(Strategy):
                 f"+{recompute_ms:.1f} ms of recompute per micro-batch"
             ),
         )
+
+
+def _blocks(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The submodules ``names`` name, all of them found before any is used."""
+    missing = []
+    found = []
+    for name in names:
+        try:
+            found.append(model.get_submodule(name))
+        except AttributeError:
+            missing.append(name)
+    if missing:
+        raise BadInputError(
+            f"Cannot checkpoint {missing}: {model.__class__.__name__} has no such submodule. "
+            "Use a plan made for this model."
+        )
+    return found
 
 
 def _snippet(names: list[str]) -> str:

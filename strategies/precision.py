@@ -120,22 +120,28 @@ class Precision(Strategy):
         Raises:
             BadInputError: ``choice`` is not a precision, or the profile's device lacks it.
         """
+        self.validate(model, choice, profile)
         precision = _check_choice(choice)
         if precision == "fp32":
             _forward.remove(model, AutocastForward)
             return model
-        if profile is not None and profile.device.kind != "fake":
-            supported = {
-                "bf16": profile.device.bf16_supported,
-                "fp16": profile.device.fp16_supported,
-            }[precision]
-            if not supported:
-                raise BadInputError(
-                    f"{precision} is not supported on {profile.device.name}, the device this "
-                    f"plan was profiled on; but got {choice=}. Plan again on your device."
-                )
         _forward.install(model, AutocastForward, precision=precision)
         return model
+
+    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+        """Raises ``BadInputError``: not a precision, or the profile's device lacks it."""
+        precision = _check_choice(choice)
+        if precision == "fp32" or profile is None or profile.device.kind == "fake":
+            return
+        supported = {
+            "bf16": profile.device.bf16_supported,
+            "fp16": profile.device.fp16_supported,
+        }[precision]
+        if not supported:
+            raise BadInputError(
+                f"{precision} is not supported on {profile.device.name}, the device this "
+                f"plan was profiled on; but got {choice=}. Plan again on your device."
+            )
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         precision = _check_choice(choice)
