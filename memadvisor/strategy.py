@@ -91,6 +91,7 @@ class Strategy(ABC):
         not fit the model rewrites none of it. Optional: the default accepts every choice
         (apply's own errors are then caught and the rewrite taken back).
         """
+        return None
 
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
