@@ -126,10 +126,22 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
         plan = memadvisor.Plan.model_validate_json(Path("plan.json").read_text())
         model = memadvisor.apply_plan(model, plan)
 
+    All or nothing: the model is checked against the plan (its fingerprint: class,
+    parameter names and shapes) and every choice against the model before anything changes.
+
     Raises:
-        BadInputError: the plan uses a strategy that is not installed, or names blocks this
-            model does not have.
+        BadInputError: the plan was made for another model, uses a strategy that is not
+            installed, or names blocks this model does not have.
     """
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
+    fingerprint = plan.model_fingerprint
+    difference = fingerprint.difference(model) if fingerprint is not None else None
+    if difference is not None:
+        raise BadInputError(
+            f"This plan does not fit the model: {difference}. Apply a plan made for this model "
+            "(memadvisor plan ... --json plan.json on the same factory)."
+        )
     model = apply_candidate(model, plan.candidate, None, plan.profile)
     # Not an nn.Module attribute: a plain object in __dict__, kept out of state_dict.
     object.__setattr__(model, "memadvisor_plan", plan)

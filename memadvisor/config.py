@@ -14,6 +14,7 @@ __all__ = [
     "PlanConfig",
     "Precision",
     "gib_to_bytes",
+    "samples_per_s",
 ]
 
 GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count in
@@ -22,6 +23,16 @@ Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated"]
 Precision = Literal["fp32", "bf16", "fp16"]
 CompilePolicy = Literal["auto", "off", "on"]
+
+
+# A step timed (or estimated) at 0 ms counts as one tick of this: samples/s stays a finite
+# number, which JSON can hold (an infinity was written as null and the plan did not load).
+MIN_STEP_MS = 1e-3
+
+
+def samples_per_s(samples: int, step_ms: float) -> float:
+    """Throughput of ``samples`` per step of ``step_ms``, finite for any step time."""
+    return samples / max(step_ms, MIN_STEP_MS) * 1e3
 
 
 def gib_to_bytes(gib: float) -> int:

@@ -52,6 +52,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from memadvisor.config import samples_per_s
 from memadvisor.device._base import Device, Measurement
 from memadvisor.device._oom import is_oom
 from memadvisor.device._zygote import ForkServer, ZygoteDied
@@ -136,7 +137,7 @@ def train_candidate(
         peak_bytes=peak,
         reserved_peak_bytes=max(reserved, 0),
         step_ms=step_ms,
-        samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        samples_per_s=samples_per_s(samples, step_ms),
     )
 
 

@@ -32,6 +32,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from memadvisor.config import samples_per_s
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device._base import Device, Measurement
 from memadvisor.device._oom import is_oom
@@ -129,7 +130,7 @@ class SimulatedDevice(Device):
             peak_bytes=meter.peak_bytes,
             reserved_peak_bytes=None,
             step_ms=step_ms,
-            samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+            samples_per_s=samples_per_s(samples, step_ms),
         )
 
     # -- pieces a fake device replaces ------------------------------------------------------

@@ -3,11 +3,12 @@
 from memadvisor.planner._plan import measure_configuration, plan_workload
 from memadvisor.planner._probe import BatchSearch, find_batch, safe_below
 from memadvisor.planner._progress import Progress
-from memadvisor.planner._schema import Measurement, Plan, Probe, Row
+from memadvisor.planner._schema import Measurement, ModelFingerprint, Plan, Probe, Row
 
 __all__ = [
     "BatchSearch",
     "Measurement",
+    "ModelFingerprint",
     "Plan",
     "Probe",
     "Progress",

@@ -47,7 +47,7 @@ from memadvisor.planner._compare import hand_configurations, unchecked_hand_choi
 from memadvisor.planner._compiled import compiled_pick
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
 from memadvisor.planner._progress import Progress, Stage
-from memadvisor.planner._schema import Plan, Probe, Row
+from memadvisor.planner._schema import ModelFingerprint, Plan, Probe, Row
 from memadvisor.planner._search import search
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.planner._state import preserved_state
@@ -474,6 +474,7 @@ def plan_workload(
             notes += prober.notes + getattr(device, "notes", []) + row_notes
             return Plan(
                 model_name=profile.model_name,
+                model_fingerprint=ModelFingerprint.of(workload.model),
                 config=config,
                 device_kind=device.kind,
                 device_name=device.name,
