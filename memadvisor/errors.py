@@ -35,9 +35,20 @@ class InfeasibleBudgetError(MemadvisorError):
 
     exit_code = 3
 
-    def __init__(self, message: str, *, minimum_bytes: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, minimum_bytes: int | None = None, minimum_gib: str | None = None
+    ) -> None:
         super().__init__(message)
+        self.message = message
         self.minimum_bytes = minimum_bytes
+        self.minimum_gib = minimum_gib
+        # How the caller passes a budget: Python's keyword by default; the CLI sets its flag.
+        self.option = "budget_gb="
+
+    def __str__(self) -> str:
+        if self.minimum_gib is None:
+            return self.message
+        return f"{self.message} pass {self.option}{self.minimum_gib} or more."
 
 
 class PlanningError(MemadvisorError):

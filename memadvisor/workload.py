@@ -164,6 +164,11 @@ class Workload:
             )
         else:
             self.sample_batch_size = batch_size_of(self.sample_batch)
+        if self.sample_batch_size == 0:
+            raise BadInputError(
+                "sample_batch has 0 rows (dim 0 of its first tensor is 0): pass a batch of at "
+                "least one sample, as the model takes it."
+            )
 
     # -- inputs -----------------------------------------------------------------------------
 

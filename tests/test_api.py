@@ -250,3 +250,28 @@ def test_asking_for_cuda_without_a_card_is_bad_input_naming_the_way_out() -> Non
     """device='cuda' on a machine without one: BadInputError pointing at 'simulated'."""
     with pytest.raises(BadInputError, match="simulated"):
         memadvisor.plan(nn.Linear(4, 1), torch.randn(2, 4), budget_gb=1, device="cuda")
+
+
+class _Locked(nn.Module):
+    """A model holding a threading.Lock: copy.deepcopy cannot copy it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.lin = nn.Linear(4, 4)
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_model_deepcopy_cannot_copy_is_refused_before_it_is_run() -> None:
+    """Rule: planning never runs the caller's own model: one that cannot be copied is refused
+    up front, saying why and what to do, with its forward never called."""
+    model = _Locked()
+    with pytest.raises(BadInputError, match="deepcopy.*lock"):
+        memadvisor.plan(model, torch.randn(2, 4), budget_gb=1, device="simulated", progress=False)
+    assert model.calls == 0

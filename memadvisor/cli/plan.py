@@ -24,7 +24,7 @@ from memadvisor.cli._app import (
     write_text,
 )
 from memadvisor.config import PlanConfig, gib_to_bytes
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, InfeasibleBudgetError
 
 if TYPE_CHECKING:
     from memadvisor.planner import Plan
@@ -119,7 +119,11 @@ def plan(
 
     workload = load_target(target)
     # The planner says in one line when it plans on the CPU simulated device.
-    result = plan_workload(workload, config, target=target, progress=not quiet)
+    try:
+        result = plan_workload(workload, config, target=target, progress=not quiet)
+    except InfeasibleBudgetError as e:
+        e.option = "--budget-gb "  # the minimum in the form this user passes a budget
+        raise
     if json_path is not None:
         write_text(json_path, result.model_dump_json(indent=2) + "\n", "the plan", quiet=quiet)
     console = out_console()

@@ -52,6 +52,7 @@ from memadvisor.planner._search import search
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.planner._state import preserved_state
 from memadvisor.profiler import Profile
+from memadvisor.profiler._state import check_copyable
 from memadvisor.strategy import Advice, Strategy, load_strategies
 from memadvisor.workload import Workload
 
@@ -423,6 +424,11 @@ def plan_workload(
     with preserved_state(workload.model):
         try:
             kind = _resolve_kind(config, device)
+            check_copyable(workload.model)
+            if kind == "simulated" and device is None:
+                from memadvisor.device.simulated import check_host_holds
+
+                check_host_holds(config.budget_bytes)
             notes: list[str] = []
             if kind == "simulated" and device is None:
                 why = " (device='simulated')" if torch.cuda.is_available() else " (no CUDA device)"
