@@ -53,6 +53,7 @@ import torch
 from pydantic import JsonValue
 
 from memadvisor.compile_cache import shared_compile_cache
+from memadvisor.errors import is_our_bug
 from memadvisor.estimate import Candidate, estimate
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._schema import CompiledVariant, CompileOutcome
@@ -297,6 +298,8 @@ def _measure_variant(
             device="cuda" if device.kind == "cuda" else None,
         )
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
+        if is_our_bug(e):
+            raise
         text = f"the compile trial could not run its eager step ({_first_line(e)})."
         return CompiledVariant(choices=choices, compiles=False, trial=text, error=text), None
     finally:
@@ -312,6 +315,8 @@ def _measure_variant(
     try:
         found = prober.confirm(_bracket(prober, choices, start_batch), stage=STAGE)
     except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
+        if is_our_bug(e):
+            raise
         record.error = _first_line(e)
     record.device_wall_ms = sum(p.wall_ms for p in prober.probes[runs_before:])
     if found is None:
