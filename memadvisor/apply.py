@@ -8,6 +8,7 @@ construction. Each strategy rewrites in place (or returns a module whose paramet
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -149,14 +150,21 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
 
 
 def run_checks(
-    workload: Workload, candidate: Candidate, strategies: Sequence[Strategy] | None = None
+    workload: Workload,
+    candidate: Candidate,
+    strategies: Sequence[Strategy] | None = None,
+    done: Sequence[Check] = (),
 ) -> list[Check]:
     """Each chosen strategy's own measurement of its choice on copies of the workload.
 
-    The planner puts these in ``Plan.checks`` (precision's numerics check is one).
+    The planner puts these in ``Plan.checks`` (precision's numerics check is one); a choice
+    with a check in ``done`` (run before the search) is not checked again.
     """
+    checked = {(c.strategy, json.dumps(c.choice, sort_keys=True)) for c in done}
     checks = []
     for strategy, choice in _chosen(candidate, strategies):
+        if (strategy.name, json.dumps(choice, sort_keys=True)) in checked:
+            continue
         result = strategy.check(workload, choice)
         if result is not None:
             checks.append(result)

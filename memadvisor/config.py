@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "GIB",
+    "ChecksPolicy",
     "CompilePolicy",
     "DeviceKind",
     "Objective",
@@ -23,6 +24,7 @@ Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated"]
 Precision = Literal["fp32", "bf16", "fp16"]
 CompilePolicy = Literal["auto", "off", "on"]
+ChecksPolicy = Literal["decide", "report"]
 
 
 # A step timed (or estimated) at 0 ms counts as one tick of this: samples/s stays a finite
@@ -100,6 +102,12 @@ class PlanConfig(BaseModel):
     # auto: only on CUDA, where a compiled step can be measured (each compiled candidate
     # costs a compile per probe process, seconds to minutes); the simulated CPU device runs
     # a compiled step eagerly under its byte meter, so it cannot judge one.
+    checks: ChecksPolicy = Field(
+        "decide",
+        description="decide: a choice whose check fails on the workload (precision's "
+        "numerics: bf16 loss curve against fp32's) is not picked; report: it may be picked "
+        "and the failed check is reported.",
+    )
     compile: CompilePolicy = Field(
         "auto",
         description="Whether the planner also measures the eager pick compiled with "

@@ -105,6 +105,17 @@ class Strategy(ABC):
         """
         return None
 
+    def screen(self, workload: Workload, profile: Profile, config: PlanConfig) -> list[Check]:
+        """Check choices on copies of the user's workload before the search, so that a
+        choice that fails its check is never picked.
+
+        A strategy whose checks decide runs them here and leaves a choice whose check failed
+        out of :meth:`choices` for the rest of the plan, unless ``config.checks`` is
+        'report'. The planner reports every check returned. Optional: the default checks
+        nothing (and :meth:`check` then reports on the pick after the search).
+        """
+        return []
+
     def is_neutral(self, choice: JsonValue) -> bool:
         """True when ``choice`` changes nothing (default: falsy, or 'fp32'/'off')."""
         return choice in (None, False, 0, [], "off", "fp32")

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from memadvisor.workload import Workload
 
 
+class ChecksOption(str, Enum):
+    decide = "decide"
+    report = "report"
+
+
 class ObjectiveOption(str, Enum):
     throughput = "throughput"
     largest_batch = "largest_batch"
@@ -87,6 +92,15 @@ def plan(
     margin: Annotated[
         float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
     ] = 0.08,
+    checks: Annotated[
+        ChecksOption,
+        typer.Option(
+            "--checks",
+            metavar="CHECKS",
+            help="decide: a precision whose numerics check fails (its loss curve against "
+            "fp32's) is not picked; report: it may be picked, and the failed check is shown.",
+        ),
+    ] = ChecksOption.decide,
     json_path: Annotated[
         Path | None,
         typer.Option(
@@ -112,6 +126,7 @@ def plan(
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
     config = _config(budget_gb, objective, effective_batch, margin, device)
+    config = config.model_copy(update={"checks": checks.value})
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan

@@ -53,7 +53,7 @@ from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.planner._state import preserved_state
 from memadvisor.profiler import Profile
 from memadvisor.profiler._state import check_copyable
-from memadvisor.strategy import Advice, Strategy, load_strategies
+from memadvisor.strategy import Advice, Check, Strategy, load_strategies
 from memadvisor.workload import Workload
 
 __all__ = ["measure_configuration", "plan_workload"]
@@ -439,6 +439,11 @@ def plan_workload(
             )
             if profile is None:
                 profile = _profile(workload, kind, ui)
+            with ui.stage("checks", total=None):
+                screened = [c for s in chosen for c in s.screen(workload, profile, config)]
+            for note in _screen_notes(screened, config):
+                notes.append(note)  # among the first lines: it decided what may be picked
+                ui.note(note)
             space = SearchSpace(profile, chosen, config)
             check_static_fits(profile, config, space.cheapest_peak_bytes())
 
@@ -476,7 +481,7 @@ def plan_workload(
             notes += _pick_notes(config, pick, best)
             notes.append(_runs_note(prober.probes, best, verified, config))
             with ui.stage("checks", total=None):
-                checks = run_checks(workload, pick, chosen)
+                checks = screened + run_checks(workload, pick, chosen, done=screened)
             notes += prober.notes + getattr(device, "notes", []) + row_notes
             return Plan(
                 model_name=profile.model_name,
@@ -698,6 +703,26 @@ def _verified(prober: _Prober, best: _Confirmed, ui: Progress) -> tuple[Candidat
             f"The pick ran out of memory within {steps} sustained steps even at batch 1.",
         )
     return pick, verified
+
+
+def _screen_notes(checks: Sequence[Check], config: PlanConfig) -> list[str]:
+    """What the checks run before the search decided, for the plan's first lines."""
+    notes = []
+    for check in checks:
+        if check.passed:
+            continue
+        choice = f"{check.strategy} {check.choice}"
+        if config.checks == "decide":
+            notes.append(
+                f"{choice} was not considered: its check failed. {check.summary} Pass "
+                "checks='report' (CLI: --checks report) to consider it anyway."
+            )
+        else:
+            notes.append(
+                f"{choice} failed its check and was considered anyway (checks='report'): "
+                f"{check.summary}"
+            )
+    return notes
 
 
 def _pick_notes(config: PlanConfig, pick: Candidate, best: _Confirmed) -> list[str]:
