@@ -34,7 +34,7 @@ from pydantic import JsonValue
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memadvisor._torch_private import tensor_version
+from memadvisor._torch_private import is_fake, tensor_version
 from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Strategy
 from strategies import _forward
@@ -158,9 +158,10 @@ class _BufferGuard:
                 now is not None and tensor_version(now) != self.versions[key]
             ):
                 self.mutated.append(key)
-            elif key in self.read and not torch.equal(now, self.read[key]):
+            elif key in self.read and not is_fake(now) and not torch.equal(now, self.read[key]):
                 # Kernels that update a buffer in place (batch_norm's running statistics)
-                # do not bump its version counter: on the first call the values tell.
+                # do not bump its version counter: on the first call the values tell (fake
+                # tensors have none, and nothing to get wrong).
                 self.mutated.append(key)
         known = self.wrapper._mutated_buffers or frozenset()
         self.wrapper._mutated_buffers = known | frozenset(self.mutated)

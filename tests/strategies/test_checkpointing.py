@@ -335,3 +335,15 @@ def test_any_mutated_buffer_changes_once_and_the_recompute_sees_what_forward_saw
         assert torch.equal(a, b), name
     for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_checkpointed_batchnorm_trains_on_fake_tensors() -> None:
+    """Rule: the buffer guard never reads values, which fake tensors (fake planning) lack."""
+    from memadvisor._torch_private import fake_tensor_mode
+
+    with fake_tensor_mode():
+        model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 1))
+        CKPT.apply(model, ["0"], None)
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        assert model[0][1].num_batches_tracked.shape == ()
