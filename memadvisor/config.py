@@ -39,7 +39,6 @@ def samples_per_s(samples: int, step_ms: float) -> float:
     return samples / max(step_ms, MIN_STEP_MS) * 1e3
 
 
-
 def gib_to_bytes(gib: float) -> int:
     """``8`` -> 8 GiB in bytes."""
     return int(round(gib * GIB))
