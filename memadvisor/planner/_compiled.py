@@ -41,6 +41,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -52,18 +53,20 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import JsonValue
 
-from memadvisor.compile_cache import shared_compile_cache
+from memadvisor.compile_cache import SharedCompileCache, shared_compile_cache
 from memadvisor.estimate import Candidate, estimate
-from memadvisor.planner._progress import Progress
+from memadvisor.planner._early import EarlyTrials, TrialRequest, early_trial_batch
+from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._schema import CompiledVariant, CompileOutcome
 from memadvisor.planner._space import Scored
 from memadvisor.profiler import Profile
 
 if TYPE_CHECKING:
+    from memadvisor.device import Device
     from memadvisor.planner._plan import _Confirmed, _Prober
     from strategies.compile import Compile, CompileChoice
 
-__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share"]
+__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share", "start_early_trials"]
 
 COMPILE = "compile"
 CHECKPOINTING = "checkpointing"
@@ -83,6 +86,8 @@ def compiled_pick(
     ui: Progress,
     *,
     cache_dir: str | Path | None = None,
+    cache: SharedCompileCache | None = None,
+    early: EarlyTrials | None = None,
 ) -> tuple[_Confirmed, CompileOutcome | None]:
     """The pick to verify: ``eager_best``, or a compiled variant of it the device found faster.
 
@@ -93,6 +98,10 @@ def compiled_pick(
         ui: progress display; the compiled variants get a stage of their own.
         cache_dir: the inductor cache the variants' processes share; None keeps the user's,
             so what the plan compiled is warm for the user's own training.
+        cache: a shared cache the caller entered already (the planner enters it for the
+            whole plan, so the fork server starts once with it); ``cache_dir`` is then unused.
+        early: trials started while the eager probes ran (:func:`start_early_trials`); a
+            variant among them is not trialled again.
 
     Returns:
         The confirmed pick (``eager_best`` itself when compiling was not considered, failed
@@ -114,17 +123,20 @@ def compiled_pick(
     runs_before = len(prober.probes)
     records: list[CompiledVariant] = []
     confirmed: list[tuple[CompiledVariant, _Confirmed]] = []
-    with ui.stage("compile", total=None) as bar, shared_compile_cache(cache_dir) as cache:
+    scope = contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
+    with ui.stage("compile", total=None) as bar, scope as shared:
         prober.bar = bar
         for choices in variants:
             bar.describe(f"compile: trying {_label(choices)}")
-            record, found = _measure_variant(prober, strategy, choices, eager_best.found_batch)
+            record, found = _measure_variant(
+                prober, strategy, choices, eager_best.found_batch, early, bar
+            )
             records.append(record)
             if found is not None:
                 confirmed.append((record, found))
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(prober.probes) > runs_before
-        cache_report = cache.report() if ran else None
+        cache_report = shared.report() if ran else None
 
     winner = _best(prober.config.objective, confirmed)
     picked = winner is not None and _beats(prober.config.objective, winner[1], eager_best)
@@ -283,19 +295,29 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
 
 
 def _measure_variant(
-    prober: _Prober, strategy: Compile, choices: dict[str, JsonValue], start_batch: int
+    prober: _Prober,
+    strategy: Compile,
+    choices: dict[str, JsonValue],
+    start_batch: int,
+    early: EarlyTrials | None = None,
+    bar: Stage | None = None,
 ) -> tuple[CompiledVariant, _Confirmed | None]:
-    """Try ``choices`` at the sample batch here; if it compiles, confirm it on the device."""
+    """Try ``choices`` (its early trial, else here at the sample batch); if it compiles,
+    confirm it on the device."""
     workload, device = prober.workload, prober.device
     others = {name: c for name, c in choices.items() if name != COMPILE}
     at_sample = Candidate(batch_size=workload.sample_batch_size, choices=others)
     try:
-        result = strategy.trial(
-            workload,
-            choices[COMPILE],
-            candidate=at_sample,
-            device="cuda" if device.kind == "cuda" else None,
-        )
+        result = None
+        if early is not None:
+            result = early.take(choices, bar.describe if bar is not None else None)
+        if result is None:
+            result = strategy.trial(
+                workload,
+                choices[COMPILE],
+                candidate=at_sample,
+                device=_trial_device(device),
+            )
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
         text = f"the compile trial could not run its eager step ({_first_line(e)})."
         return CompiledVariant(choices=choices, compiles=False, trial=text, error=text), None
@@ -320,6 +342,51 @@ def _measure_variant(
     record.batch_size = found.candidate.batch_size
     record.measured = found.measured
     return record, found
+
+
+def _trial_device(device: Device) -> str | None:
+    return "cuda" if device.kind == "cuda" else None
+
+
+def start_early_trials(
+    prober: _Prober, timed: Sequence[Scored], free_bytes: int | None
+) -> EarlyTrials | None:
+    """Start the compile trials of the estimate's best timed candidate on a thread, or None.
+
+    None where the compile stage would not weigh compiling, or where the device's runs
+    happen in this process (a trial on a thread would share their time). The trials run at
+    :func:`~memadvisor.planner._early.early_trial_batch` (the candidate's timing batch when
+    ``free_bytes`` leaves room), see :mod:`memadvisor.planner._early`.
+    """
+    strategy = _compile_strategy(prober)
+    if not timed or strategy is None or _not_considered(prober, strategy) is not None:
+        return None
+    if not prober.device.runs_apart():
+        return None
+    first = timed[0]
+    workload, config = prober.workload, prober.config
+    timing_batch = min(max(first.largest_batch, 1), config.max_batch)  # as _plan._start
+    batch = early_trial_batch(
+        timing_batch, workload.sample_batch_size, config.budget_bytes, free_bytes
+    )
+    variants = compiled_variants(
+        first.candidate.choices, strategy.offered, prober.space.profile, timing_batch
+    )
+    if not variants:
+        return None
+    early = EarlyTrials(strategy, workload, _trial_device(prober.device))
+    early.start(
+        [
+            TrialRequest(
+                choices=v,
+                candidate=Candidate(
+                    batch_size=batch, choices={k: c for k, c in v.items() if k != COMPILE}
+                ),
+            )
+            for v in variants
+        ]
+    )
+    return early
 
 
 def _bracket(prober: _Prober, choices: dict[str, JsonValue], start_batch: int) -> Scored:
