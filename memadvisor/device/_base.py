@@ -55,19 +55,3 @@ class Device(ABC):
     @abstractmethod
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
         """Train ``candidate`` for ``steps`` steps on a copy of ``workload``'s model."""
-
-    def prepare(self, workload: Workload) -> None:  # noqa: B027 - optional, nothing by default
-        """Settle how runs of ``workload`` will happen, before the first one (default: nothing).
-
-        A device that sends the workload to other processes saves it here, so that
-        :meth:`runs_apart` answers for the runs to come.
-        """
-
-    def runs_apart(self) -> bool:
-        """Whether runs happen in processes of their own, not in this one.
-
-        Then work this process does meanwhile (a compile trial on a thread, which times
-        nothing the plan decides by) shares neither a run's interpreter nor its CUDA
-        context, and the planner may overlap it with runs. Default False.
-        """
-        return False

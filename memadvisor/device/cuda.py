@@ -219,7 +219,8 @@ class CudaDevice(Device):
     # -- the contract -----------------------------------------------------------------------
 
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
-        self.prepare(workload)
+        if self.mode != "in_process" and self.target is None and self._workload_path is None:
+            self._save_workload(workload)
         if self.mode == "fork_server":
             answer = self._run_forked(candidate, steps)
             if answer is not None:
@@ -229,20 +230,6 @@ class CudaDevice(Device):
             if answer is not None:
                 return answer
         return self._run_here(workload, candidate, steps)
-
-    def prepare(self, workload: Workload) -> None:
-        """Save the workload for the children now, where they need it (no target)."""
-        if self.mode != "in_process" and self.target is None and self._workload_path is None:
-            self._save_workload(workload)
-
-    def runs_apart(self) -> bool:
-        """True while runs go to children that can load the workload (a target, or saved).
-
-        A zygote that later cannot load it turns this False (the runs come here).
-        """
-        return self.mode != "in_process" and (
-            self.target is not None or self._workload_path is not None
-        )
 
     # -- what the children need -------------------------------------------------------------
 

@@ -14,10 +14,13 @@ measuring them:
    budget set to the share of activations the pick keeps (:func:`kept_share`): both
    variants then hold about the pick's memory at its batch and the device says which
    recompute is cheaper.
-2. Trial. Each variant is compiled once in this process at the sample batch
-   (:func:`~strategies.compile.try_compile`), which also times the one-off compile. A
-   model that does not compile (an error, no graph, graph breaks everywhere) is a note and
-   the plan stays eager.
+2. Trial. Each variant is compiled once in this process
+   (:func:`~strategies.compile.try_compile`), which also times the one-off compile: at the
+   eager pick's confirmed batch when the card has room for it beside a probe (:func:`trial_batch`),
+   so the first compiled probe loads that graph from inductor's cache instead of compiling
+   it again (21 s saved for a 124M GPT on an H200, docs/design.md), else at the sample
+   batch. A model that does not compile (an error, no graph, graph breaks everywhere) is a
+   note and the plan stays eager.
 3. Device. Each variant that compiled gets the batch search eager candidates get
    (``_Prober.confirm``), bracketed from the eager pick's confirmed batch, inside one shared
    inductor cache (:func:`~memadvisor.compile_cache.shared_compile_cache`), so a probe
@@ -55,18 +58,16 @@ from pydantic import JsonValue
 
 from memadvisor.compile_cache import SharedCompileCache, shared_compile_cache
 from memadvisor.estimate import Candidate, estimate
-from memadvisor.planner._early import EarlyTrials, TrialRequest, early_trial_batch
-from memadvisor.planner._progress import Progress, Stage
+from memadvisor.planner._progress import Progress
 from memadvisor.planner._schema import CompiledVariant, CompileOutcome
 from memadvisor.planner._space import Scored
 from memadvisor.profiler import Profile
 
 if TYPE_CHECKING:
-    from memadvisor.device import Device
     from memadvisor.planner._plan import _Confirmed, _Prober
     from strategies.compile import Compile, CompileChoice
 
-__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share", "start_early_trials"]
+__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share", "trial_batch"]
 
 COMPILE = "compile"
 CHECKPOINTING = "checkpointing"
@@ -77,6 +78,10 @@ MIN_SPEEDUP = 1.03
 # Budgets in twentieths: a plan reads 0.65, not 0.6473; rounded up, so the variant keeps
 # at least what the pick keeps (it recomputes no more than it must).
 _BUDGET_STEP = 0.05
+# What the card must hold beyond two budgets (a probe process's and the trial's, which runs
+# in this process) before the trial runs at the probes' batch: two CUDA contexts and this
+# process's leftovers.
+ROOM_BESIDES_PROBES_BYTES = 2 * 2**30
 
 
 def compiled_pick(
@@ -87,7 +92,7 @@ def compiled_pick(
     *,
     cache_dir: str | Path | None = None,
     cache: SharedCompileCache | None = None,
-    early: EarlyTrials | None = None,
+    free_bytes: int | None = None,
 ) -> tuple[_Confirmed, CompileOutcome | None]:
     """The pick to verify: ``eager_best``, or a compiled variant of it the device found faster.
 
@@ -100,8 +105,8 @@ def compiled_pick(
             so what the plan compiled is warm for the user's own training.
         cache: a shared cache the caller entered already (the planner enters it for the
             whole plan, so the fork server starts once with it); ``cache_dir`` is then unused.
-        early: trials started while the eager probes ran (:func:`start_early_trials`); a
-            variant among them is not trialled again.
+        free_bytes: bytes free on the card now (None: not a card); with room for the trial
+            beside a probe it runs at the eager pick's batch (:func:`trial_batch`).
 
     Returns:
         The confirmed pick (``eager_best`` itself when compiling was not considered, failed
@@ -129,7 +134,7 @@ def compiled_pick(
         for choices in variants:
             bar.describe(f"compile: trying {_label(choices)}")
             record, found = _measure_variant(
-                prober, strategy, choices, eager_best.found_batch, early, bar
+                prober, strategy, choices, eager_best.found_batch, free_bytes
             )
             records.append(record)
             if found is not None:
@@ -299,25 +304,32 @@ def _measure_variant(
     strategy: Compile,
     choices: dict[str, JsonValue],
     start_batch: int,
-    early: EarlyTrials | None = None,
-    bar: Stage | None = None,
+    free_bytes: int | None = None,
 ) -> tuple[CompiledVariant, _Confirmed | None]:
-    """Try ``choices`` (its early trial, else here at the sample batch); if it compiles,
-    confirm it on the device."""
+    """Trial ``choices`` here (:func:`trial_batch`); if it compiles, confirm it on the device.
+
+    At the batch the device search starts from, the trial fills inductor's on-disk cache with
+    the graph the first compiled probe needs, and that probe loads it instead of compiling
+    (docs/design.md, plan speed). A trial that ran out of memory there (this process shares
+    the card with the probes) is tried again at the sample batch.
+    """
     workload, device = prober.workload, prober.device
     others = {name: c for name, c in choices.items() if name != COMPILE}
-    at_sample = Candidate(batch_size=workload.sample_batch_size, choices=others)
+    sample = workload.sample_batch_size
+    batches = [trial_batch(start_batch, sample, prober.config.budget_bytes, free_bytes)]
+    if batches[0] != sample:
+        batches.append(sample)
     try:
-        result = None
-        if early is not None:
-            result = early.take(choices, bar.describe if bar is not None else None)
-        if result is None:
+        for batch in batches:
             result = strategy.trial(
                 workload,
                 choices[COMPILE],
-                candidate=at_sample,
-                device=_trial_device(device),
+                candidate=Candidate(batch_size=batch, choices=others),
+                device="cuda" if device.kind == "cuda" else None,
             )
+            _release_trial_memory()
+            if not result.out_of_memory:
+                break
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
         text = f"the compile trial could not run its eager step ({_first_line(e)})."
         return CompiledVariant(choices=choices, compiles=False, trial=text, error=text), None
@@ -344,49 +356,18 @@ def _measure_variant(
     return record, found
 
 
-def _trial_device(device: Device) -> str | None:
-    return "cuda" if device.kind == "cuda" else None
+def trial_batch(
+    start_batch: int, sample_batch: int, budget_bytes: int, free_bytes: int | None
+) -> int:
+    """The batch a compile trial runs at: the device search's start when the card has room,
+    else the sample batch.
 
-
-def start_early_trials(
-    prober: _Prober, timed: Sequence[Scored], free_bytes: int | None
-) -> EarlyTrials | None:
-    """Start the compile trials of the estimate's best timed candidate on a thread, or None.
-
-    None where the compile stage would not weigh compiling, or where the device's runs
-    happen in this process (a trial on a thread would share their time). The trials run at
-    :func:`~memadvisor.planner._early.early_trial_batch` (the candidate's timing batch when
-    ``free_bytes`` leaves room), see :mod:`memadvisor.planner._early`.
+    The trial runs in this process, beside a probe process capped at the budget: room is two
+    budgets and :data:`ROOM_BESIDES_PROBES_BYTES` free; ``free_bytes`` None (no card) is none.
     """
-    strategy = _compile_strategy(prober)
-    if not timed or strategy is None or _not_considered(prober, strategy) is not None:
-        return None
-    if not prober.device.runs_apart():
-        return None
-    first = timed[0]
-    workload, config = prober.workload, prober.config
-    timing_batch = min(max(first.largest_batch, 1), config.max_batch)  # as _plan._start
-    batch = early_trial_batch(
-        timing_batch, workload.sample_batch_size, config.budget_bytes, free_bytes
-    )
-    variants = compiled_variants(
-        first.candidate.choices, strategy.offered, prober.space.profile, timing_batch
-    )
-    if not variants:
-        return None
-    early = EarlyTrials(strategy, workload, _trial_device(prober.device))
-    early.start(
-        [
-            TrialRequest(
-                choices=v,
-                candidate=Candidate(
-                    batch_size=batch, choices={k: c for k, c in v.items() if k != COMPILE}
-                ),
-            )
-            for v in variants
-        ]
-    )
-    return early
+    if free_bytes is not None and free_bytes >= 2 * budget_bytes + ROOM_BESIDES_PROBES_BYTES:
+        return max(1, start_batch)
+    return max(1, sample_batch)
 
 
 def _bracket(prober: _Prober, choices: dict[str, JsonValue], start_batch: int) -> Scored:

@@ -45,8 +45,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.estimate import Candidate, estimate
 from memadvisor.planner._budget import check_static_fits, infeasible
 from memadvisor.planner._compare import hand_configurations, unchecked_hand_choices
-from memadvisor.planner._compiled import compiled_pick, start_early_trials
-from memadvisor.planner._early import EarlyTrials
+from memadvisor.planner._compiled import compiled_pick
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
 from memadvisor.planner._progress import Progress, Stage, stage_totals
 from memadvisor.planner._schema import Plan, Probe, Row
@@ -112,9 +111,6 @@ class _Prober:
         self.bar: Stage | None = None
         self.steps = run_steps(device, config)
         self._runs: dict[str, _Run] = {}
-        # Compile trials running on a thread meanwhile (start_early_trials); a run that
-        # happens in this process waits for them, so that nothing shares its time.
-        self.early: EarlyTrials | None = None
 
     def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
         """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
@@ -124,9 +120,6 @@ class _Prober:
                 return known.measured
             if known.measured is None and known.steps < steps:
                 return None  # it ran out within the steps asked for now
-        if self.early is not None and self.early.busy and not self.device.runs_apart():
-            self._describe(f"{stage}: waiting for the compile trial before an in-process run")
-            self.early.wait()
         self._describe(f"{stage}: batch {candidate.batch_size} running")
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
         self.probes.append(record)
@@ -434,7 +427,6 @@ def plan_workload(
     ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
     first_stage = len(ui.stage_log)  # a shared Progress may have timed other plans
     owned: Device | None = None
-    early: EarlyTrials | None = None
     with preserved_state(workload.model), contextlib.ExitStack() as scope:
         try:
             kind = _resolve_kind(config, device)
@@ -468,15 +460,13 @@ def plan_workload(
                 cache = scope.enter_context(shared_compile_cache())
             if device is None:
                 device = owned = _make_device(kind, config, target, profile)
-            device.prepare(workload)
             prober = _Prober(device, workload, space, config)
             guard = step_times_rank(device) and config.objective != "largest_batch"
             timed = timed_candidates(space, ranked, guard)
-            early = prober.early = start_early_trials(prober, timed, _free_bytes(device))
             best = _best_on_device(prober, timed, notes, ui)
-            best, compiled = compiled_pick(prober, best, notes, ui, cache=cache, early=early)
-            if early is not None:
-                early.close()  # any trial the compile stage did not take
+            best, compiled = compiled_pick(
+                prober, best, notes, ui, cache=cache, free_bytes=_free_bytes(device)
+            )
             pick, verified = _verified(prober, best, ui)
             pick = _with_batch_record(pick, chosen, config)
             pick_estimate = estimate(profile, pick, chosen)
@@ -515,8 +505,6 @@ def plan_workload(
                 profile=profile,
             )
         finally:
-            if early is not None:
-                early.close()  # a plan that failed meanwhile waits for the running trial
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
             _release_cached_memory()
