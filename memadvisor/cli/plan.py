@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from memadvisor.workload import Workload
 
 
+class ParallelOption(str, Enum):
+    none = "none"
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
+
+
 class ObjectiveOption(str, Enum):
     throughput = "throughput"
     largest_batch = "largest_batch"
@@ -45,6 +51,8 @@ EPILOG = """[bold]Examples[/]
   memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
 
   memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
+
+  memadvisor plan examples/gpt.py:build --budget-gb 8 --world-size 2 --parallel fsdp2
 
 A saved plan applies to a fresh model with
 memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
@@ -84,6 +92,23 @@ def plan(
     margin: Annotated[
         float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
     ] = 0.08,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size",
+            help="Ranks (one card each) that train together; the budget and the batch are "
+            "per rank.",
+        ),
+    ] = 1,
+    parallel: Annotated[
+        ParallelOption,
+        typer.Option(
+            "--parallel",
+            metavar="PARALLEL",
+            help="How the ranks share the model: ddp (a replica each) or fsdp2 (fully_shard "
+            "on the blocks); none for one card.",
+        ),
+    ] = ParallelOption.none,
     json_path: Annotated[
         Path | None,
         typer.Option(
@@ -108,7 +133,7 @@ def plan(
     strategies on the estimate, confirms the batch by OOM probes on the device, verifies the
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
-    config = _config(budget_gb, objective, effective_batch, margin, device)
+    config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
@@ -138,6 +163,8 @@ def _config(
     effective_batch: int | None,
     margin: float,
     device: DeviceOption,
+    world_size: int = 1,
+    parallel: ParallelOption = ParallelOption.none,
 ) -> PlanConfig:
     """The PlanConfig the options describe.
 
@@ -152,6 +179,13 @@ def _config(
         raise BadInputError(f"--margin must be at least 0 and below 0.5, but got {margin=}.")
     if effective_batch is not None and effective_batch <= 0:
         raise BadInputError(f"--effective-batch must be positive, but got {effective_batch=}.")
+    if world_size < 1:
+        raise BadInputError(f"--world-size must be at least 1, but got {world_size=}.")
+    if world_size > 1 and parallel is ParallelOption.none:
+        raise BadInputError(
+            f"--world-size {world_size} needs --parallel ddp or --parallel fsdp2 (how the "
+            "ranks share the model)."
+        )
     if objective is None:
         objective = (
             ObjectiveOption.effective_batch
@@ -168,6 +202,8 @@ def _config(
         effective_batch=effective_batch,
         margin_fraction=margin,
         device=resolve_device(device),  # type: ignore[arg-type]
+        world_size=world_size,
+        parallel=parallel.value,
     )
 
 

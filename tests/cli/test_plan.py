@@ -230,5 +230,16 @@ def test_plan_help_ends_with_examples_and_exit_codes(cli) -> None:
     assert result.exit_code == 0
     text = result.stdout
     assert text.index("Examples") > text.index("--budget-gb")
-    assert "memadvisor plan examples/gpt.py:build --budget-gb 1" in text
+    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.5" in text
     assert "3 nothing fits the budget" in text
+
+
+def test_plan_world_size_without_a_way_to_share_is_bad_input(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--world-size", "2")
+    assert result.exit_code == 2
+    assert "--parallel ddp or --parallel fsdp2" in _one_error_line(result)
+
+
+def test_plan_parallel_must_be_a_known_way(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--parallel", "zero3")
+    assert result.exit_code == 2
