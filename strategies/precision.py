@@ -30,7 +30,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Check, Strategy
 from memadvisor.workload import train_step
 from strategies import _forward
-from strategies._format import mib
+from strategies._format import loss_line, mib
 
 if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
@@ -133,7 +133,7 @@ class Precision(Strategy):
         self.rejected = set()
         checks: list[Check] = []
         for precision in self._low(profile):
-            check = check_numerics(workload, precision)
+            check = check_numerics(workload, precision, device=_check_device())
             checks.append(check)
             if check.passed or config.checks == "report":
                 break
@@ -194,7 +194,7 @@ class Precision(Strategy):
             strategy=self.name,
             title=f"{precision} autocast",
             sentence=sentence,
-            snippet=_snippet(precision, device_type, dtype),
+            snippet=_snippet(precision, device_type, dtype, loss_line(profile.call_form)),
             effect=_effect_text(profile, precision),
         )
 
@@ -202,7 +202,9 @@ class Precision(Strategy):
         precision = _check_choice(choice)
         if precision == "fp32":
             return None
-        return check_numerics(workload, precision)
+        # On the card when there is one (the user's model may sit on the CPU): CPU autocast
+        # is not the card's numerics, and it is many times slower (docs/design.md, plan speed).
+        return check_numerics(workload, precision, device=_check_device())
 
 
 def _effect_text(profile: Profile, precision: str) -> str:
@@ -221,11 +223,11 @@ def _effect_text(profile: Profile, precision: str) -> str:
     )
 
 
-def _snippet(precision: str, device_type: str, dtype: str) -> str:
+def _snippet(precision: str, device_type: str, dtype: str, loss: str) -> str:
     if precision == "bf16":
         return f"""\
 with torch.autocast("{device_type}", dtype={dtype}):
-    loss = loss_fn(model(inputs), targets)
+    {loss}
 loss.backward()
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
@@ -234,7 +236,7 @@ optimizer.zero_grad(set_to_none=True)
 scaler = torch.amp.GradScaler("{device_type}")  # once, before the loop
 
 with torch.autocast("{device_type}", dtype={dtype}):
-    loss = loss_fn(model(inputs), targets)
+    {loss}
 scaler.scale(loss).backward()
 scaler.step(optimizer)  # skips the step if gradients overflowed
 scaler.update()
@@ -245,6 +247,11 @@ optimizer.zero_grad(set_to_none=True)
 # -- numerics check ----------------------------------------------------------------------
 
 
+def _check_device() -> torch.device | None:
+    """Where :meth:`Precision.check` trains its copies: CUDA when available, else the model's."""
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
 def _train_copy(
     workload: Workload,
     precision: str,
@@ -252,20 +259,21 @@ def _train_copy(
     seed: int,
     batch_size: int,
     time_s: float | None = None,
+    device: torch.device | None = None,
 ) -> tuple[list[float], torch.Tensor]:
     """Train a copy of the workload's model ``steps`` steps on one batch of ``batch_size``.
 
     With ``time_s``, stop early once that long has passed and :data:`NUMERICS_MIN_STEPS`
-    steps are done.
+    steps are done. The copy goes to ``device`` (default: where the model is).
 
     Returns:
         Each step's loss, and the first step's gradients (unscaled, fp32, flattened, on the
         CPU). A step whose loss is not finite ends the run: nothing after it means anything.
     """
-    model = copy.deepcopy(workload.model)
+    device = device if device is not None else workload.device
+    model = copy.deepcopy(workload.model).to(device)
     if precision != "fp32":
         _forward.install(model, AutocastForward, precision=precision)
-    device = workload.device
     scaler = grad_scaler_for(precision, device.type)
     optimizer = workload.make_optimizer(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -318,6 +326,7 @@ def check_numerics(
     seed: int = 0,
     batch_size: int | None = None,
     time_s: float | None = NUMERICS_TIME_S,
+    device: torch.device | str | None = None,
 ) -> Check:
     """Whether training in ``precision`` follows fp32's: ``steps`` steps of each from the
     same weights, batch and seed, their loss curves compared.
@@ -331,8 +340,9 @@ def check_numerics(
 
     Its cost is bounded: ``2 x steps`` training steps at no more than
     :data:`NUMERICS_MAX_BATCH` samples, fewer steps (at least :data:`NUMERICS_MIN_STEPS`)
-    where the fp32 run passes ``time_s``; on copies of the workload's model where it lives
-    (the user's model, optimizer and RNG are untouched). Its wall time is in the metrics.
+    where the fp32 run passes ``time_s``; on copies of the workload's model on ``device``
+    (default: where the model is; the user's model, optimizer and RNG are untouched). Its
+    wall time is in the metrics.
 
     Raises:
         BadInputError: ``precision`` is not 'bf16' or 'fp16', or ``steps`` < 1.
@@ -343,10 +353,11 @@ def check_numerics(
         raise BadInputError(f"The numerics check needs at least one step, but got {steps=}.")
     b = batch_size or min(workload.sample_batch_size, NUMERICS_MAX_BATCH)
     started = time.perf_counter()
-    ref, ref_grads = _train_copy(workload, "fp32", steps, seed, b, time_s)
+    where = torch.device(device) if device is not None else None
+    ref, ref_grads = _train_copy(workload, "fp32", steps, seed, b, time_s, where)
     ref_finite = math.isfinite(ref[-1])
     steps = len(ref)  # fewer than asked where steps are slow: the low run takes as many
-    low, low_grads = _train_copy(workload, precision, steps, seed, b)
+    low, low_grads = _train_copy(workload, precision, steps, seed, b, None, where)
     wall_ms = (time.perf_counter() - started) * 1e3
     low_finite = (
         len(low) == steps and math.isfinite(low[-1]) and bool(torch.isfinite(low_grads).all())

@@ -28,7 +28,7 @@ from memadvisor.errors import BadInputError, InfeasibleBudgetError
 
 if TYPE_CHECKING:
     from memadvisor.planner import Plan
-    from memadvisor.report import MemorySeries
+    from memadvisor.report import PlannedStep
     from memadvisor.workload import Workload
 
 
@@ -171,8 +171,8 @@ def plan(
     if html_path is not None:
         from memadvisor.report import render_plan_html
 
-        series = _planned_step(workload, result, debug=debug)
-        page = render_plan_html(result, series=series)
+        step = _planned_step(workload, result, debug=debug)
+        page = render_plan_html(result, step=step)
         write_text(html_path, page, "the HTML report", quiet=quiet)
 
 
@@ -226,25 +226,16 @@ def _config(
     )
 
 
-def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> MemorySeries | None:
-    """One micro-batch step of the plan, recorded module by module, for the HTML chart.
+def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> PlannedStep | None:
+    """One micro-batch step of the plan for the HTML chart, applied to the CLI's own model.
 
-    The CLI built this model from the factory for this command alone, so the plan is applied
-    to it in place. None (the chart then shows the profile's per-phase peaks) when the step
-    cannot be recorded: the plan is already made and printed, and a chart is not worth
-    losing it over.
+    None (the chart then shows the profile's per-phase peaks) when the step cannot be
+    recorded: the plan is already made and printed, and a chart is not worth losing it over.
     """
-    from memadvisor.apply import apply_plan
-    from memadvisor.profiler import record_timeline
-    from memadvisor.report import series_from_timeline
-    from memadvisor.report._facts import answer
+    from memadvisor.report import planned_step
 
-    a = answer(plan)
-    device = {"cuda": "cuda", "simulated": "cpu"}.get(plan.device_kind, "auto")
     try:
-        apply_plan(workload.model, plan)
-        # fp32 here: the applied plan's own autocast wraps the forward already.
-        timeline = record_timeline(workload, batch_size=a.batch_size, device=device)
+        return planned_step(workload, plan, in_place=True)
     except Exception as e:
         if debug:
             raise
@@ -255,9 +246,3 @@ def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> MemorySerie
             soft_wrap=True,
         )
         return None
-    ckpt = f"{len(a.checkpointed)} blocks checkpointed" if a.checkpointed else "no checkpointing"
-    return series_from_timeline(
-        timeline,
-        caption=f"One step of the plan ({a.precision}, {ckpt}, micro-batch {a.batch_size}) "
-        f"recorded module by module on {timeline.device}.",
-    )
