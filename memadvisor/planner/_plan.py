@@ -470,8 +470,11 @@ def plan_workload(
             )
             if profile is None:
                 profile = _profile(workload, kind, ui)
-            with ui.stage("checks", total=None):
-                screened = [c for s in chosen for c in s.screen(workload, profile, config)]
+            screened: list[Check] = []
+            if any(type(s).screen is not Strategy.screen for s in chosen):
+                # Before the search: a choice that fails its check is then not offered.
+                with ui.stage("screening", total=None):
+                    screened = [c for s in chosen for c in s.screen(workload, profile, config)]
             for note in _screen_notes(screened, config):
                 notes.append(note)  # among the first lines: it decided what may be picked
                 ui.note(note)
