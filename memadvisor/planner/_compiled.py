@@ -261,14 +261,6 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
         )
     if not any(_parse(c) is not None for c in strategy.offered):
         return ""
-    if getattr(device, "mode", None) == "in_process":
-        # One process compiles each new batch with a dynamic batch dimension (dynamo's
-        # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.
-        return (
-            "Compiling was not weighed: the probes ran in this process, where each new batch "
-            "would compile with a dynamic batch dimension; pass a target ('file.py:factory') "
-            "or a picklable loss_fn for fresh-process probes. Planned eager."
-        )
     if not step_times_rank(device):
         return (
             f"compile='on' was asked, but the {device.kind} device's step times cannot tell a "

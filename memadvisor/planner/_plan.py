@@ -472,6 +472,7 @@ def plan_workload(
             with ui.stage("checks", total=None):
                 checks = run_checks(workload, pick, chosen)
             notes += prober.notes + getattr(device, "notes", []) + row_notes
+            notes = _fallbacks_first(notes)
             return Plan(
                 model_name=profile.model_name,
                 config=config,
@@ -493,6 +494,15 @@ def plan_workload(
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
             _release_cached_memory()
+
+
+def _fallbacks_first(notes: list[str]) -> list[str]:
+    """The notes with the in-process fallback's first: it changes how far the report's
+    measurements can be trusted, so the report's first lines say it, not a note at the end."""
+    from memadvisor.device.cuda import IN_PROCESS_NOTE_START
+
+    first = [n for n in notes if n.startswith(IN_PROCESS_NOTE_START)]
+    return first + [n for n in notes if not n.startswith(IN_PROCESS_NOTE_START)]
 
 
 def timed_candidates(space: SearchSpace, ranked: Sequence[Scored], guard: bool) -> list[Scored]:
