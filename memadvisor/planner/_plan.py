@@ -71,6 +71,11 @@ _MARGIN_STEP_DOWNS = 3
 # (batch, for largest_batch) are not timed: the estimate's time errors seen on an H200
 # (within ~1.6x per candidate, mostly shared by candidates of one precision) leave them behind.
 RERANK_FLOOR = 0.7
+# Candidates whose throughput lies within this share of the best's are a tie, broken by a
+# fixed rule (fewest strategies). Two measurements of one configuration differ by up to
+# 2-3% (bench/planner.py's tolerance; MIN_SPEEDUP's reasoning for compile), and the
+# estimate's CPU-profiled times jitter as much between profiles of one model.
+TIE_FRACTION = 0.03
 
 
 @dataclass
@@ -110,6 +115,7 @@ class _Prober:
         self.bar: Stage | None = None
         self.steps = run_steps(device, config)
         self._runs: dict[str, _Run] = {}
+        self.tie: _Tie | None = None  # the last tie _device_best broke
 
     def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
         """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
@@ -241,13 +247,6 @@ def run_steps(device: Device, config: PlanConfig) -> int:
     if runs_cost_more_than_steps(device):
         steps = max(steps, config.verify_steps)
     return steps
-
-
-def _device_key(objective: str, batch: int, samples_per_s: float, estimate_rank: int) -> tuple:
-    """Best first by the device's answer; a tie keeps the estimate's order."""
-    if objective == "largest_batch":
-        return (-batch, -samples_per_s, estimate_rank)
-    return (-samples_per_s, estimate_rank)
 
 
 def step_times_rank(device: Device) -> bool:
@@ -468,6 +467,9 @@ def plan_workload(
                 measure_comparison = _rows_are_cheap(device, prober.probes, space)
             rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
             notes += _pick_notes(config, pick, best)
+            tie = _tie_note(prober.tie, best.candidate)
+            if tie is not None:
+                notes.append(tie)
             notes.append(_runs_note(prober.probes, best, verified, config))
             with ui.stage("checks", total=None):
                 checks = run_checks(workload, pick, chosen)
@@ -643,26 +645,71 @@ def _rate(space: SearchSpace, scored: Scored, timing: _Timing, measured_times: b
     return timing.measured.samples_per_s * at_pick / ran if ran > 0 else at_pick
 
 
+@dataclass
+class _Tie:
+    """Candidates the device could not tell apart, and the one the fixed rule took."""
+
+    taken: Scored
+    rate: float
+    others: list[tuple[Scored, float]]
+
+
 def _device_best(
     prober: _Prober,
     timed: Sequence[Scored],
     first: dict[str, _Timing | None],
     measured_times: bool,
 ) -> tuple[Scored, _Timing] | None:
-    """The best of the candidates that fitted, by the objective on the device's answer."""
+    """The best of the candidates that fitted, by the objective on the device's answer.
+
+    Rates within :data:`TIE_FRACTION` of the best (at the best's batch, for largest_batch)
+    are a tie, which a fixed rule breaks: fewest strategies turned on, then the choices'
+    JSON. Timings jitter from run to run; without the rule the same inputs could give
+    another pick each time. :attr:`_Prober.tie` keeps the last tie for the plan's notes.
+    """
     space = prober.space
-    keyed = []
-    for rank, s in enumerate(timed):
+    objective = space.config.objective
+    entries = []
+    for s in timed:
         timing = first.get(s.choices_json)
         if timing is None:
             continue
-        rate = _rate(space, s, timing, measured_times)
-        batch = timing.candidate.batch_size
-        keyed.append((_device_key(space.config.objective, batch, rate, rank), s, timing))
-    if not keyed:
+        entries.append((s, timing, _rate(space, s, timing, measured_times)))
+    if not entries:
         return None
-    _, scored, timing = min(keyed, key=lambda entry: entry[0])
+    top_batch = max(t.candidate.batch_size for _, t, _ in entries)
+    if objective == "largest_batch":
+        entries = [e for e in entries if e[1].candidate.batch_size == top_batch]
+    best_rate = max(rate for _, _, rate in entries)
+    tied = [e for e in entries if e[2] >= (1.0 - TIE_FRACTION) * best_rate]
+    scored, timing, rate = min(tied, key=lambda e: (e[0].active, e[0].choices_json))
+    others = [(s, r) for s, _, r in tied if s is not scored]
+    prober.tie = _Tie(scored, rate, others) if others else None
     return scored, timing
+
+
+def _tie_note(tie: _Tie | None, final: Candidate) -> str | None:
+    """The plan's note on a tie the fixed rule broke, when the tie decided the pick."""
+    if tie is None or tie.taken.candidate.choices != final.choices:
+        return None
+    others = "; ".join(
+        f"{_describe_choices(s.candidate.choices)} {rate:.1f}" for s, rate in tie.others
+    )
+    return (
+        f"Tie: {_describe_choices(tie.taken.candidate.choices)} ran {tie.rate:.1f} samples/s "
+        f"and {others} samples/s, within {TIE_FRACTION:.0%} of the best, the spread two runs "
+        "of one configuration show; the plan takes the one with the fewest strategies turned "
+        "on (a fixed rule: the same inputs give the same pick)."
+    )
+
+
+def _describe_choices(choices: dict[str, JsonValue]) -> str:
+    if not choices:
+        return "the plain step"
+    return ", ".join(
+        f"{name} {len(c)} blocks" if isinstance(c, list) else f"{name} {json.dumps(c)}"
+        for name, c in sorted(choices.items())
+    )
 
 
 def _could_beat(
