@@ -13,6 +13,7 @@ from rich.text import Text
 from memadvisor.planner import Plan
 from memadvisor.profiler import Profile
 from memadvisor.report import _facts as facts
+from memadvisor.report._adopt import adoption_snippet
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
     OWNERS_NOTE,
@@ -64,6 +65,7 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
             fragmentation(profile),
         )
     _print_advice(plan, console)
+    _print_adoption(plan, console)
     for check in plan.checks:
         mark, style = ("passed", "green") if check.passed else ("look at this", "yellow")
         console.print(
@@ -338,6 +340,13 @@ def _print_advice(plan: Plan, console: Console) -> None:
                 Group(*body), title=f"{i}. {advice.title}", title_align="left", border_style="cyan"
             )
         )
+
+
+def _print_adoption(plan: Plan, console: Console) -> None:
+    console.print()
+    console.print(Text("Train with it in your own loop", style="bold"))
+    code = adoption_snippet(plan)
+    console.print(Syntax(code, "python", theme="ansi_dark", background_color="default"))
 
 
 def _probes_line(plan: Plan) -> str:
