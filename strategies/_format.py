@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["mib", "names_text"]
+from memadvisor.workload import CallForm
+
+__all__ = ["loop_header", "loss_line", "mib", "names_text"]
 
 MIB = 2**20
 
@@ -18,3 +20,36 @@ def names_text(names: list[str], limit: int = 4) -> str:
     if len(names) <= limit:
         return ", ".join(names)
     return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
+def loss_line(form: CallForm | None, model: str = "model") -> str:
+    """The line of a training loop that computes the loss, in the workload's own form.
+
+    ``model(**batch).loss`` for a HF model called with a dict batch, ``loss_fn(model(inputs),
+    targets)`` for an ``(inputs, targets)`` batch; that generic form too when the profile did
+    not record the form.
+    """
+    if form is None:
+        return f"loss = loss_fn({model}(inputs), targets)"
+    call = {
+        "tensor": f"{model}(batch)",
+        "sequence": f"{model}(inputs)",
+        "mapping": f"{model}(**batch)",
+        "custom": f"forward_fn({model}, batch)",
+    }[form.batch]
+    if form.loss == "loss_fn":
+        target = "targets" if form.batch == "sequence" else "batch"
+        return f"loss = loss_fn({call}, {target})"
+    if form.loss == "output.loss":
+        return f"loss = {call}.loss"
+    if form.loss == "output['loss']":
+        return f'loss = {call}["loss"]'
+    return f"loss = {call}  # the model returns the loss"
+
+
+def loop_header(form: CallForm | None) -> str:
+    """``for i, batch in enumerate(loader):``, unpacking ``(inputs, targets)`` where the
+    model is called on the batch's first item."""
+    if form is None or form.batch == "sequence":
+        return "for i, (inputs, targets) in enumerate(loader):"
+    return "for i, batch in enumerate(loader):"

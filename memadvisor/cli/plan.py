@@ -28,8 +28,14 @@ from memadvisor.errors import BadInputError
 
 if TYPE_CHECKING:
     from memadvisor.planner import Plan
-    from memadvisor.report import MemorySeries
+    from memadvisor.report import PlannedStep
     from memadvisor.workload import Workload
+
+
+class ParallelOption(str, Enum):
+    none = "none"
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
 
 
 class ObjectiveOption(str, Enum):
@@ -40,11 +46,13 @@ class ObjectiveOption(str, Enum):
 
 EPILOG = """[bold]Examples[/]
 
-  memadvisor plan examples/gpt.py:build --budget-gb 1
+  memadvisor plan examples/gpt.py:build --budget-gb 0.5
 
   memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
 
   memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
+
+  memadvisor plan examples/gpt.py:build --budget-gb 8 --world-size 2 --parallel fsdp2
 
 A saved plan applies to a fresh model with
 memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
@@ -56,7 +64,7 @@ Exit codes: 0 ok, 2 bad input, 3 nothing fits the budget, 4 planning failed, 1 a
 @app.command(epilog=EPILOG)
 @handle_errors
 def plan(
-    target: Annotated[str, typer.Argument(help=TARGET_HELP, show_default=False)],
+    target: Annotated[str, typer.Argument(metavar="TARGET", help=TARGET_HELP, show_default=False)],
     budget_gb: Annotated[
         float,
         typer.Option(
@@ -70,7 +78,6 @@ def plan(
         ObjectiveOption | None,
         typer.Option(
             "--objective",
-            metavar="OBJECTIVE",
             help="throughput (most samples/s), largest_batch, or effective_batch (reach "
             "--effective-batch by accumulation at the fastest micro-batch). Default: throughput, "
             "or effective_batch when --effective-batch is given.",
@@ -81,9 +88,7 @@ def plan(
         int | None,
         typer.Option("--effective-batch", help="The batch you train with, kept by accumulation."),
     ] = None,
-    device: Annotated[
-        DeviceOption, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)
-    ] = DeviceOption.auto,
+    device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
     margin: Annotated[
         float | None,
         typer.Option(
@@ -92,6 +97,23 @@ def plan(
             "runs (the pick's measured peak leaves 3% free).",
         ),
     ] = None,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size",
+            help="Ranks (one card each) that train together; the budget and the batch are "
+            "per rank.",
+        ),
+    ] = 1,
+    parallel: Annotated[
+        ParallelOption,
+        typer.Option(
+            "--parallel",
+            metavar="PARALLEL",
+            help="How the ranks share the model: ddp (a replica each) or fsdp2 (fully_shard "
+            "on the blocks); none for one card.",
+        ),
+    ] = ParallelOption.none,
     json_path: Annotated[
         Path | None,
         typer.Option(
@@ -107,8 +129,8 @@ def plan(
             show_default=False,
         ),
     ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help=DEBUG_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help=QUIET_HELP)] = False,
 ) -> None:
     """Find the fastest configuration of TARGET's training step that fits the budget.
 
@@ -116,7 +138,7 @@ def plan(
     strategies on the estimate, confirms the batch by OOM probes on the device, verifies the
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
-    config = _config(budget_gb, objective, effective_batch, margin, device)
+    config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
@@ -135,8 +157,8 @@ def plan(
     if html_path is not None:
         from memadvisor.report import render_plan_html
 
-        series = _planned_step(workload, result, debug=debug)
-        page = render_plan_html(result, series=series)
+        step = _planned_step(workload, result, debug=debug)
+        page = render_plan_html(result, step=step)
         write_text(html_path, page, "the HTML report", quiet=quiet)
 
 
@@ -146,6 +168,8 @@ def _config(
     effective_batch: int | None,
     margin: float | None,
     device: DeviceOption,
+    world_size: int = 1,
+    parallel: ParallelOption = ParallelOption.none,
 ) -> PlanConfig:
     """The PlanConfig the options describe.
 
@@ -160,6 +184,13 @@ def _config(
         raise BadInputError(f"--margin must be at least 0 and below 0.5, but got {margin=}.")
     if effective_batch is not None and effective_batch <= 0:
         raise BadInputError(f"--effective-batch must be positive, but got {effective_batch=}.")
+    if world_size < 1:
+        raise BadInputError(f"--world-size must be at least 1, but got {world_size=}.")
+    if world_size > 1 and parallel is ParallelOption.none:
+        raise BadInputError(
+            f"--world-size {world_size} needs --parallel ddp or --parallel fsdp2 (how the "
+            "ranks share the model)."
+        )
     if objective is None:
         objective = (
             ObjectiveOption.effective_batch
@@ -175,30 +206,23 @@ def _config(
         objective=objective.value,
         effective_batch=effective_batch,
         device=resolve_device(device),  # type: ignore[arg-type]
+        world_size=world_size,
+        parallel=parallel.value,
         # Given, the margin is the user's for the pick too; else the runs size it.
         **({"margin_fraction": margin} if margin is not None else {}),
     )
 
 
-def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> MemorySeries | None:
-    """One micro-batch step of the plan, recorded module by module, for the HTML chart.
+def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> PlannedStep | None:
+    """One micro-batch step of the plan for the HTML chart, applied to the CLI's own model.
 
-    The CLI built this model from the factory for this command alone, so the plan is applied
-    to it in place. None (the chart then shows the profile's per-phase peaks) when the step
-    cannot be recorded: the plan is already made and printed, and a chart is not worth
-    losing it over.
+    None (the chart then shows the profile's per-phase peaks) when the step cannot be
+    recorded: the plan is already made and printed, and a chart is not worth losing it over.
     """
-    from memadvisor.apply import apply_plan
-    from memadvisor.profiler import record_timeline
-    from memadvisor.report import series_from_timeline
-    from memadvisor.report._facts import answer
+    from memadvisor.report import planned_step
 
-    a = answer(plan)
-    device = {"cuda": "cuda", "simulated": "cpu"}.get(plan.device_kind, "auto")
     try:
-        apply_plan(workload.model, plan)
-        # fp32 here: the applied plan's own autocast wraps the forward already.
-        timeline = record_timeline(workload, batch_size=a.batch_size, device=device)
+        return planned_step(workload, plan, in_place=True)
     except Exception as e:
         if debug:
             raise
@@ -209,9 +233,3 @@ def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> MemorySerie
             soft_wrap=True,
         )
         return None
-    ckpt = f"{len(a.checkpointed)} blocks checkpointed" if a.checkpointed else "no checkpointing"
-    return series_from_timeline(
-        timeline,
-        caption=f"One step of the plan ({a.precision}, {ckpt}, micro-batch {a.batch_size}) "
-        f"recorded module by module on {timeline.device}.",
-    )

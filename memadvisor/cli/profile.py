@@ -51,10 +51,8 @@ Exit codes: 0 ok, 2 bad input, 4 profiling failed, 1 a bug.
 @app.command(epilog=EPILOG)
 @handle_errors
 def profile(
-    target: Annotated[str, typer.Argument(help=TARGET_HELP, show_default=False)],
-    device: Annotated[
-        DeviceOption, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)
-    ] = DeviceOption.auto,
+    target: Annotated[str, typer.Argument(metavar="TARGET", help=TARGET_HELP, show_default=False)],
+    device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
     blocks: Annotated[
         list[str] | None,
         typer.Option(
@@ -105,8 +103,8 @@ def profile(
             show_default=False,
         ),
     ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help=DEBUG_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure TARGET's training step: memory by kind, per block, per owner and per phase."""
     if batch_size is not None and batch_size <= 0:
@@ -124,7 +122,12 @@ def profile(
             "--cuda-snapshot records the CUDA caching allocator, but this profile runs on the "
             "CPU simulated device; drop the option or run on a machine with a GPU."
         )
-    from memadvisor.profiler import profile_workload, record_timeline, write_memory_snapshot
+    from memadvisor.profiler import (
+        profile_workload,
+        record_timeline,
+        top_allocations,
+        write_memory_snapshot,
+    )
     from memadvisor.report import one_line_profile, print_profile
     from memadvisor.target import load_target
 
@@ -149,6 +152,8 @@ def profile(
         path = write_memory_snapshot(workload, cuda_snapshot_path, batch_size=b)
         say_written("the CUDA allocator snapshot (open it at pytorch.org/memory_viz)", path,
                     quiet=quiet)  # fmt: skip
+    # One more step, each op's allocations charged to its module: the op table.
+    ops = top_allocations(workload, batch_size=b, device=on) if html_path or not quiet else None
     if html_path is not None:
         from memadvisor.report import render_profile_html, series_from_timeline
 
@@ -157,13 +162,13 @@ def profile(
             f"by module on {timeline.device}."
         )
         series = series_from_timeline(timeline, caption=caption)
-        page = render_profile_html(result, batch_size=b, series=series)
+        page = render_profile_html(result, batch_size=b, series=series, ops=ops)
         write_text(html_path, page, "the HTML report", quiet=quiet)
     console = out_console()
     if quiet:
         console.print(one_line_profile(result), highlight=False, soft_wrap=True)
     else:
-        print_profile(result, console, batch_size=b)
+        print_profile(result, console, batch_size=b, ops=ops)
 
 
 def _profiler_device(kind: str) -> str:

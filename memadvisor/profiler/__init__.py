@@ -2,6 +2,7 @@
 
 from memadvisor.profiler._blocks import find_blocks
 from memadvisor.profiler._export import record_timeline, write_memory_snapshot
+from memadvisor.profiler._ops import OpAllocation, top_allocations
 from memadvisor.profiler._profile import as_optimizer_factory, profile, profile_workload
 from memadvisor.profiler._schema import (
     BlockActivity,
@@ -18,6 +19,8 @@ from memadvisor.profiler._schema import (
 )
 
 __all__ = [
+    "OpAllocation",
+    "top_allocations",
     "BlockActivity",
     "BlockInfo",
     "DeviceInfo",
