@@ -99,8 +99,8 @@ def parse_choice(choice: JsonValue) -> CompileChoice | None:
 def _call_through(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # The frame dynamo compiles: everything below it (inner wrappers, the class's forward)
     # is traced into the graph. Its root is the module itself, as torch.compile(model)'s
-    # frame is: rooted at the wrapper instead, the same graph cost 40% more host time per
-    # call (docs/design.md, "CompiledForward in the user's loop").
+    # frame is: rooted at the wrapper instead, the same graph took about 60% more host time
+    # per forward (docs/design.md, "CompiledForward in the user's loop").
     wrapper = module.forward  # the outermost wrapper; CompiledForward is normally it
     while not isinstance(wrapper, CompiledForward):
         wrapper = wrapper.inner
