@@ -25,8 +25,8 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
     python bench/user_path.py --device simulated --models gpt --budget-gib 0.05 \\
         --steps 6 --warmup 2 --compile-backend eager --hand eager --json /tmp/u.jsonl  # CPU
 
-Models: gpt, cnn, llama (examples/); resnet18, convnext_tiny, vit_b_16 (torchvision); bert,
-llama_small (transformers). A model whose package is missing is a row with its error.
+Models: gpt, cnn, llama (examples/); resnet18, resnet50, convnext_tiny, vit_b_16
+(torchvision); gpt2 (124M), bert, llama_small (transformers). A model whose package is missing is a row with its error.
 """
 
 from __future__ import annotations
@@ -54,10 +54,12 @@ MODELS = {
     "resnet18": f"{MODELS_FILE}:resnet18_b8",
     "convnext_tiny": f"{MODELS_FILE}:convnext_tiny_b8",
     "vit_b_16": f"{MODELS_FILE}:vit_b_16",
+    "resnet50": f"{MODELS_FILE}:resnet50",
+    "gpt2": f"{MODELS_FILE}:gpt2",
     "bert": f"{MODELS_FILE}:bert_base_b4",
     "llama_small": f"{MODELS_FILE}:llama_small",
 }
-DEFAULT_MODELS = "gpt,cnn,llama,resnet18,convnext_tiny,vit_b_16,bert,llama_small"
+DEFAULT_MODELS = "gpt,cnn,llama,resnet18,resnet50,convnext_tiny,vit_b_16,gpt2,bert,llama_small"
 HAND = ("fp32", "fp32+ckpt", "bf16", "bf16+ckpt")
 
 
