@@ -26,7 +26,8 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
         --steps 6 --warmup 2 --compile-backend eager --hand eager --json /tmp/u.jsonl  # CPU
 
 Models: gpt, cnn, llama (examples/); resnet18, resnet50, convnext_tiny, vit_b_16
-(torchvision); gpt2 (124M), bert, llama_small (transformers). A model whose package is missing is a row with its error.
+(torchvision); gpt2 (124M), bert, llama_small (transformers). A model whose package is
+missing is a row with its error.
 """
 
 from __future__ import annotations
