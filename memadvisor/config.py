@@ -71,7 +71,23 @@ class PlanConfig(BaseModel):
     # the estimate's stated accuracy is 5% median, 10% worst (on the simulated device the
     # examples' picks matched their measured peaks to 0.1%).
     margin_fraction: float = Field(
-        0.08, ge=0.0, lt=0.5, description="Share of the budget the plan keeps free."
+        0.08,
+        ge=0.0,
+        lt=0.5,
+        description="Share of the budget the estimate keeps free before anything is measured "
+        "(where the batch search starts); with measured_margin off, also what the pick keeps "
+        "free. Passing it turns measured_margin off unless that is passed too.",
+    )
+    # On a card the limit moved by a few samples near the edge between fresh processes (a ViT
+    # held batch 92 in one and failed at step 2 in another; docs/design.md), and the fixed 8%
+    # left a CNN at 148 where 166 held: 0.89 of what the card allows.
+    measured_margin: bool = Field(
+        True,
+        description="The pick is sized from its runs: its measured peak (reserved bytes, on a "
+        "card) leaves planner._plan.HEADROOM_FRACTION (3%) of the budget free, the batch "
+        "search extrapolates along the measured bytes per sample, and below a batch that ran "
+        "out it keeps that headroom's worth of measured samples. False keeps margin_fraction "
+        "for the pick (the CLI's --margin).",
     )
     device: DeviceKind = Field("auto", description="cuda, the CPU simulated device, or auto.")
     # On a card a run's fixed cost (a process, a CUDA context, the first step's kernel loading:
@@ -136,6 +152,14 @@ class PlanConfig(BaseModel):
                 f"model), but got {self.world_size=} and {self.parallel=}."
             )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_given_margin_is_kept(cls, data: object) -> object:
+        # A margin the user sets is theirs: the pick keeps it rather than a measured one.
+        if isinstance(data, dict) and "margin_fraction" in data and "measured_margin" not in data:
+            return {**data, "measured_margin": False}
+        return data
 
     @model_validator(mode="after")
     def _effective_batch_given(self) -> PlanConfig:

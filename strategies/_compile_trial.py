@@ -122,7 +122,7 @@ class _FreshCompiledForward(CompiledForward):
         self.fn = new_compiled_function(type(module), choice, own_backend=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self, *args, **kwargs)
+        return self.fn(self.module, *args, **kwargs)
 
 
 @dataclass

@@ -95,13 +95,17 @@ def plan(
     ] = None,
     device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
     margin: Annotated[
-        float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
-    ] = 0.08,
+        float | None,
+        typer.Option(
+            "--margin",
+            help="Share of the budget the plan keeps free (0 to 0.5); default: sized from the "
+            "runs (the pick's measured peak leaves 3% free).",
+        ),
+    ] = None,
     checks: Annotated[
         ChecksOption,
         typer.Option(
             "--checks",
-            metavar="CHECKS",
             help="decide: a precision whose numerics check fails (its loss curve against "
             "fp32's) is not picked; report: it may be picked, and the failed check is shown.",
         ),
@@ -180,7 +184,7 @@ def _config(
     budget_gb: float,
     objective: ObjectiveOption | None,
     effective_batch: int | None,
-    margin: float,
+    margin: float | None,
     device: DeviceOption,
     world_size: int = 1,
     parallel: ParallelOption = ParallelOption.none,
@@ -194,7 +198,7 @@ def _config(
         raise BadInputError(
             f"--budget-gb must be a positive number of GiB, e.g. 8, but got {budget_gb=}."
         )
-    if not 0.0 <= margin < 0.5:
+    if margin is not None and not 0.0 <= margin < 0.5:
         raise BadInputError(f"--margin must be at least 0 and below 0.5, but got {margin=}.")
     if effective_batch is not None and effective_batch <= 0:
         raise BadInputError(f"--effective-batch must be positive, but got {effective_batch=}.")
@@ -219,10 +223,11 @@ def _config(
         budget_bytes=gib_to_bytes(budget_gb),
         objective=objective.value,
         effective_batch=effective_batch,
-        margin_fraction=margin,
         device=resolve_device(device),  # type: ignore[arg-type]
         world_size=world_size,
         parallel=parallel.value,
+        # Given, the margin is the user's for the pick too; else the runs size it.
+        **({"margin_fraction": margin} if margin is not None else {}),
     )
 
 

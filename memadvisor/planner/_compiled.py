@@ -283,14 +283,6 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
         # A compiled step per rank (compiled FSDP2 hooks, DDP's graph breaks at buckets) is
         # not what the estimate or the rank runner models.
         return f"Compiling was not weighed for {prober.config.parallel} ranks; planned eager."
-    if getattr(device, "mode", None) == "in_process":
-        # One process compiles each new batch with a dynamic batch dimension (dynamo's
-        # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.
-        return (
-            "Compiling was not weighed: the probes ran in this process, where each new batch "
-            "would compile with a dynamic batch dimension; pass a target ('file.py:factory') "
-            "or a picklable loss_fn for fresh-process probes. Planned eager."
-        )
     if not step_times_rank(device):
         return (
             f"compile='on' was asked, but the {device.kind} device's step times cannot tell a "
