@@ -172,7 +172,7 @@ def bench_one(
         out["verified"] = plan.verified.model_dump(mode="json") if plan.verified else None
         out["estimate_peak_gib"] = plan.estimate.peak_bytes / GIB
         out["notes"] = plan.notes
-        out["device_mode"] = getattr(device, "mode", device.kind)
+        out["device_mode"] = getattr(device, "mode", device.kind)  # CudaDevice: how runs ran
         out["hand"] = {} if args.skip_hand else _hand(workload, config, profile, device)
     finally:
         device.close()

@@ -8,11 +8,13 @@ construction. Each strategy rewrites in place (or returns a module whose paramet
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
 
+from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
 from memadvisor.strategy import Strategy, apply_candidate, chosen_strategies
 
@@ -34,10 +36,22 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
         plan = memadvisor.Plan.model_validate_json(Path("plan.json").read_text())
         model = memadvisor.apply_plan(model, plan)
 
+    All or nothing: the model is checked against the plan (its fingerprint: class,
+    parameter names and shapes) and every choice against the model before anything changes.
+
     Raises:
-        BadInputError: the plan uses a strategy that is not installed, or names blocks this
-            model does not have.
+        BadInputError: the plan was made for another model, uses a strategy that is not
+            installed, or names blocks this model does not have.
     """
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
+    fingerprint = plan.model_fingerprint
+    difference = fingerprint.difference(model) if fingerprint is not None else None
+    if difference is not None:
+        raise BadInputError(
+            f"This plan does not fit the model: {difference}. Apply a plan made for this model "
+            "(memadvisor plan ... --json plan.json on the same factory)."
+        )
     model = apply_candidate(model, plan.candidate, None, plan.profile)
     # Not an nn.Module attribute: a plain object in __dict__, kept out of state_dict.
     object.__setattr__(model, "memadvisor_plan", plan)
@@ -45,14 +59,21 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
 
 
 def run_checks(
-    workload: Workload, candidate: Candidate, strategies: Sequence[Strategy] | None = None
+    workload: Workload,
+    candidate: Candidate,
+    strategies: Sequence[Strategy] | None = None,
+    done: Sequence[Check] = (),
 ) -> list[Check]:
     """Each chosen strategy's own measurement of its choice on copies of the workload.
 
-    The planner puts these in ``Plan.checks`` (precision's numerics check is one).
+    The planner puts these in ``Plan.checks`` (precision's numerics check is one); a choice
+    with a check in ``done`` (run before the search) is not checked again.
     """
+    checked = {(c.strategy, json.dumps(c.choice, sort_keys=True)) for c in done}
     checks = []
     for strategy, choice in chosen_strategies(candidate, strategies):
+        if (strategy.name, json.dumps(choice, sort_keys=True)) in checked:
+            continue
         result = strategy.check(workload, choice)
         if result is not None:
             checks.append(result)

@@ -12,6 +12,8 @@ anything else unchanged.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 __all__ = [
@@ -21,7 +23,13 @@ __all__ = [
     "PlanningError",
     "SimulatedOutOfMemoryError",
     "is_oom",
+    "is_our_bug",
 ]
+
+# memadvisor and its built-in strategies, installed side by side (pyproject.toml).
+_OUR_CODE = tuple(
+    f"{Path(__file__).resolve().parents[1] / name}/" for name in ("memadvisor", "strategies")
+)
 
 
 class MemadvisorError(Exception):
@@ -41,9 +49,20 @@ class InfeasibleBudgetError(MemadvisorError):
 
     exit_code = 3
 
-    def __init__(self, message: str, *, minimum_bytes: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, minimum_bytes: int | None = None, minimum_gib: str | None = None
+    ) -> None:
         super().__init__(message)
+        self.message = message
         self.minimum_bytes = minimum_bytes
+        self.minimum_gib = minimum_gib
+        # How the caller passes a budget: Python's keyword by default; the CLI sets its flag.
+        self.option = "budget_gb="
+
+    def __str__(self) -> str:
+        if self.minimum_gib is None:
+            return self.message
+        return f"{self.message} pass {self.option}{self.minimum_gib} or more."
 
 
 class PlanningError(MemadvisorError):
@@ -97,4 +116,38 @@ def is_oom(error: BaseException) -> bool:
     if isinstance(error, RuntimeError) and len(error.args) == 1:
         message = str(error.args[0])
         return any(m in message for m in _OOM_MESSAGES)
+    return False
+
+
+def _raised_in_our_code(error: BaseException) -> bool:
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = str(Path(tb.tb_frame.f_code.co_filename).resolve())
+    return filename.startswith(_OUR_CODE)
+
+
+def is_our_bug(error: BaseException) -> bool:
+    """Whether ``error`` is a bug in memadvisor: raised by a line of its own code (the
+    innermost frame of the traceback, here or along the chain of causes a wrapper such as
+    dynamo's BackendCompilerFailed keeps), not by torch or the user's model, and neither one
+    of its errors on purpose (:class:`MemadvisorError`) nor running out of memory.
+
+    Code that turns failures into answers ("the model rejected the batch", "does not
+    compile") asks this first and re-raises what is ours, so our bugs keep their traceback.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if (
+            not isinstance(current, MemadvisorError)
+            and not is_oom(current)
+            and _raised_in_our_code(current)
+        ):
+            return True
+        inner = getattr(current, "inner_exception", None)
+        current = inner if isinstance(inner, BaseException) else current.__cause__
     return False

@@ -74,6 +74,7 @@ from typing import Protocol
 from pydantic import JsonValue
 
 from memadvisor.schema.candidate import Candidate, Estimate, PeakPhase
+from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import LinearBytes, Profile, StepProfile
 
 __all__ = ["Effect", "StepModel", "estimate"]
@@ -499,7 +500,7 @@ class StepModel:
                 "temporaries": max(0, peak - known),
             },
             step_ms=step_ms,
-            samples_per_s=samples / step_ms * 1000.0 if step_ms > 0 else float("inf"),
+            samples_per_s=samples_per_s(samples, step_ms),
             reserved_peak_bytes=self._reserved(peak),
         )
 

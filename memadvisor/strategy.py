@@ -89,6 +89,8 @@ class PickStage(ABC):
     step_times_rank: bool
     #: Whether every run starts in a fresh process (False: runs share the planner's).
     fresh_processes: bool
+    #: Bytes free on the device's card now (None: not a card): room for work in this process.
+    free_bytes: int | None
 
     @abstractmethod
     def confirm(self, choices: dict[str, JsonValue], start_batch: int) -> Confirmed | None:
@@ -147,6 +149,15 @@ class Strategy(ABC):
     def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
         """Rewrite ``model`` for ``choice``; parameter names and state_dict keys unchanged."""
 
+    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+        """Raise ``BadInputError`` when :meth:`apply` would refuse ``choice`` for ``model``.
+
+        Called for every chosen strategy before any of them applies, so that a plan that does
+        not fit the model rewrites none of it. Optional: the default accepts every choice
+        (apply's own errors are then caught and the rewrite taken back).
+        """
+        return None
+
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """A sentence and a snippet a person can adopt; None when the choice is neutral."""
@@ -158,6 +169,17 @@ class Strategy(ABC):
         gradients with fp32's.
         """
         return None
+
+    def screen(self, workload: Workload, profile: Profile, config: PlanConfig) -> list[Check]:
+        """Check choices on copies of the user's workload before the search, so that a
+        choice that fails its check is never picked.
+
+        A strategy whose checks decide runs them here and leaves a choice whose check failed
+        out of :meth:`choices` for the rest of the plan, unless ``config.checks`` is
+        'report'. The planner reports every check returned. Optional: the default checks
+        nothing (and :meth:`check` then reports on the pick after the search).
+        """
+        return []
 
     def is_neutral(self, choice: JsonValue) -> bool:
         """True when ``choice`` changes nothing (default: falsy, or 'off').
@@ -185,6 +207,14 @@ class Strategy(ABC):
 
         For a strategy that searches nothing but explains the pick (the batch size).
         """
+        return None
+
+    def plan_scope(
+        self, config: PlanConfig, device_kind: str
+    ) -> contextlib.AbstractContextManager | None:
+        """An environment the whole plan runs in, entered before the device starts its
+        processes so that they inherit it (compile: one inductor cache for every probe);
+        None: nothing. Exited when the plan ends, whatever happens."""
         return None
 
     def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
@@ -285,12 +315,42 @@ def apply_candidate(
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
-    for strategy, choice in _chosen(candidate, strategies):
-        rewritten = strategy.apply(model, choice, profile)
-        if rewritten is not model:
-            _check_same_keys(model, rewritten, strategy.name)
-            model = rewritten
+    chosen = _chosen(candidate, strategies)
+    # All or nothing: every choice is checked before any is applied, and what was applied
+    # is taken back when a strategy still fails while applying.
+    for strategy, choice in chosen:
+        strategy.validate(model, choice, profile)
+    before = _Rewrite(model)
+    try:
+        for strategy, choice in chosen:
+            rewritten = strategy.apply(model, choice, profile)
+            if rewritten is not model:
+                _check_same_keys(model, rewritten, strategy.name)
+                model = rewritten
+    except BaseException:
+        before.restore()
+        raise
     return model
+
+
+class _Rewrite:
+    """What strategies change on a model: each module's instance ``forward`` (the wrappers)
+    and its train/eval flag, saved to be put back when applying fails half way."""
+
+    _NONE = object()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = [
+            (m, m.__dict__.get("forward", self._NONE), m.training) for m in model.modules()
+        ]
+
+    def restore(self) -> None:
+        for module, forward, training in self.saved:
+            if forward is self._NONE:
+                module.__dict__.pop("forward", None)
+            else:
+                object.__setattr__(module, "forward", forward)
+            module.training = training
 
 
 def _check_same_keys(before: nn.Module, after: nn.Module, strategy: str) -> None:

@@ -15,10 +15,13 @@ which judges compiled variants of it by measuring them through the planner's
    budget set to the share of activations the pick keeps (:func:`kept_share`): both
    variants then hold about the pick's memory at its batch and the device says which
    recompute is cheaper.
-2. Trial. Each variant is compiled once in this process at the sample batch
-   (:func:`~strategies.compile.try_compile`), which also times the one-off compile. A
-   model that does not compile (an error, no graph, graph breaks everywhere) is a note and
-   the plan stays eager.
+2. Trial. Each variant is compiled once in this process
+   (:func:`~strategies.compile.try_compile`), which also times the one-off compile: at the
+   eager pick's confirmed batch when the card has room for it beside a probe (:func:`trial_batch`),
+   so the first compiled probe loads that graph from inductor's cache instead of compiling
+   it again (21 s saved for a 124M GPT on an H200, docs/design.md), else at the sample
+   batch. A model that does not compile (an error, no graph, graph breaks everywhere) is a
+   note and the plan stays eager.
 3. Device. Each variant that compiled gets the batch search eager candidates get
    (``PickStage.confirm``), bracketed from the eager pick's confirmed batch, inside one shared
    inductor cache (:func:`~strategies._compile_cache.shared_compile_cache`), so a probe
@@ -42,6 +45,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -52,6 +56,7 @@ from typing import Protocol
 import torch
 from pydantic import JsonValue
 
+from memadvisor.errors import is_our_bug
 from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import StageOutcome, StageVariant
@@ -59,7 +64,7 @@ from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Confirmed, PickStage, Refinement
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.workload import Workload
-from strategies._compile_cache import shared_compile_cache
+from strategies._compile_cache import SharedCompileCache, shared_compile_cache
 from strategies._compile_trial import CompileResult
 from strategies._compiled_forward import CompileChoice, parse_choice
 
@@ -98,6 +103,7 @@ __all__ = [
     "compiled_pick",
     "compiled_variants",
     "kept_share",
+    "trial_batch",
 ]
 
 COMPILE = "compile"
@@ -115,6 +121,10 @@ MIN_SPEEDUP = 1.03
 # Budgets in twentieths: a plan reads 0.65, not 0.6473; rounded up, so the variant keeps
 # at least what the pick keeps (it recomputes no more than it must).
 _BUDGET_STEP = 0.05
+# What the card must hold beyond two budgets (a probe process's and the trial's, which runs
+# in this process) before the trial runs at the probes' batch: two CUDA contexts and this
+# process's leftovers.
+ROOM_BESIDES_PROBES_BYTES = 2 * 2**30
 
 
 def compiled_pick(
@@ -123,6 +133,7 @@ def compiled_pick(
     strategy: Compile,
     *,
     cache_dir: str | Path | None = None,
+    cache: SharedCompileCache | None = None,
 ) -> Refinement:
     """The pick to verify: ``eager_best``, or a compiled variant of it the device found faster.
 
@@ -133,6 +144,11 @@ def compiled_pick(
         strategy: the compile strategy (its offered choices; it keeps the trials and gains).
         cache_dir: the inductor cache the variants' processes share; None keeps the user's,
             so what the plan compiled is warm for the user's own training.
+        cache: a shared cache entered already for the whole plan (``Compile.plan_scope``, so
+            the fork server starts once with it); ``cache_dir`` is then unused.
+
+    The trial runs at the eager pick's batch where the card has room beside a probe
+    (``stage.free_bytes``, :func:`trial_batch`), else at the sample batch.
 
     Returns:
         The confirmed pick (``eager_best`` itself when compiling was not considered, failed
@@ -150,16 +166,19 @@ def compiled_pick(
     runs_before = len(stage.probes)
     records: list[StageVariant] = []
     confirmed: list[tuple[StageVariant, Confirmed]] = []
-    with stage.progress(), shared_compile_cache(cache_dir) as cache:
+    scope = contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
+    with stage.progress(), scope as shared:
         for choices in variants:
             stage.describe(f"compile: trying {_label(choices)}")
-            record, found = _measure_variant(stage, strategy, choices, eager_best.found_batch)
+            record, found = _measure_variant(
+                stage, strategy, choices, eager_best.found_batch, stage.free_bytes
+            )
             records.append(record)
             if found is not None:
                 confirmed.append((record, found))
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(stage.probes) > runs_before
-        cache_report = cache.report() if ran else None
+        cache_report = shared.report() if ran else None
 
     objective = stage.config.objective
     winner = _best(objective, confirmed)
@@ -340,14 +359,6 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
         # A compiled step per rank (compiled FSDP2 hooks, DDP's graph breaks at buckets) is
         # not what the estimate or the rank runner models.
         return f"Compiling was not weighed for {stage.config.parallel} ranks; planned eager."
-    if not stage.fresh_processes:
-        # One process compiles each new batch with a dynamic batch dimension (dynamo's
-        # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.
-        return (
-            "Compiling was not weighed: the probes ran in this process, where each new batch "
-            "would compile with a dynamic batch dimension; pass a target ('file.py:factory') "
-            "or a picklable loss_fn for fresh-process probes. Planned eager."
-        )
     if not stage.step_times_rank:
         return (
             f"compile='on' was asked, but the {stage.device_kind} device's step times cannot "
@@ -362,20 +373,39 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
 
 
 def _measure_variant(
-    stage: PickStage, strategy: Compile, choices: dict[str, JsonValue], start_batch: int
+    stage: PickStage,
+    strategy: Compile,
+    choices: dict[str, JsonValue],
+    start_batch: int,
+    free_bytes: int | None = None,
 ) -> tuple[StageVariant, Confirmed | None]:
-    """Try ``choices`` at the sample batch here; if it compiles, confirm it on the device."""
+    """Trial ``choices`` here (:func:`trial_batch`); if it compiles, confirm it on the device.
+
+    At the batch the device search starts from, the trial fills inductor's on-disk cache with
+    the graph the first compiled probe needs, and that probe loads it instead of compiling
+    (``docs/design.md``, plan speed). A trial that ran out of memory there (this process
+    shares the card with the probes) is tried again at the sample batch.
+    """
     workload = stage.workload
     others = {name: c for name, c in choices.items() if name != COMPILE}
-    at_sample = Candidate(batch_size=workload.sample_batch_size, choices=others)
+    sample = workload.sample_batch_size
+    batches = [trial_batch(start_batch, sample, stage.config.budget_bytes, free_bytes)]
+    if batches[0] != sample:
+        batches.append(sample)
     try:
-        result = strategy.trial(
-            workload,
-            choices[COMPILE],
-            candidate=at_sample,
-            device="cuda" if stage.device_kind == "cuda" else None,
-        )
+        for batch in batches:
+            result = strategy.trial(
+                workload,
+                choices[COMPILE],
+                candidate=Candidate(batch_size=batch, choices=others),
+                device="cuda" if stage.device_kind == "cuda" else None,
+            )
+            release_cached_memory()
+            if not result.out_of_memory:
+                break
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
+        if is_our_bug(e):
+            raise
         text = f"the compile trial could not run its eager step ({_first_line(e)})."
         return StageVariant(choices=choices, ok=False, trial=text, error=text), None
     finally:
@@ -393,6 +423,8 @@ def _measure_variant(
     try:
         found = stage.confirm(choices, start_batch)
     except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
+        if is_our_bug(e):
+            raise
         record.error = _first_line(e)
     record.device_wall_ms = sum(p.wall_ms for p in stage.probes[runs_before:])
     if found is None:
@@ -401,6 +433,20 @@ def _measure_variant(
     record.batch_size = found.candidate.batch_size
     record.measured = found.measured
     return record, found
+
+
+def trial_batch(
+    start_batch: int, sample_batch: int, budget_bytes: int, free_bytes: int | None
+) -> int:
+    """The batch a compile trial runs at: the device search's start when the card has room,
+    else the sample batch.
+
+    The trial runs in this process, beside a probe process capped at the budget: room is two
+    budgets and :data:`ROOM_BESIDES_PROBES_BYTES` free; ``free_bytes`` None (no card) is none.
+    """
+    if free_bytes is not None and free_bytes >= 2 * budget_bytes + ROOM_BESIDES_PROBES_BYTES:
+        return max(1, start_batch)
+    return max(1, sample_batch)
 
 
 def _record_gain(strategy: Compile, compiled: Confirmed, eager: Confirmed) -> None:

@@ -54,7 +54,8 @@ Known limitations:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +66,7 @@ from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.call import CallForm
 from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
 from strategies import _forward
+from strategies._compile_cache import SharedCompileCache, shared_compile_cache
 from strategies._compile_stage import DeviceGain, compiled_pick
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
@@ -132,6 +134,7 @@ class Compile(Strategy):
         self.offered: list[JsonValue] = [p.to_json() for p in parsed if p is not None]
         self.results: dict[CompileChoice, CompileResult] = {}
         self.gains: dict[CompileChoice, DeviceGain] = {}
+        self._plan_cache: SharedCompileCache | None = None  # while a plan's scope is open
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if profile.device.kind != "cuda":
@@ -179,11 +182,29 @@ class Compile(Strategy):
             form=profile.call_form if profile is not None else None,
         )
 
+    def plan_scope(
+        self, config: PlanConfig, device_kind: str
+    ) -> contextlib.AbstractContextManager | None:
+        """On a card, one inductor cache for the whole plan, set before the fork server starts:
+        its children compile into it, and the compiled probes need no fresh server for it."""
+        if device_kind != "cuda" or config.option(self.name, "auto") == "off":
+            return None
+        return self._whole_plan_cache()
+
+    @contextlib.contextmanager
+    def _whole_plan_cache(self) -> Iterator[SharedCompileCache]:
+        with shared_compile_cache() as cache:
+            self._plan_cache = cache
+            try:
+                yield cache
+            finally:
+                self._plan_cache = None
+
     def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
         """Compiled variants of the eager pick, measured on the device, kept when faster
         (:func:`strategies._compile_stage.compiled_pick`). The plan's ``options["compile"]``
         says whether: ``"auto"`` (default: on CUDA), ``"off"`` or ``"on"``."""
-        return compiled_pick(stage, eager, self)
+        return compiled_pick(stage, eager, self, cache=self._plan_cache)
 
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Compile ``choice`` on copies of the workload and compare with eager (see try_compile).

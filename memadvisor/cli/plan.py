@@ -22,6 +22,7 @@ from memadvisor.cli._app import (
     resolve_device,
     write_text,
 )
+from memadvisor.errors import InfeasibleBudgetError
 
 if TYPE_CHECKING:
     from memadvisor.report import PlannedStep
@@ -39,6 +40,11 @@ FLAGS = {
     "world_size": "--world-size",
     "parallel": "--parallel",
 }
+
+
+class ChecksOption(str, Enum):
+    decide = "decide"
+    report = "report"
 
 
 class ParallelOption(str, Enum):
@@ -99,8 +105,21 @@ def plan(
     ] = None,
     device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
     margin: Annotated[
-        float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
-    ] = 0.08,
+        float | None,
+        typer.Option(
+            "--margin",
+            help="Share of the budget the plan keeps free (0 to 0.5); default: sized from the "
+            "runs (the pick's measured peak leaves 3% free).",
+        ),
+    ] = None,
+    checks: Annotated[
+        ChecksOption,
+        typer.Option(
+            "--checks",
+            help="decide: a precision whose numerics check fails (its loss curve against "
+            "fp32's) is not picked; report: it may be picked, and the failed check is shown.",
+        ),
+    ] = ChecksOption.decide,
     world_size: Annotated[
         int,
         typer.Option(
@@ -143,6 +162,7 @@ def plan(
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
     config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
+    config = config.model_copy(update={"checks": checks.value})
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
@@ -150,7 +170,11 @@ def plan(
 
     workload = load_target(target)
     # The planner says in one line when it plans on the CPU simulated device.
-    result = plan_workload(workload, config, target=target, progress=not quiet)
+    try:
+        result = plan_workload(workload, config, target=target, progress=not quiet)
+    except InfeasibleBudgetError as e:
+        e.option = "--budget-gb "  # the minimum in the form this user passes a budget
+        raise
     if json_path is not None:
         write_text(json_path, result.model_dump_json(indent=2) + "\n", "the plan", quiet=quiet)
     console = out_console()
@@ -170,7 +194,7 @@ def _config(
     budget_gb: float,
     objective: ObjectiveOption | None,
     effective_batch: int | None,
-    margin: float,
+    margin: float | None,
     device: DeviceOption,
     world_size: int = 1,
     parallel: ParallelOption = ParallelOption.none,
@@ -182,12 +206,16 @@ def _config(
     """
     from memadvisor.api import plan_config  # torch and the planner: only when a plan is made
 
+    options: dict[str, object] = {"world_size": world_size, "parallel": parallel.value}
+    if margin is not None:
+        # Given, the margin is the user's for the pick too; else the runs size it.
+        options["margin_fraction"] = margin
     return plan_config(
         budget_gb,
         objective=objective.value if objective is not None else None,
         effective_batch=effective_batch,
         device=resolve_device(device),
-        options={"margin_fraction": margin, "world_size": world_size, "parallel": parallel.value},
+        options=options,
         names=FLAGS,
     )
 

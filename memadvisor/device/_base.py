@@ -23,7 +23,7 @@ class Device(ABC):
     What the planner asks of a device besides ``run`` is declared here with a default, so a
     device (a test's, a third party's) overrides only what differs from it:
     :attr:`runs_cost_more_than_steps`, :attr:`step_times_rank`, :attr:`fresh_processes`,
-    :attr:`notes` and :meth:`close`.
+    :attr:`notes`, :meth:`close` and :meth:`free_bytes`.
     """
 
     kind: ClassVar[str]
@@ -50,6 +50,11 @@ class Device(ABC):
 
     def close(self) -> None:
         """Give back what the device holds (processes, files); default: nothing to give."""
+        return None
+
+    def free_bytes(self) -> int | None:
+        """Bytes free on the device's card now, for work the planner's own process does
+        beside the runs (a strategy's trial); default None: not a card."""
         return None
 
     @abstractmethod

@@ -16,6 +16,7 @@ import torch
 
 from memadvisor.errors import is_oom
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Strategy, apply_candidate, load_strategies
 from memadvisor.workload import Workload, train_step
@@ -91,5 +92,5 @@ def train_candidate(
         peak_bytes=peak,
         reserved_peak_bytes=max(reserved, 0),
         step_ms=step_ms,
-        samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        samples_per_s=samples_per_s(samples, step_ms),
     )

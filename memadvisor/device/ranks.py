@@ -42,6 +42,7 @@ from memadvisor.device._base import Device
 from memadvisor.errors import BadInputError, PlanningError, SimulatedOutOfMemoryError, is_oom
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload, tensor_leaves, train_step
 
@@ -218,7 +219,7 @@ def _measurement(
         peak_bytes=max(peaks),
         reserved_peak_bytes=max(reserved) if None not in reserved else None,
         step_ms=step_ms,
-        samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        samples_per_s=samples_per_s(samples, step_ms),
         rank_peak_bytes=peaks,
     )
 

@@ -60,7 +60,7 @@ def apply_blocks(model: nn.Module, plan: Plan) -> nn.Module:
     Precision, batch and compile are the framework's to set (its autocast, its loader); the
     rest of :func:`memadvisor.apply_plan` would do them a second time.
     """
-    from memadvisor.apply import apply_candidate
+    from memadvisor.strategy import apply_candidate
 
     choice = plan.candidate.choice("checkpointing")
     if not choice:

@@ -5,14 +5,26 @@ What a person should know that the numbers do not say; each sentence is made her
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
-from memadvisor.planner._prober import Confirmed
+from pydantic import JsonValue
+
+from memadvisor.planner._prober import Confirmed, Tie
+from memadvisor.planner._rerank import TIE_FRACTION
+from memadvisor.schema.advice import Check
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Probe
 
-__all__ = ["SIMULATED_NOTE", "pick_notes", "runs_note"]
+__all__ = [
+    "SIMULATED_NOTE",
+    "fallbacks_first",
+    "pick_notes",
+    "runs_note",
+    "screen_notes",
+    "tie_note",
+]
 
 SIMULATED_NOTE = (
     "This plan is for the simulated CPU device{why}. It enforces the budget on the tracked "
@@ -63,3 +75,56 @@ def runs_note(
             f"verify_steps={config.verify_steps}) is its verification."
         )
     return f"{text}, and a run of its own verified it over {verified.steps} steps."
+
+
+def screen_notes(checks: Sequence[Check], config: PlanConfig) -> list[str]:
+    """What the checks run before the search decided, for the plan's first lines."""
+    notes = []
+    for check in checks:
+        if check.passed:
+            continue
+        choice = f"{check.strategy} {check.choice}"
+        if config.checks == "decide":
+            notes.append(
+                f"{choice} was not considered: its check failed. {check.summary} Pass "
+                "checks='report' (CLI: --checks report) to consider it anyway."
+            )
+        else:
+            notes.append(
+                f"{choice} failed its check and was considered anyway (checks='report'): "
+                f"{check.summary}"
+            )
+    return notes
+
+
+def tie_note(tie: Tie | None, final: Candidate) -> str | None:
+    """The plan's note on a tie the fixed rule broke, when the tie decided the pick."""
+    if tie is None or tie.taken.candidate.choices != final.choices:
+        return None
+    others = "; ".join(
+        f"{_describe_choices(s.candidate.choices)} {rate:.1f}" for s, rate in tie.others
+    )
+    return (
+        f"Tie: {_describe_choices(tie.taken.candidate.choices)} ran {tie.rate:.1f} samples/s "
+        f"and {others} samples/s, within {TIE_FRACTION:.0%} of the best, the spread two runs "
+        "of one configuration show; the plan takes the one with the fewest strategies turned "
+        "on (a fixed rule: the same inputs give the same pick)."
+    )
+
+
+def _describe_choices(choices: dict[str, JsonValue]) -> str:
+    if not choices:
+        return "the plain step"
+    return ", ".join(
+        f"{name} {len(c)} blocks" if isinstance(c, list) else f"{name} {json.dumps(c)}"
+        for name, c in sorted(choices.items())
+    )
+
+
+def fallbacks_first(notes: list[str]) -> list[str]:
+    """The notes with the in-process fallback's first: it changes how far the report's
+    measurements can be trusted, so the report's first lines say it, not a note at the end."""
+    from memadvisor.device.cuda import IN_PROCESS_NOTE_START
+
+    first = [n for n in notes if n.startswith(IN_PROCESS_NOTE_START)]
+    return first + [n for n in notes if not n.startswith(IN_PROCESS_NOTE_START)]

@@ -32,22 +32,31 @@ import torch
 
 from memadvisor.apply import run_checks
 from memadvisor.device import Device, make_device, resolve_kind
+from memadvisor.device.simulated import check_host_holds
 from memadvisor.estimate import estimate
 from memadvisor.memory import release_cached_memory
 from memadvisor.planner._budget import check_static_fits, infeasible
-from memadvisor.planner._notes import SIMULATED_NOTE, pick_notes, runs_note
+from memadvisor.planner._notes import (
+    SIMULATED_NOTE,
+    fallbacks_first,
+    pick_notes,
+    runs_note,
+    screen_notes,
+    tie_note,
+)
 from memadvisor.planner._prober import Confirmed, Prober
-from memadvisor.planner._progress import Progress
+from memadvisor.planner._progress import Progress, stage_totals
 from memadvisor.planner._rerank import best_on_device, timed_candidates
 from memadvisor.planner._rows import comparison_rows, measure_configuration, rows_are_cheap
 from memadvisor.planner._search import search
 from memadvisor.planner._space import SearchSpace
 from memadvisor.planner._stage import refined_pick
 from memadvisor.process_state import preserved_state
-from memadvisor.schema.advice import Advice
+from memadvisor.profiler._state import check_copyable
+from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
-from memadvisor.schema.plan import Plan, Row
+from memadvisor.schema.plan import ModelFingerprint, Plan, Row
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Strategy, load_strategies
 from memadvisor.workload import Workload
@@ -135,10 +144,14 @@ def plan_workload(
     """
     started = time.perf_counter()
     ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
+    first_stage = len(ui.stage_log)  # a shared Progress may have timed other plans
     owned: Device | None = None
-    with preserved_state(workload.model):
+    with preserved_state(workload.model), contextlib.ExitStack() as scope:
         try:
             kind = resolve_kind(config.device, device)
+            check_copyable(workload.model)
+            if kind == "simulated" and device is None:
+                check_host_holds(config.budget_bytes)
             notes: list[str] = []
             if kind == "simulated" and device is None:
                 why = " (device='simulated')" if torch.cuda.is_available() else " (no CUDA device)"
@@ -149,6 +162,14 @@ def plan_workload(
             )
             if profile is None:
                 profile = _profile(workload, kind, ui)
+            screened: list[Check] = []
+            if any(type(s).screen is not Strategy.screen for s in chosen):
+                # Before the search: a choice that fails its check is then not offered.
+                with ui.stage("screening", total=None):
+                    screened = [c for s in chosen for c in s.screen(workload, profile, config)]
+            for note in screen_notes(screened, config):
+                notes.append(note)  # among the first lines: it decided what may be picked
+                ui.note(note)
             space = SearchSpace(profile, chosen, config)
             check_static_fits(profile, config, space.cheapest_peak_bytes())
 
@@ -162,6 +183,12 @@ def plan_workload(
                     "By the estimate no configuration fits even batch 1.",
                 )
 
+            # What a strategy sets up for the whole plan, before the device starts processes
+            # that inherit it (compile: one inductor cache that every probe compiles into).
+            for s in chosen:
+                plan_scope = s.plan_scope(config, kind)
+                if plan_scope is not None:
+                    scope.enter_context(plan_scope)
             if device is None:
                 device = owned = make_device(
                     kind,
@@ -195,12 +222,17 @@ def plan_workload(
                 space, prober if measure_comparison else None, plan_row, ui
             )
             notes += pick_notes(config, pick, best)
+            tie = tie_note(prober.tie, best.candidate)
+            if tie is not None:
+                notes.append(tie)
             notes.append(runs_note(prober.probes, best, verified, config))
             with ui.stage("checks", total=None):
-                checks = run_checks(workload, pick, chosen)
+                checks = screened + run_checks(workload, pick, chosen, done=screened)
             notes += prober.notes + device.notes + row_notes
+            notes = fallbacks_first(notes)
             return Plan(
                 model_name=profile.model_name,
+                model_fingerprint=ModelFingerprint.of(workload.model),
                 config=config,
                 device_kind=device.kind,
                 device_name=device.name,
@@ -213,6 +245,7 @@ def plan_workload(
                 checks=checks,
                 notes=notes,
                 plan_wall_ms=(time.perf_counter() - started) * 1e3,
+                stage_wall_ms=stage_totals(ui.stage_log[first_stage:]),
                 stages=stages,
                 profile=profile,
             )

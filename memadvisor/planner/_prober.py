@@ -13,6 +13,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from pydantic import JsonValue
+
 from memadvisor import strategy
 from memadvisor.device import Device
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
@@ -23,7 +25,12 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
-__all__ = ["Confirmed", "Prober", "Run", "run_steps"]
+__all__ = ["HEADROOM_FRACTION", "Confirmed", "Prober", "Run", "Tie", "run_steps"]
+
+# The measured margin: what the pick's measured limit (reserved bytes on a card) leaves free
+# of the budget; below a batch that ran out, that many bytes' worth of measured samples. Near
+# the edge the limit moved by a few samples between fresh processes (docs/design.md).
+HEADROOM_FRACTION = 0.03
 
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
 _MARGIN_STEP_DOWNS = 3
@@ -37,6 +44,15 @@ class Confirmed(strategy.Confirmed):
 
     scored: Scored
     search: BatchSearch
+
+
+@dataclass
+class Tie:
+    """Candidates the device could not tell apart, and the one the fixed rule took."""
+
+    taken: Scored
+    rate: float
+    others: list[tuple[Scored, float]]
 
 
 @dataclass
@@ -65,6 +81,9 @@ class Prober:
         self.bar: Stage | None = None
         self.steps = run_steps(device, config)
         self._runs: dict[str, Run] = {}
+        # Per choice set (JSON), the runs that fitted by batch: the measured margin's slope.
+        self._fitted: dict[str, dict[int, Measurement]] = {}
+        self.tie: Tie | None = None  # the last tie the re-rank broke
 
     def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
         """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
@@ -74,8 +93,12 @@ class Prober:
                 return known.measured
             if known.measured is None and known.steps < steps:
                 return None  # it ran out within the steps asked for now
+        self._describe(f"{stage}: batch {candidate.batch_size} running")
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
         self.probes.append(record)
+        if measured is not None and candidate.accumulation_steps == 1:
+            key = json.dumps(candidate.choices, sort_keys=True)
+            self._fitted.setdefault(key, {})[candidate.batch_size] = measured
         self._runs[_key(candidate)] = Run(steps if measured else record.steps, measured)
         if self.bar is not None:
             self.bar.advance()
@@ -83,6 +106,10 @@ class Prober:
                 f"{stage}: batch {candidate.batch_size} {'fits' if record.fits else 'ran out'}"
             )
         return measured
+
+    def _describe(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.describe(text)
 
     def largest(self, scored: Scored, stage: str) -> tuple[BatchSearch, dict[int, Measurement]]:
         """Probe the largest micro-batch of ``scored``'s choices, bracketed by its estimate."""
@@ -98,18 +125,22 @@ class Prober:
 
         def within_margin(batch: int) -> bool:
             m = measured[batch]
-            return m.limit_bytes <= cfg.usable_bytes
+            return m.limit_bytes <= self.pick_limit_bytes(choices, batch)
 
         def extrapolate(batch: int) -> int | None:
             m = measured.get(batch)
             if m is None:
                 return None
-            slope = self.space.bytes_per_sample(choices, batch)
+            slope = self.sample_bytes(choices, batch)
             if slope <= 0:
                 return None
-            # Aimed a quarter margin under the usable budget: a probe that lands just over
-            # it fits but cannot be taken (within_margin), and the search keeps ``start``.
-            aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
+            if cfg.measured_margin:
+                # Half a sample under what the pick may hold: a probe that lands just over it
+                # fits but cannot be taken (within_margin), and the search keeps ``start``.
+                aim = self.pick_limit_bytes(choices, batch) - slope / 2
+            else:
+                # A quarter margin under the usable budget, for the same reason.
+                aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
             return batch + math.floor((aim - m.limit_bytes) / slope)
 
         upper = self.space.upper_batch(scored)
@@ -121,8 +152,44 @@ class Prober:
             cfg.max_batch,
             within_margin,
             extrapolate,
+            lambda failed: self.below(choices, failed),
+            # A measured slope (two runs) lands the next extrapolation where the first one,
+            # on the estimate's slope, could not: a pessimistic estimate costs a run, not batch.
+            max_extrapolations=3 if cfg.measured_margin else 1,
         )
         return found, measured
+
+    # -- the pick's margin ------------------------------------------------------------------
+
+    def sample_bytes(self, choices: dict[str, JsonValue], batch: int) -> float:
+        """What one more sample of ``choices`` adds to a run's limit: measured between the two
+        largest batches of them that fitted when there are two, else the estimate's slope."""
+        fitted = self._fitted.get(json.dumps(choices, sort_keys=True), {})
+        if len(fitted) >= 2:
+            high, low = sorted(fitted, reverse=True)[:2]
+            slope = (fitted[high].limit_bytes - fitted[low].limit_bytes) / (high - low)
+            if slope > 0:
+                return slope
+        return self.space.bytes_per_sample(choices, batch)
+
+    def pick_limit_bytes(self, choices: dict[str, JsonValue], batch: int) -> float:
+        """The most a run's measured limit may be for its batch to be the pick: the usable
+        budget, or with the measured margin the budget less :data:`HEADROOM_FRACTION`."""
+        cfg = self.config
+        if not cfg.measured_margin:
+            return cfg.usable_bytes
+        return cfg.budget_bytes * (1.0 - HEADROOM_FRACTION)
+
+    def below(self, choices: dict[str, JsonValue], failed: int) -> int:
+        """The largest batch the pick may take when ``failed`` ran out: the margin below it,
+        or with the measured margin the headroom's worth of measured samples below it (at
+        least one)."""
+        cfg = self.config
+        slope = self.sample_bytes(choices, failed) if cfg.measured_margin else 0.0
+        if slope <= 0:
+            return safe_below(failed, cfg.margin_fraction)
+        samples = max(1, math.ceil(HEADROOM_FRACTION * cfg.budget_bytes / slope))
+        return max(0, failed - samples)
 
     def confirm(self, scored: Scored, stage: str = "probe") -> Confirmed | None:
         """The candidate at the batch the device allows, timed; None when batch 1 fails.
@@ -157,7 +224,7 @@ class Prober:
             failures += 1
             failed = candidate.batch_size
             micro = (
-                safe_below(failed, self.config.margin_fraction)
+                self.below(candidate.choices, failed)
                 if failures <= _MARGIN_STEP_DOWNS
                 else failed // 2
             )

@@ -24,24 +24,22 @@ from memadvisor.estimate import estimate
 from memadvisor.planner._budget import infeasible
 from memadvisor.planner._compare import unchecked_hand_choices
 from memadvisor.planner._probe import safe_below
-from memadvisor.planner._prober import Confirmed, Prober
+from memadvisor.planner._prober import Confirmed, Prober, Tie
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.schema.candidate import Candidate, Measurement
 
-__all__ = ["RERANK_FLOOR", "best_on_device", "timed_candidates"]
+__all__ = ["RERANK_FLOOR", "TIE_FRACTION", "best_on_device", "timed_candidates"]
 
 # Of the estimate's best rerank_top, those under this share of the best's estimated samples/s
 # (batch, for largest_batch) are not timed: the estimate's time errors seen on a card
 # (within ~1.6x per candidate, mostly shared by candidates of one precision) leave them behind.
 RERANK_FLOOR = 0.7
-
-
-def _device_key(objective: str, batch: int, samples_per_s: float, estimate_rank: int) -> tuple:
-    """Best first by the device's answer; a tie keeps the estimate's order."""
-    if objective == "largest_batch":
-        return (-batch, -samples_per_s, estimate_rank)
-    return (-samples_per_s, estimate_rank)
+# Candidates whose throughput lies within this share of the best's are a tie, broken by a
+# fixed rule (fewest strategies). Two measurements of one configuration differ by up to
+# 2-3% (bench/planner.py's tolerance; MIN_SPEEDUP's reasoning for compile), and the
+# estimate's CPU-profiled times jitter as much between profiles of one model.
+TIE_FRACTION = 0.03
 
 
 def timed_candidates(space: SearchSpace, ranked: Sequence[Scored], guard: bool) -> list[Scored]:
@@ -188,19 +186,31 @@ def _device_best(
     first: dict[str, _Timing | None],
     measured_times: bool,
 ) -> tuple[Scored, _Timing] | None:
-    """The best of the candidates that fitted, by the objective on the device's answer."""
+    """The best of the candidates that fitted, by the objective on the device's answer.
+
+    Rates within :data:`TIE_FRACTION` of the best (at the best's batch, for largest_batch)
+    are a tie, which a fixed rule breaks: fewest strategies turned on, then the choices'
+    JSON. Timings jitter from run to run; without the rule the same inputs could give
+    another pick each time. :attr:`Prober.tie` keeps the last tie for the plan's notes.
+    """
     space = prober.space
-    keyed = []
-    for rank, s in enumerate(timed):
+    objective = space.config.objective
+    entries = []
+    for s in timed:
         timing = first.get(s.choices_json)
         if timing is None:
             continue
-        rate = _rate(space, s, timing, measured_times)
-        batch = timing.candidate.batch_size
-        keyed.append((_device_key(space.config.objective, batch, rate, rank), s, timing))
-    if not keyed:
+        entries.append((s, timing, _rate(space, s, timing, measured_times)))
+    if not entries:
         return None
-    _, scored, timing = min(keyed, key=lambda entry: entry[0])
+    top_batch = max(t.candidate.batch_size for _, t, _ in entries)
+    if objective == "largest_batch":
+        entries = [e for e in entries if e[1].candidate.batch_size == top_batch]
+    best_rate = max(rate for _, _, rate in entries)
+    tied = [e for e in entries if e[2] >= (1.0 - TIE_FRACTION) * best_rate]
+    scored, timing, rate = min(tied, key=lambda e: (e[0].active, e[0].choices_json))
+    others = [(s, r) for s, _, r in tied if s is not scored]
+    prober.tie = Tie(scored, rate, others) if others else None
     return scored, timing
 
 

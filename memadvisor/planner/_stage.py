@@ -39,6 +39,7 @@ class ProberStage(PickStage):
         self.device_kind = prober.device.kind
         self.step_times_rank = prober.device.step_times_rank
         self.fresh_processes = prober.device.fresh_processes
+        self.free_bytes = prober.device.free_bytes()
         self._bar: Stage | None = None
 
     def confirm(self, choices: dict[str, JsonValue], start_batch: int) -> Confirmed | None:

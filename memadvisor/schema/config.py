@@ -8,12 +8,15 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 __all__ = [
     "GIB",
+    "ChecksPolicy",
     "DeviceKind",
     "Objective",
     "Parallel",
     "Parallel",
+    "Parallel",
     "PlanConfig",
     "gib_to_bytes",
+    "samples_per_s",
 ]
 
 GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count in
@@ -21,6 +24,18 @@ GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count i
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated"]
 Parallel = Literal["none", "ddp", "fsdp2"]
+ChecksPolicy = Literal["decide", "report"]
+Parallel = Literal["none", "ddp", "fsdp2"]
+
+
+# A step timed (or estimated) at 0 ms counts as one tick of this: samples/s stays a finite
+# number, which JSON can hold (an infinity was written as null and the plan did not load).
+MIN_STEP_MS = 1e-3
+
+
+def samples_per_s(samples: int, step_ms: float) -> float:
+    """Throughput of ``samples`` per step of ``step_ms``, finite for any step time."""
+    return samples / max(step_ms, MIN_STEP_MS) * 1e3
 
 
 def gib_to_bytes(gib: float) -> int:
@@ -55,7 +70,23 @@ class PlanConfig(BaseModel):
     # the estimate's stated accuracy is 5% median, 10% worst (on the simulated device the
     # examples' picks matched their measured peaks to 0.1%).
     margin_fraction: float = Field(
-        0.08, ge=0.0, lt=0.5, description="Share of the budget the plan keeps free."
+        0.08,
+        ge=0.0,
+        lt=0.5,
+        description="Share of the budget the estimate keeps free before anything is measured "
+        "(where the batch search starts); with measured_margin off, also what the pick keeps "
+        "free. Passing it turns measured_margin off unless that is passed too.",
+    )
+    # On a card the limit moved by a few samples near the edge between fresh processes (a ViT
+    # held batch 92 in one and failed at step 2 in another; docs/design.md), and the fixed 8%
+    # left a CNN at 148 where 166 held: 0.89 of what the card allows.
+    measured_margin: bool = Field(
+        True,
+        description="The pick is sized from its runs: its measured peak (reserved bytes, on a "
+        "card) leaves planner._plan.HEADROOM_FRACTION (3%) of the budget free, the batch "
+        "search extrapolates along the measured bytes per sample, and below a batch that ran "
+        "out it keeps that headroom's worth of measured samples. False keeps margin_fraction "
+        "for the pick (the CLI's --margin).",
     )
     device: DeviceKind = Field("auto", description="cuda, the CPU simulated device, or auto.")
     # On a card a run's fixed cost (a process, a CUDA context, the first step's kernel loading:
@@ -85,6 +116,12 @@ class PlanConfig(BaseModel):
     strategies: list[str] | None = Field(
         None, description="Names of the strategies to use; None uses every registered one."
     )
+    checks: ChecksPolicy = Field(
+        "decide",
+        description="decide: a choice whose check fails on the workload (precision's "
+        "numerics: bf16 loss curve against fp32's) is not picked; report: it may be picked "
+        "and the failed check is reported.",
+    )
     options: dict[str, JsonValue] = Field(
         default_factory=dict,
         description="Settings of individual strategies, keyed by strategy name; each strategy "
@@ -110,6 +147,14 @@ class PlanConfig(BaseModel):
                 f"model), but got {self.world_size=} and {self.parallel=}."
             )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_given_margin_is_kept(cls, data: object) -> object:
+        # A margin the user sets is theirs: the pick keeps it rather than a measured one.
+        if isinstance(data, dict) and "margin_fraction" in data and "measured_margin" not in data:
+            return {**data, "measured_margin": False}
+        return data
 
     @model_validator(mode="after")
     def _effective_batch_given(self) -> PlanConfig:

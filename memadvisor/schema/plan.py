@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+from torch import nn
 
 from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
@@ -17,6 +27,23 @@ __all__ = ["Plan", "PlanViews", "Probe", "Row", "StageOutcome", "StageVariant", 
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ModelFingerprint",
+    "Plan",
+    "PlanViews",
+    "Probe",
+    "Row",
+    "StageOutcome",
+    "StageVariant",
+    "lend_views",
+]
+
+# The Plan layout this version reads and writes; a file of another version is refused, not
+# guessed at. 2: model_fingerprint. 3: stages (a measured-only strategy's outcome, in place of
+# compile) and config.options (in place of config.compile).
+SCHEMA_VERSION = 3
 
 
 class _Model(BaseModel):
@@ -103,11 +130,75 @@ class StageOutcome(_Model):
     wall_ms: float = Field(0.0, description="Planner wall time spent in the stage.")
 
 
-class Plan(_Model):
-    """The chosen configuration; ``apply_plan(model, plan)`` rewrites a model to it."""
+class ModelFingerprint(_Model):
+    """What identifies the model a plan was made for: its class and every parameter's name
+    and shape. Not its values: a plan fits the same model at any point of its training."""
 
-    schema_version: int = 1
+    class_name: str = Field(description="The model's class (__qualname__).")
+    parameters: list[tuple[str, list[int]]] = Field(
+        description="(name, shape) of every parameter, in named_parameters() order."
+    )
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelFingerprint:
+        return cls(
+            class_name=type(model).__qualname__,
+            parameters=[(n, list(p.shape)) for n, p in model.named_parameters()],
+        )
+
+    def difference(self, model: nn.Module) -> str | None:
+        """What differs between ``model`` and the model this fingerprint was taken of, in a
+        sentence; None when nothing does."""
+        other = ModelFingerprint.of(model)
+        if other.class_name != self.class_name:
+            return f"it was made for {self.class_name}, but the model is {other.class_name}"
+        mine, theirs = dict(self.parameters), dict(other.parameters)
+        missing = [n for n in mine if n not in theirs]
+        extra = [n for n in theirs if n not in mine]
+        if missing or extra:
+            return (
+                f"the model's parameters differ: missing {missing[:5]}, not in the plan {extra[:5]}"
+            )
+        for name, shape in mine.items():
+            if theirs[name] != shape:
+                return f"parameter {name} has shape {theirs[name]}; the plan's model had {shape}"
+        return None
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The path of the first NaN or infinity in ``value``, a model or container of them."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, BaseModel):
+        items: Any = ((k, getattr(value, k)) for k in type(value).model_fields)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class Plan(_Model):
+    """The chosen configuration; ``apply_plan(model, plan)`` rewrites a model to it.
+
+    A plan loads only when it is one this version can trust: its own schema version, every
+    float finite (JSON has no infinity; Python's json writes NaN and Infinity, which pydantic
+    would read), and the pick's batch within ``config.max_batch``.
+    """
+
+    schema_version: int = SCHEMA_VERSION
     model_name: str
+    model_fingerprint: ModelFingerprint | None = Field(
+        None,
+        description="The model the plan was made for; apply_plan refuses another. None in "
+        "hand-built plans (nothing to check against).",
+    )
     config: PlanConfig
     device_kind: Literal["cuda", "simulated", "fake"]
     device_name: str
@@ -126,6 +217,11 @@ class Plan(_Model):
         description="What a person should know: step-downs, fallbacks, what was only estimated.",
     )
     plan_wall_ms: float = 0.0
+    stage_wall_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description="Wall time of each planner stage (profiling, search, probes, compile, "
+        "verify, checks, ...), in the order they ran; plan_wall_ms less their sum is glue.",
+    )
     stages: list[StageOutcome] = Field(
         default_factory=list,
         description="What each measured-only strategy's stage found for the eager pick.",
@@ -169,6 +265,31 @@ class Plan(_Model):
         """
         workload = self._workload if record_step else None
         return _views().write_html(self, path, workload)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _this_schema(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(
+                f"this memadvisor reads plans of schema_version {SCHEMA_VERSION}, but the file "
+                f"has schema_version {value}; make the plan again with this version"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _finite_and_in_range(self) -> Plan:
+        where = _non_finite(self, "")
+        if where is not None:
+            raise ValueError(f"{where} is not a finite number; a plan holds only finite ones")
+        limit = self.config.max_batch
+        for field in ("batch_size", "accumulation_steps"):
+            value = getattr(self.candidate, field)
+            if value > limit:
+                raise ValueError(
+                    f"candidate.{field} is {value}, above config.max_batch={limit}; this is not "
+                    "a plan memadvisor made"
+                )
+        return self
 
 
 class PlanViews(Protocol):
