@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["mib", "names_text"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memadvisor.profiler import Profile
+
+__all__ = ["how_known", "mib", "names_text"]
 
 MIB = 2**20
 
@@ -18,3 +23,9 @@ def names_text(names: list[str], limit: int = 4) -> str:
     if len(names) <= limit:
         return ", ".join(names)
     return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
+def how_known(profile: Profile) -> str:
+    """How a profile's bytes were had: ``'measured'``, or for fake tensors (nothing ran,
+    shapes only) ``'metered under fake tensors'``."""
+    return "metered under fake tensors" if profile.device.kind == "fake" else "measured"

@@ -15,6 +15,7 @@ from memadvisor.cli._app import (
     QUIET_HELP,
     TARGET_HELP,
     DeviceOption,
+    announce_device,
     app,
     check_output_paths,
     err_console,
@@ -45,6 +46,8 @@ EPILOG = """[bold]Examples[/]
   memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
 
   memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
+
+  memadvisor plan examples/llama.py:build --budget-gb 80 --device estimate --json plan.json
 
 A saved plan applies to a fresh model with
 memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
@@ -115,9 +118,13 @@ def plan(
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
-    from memadvisor.target import load_target
+    from memadvisor.target import load_fake_target, load_target
 
-    workload = load_target(target)
+    if config.device == "estimate":
+        announce_device(config.device, quiet=quiet)
+        workload = load_fake_target(target)
+    else:
+        workload = load_target(target)
     # The planner says in one line when it plans on the CPU simulated device.
     result = plan_workload(workload, config, target=target, progress=not quiet)
     if json_path is not None:
@@ -130,7 +137,9 @@ def plan(
     if html_path is not None:
         from memadvisor.report import render_plan_html
 
-        series = _planned_step(workload, result, debug=debug)
+        # Fake tensors have no timeline worth recording: the chart shows the phase peaks.
+        estimated = result.device_kind == "estimate"
+        series = None if estimated else _planned_step(workload, result, debug=debug)
         page = render_plan_html(result, series=series)
         write_text(html_path, page, "the HTML report", quiet=quiet)
 

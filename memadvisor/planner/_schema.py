@@ -10,10 +10,18 @@ from memadvisor.compile_cache import CompileCacheReport
 from memadvisor.config import PlanConfig
 from memadvisor.device._base import Measurement
 from memadvisor.estimate import Candidate, Estimate
-from memadvisor.profiler import Profile
+from memadvisor.profiler import Profile, StepTimeModel
 from memadvisor.strategy import Advice, Check
 
-__all__ = ["CompileOutcome", "CompiledVariant", "Measurement", "Plan", "Probe", "Row"]
+__all__ = [
+    "CompileOutcome",
+    "CompiledVariant",
+    "EstimateBasis",
+    "Measurement",
+    "Plan",
+    "Probe",
+    "Row",
+]
 
 
 class _Model(BaseModel):
@@ -86,13 +94,26 @@ class CompileOutcome(_Model):
     wall_ms: float = Field(0.0, description="Planner wall time spent on compiled variants.")
 
 
+class EstimateBasis(_Model):
+    """What a plan made without a card (``device="estimate"``) rests on, besides the profile."""
+
+    time_model: StepTimeModel = Field(
+        description="The rates its step times assume, applied to the profile's FLOPs."
+    )
+    cannot_know: list[str] = Field(
+        default_factory=list, description="What only a card can say, in sentences."
+    )
+
+
 class Plan(_Model):
     """The chosen configuration; ``apply_plan(model, plan)`` rewrites a model to it."""
 
     schema_version: int = 1
     model_name: str
     config: PlanConfig
-    device_kind: Literal["cuda", "simulated", "fake"]
+    device_kind: Literal["cuda", "simulated", "fake", "estimate"] = Field(
+        description="Where the pick was confirmed; estimate: nowhere (every figure estimated)."
+    )
     device_name: str
     candidate: Candidate = Field(description="The pick.")
     estimate: Estimate = Field(description="The estimate of the pick.")
@@ -113,3 +134,6 @@ class Plan(_Model):
         None, description="What compiling the eager pick measured; None when not considered."
     )
     profile: Profile | None = Field(None, description="The profile the plan was made from.")
+    basis: EstimateBasis | None = Field(
+        None, description="device='estimate': the step-time model and what it cannot know."
+    )
