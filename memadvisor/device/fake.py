@@ -175,7 +175,9 @@ def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
 
     ``kwargs`` go to :func:`memadvisor.profiler.profile_workload`. Planned for CUDA, the
     profile's ``fixed_overhead_bytes`` is what a card holds beyond tensors
-    (:data:`CUDA_FIXED_BYTES`), which the estimate adds to every peak.
+    (:data:`CUDA_FIXED_BYTES`), which the estimate adds to every peak, and each step's
+    ``largest_allocation`` (what a memory cap strands beyond the allocated peak: the
+    estimate's ``reserved_peak_bytes``) is the one the metered steps saw.
 
     Raises:
         BadInputError: ``workload`` is not a :class:`FakeWorkload`.
@@ -192,6 +194,11 @@ def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
         profile = profile_workload(workload, **kwargs)
     if workload.plan_for == "cuda":
         profile = profile.model_copy(update={"fixed_overhead_bytes": CUDA_FIXED_BYTES})
+    else:  # no memory cap strands the largest allocation on the CPU
+        steps = {
+            p: s.model_copy(update={"largest_allocation": None}) for p, s in profile.steps.items()
+        }
+        profile = profile.model_copy(update={"steps": steps})
     return profile
 
 

@@ -624,8 +624,20 @@ class _Pass:
             backward_head_peak=self._walk_bytes(mem, lambda m: m.backward_head_peak),
             untracked_batch_sizes=untracked[0] if untracked else None,
             untracked=untracked[1] if untracked else [],
-            largest_allocation=self.largest_allocation.get(precision),
+            largest_allocation=self.largest_allocation.get(precision) or self._fake_largest(mem),
         )
+
+    def _fake_largest(self, mem: list[MemoryMeasurement]) -> LinearBytes | None:
+        """Fake tensors: the largest tensor forward and the loss made (the logits, for an
+        LM), as the metered steps saw it. A card measures the step's largest allocation at
+        larger sizes (``_untracked``); fake tensors stand in for one, and its reserved bytes
+        add about that much under a memory cap (the estimate's ``reserved_peak_bytes``).
+        Parameter-sized allocations (gradients, optimizer temporaries) are left out: they
+        do not grow with the batch, and a line through two small sizes would keep them at
+        every batch. None on real CPU tensors, which nothing caps that way."""
+        if not self.target.fake:
+            return None
+        return self._bytes(mem[0].largest_allocation, mem[1].largest_allocation)
 
     def _walk_bytes(
         self, mem: list[MemoryMeasurement], read: Callable[[MemoryMeasurement], int | None]

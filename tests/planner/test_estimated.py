@@ -180,3 +180,16 @@ def test_a_model_far_larger_than_this_machine_is_planned_without_its_memory(tmp_
     grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 2**20
     assert plan.profile.param_bytes == 131072 * 131072 * 4
     assert grown_gib < 1.0
+
+
+def test_a_card_s_cap_strands_the_largest_tensor_so_the_plan_fits_peak_plus_logits(
+    tiny_plan,
+) -> None:
+    """Under a memory fraction the allocator reserves about one largest tensor beyond its
+    allocated peak; for an LM that is the fp32 logits (batch x 32 tokens x 1024 x 4 bytes)."""
+    profile, pick = tiny_plan.profile, tiny_plan.candidate
+    logits = 32 * 1024 * 4
+    assert profile.steps["fp32"].largest_allocation.at(16) == 16 * logits
+    est = tiny_plan.estimate
+    assert est.reserved_peak_bytes == est.peak_bytes + pick.batch_size * logits
+    assert est.limit_bytes <= tiny_plan.config.usable_bytes
