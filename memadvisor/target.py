@@ -155,6 +155,8 @@ def load_fake_target(target: str) -> FakeWorkload:
             return factory()
         except BadInputError:
             raise
+        except ImportError as e:
+            raise BadInputError(f"{target} raised {type(e).__name__}: {e}") from e
         except Exception as e:
             raise BadInputError(
                 f"{target} raised {type(e).__name__} under fake tensors: {e}. Build the model "
