@@ -1,6 +1,6 @@
 """A small ResNet-style CNN for 32x32 images: bottleneck blocks in one nn.Sequential.
 
-memadvisor plan examples/cnn.py:build --budget-gb 0.5
+memadvisor plan examples/cnn.py:build --budget-gb 0.25
 """
 
 from __future__ import annotations

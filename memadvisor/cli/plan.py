@@ -41,7 +41,7 @@ class ObjectiveOption(str, Enum):
 
 EPILOG = """[bold]Examples[/]
 
-  memadvisor plan examples/gpt.py:build --budget-gb 1
+  memadvisor plan examples/gpt.py:build --budget-gb 0.5
 
   memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
 
@@ -59,7 +59,7 @@ Exit codes: 0 ok, 2 bad input, 3 nothing fits the budget, 4 planning failed, 1 a
 @app.command(epilog=EPILOG)
 @handle_errors
 def plan(
-    target: Annotated[str, typer.Argument(help=TARGET_HELP, show_default=False)],
+    target: Annotated[str, typer.Argument(metavar="TARGET", help=TARGET_HELP, show_default=False)],
     budget_gb: Annotated[
         float,
         typer.Option(
@@ -73,7 +73,6 @@ def plan(
         ObjectiveOption | None,
         typer.Option(
             "--objective",
-            metavar="OBJECTIVE",
             help="throughput (most samples/s), largest_batch, or effective_batch (reach "
             "--effective-batch by accumulation at the fastest micro-batch). Default: throughput, "
             "or effective_batch when --effective-batch is given.",
@@ -84,9 +83,7 @@ def plan(
         int | None,
         typer.Option("--effective-batch", help="The batch you train with, kept by accumulation."),
     ] = None,
-    device: Annotated[
-        DeviceOption, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)
-    ] = DeviceOption.auto,
+    device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
     margin: Annotated[
         float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
     ] = 0.08,
@@ -105,8 +102,8 @@ def plan(
             show_default=False,
         ),
     ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help=DEBUG_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help=QUIET_HELP)] = False,
 ) -> None:
     """Find the fastest configuration of TARGET's training step that fits the budget.
 

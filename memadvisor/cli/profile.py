@@ -51,10 +51,8 @@ Exit codes: 0 ok, 2 bad input, 4 profiling failed, 1 a bug.
 @app.command(epilog=EPILOG)
 @handle_errors
 def profile(
-    target: Annotated[str, typer.Argument(help=TARGET_HELP, show_default=False)],
-    device: Annotated[
-        DeviceOption, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)
-    ] = DeviceOption.auto,
+    target: Annotated[str, typer.Argument(metavar="TARGET", help=TARGET_HELP, show_default=False)],
+    device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
     blocks: Annotated[
         list[str] | None,
         typer.Option(
@@ -105,8 +103,8 @@ def profile(
             show_default=False,
         ),
     ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help=DEBUG_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure TARGET's training step: memory by kind, per block, per owner and per phase."""
     if batch_size is not None and batch_size <= 0:

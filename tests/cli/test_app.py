@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import typer
@@ -84,3 +87,68 @@ def test_top_level_help_ends_with_examples_and_version_prints(cli) -> None:
     assert "memadvisor plan examples/gpt.py:build --budget-gb 0.5" in result.stdout
     version = cli("--version")
     assert version.exit_code == 0 and version.stdout.strip() == f"memadvisor {__version__}"
+
+
+def _help_in_a_real_process(*args: str, columns: int = 100) -> str:
+    """``python -m memadvisor ... --help`` as a user runs it, not on a terminal."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "memadvisor", *args, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": str(columns), "TERM": "dumb"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_python_dash_m_memadvisor_is_the_memadvisor_command() -> None:
+    """``python -m memadvisor`` runs the same app, with the same exit codes and usage name."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "memadvisor", "plan", "no/such/file.py:build", "--budget-gb", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: No such file: 'no/such/file.py'")
+    assert "Usage: memadvisor plan" in _help_in_a_real_process("plan")
+
+
+@pytest.mark.parametrize("command", ["plan", "profile"])
+def test_help_names_the_target_lists_choices_and_shows_flags_without_a_type(command: str) -> None:
+    """Under current typer: TARGET, the allowed values of --device (and --objective), and no
+    ``<bool>`` after a flag (typer prints one unless told otherwise)."""
+    text = _help_in_a_real_process(command, columns=200)  # wide: a value list is not wrapped
+    assert "TARGET" in text and "{target}" not in text
+    assert "<bool>" not in text
+    assert "<auto|cuda|simulated>" in text
+    if command == "plan":
+        assert "<throughput|largest_batch|effective_batch>" in text
+
+
+def _suggested_budgets(text: str) -> set[tuple[str, str]]:
+    return set(re.findall(r"examples/(\w+)\.py:build --budget-gb ([\d.]+)", text))
+
+
+def test_every_suggested_budget_for_an_example_is_the_one_the_readme_gives() -> None:
+    """The examples' docstrings and ``--help``'s examples suggest budgets the README also
+    gives, so a user who follows any of them meets the same plan."""
+    root = Path(__file__).resolve().parents[2]
+    readme = _suggested_budgets((root / "README.md").read_text(encoding="utf-8"))
+    readme |= {
+        (m, b)
+        for m, b in re.findall(
+            r"examples/(\w+)\.py:build --budget-gb [\d.]+` on a GPU, or\s+`--budget-gb ([\d.]+)`",
+            (root / "README.md").read_text(encoding="utf-8"),
+        )
+    }
+    elsewhere = {
+        path.name: _suggested_budgets(path.read_text(encoding="utf-8"))
+        for path in sorted((root / "examples").glob("*.py"))
+    }
+    elsewhere["plan --help"] = _suggested_budgets(_help_in_a_real_process("plan"))
+    elsewhere["--help"] = _suggested_budgets(_help_in_a_real_process())
+    assert readme, "the README suggests no budget for any example"
+    disagreeing = {where: found - readme for where, found in elsewhere.items() if found - readme}
+    assert not disagreeing, f"budgets the README does not give: {disagreeing}; README: {readme}"
