@@ -47,7 +47,7 @@ EPILOG = """[bold]Examples[/]
 
   memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
 
-  memadvisor plan examples/llama.py:build --budget-gb 80 --device estimate --json plan.json
+  memadvisor plan examples/llama.py:build_7b --budget-gb 160 --device estimate --json plan.json
 
 A saved plan applies to a fresh model with
 memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
