@@ -22,6 +22,7 @@ __all__ = [
     "compile_modes",
     "cuda_counter_reader",
     "cuda_memory_counters",
+    "dtensor_local",
     "dynamo_counters",
     "fake_copy",
     "fake_mode_active",
@@ -415,3 +416,13 @@ def flop_formulas() -> dict[Any, Callable[..., int]]:
         if cpu is not None and card in formulas:
             formulas.setdefault(cpu, formulas[card])
     return formulas
+
+
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard behind a ``DTensor`` (its private ``_local_tensor``), else ``tensor``.
+
+    A DTensor is a wrapper: its own storage holds nothing, its shard's does. The public
+    ``to_local()`` is an autograd function, which a dispatch mode must not call.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor

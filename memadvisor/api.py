@@ -113,6 +113,7 @@ def plan(
     device: str | Device = "auto",
     progress: bool = True,
     measure_comparison: bool | None = None,
+    dataloader: Any = None,
     **config: Any,
 ) -> Plan:
     """The fastest training configuration of ``model`` that fits ``budget_gb``; the model is
@@ -141,6 +142,10 @@ def plan(
         measure_comparison: also run the hand configurations (Baseline, +Checkpointing,
             +AMP, +Both) on the device for the report; by default only where that is cheap
             (never on CUDA); unmeasured rows are marked as estimated.
+        dataloader: your ``torch.utils.data.DataLoader``: a few batches of it, and of copies
+            with other ``num_workers`` / ``pin_memory``, are timed against the planned step
+            (``plan.data_loading``): the report says whether the loader limits throughput
+            and what to change. It is iterated, not changed.
         **config: any other :class:`~memadvisor.config.PlanConfig` field
             (``margin_fraction``, ``probe_steps``, ``verify_steps``, ``seed``, ...).
 
@@ -158,13 +163,24 @@ def plan(
         forward_fn=forward_fn,
     )
     cfg = _config(budget_gb, objective, effective_batch, device, config)
-    return plan_workload(
+    result = plan_workload(
         workload,
         cfg,
         device=device if isinstance(device, Device) else None,
         progress=progress,
         measure_comparison=measure_comparison,
     )
+    result._workload = workload  # for plan.to_html's recorded step
+    if dataloader is not None:
+        from memadvisor.dataloading import advise_loader
+
+        result.data_loading = advise_loader(
+            dataloader,
+            result.verified.samples_per_s if result.verified else result.estimate.samples_per_s,
+            step_measured=result.verified is not None,
+            cuda=result.device_kind == "cuda",
+        )
+    return result
 
 
 def optimize(model: nn.Module, sample_batch: Any, **kwargs: Any) -> nn.Module:

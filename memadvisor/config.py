@@ -11,6 +11,7 @@ __all__ = [
     "CompilePolicy",
     "DeviceKind",
     "Objective",
+    "Parallel",
     "PlanConfig",
     "Precision",
     "gib_to_bytes",
@@ -22,6 +23,7 @@ Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated", "estimate"]
 Precision = Literal["fp32", "bf16", "fp16"]
 CompilePolicy = Literal["auto", "off", "on"]
+Parallel = Literal["none", "ddp", "fsdp2"]
 
 
 def gib_to_bytes(gib: float) -> int:
@@ -99,6 +101,26 @@ class PlanConfig(BaseModel):
         "torch.compile and keeps it when faster: auto (on CUDA, when the compile strategy is "
         "among `strategies`), off, or on (on any device whose step times rank).",
     )
+
+    # The budget, the batch and every byte of the estimate are per rank when these are set:
+    # each of world_size processes trains batch_size samples on a card of budget_bytes.
+    world_size: int = Field(
+        1, ge=1, description="Processes (one card each) that train together; 1: one card."
+    )
+    parallel: Parallel = Field(
+        "none",
+        description="How the ranks share the model: ddp (a full replica each), fsdp2 "
+        "(torch.distributed.fsdp.fully_shard on the profile's blocks), or none (one card).",
+    )
+
+    @model_validator(mode="after")
+    def _parallel_given(self) -> PlanConfig:
+        if self.world_size > 1 and self.parallel == "none":
+            raise ValueError(
+                "world_size > 1 needs parallel='ddp' or 'fsdp2' (how the ranks share the "
+                f"model), but got {self.world_size=} and {self.parallel=}."
+            )
+        return self
 
     @model_validator(mode="after")
     def _effective_batch_given(self) -> PlanConfig:

@@ -314,6 +314,8 @@ class StepModel:
         "outside_activation_bytes",
         "offloaded_fraction",
         "extra_bytes",
+        "backward_block_bytes",
+        "backward_head_bytes",
         "extra_ms",
         "forward_ms",
         "backward_ms",
@@ -327,6 +329,8 @@ class StepModel:
         self.checkpointed: list[bool] = [False] * len(profile.blocks)
         self.offloaded_fraction = 0.0
         self.extra_bytes: dict[PeakPhase, int] = {"forward": 0, "backward": 0, "optimizer": 0}
+        self.backward_block_bytes: list[int] | None = None
+        self.backward_head_bytes = 0
         self.extra_ms = 0.0
         self.use_precision("fp32")
 
@@ -364,6 +368,19 @@ class StepModel:
     def add_bytes(self, phase: PeakPhase, nbytes: int) -> None:
         """Extra bytes held through ``phase`` (a third-party strategy's own cost)."""
         self.extra_bytes[phase] += nbytes
+
+    def add_backward_bytes(self, per_block: Sequence[int], head: int = 0) -> None:
+        """Extra bytes while each block's backward runs (``per_block[k]``, negative where
+        fewer are held) and while the head's does: what changes block by block (FSDP2's
+        all-gathered units, its sharded gradients)."""
+        if len(per_block) != len(self.checkpointed):
+            raise ValueError(
+                f"per_block needs one entry per block ({len(self.checkpointed)}), but got "
+                f"{len(per_block)}."
+            )
+        current = self.backward_block_bytes or [0] * len(per_block)
+        self.backward_block_bytes = [a + int(b) for a, b in zip(current, per_block, strict=True)]
+        self.backward_head_bytes += int(head)
 
     def add_ms(self, ms: float) -> None:
         """Extra time per micro-batch."""
@@ -467,9 +484,23 @@ class StepModel:
         forward_top = max(forward_peak - freed_total, end_of_model)
         forward_top += held_grads + extra["forward"] - offloaded
         eof += overhead + backward_extra + held_grads + extra["backward"]
-        backward_top, backward_block = eof + head - freed_total - offloaded, -2
+        backward_top = eof + head - freed_total - offloaded + self.backward_head_bytes
+        backward_block = -2
         below = freed_total  # freed by checkpointed blocks whose backward has not run yet
-        if offload:
+        by_block = self.backward_block_bytes
+        if by_block is not None:
+            # Per-block extras move each block's level: the walk as written, with them added.
+            for k in range(n - 1, -1, -1):
+                below -= freed[k]
+                level = peaks[k] - below
+                if ckpt[k] and starts[k] - below + recompute_top[k] > level:
+                    level = starts[k] - below + recompute_top[k]
+                level += eof + by_block[k]
+                if offload:
+                    level -= int(offload * sum(act[:k]))
+                if level > backward_top:
+                    backward_top, backward_block = level, k
+        elif offload:
             offloaded_below = offload * sum(act)
             for k in range(n - 1, -1, -1):
                 below -= freed[k]

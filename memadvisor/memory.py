@@ -15,6 +15,9 @@ Known limitations:
     * No allocator rounding: CUDA rounds each block up to 512 bytes and caches freed blocks,
       so a card's *reserved* memory is 3-32% above what is counted here (DESIGN.md).
     * Library workspaces (cuBLAS: 2 x 32 MiB on an H200) are not tensors and are not counted.
+    * ``UntypedStorage.resize_`` bypasses the dispatcher: FSDP2 frees and re-allocates its
+      unsharded parameters that way. A meter made with ``track_resizes=True`` follows them
+      by wrapping that method while it is active (torch's own ``MemTracker`` does the same).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memadvisor._torch_private import dtensor_local
 from memadvisor.errors import SimulatedOutOfMemoryError
 
 __all__ = ["MemoryMeter", "storage_bytes", "unique_storage_bytes"]
@@ -52,6 +56,39 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+class _ResizeHook:
+    """Wraps ``torch.UntypedStorage.resize_`` while any meter that tracks resizes is active."""
+
+    def __init__(self) -> None:
+        self.meters: list[MemoryMeter] = []
+        self.original: Any = None
+        self.lock = threading.Lock()
+
+    def add(self, meter: MemoryMeter) -> None:
+        with self.lock:
+            if not self.meters:
+                self.original = original = torch.UntypedStorage.resize_
+
+                def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+                    for m in list(self.meters):
+                        m._resized(storage, int(size))  # may raise: out of budget
+                    return original(storage, size)
+
+                torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+            self.meters.append(meter)
+
+    def remove(self, meter: MemoryMeter) -> None:
+        with self.lock:
+            if meter in self.meters:
+                self.meters.remove(meter)
+            if not self.meters and self.original is not None:
+                torch.UntypedStorage.resize_ = self.original  # type: ignore[method-assign]
+                self.original = None
+
+
+_RESIZE_HOOK = _ResizeHook()
+
+
 class MemoryMeter(TorchDispatchMode):
     """Counts the live bytes of every storage created inside it; optionally enforces a budget.
 
@@ -59,6 +96,8 @@ class MemoryMeter(TorchDispatchMode):
         budget_bytes: when an op's new storages would take the live bytes above this, the op's
             outputs are dropped and :class:`SimulatedOutOfMemoryError` is raised, as the CUDA
             allocator raises ``torch.OutOfMemoryError``. ``None`` meters without a limit.
+        track_resizes: also follow ``UntypedStorage.resize_`` while the meter is active (a
+            resize to 0 frees, a resize up allocates): needed where FSDP2 runs.
 
     Example::
 
@@ -69,8 +108,9 @@ class MemoryMeter(TorchDispatchMode):
         meter.peak_bytes
     """
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int | None = None, *, track_resizes: bool = False) -> None:
         super().__init__()
+        self.track_resizes = track_resizes
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, but got {budget_bytes=}.")
         self.budget_bytes = budget_bytes
@@ -78,6 +118,7 @@ class MemoryMeter(TorchDispatchMode):
         self.peak_bytes = 0
         self.allocations = 0
         self._refs: dict[int, weakref.ref] = {}
+        self._bytes: dict[int, int] = {}  # key -> the storage's bytes as counted now
         self._lock = threading.Lock()
         self._listeners: list[AllocationListener] = []
         self._storage_listeners: list[StorageListener] = []
@@ -92,7 +133,7 @@ class MemoryMeter(TorchDispatchMode):
         added = 0
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                added += self._track(t.untyped_storage(), enforce=False)
+                added += self._track(dtensor_local(t).untyped_storage(), enforce=False)
         return added
 
     def reset_peak(self) -> None:
@@ -121,7 +162,8 @@ class MemoryMeter(TorchDispatchMode):
             budget = self.budget_bytes
             if enforce and budget is not None and self.live_bytes + nbytes > budget:
                 raise SimulatedOutOfMemoryError(nbytes, self.live_bytes, self.budget_bytes)
-            self._refs[key] = weakref.ref(storage, lambda _ref, k=key, n=nbytes: self._free(k, n))
+            self._refs[key] = weakref.ref(storage, lambda _ref, k=key: self._free(k))
+            self._bytes[key] = nbytes
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             self.allocations += 1
@@ -132,14 +174,54 @@ class MemoryMeter(TorchDispatchMode):
             listener(nbytes, live)
         return nbytes
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _free(self, key: int) -> None:
         with self._lock:
             if self._refs.pop(key, None) is None:
                 return
+            nbytes = self._bytes.pop(key, 0)
             self.live_bytes -= nbytes
             live = self.live_bytes
         for listener in self._listeners:
             listener(-nbytes, live)
+
+    def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """``storage`` is about to hold ``nbytes``: count the difference (before it happens, so
+        that a resize past the budget fails as an allocation would)."""
+        key = id(storage)
+        if key not in self._refs:
+            if nbytes > 0 and storage.nbytes() == 0:  # a freed storage made outside: allocates
+                if self.budget_bytes is not None and self.live_bytes + nbytes > self.budget_bytes:
+                    raise SimulatedOutOfMemoryError(nbytes, self.live_bytes, self.budget_bytes)
+                self._track(storage, enforce=False)
+                self._resized(storage, nbytes)
+            return
+        with self._lock:
+            delta = nbytes - self._bytes[key]
+            budget = self.budget_bytes
+            if delta > 0 and budget is not None and self.live_bytes + delta > budget:
+                raise SimulatedOutOfMemoryError(delta, self.live_bytes, budget)
+            self._bytes[key] = nbytes
+            self.live_bytes += delta
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            live = self.live_bytes
+        for listener in self._listeners:
+            listener(delta, live)
+
+    def __enter__(self) -> MemoryMeter:
+        if self.track_resizes:
+            _RESIZE_HOOK.add(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _RESIZE_HOOK.remove(self)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.track_resizes:
+                _RESIZE_HOOK.remove(self)
 
     # -- the dispatch mode ------------------------------------------------------------------
 
@@ -154,7 +236,7 @@ class MemoryMeter(TorchDispatchMode):
             set()
             if func in _LIFT_OPS
             else {
-                id(t.untyped_storage())
+                id(dtensor_local(t).untyped_storage())
                 for t in tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor) and t.device.type != "meta"
             }
@@ -162,7 +244,9 @@ class MemoryMeter(TorchDispatchMode):
         new: dict[int, torch.UntypedStorage] = {}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
+                # A DTensor (FSDP2's sharded parameters, their optimizer state) holds its
+                # bytes in its local shard.
+                st = dtensor_local(t).untyped_storage()
                 if id(st) not in self._refs and id(st) not in inputs:
                     new[id(st)] = st
         if new and self.budget_bytes is not None:

@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from memadvisor.errors import BadInputError
 
 __all__ = [
+    "CallForm",
     "LossFn",
     "MakeBatch",
     "OptimizerFactory",
@@ -133,6 +135,22 @@ def _move(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+class CallForm(BaseModel):
+    """How the user's step calls the model and finds the loss: the advice's code is written
+    in this form (``model(**batch).loss`` for a HF model), not a generic one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch: Literal["tensor", "sequence", "mapping", "custom"] = Field(
+        description="tensor: model(batch); sequence: model(batch[0]) (inputs, targets); "
+        "mapping: model(**batch); custom: forward_fn(model, batch)."
+    )
+    loss: Literal["loss_fn", "output.loss", "output['loss']", "output"] = Field(
+        description="Where the loss comes from: loss_fn(output, batch), the output's own "
+        "loss (HF models), or the output itself (a scalar)."
+    )
+
+
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
@@ -210,6 +228,29 @@ class Workload:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise BadInputError(f"The loss must be a scalar tensor, but got {_describe(loss)}.")
         return loss.reshape(())
+
+    def call_form(self, output: Any) -> CallForm:
+        """How this workload calls the model and where ``loss`` finds the loss in ``output``
+        (by the rules in this module's docstring)."""
+        if self.forward_fn is not None:
+            batch = "custom"
+        elif isinstance(self.sample_batch, Mapping):
+            batch = "mapping"
+        elif isinstance(self.sample_batch, (tuple, list)) and not hasattr(
+            self.sample_batch, "_fields"
+        ):
+            batch = "sequence"
+        else:
+            batch = "tensor"
+        if self.loss_fn is not None:
+            loss = "loss_fn"
+        elif isinstance(getattr(output, "loss", None), torch.Tensor):
+            loss = "output.loss"
+        elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            loss = "output['loss']"
+        else:
+            loss = "output"
+        return CallForm(batch=batch, loss=loss)
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The user's optimizer over ``model``'s trainable parameters, or AdamW."""

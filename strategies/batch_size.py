@@ -21,6 +21,8 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Strategy
+from memadvisor.workload import CallForm
+from strategies._format import loop_header, loss_line
 
 if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
@@ -125,6 +127,7 @@ class BatchSize(Strategy):
             )
         reached = b * k
         over = f" ({reached} samples, {reached - e} above {e})" if reached != e else ""
+        form = profile.call_form if profile is not None else None
         return Advice(
             strategy=self.name,
             title=f"Batch {b} x {k} accumulation steps",
@@ -133,17 +136,18 @@ class BatchSize(Strategy):
                 f"micro-batches of {b}{over} before each optimizer step; divide each loss by "
                 f"{k} so the gradient is the mean over the effective batch."
             ),
-            snippet=_snippet(b, k),
+            snippet=_snippet(b, k, form),
             effect=f"{k} forward/backward passes per optimizer step; the peak is one micro-batch's",
         )
 
 
-def _snippet(batch_size: int, steps: int) -> str:
+def _snippet(batch_size: int, steps: int, form: CallForm | None) -> str:
     return f"""\
 loader = DataLoader(dataset, batch_size={batch_size}, shuffle=True)
 accumulation_steps = {steps}
-for i, (inputs, targets) in enumerate(loader):
-    loss = loss_fn(model(inputs), targets) / accumulation_steps
+{loop_header(form)}
+    {loss_line(form)}
+    loss = loss / accumulation_steps
     loss.backward()  # gradients add up over the micro-batches
     if (i + 1) % accumulation_steps == 0:
         optimizer.step()

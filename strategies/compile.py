@@ -61,6 +61,7 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.strategy import Advice, Check, Strategy
+from memadvisor.workload import CallForm
 from strategies import _forward
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
@@ -69,6 +70,7 @@ from strategies._compile_trial import (
     try_compile,
 )
 from strategies._compiled_forward import MODES, CompileChoice, CompiledForward, parse_choice
+from strategies._format import loss_line
 
 if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
@@ -166,7 +168,12 @@ class Compile(Strategy):
         parsed = parse_choice(choice)
         if parsed is None:
             return None
-        return advice(parsed, self.results.get(parsed), self.gains.get(parsed))
+        return advice(
+            parsed,
+            self.results.get(parsed),
+            self.gains.get(parsed),
+            form=profile.call_form if profile is not None else None,
+        )
 
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Compile ``choice`` on copies of the workload and compare with eager (see try_compile).
@@ -246,7 +253,11 @@ def check_from(result: CompileResult) -> Check:
 
 
 def advice(
-    choice: CompileChoice, result: CompileResult | None = None, gain: DeviceGain | None = None
+    choice: CompileChoice,
+    result: CompileResult | None = None,
+    gain: DeviceGain | None = None,
+    *,
+    form: CallForm | None = None,
 ) -> Advice:
     """The advice for ``choice``, quoting ``result`` (a trial at some batch) and ``gain`` (the
     planner's measurement against eager) when given."""
@@ -289,12 +300,12 @@ def advice(
         strategy=STRATEGY_NAME,
         title=title,
         sentence=sentence,
-        snippet=_snippet(choice),
+        snippet=_snippet(choice, form),
         effect=effect,
     )
 
 
-def _snippet(choice: CompileChoice) -> str:
+def _snippet(choice: CompileChoice, form: CallForm | None = None) -> str:
     lines = ["import torch", ""]
     budget = choice.activation_memory_budget
     if budget is not None:
@@ -309,7 +320,7 @@ def _snippet(choice: CompileChoice) -> str:
     lines += [
         f"compiled = torch.compile(model{mode})  # shares model's parameters; compiles on 1st call",
         "",
-        "loss = loss_fn(compiled(inputs), targets)  # train through `compiled`",
+        loss_line(form, model="compiled") + "  # train through `compiled`",
         "loss.backward()",
         "optimizer.step()",
         "optimizer.zero_grad(set_to_none=True)",

@@ -21,7 +21,7 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Strategy
 from strategies import _forward
-from strategies._format import mib
+from strategies._format import loss_line, mib
 
 if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
@@ -138,11 +138,10 @@ class ActivationOffload(Strategy):
                 "copy them back as backward needs them: the card holds almost no activations, "
                 "at the price of two copies over the host link."
             ),
-            snippet="""\
-with torch.autograd.graph.save_on_cpu(pin_memory=True):
-    outputs = model(inputs)
-loss = loss_fn(outputs, targets)
-loss.backward()
-""",
+            snippet=(
+                "with torch.autograd.graph.save_on_cpu(pin_memory=True):\n"
+                f"    {loss_line(profile.call_form)}\n"
+                "loss.backward()\n"
+            ),
             effect=f"estimated at batch {b}, fp32: {mib(moved)} MiB off the card{cost}",
         )

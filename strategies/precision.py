@@ -26,7 +26,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Check, Strategy
 from memadvisor.workload import train_step
 from strategies import _forward
-from strategies._format import how_known, mib
+from strategies._format import how_known, loss_line, mib
 
 if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
@@ -157,7 +157,7 @@ class Precision(Strategy):
             strategy=self.name,
             title=f"{precision} autocast",
             sentence=sentence,
-            snippet=_snippet(precision, device_type, dtype),
+            snippet=_snippet(precision, device_type, dtype, loss_line(profile.call_form)),
             effect=_effect_text(profile, precision),
         )
 
@@ -187,11 +187,11 @@ def _effect_text(profile: Profile, precision: str) -> str:
     )
 
 
-def _snippet(precision: str, device_type: str, dtype: str) -> str:
+def _snippet(precision: str, device_type: str, dtype: str, loss: str) -> str:
     if precision == "bf16":
         return f"""\
 with torch.autocast("{device_type}", dtype={dtype}):
-    loss = loss_fn(model(inputs), targets)
+    {loss}
 loss.backward()
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
@@ -200,7 +200,7 @@ optimizer.zero_grad(set_to_none=True)
 scaler = torch.amp.GradScaler("{device_type}")  # once, before the loop
 
 with torch.autocast("{device_type}", dtype={dtype}):
-    loss = loss_fn(model(inputs), targets)
+    {loss}
 scaler.scale(loss).backward()
 scaler.step(optimizer)  # skips the step if gradients overflowed
 scaler.update()

@@ -96,3 +96,32 @@ def test_tensors_built_from_python_values_are_counted() -> None:
         t = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert meter.live_bytes == 16
     del t
+
+
+def test_a_meter_that_tracks_resizes_counts_storage_freed_and_regrown() -> None:
+    # FSDP2 frees its gathered weights with UntypedStorage.resize_(0), which no dispatch
+    # mode sees: track_resizes follows it, and restores resize_ when done.
+    original = torch.UntypedStorage.resize_
+    with MemoryMeter(track_resizes=True) as meter:
+        t = torch.empty(1024)  # 4 KiB
+        t.untyped_storage().resize_(0)
+        assert meter.live_bytes == 0
+        t.untyped_storage().resize_(8192)
+        assert meter.live_bytes == 8192
+    assert meter.peak_bytes == 8192
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_a_resize_past_the_budget_fails_as_an_allocation_would() -> None:
+    with MemoryMeter(budget_bytes=8192, track_resizes=True) as meter:
+        t = torch.empty(1024)
+        with pytest.raises(torch.OutOfMemoryError):
+            t.untyped_storage().resize_(16384)
+        assert meter.live_bytes == 4096 and t.untyped_storage().nbytes() == 4096
+
+
+def test_without_tracking_resizes_are_not_seen() -> None:
+    with MemoryMeter() as meter:
+        t = torch.empty(1024)
+        t.untyped_storage().resize_(0)
+        assert meter.live_bytes == 4096

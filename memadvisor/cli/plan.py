@@ -29,8 +29,14 @@ from memadvisor.errors import BadInputError
 
 if TYPE_CHECKING:
     from memadvisor.planner import Plan
-    from memadvisor.report import MemorySeries
+    from memadvisor.report import PlannedStep
     from memadvisor.workload import Workload
+
+
+class ParallelOption(str, Enum):
+    none = "none"
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
 
 
 class ObjectiveOption(str, Enum):
@@ -46,6 +52,8 @@ EPILOG = """[bold]Examples[/]
   memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
 
   memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
+
+  memadvisor plan examples/gpt.py:build --budget-gb 8 --world-size 2 --parallel fsdp2
 
   memadvisor plan examples/llama.py:build_7b --budget-gb 160 --device estimate --json plan.json
 
@@ -87,6 +95,23 @@ def plan(
     margin: Annotated[
         float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
     ] = 0.08,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size",
+            help="Ranks (one card each) that train together; the budget and the batch are "
+            "per rank.",
+        ),
+    ] = 1,
+    parallel: Annotated[
+        ParallelOption,
+        typer.Option(
+            "--parallel",
+            metavar="PARALLEL",
+            help="How the ranks share the model: ddp (a replica each) or fsdp2 (fully_shard "
+            "on the blocks); none for one card.",
+        ),
+    ] = ParallelOption.none,
     json_path: Annotated[
         Path | None,
         typer.Option(
@@ -111,7 +136,7 @@ def plan(
     strategies on the estimate, confirms the batch by OOM probes on the device, verifies the
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
-    config = _config(budget_gb, objective, effective_batch, margin, device)
+    config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
@@ -134,10 +159,10 @@ def plan(
     if html_path is not None:
         from memadvisor.report import render_plan_html
 
-        # Fake tensors have no timeline worth recording: the chart shows the phase peaks.
+        # Fake tensors have no step worth recording: the chart shows the phase peaks.
         estimated = result.device_kind == "estimate"
-        series = None if estimated else _planned_step(workload, result, debug=debug)
-        page = render_plan_html(result, series=series)
+        step = None if estimated else _planned_step(workload, result, debug=debug)
+        page = render_plan_html(result, step=step)
         write_text(html_path, page, "the HTML report", quiet=quiet)
 
 
@@ -147,6 +172,8 @@ def _config(
     effective_batch: int | None,
     margin: float,
     device: DeviceOption,
+    world_size: int = 1,
+    parallel: ParallelOption = ParallelOption.none,
 ) -> PlanConfig:
     """The PlanConfig the options describe.
 
@@ -161,6 +188,13 @@ def _config(
         raise BadInputError(f"--margin must be at least 0 and below 0.5, but got {margin=}.")
     if effective_batch is not None and effective_batch <= 0:
         raise BadInputError(f"--effective-batch must be positive, but got {effective_batch=}.")
+    if world_size < 1:
+        raise BadInputError(f"--world-size must be at least 1, but got {world_size=}.")
+    if world_size > 1 and parallel is ParallelOption.none:
+        raise BadInputError(
+            f"--world-size {world_size} needs --parallel ddp or --parallel fsdp2 (how the "
+            "ranks share the model)."
+        )
     if objective is None:
         objective = (
             ObjectiveOption.effective_batch
@@ -177,28 +211,21 @@ def _config(
         effective_batch=effective_batch,
         margin_fraction=margin,
         device=resolve_device(device),  # type: ignore[arg-type]
+        world_size=world_size,
+        parallel=parallel.value,
     )
 
 
-def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> MemorySeries | None:
-    """One micro-batch step of the plan, recorded module by module, for the HTML chart.
+def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> PlannedStep | None:
+    """One micro-batch step of the plan for the HTML chart, applied to the CLI's own model.
 
-    The CLI built this model from the factory for this command alone, so the plan is applied
-    to it in place. None (the chart then shows the profile's per-phase peaks) when the step
-    cannot be recorded: the plan is already made and printed, and a chart is not worth
-    losing it over.
+    None (the chart then shows the profile's per-phase peaks) when the step cannot be
+    recorded: the plan is already made and printed, and a chart is not worth losing it over.
     """
-    from memadvisor.apply import apply_plan
-    from memadvisor.profiler import record_timeline
-    from memadvisor.report import series_from_timeline
-    from memadvisor.report._facts import answer
+    from memadvisor.report import planned_step
 
-    a = answer(plan)
-    device = {"cuda": "cuda", "simulated": "cpu"}.get(plan.device_kind, "auto")
     try:
-        apply_plan(workload.model, plan)
-        # fp32 here: the applied plan's own autocast wraps the forward already.
-        timeline = record_timeline(workload, batch_size=a.batch_size, device=device)
+        return planned_step(workload, plan, in_place=True)
     except Exception as e:
         if debug:
             raise
@@ -209,9 +236,3 @@ def _planned_step(workload: Workload, plan: Plan, *, debug: bool) -> MemorySerie
             soft_wrap=True,
         )
         return None
-    ckpt = f"{len(a.checkpointed)} blocks checkpointed" if a.checkpointed else "no checkpointing"
-    return series_from_timeline(
-        timeline,
-        caption=f"One step of the plan ({a.precision}, {ckpt}, micro-batch {a.batch_size}) "
-        f"recorded module by module on {timeline.device}.",
-    )

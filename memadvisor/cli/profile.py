@@ -123,7 +123,12 @@ def profile(
             f"{'under fake tensors' if kind == 'estimate' else 'on the CPU simulated device'}; "
             "drop the option or run on a machine with a GPU."
         )
-    from memadvisor.profiler import profile_workload, record_timeline, write_memory_snapshot
+    from memadvisor.profiler import (
+        profile_workload,
+        record_timeline,
+        top_allocations,
+        write_memory_snapshot,
+    )
     from memadvisor.report import one_line_profile, print_profile
     from memadvisor.target import load_fake_target, load_target
 
@@ -167,6 +172,8 @@ def profile(
         path = write_memory_snapshot(workload, cuda_snapshot_path, batch_size=b)
         say_written("the CUDA allocator snapshot (open it at pytorch.org/memory_viz)", path,
                     quiet=quiet)  # fmt: skip
+    # One more step, each op's allocations charged to its module: the op table.
+    ops = top_allocations(workload, batch_size=b, device=on) if html_path or not quiet else None
     if html_path is not None:
         from memadvisor.report import render_profile_html, series_from_timeline
 
@@ -175,13 +182,13 @@ def profile(
             f"by module on {timeline.device}."
         )
         series = series_from_timeline(timeline, caption=caption)
-        page = render_profile_html(result, batch_size=b, series=series)
+        page = render_profile_html(result, batch_size=b, series=series, ops=ops)
         write_text(html_path, page, "the HTML report", quiet=quiet)
     console = out_console()
     if quiet:
         console.print(one_line_profile(result), highlight=False, soft_wrap=True)
     else:
-        print_profile(result, console, batch_size=b)
+        print_profile(result, console, batch_size=b, ops=ops)
 
 
 def _profiler_device(kind: str) -> str:

@@ -27,6 +27,11 @@ class Measurement(BaseModel):
     )
     step_ms: float = Field(description="Median step time (the first step excluded when >1).")
     samples_per_s: float
+    rank_peak_bytes: list[int] | None = Field(
+        None,
+        description="Runs on several ranks (DDP, FSDP2): each rank's peak, rank 0 first; "
+        "peak_bytes is the largest. None for a run on one device.",
+    )
 
     @property
     def limit_bytes(self) -> int:

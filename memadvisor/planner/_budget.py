@@ -88,7 +88,8 @@ def static_advice(profile: Profile, config: PlanConfig, cheapest_peak_bytes: int
     sharded = profile.param_bytes + grads + state
     rest = cheapest_peak_bytes - sharded
     gathered = 2 * max((b.param_bytes for b in profile.blocks), default=0)
-    for cards in _SHARDS if sharded > worth else ():
+    already_sharded = config.parallel == "fsdp2"
+    for cards in _SHARDS if sharded > worth and not already_sharded else ():
         per_card = sharded // cards + rest + gathered
         if per_card <= config.usable_bytes:
             hints.append(
@@ -119,8 +120,8 @@ def check_static_fits(profile: Profile, config: PlanConfig, cheapest_peak_bytes:
     Raises:
         InfeasibleBudgetError: with ``minimum_bytes`` the smallest budget that would work.
     """
-    if profile.static_bytes <= config.usable_bytes:
-        return
+    if profile.static_bytes <= config.usable_bytes or config.parallel == "fsdp2":
+        return  # FSDP2 shards them: the search's per-rank estimate decides
     raise infeasible(
         profile,
         config,

@@ -16,6 +16,7 @@ __all__ = ["hand_configurations", "unchecked_hand_choices"]
 
 CHECKPOINTING = "checkpointing"
 PRECISION = "precision"
+PARALLEL = "parallel"
 
 
 def _all_blocks(space: SearchSpace) -> JsonValue | None:
@@ -28,16 +29,24 @@ def _autocast(space: SearchSpace) -> str | None:
     return next((p for p in ("bf16", "fp16") if p in offered), None)
 
 
+def _parallel(space: SearchSpace) -> dict[str, JsonValue]:
+    """The ranks' wrap as a person would write it first (FSDP2's default resharding): every
+    row of a per-rank plan is per rank too."""
+    offered = [c for c in space.options.get(PARALLEL, []) if c is not None]
+    return {PARALLEL: offered[0]} if offered else {}
+
+
 def hand_configurations(space: SearchSpace) -> list[tuple[str, dict[str, JsonValue]]]:
     """(label, choices) of each hand configuration this profile's strategies can express."""
     every_block, amp = _all_blocks(space), _autocast(space)
-    rows: list[tuple[str, dict[str, JsonValue]]] = [("Baseline", {})]
+    ranks = _parallel(space)
+    rows: list[tuple[str, dict[str, JsonValue]]] = [("Baseline", {**ranks})]
     if every_block is not None:
-        rows.append(("+Checkpointing", {CHECKPOINTING: every_block}))
+        rows.append(("+Checkpointing", {CHECKPOINTING: every_block, **ranks}))
     if amp is not None:
-        rows.append(("+AMP", {PRECISION: amp}))
+        rows.append(("+AMP", {PRECISION: amp, **ranks}))
     if every_block is not None and amp is not None:
-        rows.append(("+Both", {PRECISION: amp, CHECKPOINTING: every_block}))
+        rows.append(("+Both", {PRECISION: amp, CHECKPOINTING: every_block, **ranks}))
     return rows
 
 

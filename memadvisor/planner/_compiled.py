@@ -261,6 +261,10 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
         )
     if not any(_parse(c) is not None for c in strategy.offered):
         return ""
+    if prober.config.parallel != "none":
+        # A compiled step per rank (compiled FSDP2 hooks, DDP's graph breaks at buckets) is
+        # not what the estimate or the rank runner models.
+        return f"Compiling was not weighed for {prober.config.parallel} ranks; planned eager."
     if getattr(device, "mode", None) == "in_process":
         # One process compiles each new batch with a dynamic batch dimension (dynamo's
         # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.

@@ -135,10 +135,15 @@ def plan_estimated(
             "By the estimate no configuration fits even batch 1.",
         )
     # Imported here: _plan imports this module to dispatch device="estimate" to it.
-    from memadvisor.planner._plan import _advice, _rows, _with_batch_record
+    from memadvisor.planner._plan import (
+        _advice,
+        _rows,
+        _with_batch_record,
+        _with_parallel_record,
+    )
 
     best = ranked[0]
-    pick = _with_batch_record(best.candidate, chosen, config)
+    pick = _with_parallel_record(_with_batch_record(best.candidate, chosen, config))
     pick_estimate = estimate(profile, pick, chosen)
     plan_row = Row(
         label="Plan", candidate=pick, estimate=pick_estimate, largest_batch=best.largest_batch

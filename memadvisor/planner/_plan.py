@@ -65,6 +65,7 @@ SIMULATED_NOTE = (
 ROWS_TIME_BUDGET_S = 30.0
 _RUNS_PER_ROW = 3  # a row's batch search: two probes when the estimate is right, plus timing
 BATCH_SIZE = "batch_size"  # the strategy that records the pick's batch for its advice
+PARALLEL = "parallel"  # the strategy that records the pick's precision for its advice
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
 _MARGIN_STEP_DOWNS = 3
 # Of the estimate's best rerank_top, those under this share of the best's estimated samples/s
@@ -289,6 +290,17 @@ def _profile(workload: Workload, kind: str, ui: Progress) -> Profile:
 
 
 def _make_device(kind: str, config: PlanConfig, target: str | None, profile: Profile) -> Device:
+    if config.parallel != "none":
+        from memadvisor.device.ranks import Ranks
+
+        return Ranks(
+            config.budget_bytes,
+            config.world_size,
+            backend="cuda" if kind == "cuda" else "simulated",
+            target=target,
+            profile=profile,
+            strategy_names=config.strategies,
+        )
     if kind == "cuda":
         from memadvisor.device.cuda import CudaDevice
 
@@ -319,6 +331,18 @@ def _with_batch_record(
         batch_size=candidate.batch_size,
         accumulation_steps=candidate.accumulation_steps,
         choices={**candidate.choices, BATCH_SIZE: record},
+    )
+
+
+def _with_parallel_record(candidate: Candidate) -> Candidate:
+    """The pick with its precision recorded in the parallel choice, for the advice's code
+    (FSDP2 gathers its units in that dtype: ``strategies.parallel``)."""
+    choice = candidate.choices.get(PARALLEL)
+    precision = candidate.choices.get("precision")
+    if not isinstance(choice, dict) or precision in (None, "fp32"):
+        return candidate
+    return candidate.model_copy(
+        update={"choices": {**candidate.choices, PARALLEL: {**choice, "param_dtype": precision}}}
     )
 
 
@@ -461,7 +485,7 @@ def plan_workload(
             best = _best_on_device(prober, timed, notes, ui)
             best, compiled = compiled_pick(prober, best, notes, ui)
             pick, verified = _verified(prober, best, ui)
-            pick = _with_batch_record(pick, chosen, config)
+            pick = _with_parallel_record(_with_batch_record(pick, chosen, config))
             pick_estimate = estimate(profile, pick, chosen)
             same_batch = pick.batch_size == best.candidate.batch_size
             plan_row = Row(

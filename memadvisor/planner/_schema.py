@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr
 
 from memadvisor.compile_cache import CompileCacheReport
 from memadvisor.config import PlanConfig
+from memadvisor.dataloading import LoaderAdvice
 from memadvisor.device._base import Measurement
 from memadvisor.estimate import Candidate, Estimate
 from memadvisor.profiler import Profile, StepTimeModel
 from memadvisor.strategy import Advice, Check
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "CompileOutcome",
@@ -137,3 +142,51 @@ class Plan(_Model):
     basis: EstimateBasis | None = Field(
         None, description="device='estimate': the step-time model and what it cannot know."
     )
+    data_loading: LoaderAdvice | None = Field(
+        None, description="The user's DataLoader timed against the planned step, when given."
+    )
+    # The workload it was planned on (memadvisor.plan() sets it): to_html records the plan's
+    # step on a copy of its model. Not saved: a plan read back from JSON has none.
+    _workload: Any = PrivateAttr(default=None)
+
+    # The report from Python: the same output the CLI prints and writes. The report package
+    # sits above the planner, hence the imports inside the methods.
+
+    def report(self, console: Console | None = None) -> None:
+        """Print the terminal report ``memadvisor plan`` prints (to stdout by default)."""
+        from rich.console import Console
+
+        from memadvisor.report import print_plan
+
+        print_plan(self, console or Console())
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write the plan as ``memadvisor plan --json`` does; ``Plan.model_validate_json``
+        reads it back and ``memadvisor.apply_plan`` applies it.
+
+        Raises:
+            BadInputError: the file cannot be written.
+        """
+        from memadvisor.report import write_plan_json
+
+        return write_plan_json(self, path)
+
+    def to_html(self, path: str | Path, *, record_step: bool = True) -> Path:
+        """Write the self-contained HTML report ``memadvisor plan --html`` writes.
+
+        Args:
+            path: the file to write.
+            record_step: record one step of the plan for the memory chart, on a copy of the
+                model it was planned on (yours is not touched), as the CLI does. A plan read
+                back from JSON has no model: its chart shows the profile's per-phase peaks.
+
+        Raises:
+            BadInputError: the file cannot be written.
+        """
+        from memadvisor.report import planned_step, render_plan_html, write_html
+
+        step = None
+        # An estimate plan's model may be fake or on the meta device: nothing to record.
+        if record_step and self._workload is not None and self.device_kind != "estimate":
+            step = planned_step(self._workload, self, in_place=False)
+        return write_html(render_plan_html(self, step=step), path)

@@ -8,6 +8,7 @@ from memadvisor.profiler._flops import (
     count_step_flops,
     with_modelled_times,
 )
+from memadvisor.profiler._ops import OpAllocation, top_allocations
 from memadvisor.profiler._profile import as_optimizer_factory, profile, profile_workload
 from memadvisor.profiler._schema import (
     BlockActivity,
@@ -25,6 +26,8 @@ from memadvisor.profiler._schema import (
 )
 
 __all__ = [
+    "OpAllocation",
+    "top_allocations",
     "BlockActivity",
     "BlockInfo",
     "DeviceInfo",

@@ -81,6 +81,10 @@ class MemoryMeasurement:
     # grows with the batch (logits). Fake tensors planned for a card fit
     # StepProfile.largest_allocation from it.
     largest_allocation: int = 0
+    # For what no submodule made (<loss>, <other>): owner -> op name -> saved bytes, and the
+    # submodule whose forward had finished last when the largest of them was made.
+    outside_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    outside_after: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -95,6 +99,8 @@ class _Record:
     # be taken by a storage the step did not make (a constant whose first Python wrapper is
     # made only when the graph is walked). Seen as a flaky extra b x row in a block.
     storage: weakref.ref
+    op: str = ""  # the aten op that made it (``_log_softmax``), to name what no module owns
+    after: int = -1  # the submodule whose forward finished last before it was made; -1 none
 
 
 class _StepMeter(MemoryMeter):
@@ -108,6 +114,7 @@ class _StepMeter(MemoryMeter):
         super().__init__()
         self.param_keys = param_keys
         self.casting_weight = False
+        self.op = ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # noqa: ANN001
         self.casting_weight = (
@@ -116,10 +123,12 @@ class _StepMeter(MemoryMeter):
             and isinstance(args[0], torch.Tensor)
             and id(args[0].untyped_storage()) in self.param_keys
         )
+        self.op = func.overloadpacket.__name__
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:
             self.casting_weight = False
+            self.op = ""
 
 
 class PhasePeakMeter:
@@ -226,6 +235,7 @@ class MemoryStep:
         self.serial = itertools.count()
         self.stack: list[int] = []
         self.block_stack: list[int] = []
+        self.last_exited = -1
         self.recording = False
         self.in_loss = False
         self.window: list[int] | None = None  # [live at start, peak] of the running block
@@ -281,6 +291,8 @@ class MemoryStep:
             block=self.block_stack[-1] if self.block_stack else -1,
             in_loss=self.in_loss,
             cast_weight=self.meter.casting_weight,
+            op=self.meter.op,
+            after=self.last_exited,
             storage=weakref.ref(storage),
         )
 
@@ -327,6 +339,8 @@ class MemoryStep:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if i in self.stack:  # always_call: also runs when forward raised
                 del self.stack[len(self.stack) - 1 - self.stack[::-1].index(i) :]
+            if self.names[i]:  # a submodule, not the model itself
+                self.last_exited = i
             if block is None or not self.block_stack or self.block_stack[-1] != block:
                 return
             self.block_stack.pop()
@@ -356,6 +370,8 @@ class MemoryStep:
         self.block_activation = [0] * self.n_blocks
         self.block_cast = [0] * self.n_blocks
         self.outside: dict[str, int] = {}
+        self.outside_ops: dict[str, dict[str, int]] = {}
+        largest: dict[str, _Record] = {}
         self.module_activation: dict[str, int] = {}
         self.activation_total = 0
         self.cast_weight_bytes = 0
@@ -377,6 +393,14 @@ class MemoryStep:
                 self.block_activation[rec.block] += rec.nbytes
             else:
                 self.outside[owner] = self.outside.get(owner, 0) + rec.nbytes
+                if owner in (LOSS_OWNER, OTHER_OWNER):
+                    ops = self.outside_ops.setdefault(owner, {})
+                    ops[rec.op or "?"] = ops.get(rec.op or "?", 0) + rec.nbytes
+                    if owner not in largest or rec.nbytes > largest[owner].nbytes:
+                        largest[owner] = rec
+        self.outside_after = {
+            owner: self.names[rec.after] for owner, rec in largest.items() if rec.after >= 0
+        }
 
     def _owner(self, rec: _Record) -> str:
         name = self.names[rec.module] if rec.module >= 0 else ""
@@ -441,6 +465,8 @@ class MemoryStep:
             largest_allocation=max(
                 (r.nbytes for r in self.records.values() if not r.cast_weight), default=0
             ),
+            outside_ops=self.outside_ops,
+            outside_after=self.outside_after,
         )
 
 

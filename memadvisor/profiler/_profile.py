@@ -84,7 +84,7 @@ from memadvisor.profiler._untracked import (
     untracked_batch_sizes,
     untracked_step,
 )
-from memadvisor.workload import Workload, train_step
+from memadvisor.workload import CallForm, Workload, train_step
 
 __all__ = ["as_optimizer_factory", "autocast_workload", "profile", "profile_workload"]
 
@@ -309,6 +309,7 @@ class _Pass:
         self.timed_steps = timed
         self.workspace_bytes = 0
         self.owners: dict[str, list[str]] = {}
+        self.call_form: CallForm | None = None  # noted in the fp32 warm-up step
         # CUDA: per precision, the steps timed at the untracked bytes' two larger sizes.
         self.large_timing: dict[str, tuple[tuple[int, int], list[TimingMeasurement]]] = {}
         # CUDA: per precision, the step's largest single allocation at those sizes.
@@ -328,7 +329,9 @@ class _Pass:
         measured = {}
         for precision in self.precisions:
             step_wl = autocast_workload(wl, precision, self.target)
-            self._warm_up(model, optimizer, step_wl, precision, first=not measured)
+            # fp32's warm-up also notes how the step calls the model and finds the loss.
+            warm_wl = self._noting_call_form(step_wl) if precision == "fp32" else step_wl
+            self._warm_up(model, optimizer, warm_wl, precision, first=not measured)
             mem = [self._metered(model, optimizer, step_wl, b, precision) for b in self.sizes]
             owners = sorted({o for m in mem for o in m.outside} - {LOSS_OWNER, OTHER_OWNER})
             timing = [
@@ -371,7 +374,17 @@ class _Pass:
             fixed_overhead_bytes=self._fixed_overhead(memory_fp32),
             fragmentation_ratio=self._fragmentation(memory_fp32),
             flops=self.flops,
+            call_form=self.call_form,
         )
+
+    def _noting_call_form(self, wl: Workload) -> Workload:
+        """``wl``, noting in ``self.call_form`` how it calls the model and finds the loss."""
+
+        def loss_fn(output: Any, batch: Any) -> torch.Tensor:
+            self.call_form = wl.call_form(output)
+            return wl.loss(output, batch)
+
+        return dataclasses.replace(wl, loss_fn=loss_fn)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -579,13 +592,21 @@ class _Pass:
                 forward = LinearMs()
             else:
                 forward = ms(lambda t, o=owner: t.module_forward_ms.get(o, 0.0))
-            type_name = "" if owner.startswith("<") else type(model.get_submodule(owner)).__name__
+            if owner == OTHER_OWNER:
+                type_name = type(model).__name__  # made in the model's own forward
+            elif owner.startswith("<"):
+                type_name = ""
+            else:
+                type_name = type(model.get_submodule(owner)).__name__
+            ops = m2.outside_ops.get(owner, {})
             outside.append(
                 ModuleActivity(
                     name=owner,
                     type_name=type_name,
                     activation=self._bytes(a1, a2),
                     forward_ms=forward,
+                    made_by=sorted(ops, key=ops.__getitem__, reverse=True)[:3],
+                    after=m2.outside_after.get(owner),
                 )
             )
         # Largest first: the report and the advice lead with what holds the most.

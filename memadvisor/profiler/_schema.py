@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memadvisor.workload import CallForm
+
 __all__ = [
     "BlockActivity",
     "BlockInfo",
@@ -146,9 +148,21 @@ class ModuleActivity(_Model):
     """A consumer of activation memory outside the blocks (embedding, LM head, loss)."""
 
     name: str = Field(description="Module name, or '<loss>' / '<other>' for what no module owns.")
-    type_name: str = ""
+    type_name: str = Field(
+        "", description="The module's class; for '<other>' the model's own class (its forward)."
+    )
     activation: LinearBytes
     forward_ms: LinearMs = Field(default_factory=LinearMs)
+    made_by: list[str] = Field(
+        default_factory=list,
+        description="For '<loss>' / '<other>': the ops that made the saved bytes, largest "
+        "first (``_log_softmax``): what the bytes are when no module owns them.",
+    )
+    after: str | None = Field(
+        None,
+        description="For '<loss>' / '<other>': the submodule whose forward had finished last "
+        "when the largest of them was made (``lm_head``): whose output they come from.",
+    )
 
 
 class PhasePeak(_Model):
@@ -311,6 +325,11 @@ class Profile(_Model):
         None,
         description="Fake tensors: the step's matmul FLOPs, counted in the warm-up step where "
         "no time can be measured; None elsewhere.",
+    )
+    call_form: CallForm | None = Field(
+        None,
+        description="How the step calls the model and finds the loss, for advice written in "
+        "the user's own form; None: not recorded.",
     )
     host_bandwidth_bytes_per_ms: float | None = Field(
         None,

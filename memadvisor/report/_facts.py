@@ -76,7 +76,14 @@ class Answer(_Model):
     baseline_samples_per_s: float | None = None
     baseline_batch_size: int | None = None
     baseline_measured: bool = False
-    speedup: float | None = Field(None, description="Plan samples/s over the baseline's.")
+    speedup: float | None = Field(
+        None,
+        description="Plan samples/s over the baseline's, both sides from one method: both "
+        "measured when the baseline ran on the device, else both estimated.",
+    )
+    speedup_basis: Literal["measured", "estimated"] | None = Field(
+        None, description="How both sides of ``speedup`` were found; None without a ratio."
+    )
     same_as_baseline: bool = Field(
         False, description="The pick runs what the baseline runs: same precision, blocks, batch."
     )
@@ -144,7 +151,21 @@ class Consumer(_Model):
     share: float = Field(description="Fraction of all saved activations.")
     checkpointed: bool = False
     kept_bytes: int = Field(description="What it keeps under the plan: its input if checkpointed.")
-    forward_ms: float = Field(0.0, description="Its forward time: what a recompute costs.")
+    forward_ms: float = Field(
+        0.0,
+        description="Its forward time, what a recompute costs: for a block, the median over "
+        "the blocks identical to it (same type and bytes), whose timings are repeats of one "
+        "computation; one reading alone can be off by 30x on a busy machine.",
+    )
+    forward_ms_low: float = Field(0.0, description="The fastest of those identical blocks.")
+    forward_ms_high: float = Field(0.0, description="The slowest of those identical blocks.")
+    repeats: int = Field(1, description="How many identical blocks the median is over.")
+    made_by: list[str] = Field(
+        default_factory=list, description="For what no module made: the ops that made it."
+    )
+    after: str | None = Field(
+        None, description="For what no module made: the submodule whose output it comes from."
+    )
 
 
 class PhaseLine(_Model):
@@ -219,6 +240,27 @@ def _runs(cand: Candidate) -> tuple:
     return cand.batch_size, cand.accumulation_steps, changes
 
 
+def _speedup(
+    plan: Plan, base: Row | None, measured_rate: float | None
+) -> tuple[float | None, Literal["measured", "estimated"] | None]:
+    """The plan's rate over the baseline's, never one measured side over one estimated.
+
+    A measured run and the estimate differ by more than the gap between configurations (on
+    the simulated device a tracked step runs several times slower than the estimate's), so
+    a ratio across methods reads as 0.02x or 18x for the same plan. With a measured baseline
+    both sides are measured; otherwise both are the estimate's.
+    """
+    if base is None:
+        return None, None
+    if base.measured is not None and measured_rate is not None:
+        if base.measured.samples_per_s <= 0:
+            return None, None
+        return measured_rate / base.measured.samples_per_s, "measured"
+    if base.estimate.samples_per_s <= 0:
+        return None, None
+    return plan.estimate.samples_per_s / base.estimate.samples_per_s, "estimated"
+
+
 def answer(plan: Plan) -> Answer:
     """The answer a person reads first."""
     cand, est, ver = plan.candidate, plan.estimate, plan.verified
@@ -227,6 +269,7 @@ def answer(plan: Plan) -> Answer:
     rate = ver.samples_per_s if ver is not None else est.samples_per_s
     base = _baseline(plan.comparison)
     base_rate, base_measured = _rate(base) if base is not None else (None, False)
+    speedup, basis = _speedup(plan, base, rate if measured else None)
     # A compile the planner weighed has an answer line of its own (the Compile row).
     named = (*_NAMED_STRATEGIES, "compile") if plan.compile is not None else _NAMED_STRATEGIES
     others = {
@@ -258,7 +301,8 @@ def answer(plan: Plan) -> Answer:
         baseline_samples_per_s=base_rate,
         baseline_batch_size=base.candidate.batch_size if base is not None else None,
         baseline_measured=base_measured,
-        speedup=rate / base_rate if base_rate else None,
+        speedup=speedup,
+        speedup_basis=basis,
         same_as_baseline=base is not None and _runs(base.candidate) == _runs(cand),
         other_choices=others,
         compile=plan.compile,
@@ -421,9 +465,11 @@ def consumers(
     total = step.activation_total.at(batch_size)
     types = {b.name: b.type_name for b in profile.blocks}
     out: list[Consumer] = []
+    timings = _identical_block_timings(step, types, batch_size)
     for blk in step.blocks:
         act = blk.activation.at(batch_size)
         is_ckpt = blk.name in ckpt
+        median, low, high, repeats = timings[blk.name]
         out.append(
             Consumer(
                 name=blk.name,
@@ -433,7 +479,10 @@ def consumers(
                 share=act / total if total else 0.0,
                 checkpointed=is_ckpt,
                 kept_bytes=blk.input.at(batch_size) if is_ckpt else act,
-                forward_ms=blk.forward_ms.at(batch_size),
+                forward_ms=median,
+                forward_ms_low=low,
+                forward_ms_high=high,
+                repeats=repeats,
             )
         )
     for mod in step.outside:
@@ -447,6 +496,8 @@ def consumers(
                 share=act / total if total else 0.0,
                 kept_bytes=act,
                 forward_ms=mod.forward_ms.at(batch_size),
+                made_by=list(mod.made_by),
+                after=mod.after,
             )
         )
     rest = total - sum(c.activation_bytes for c in out)
@@ -462,6 +513,30 @@ def consumers(
             )
         )
     return sorted(out, key=lambda c: c.activation_bytes, reverse=True)
+
+
+def _identical_block_timings(
+    step: StepProfile, types: dict[str, str], batch_size: int
+) -> dict[str, tuple[float, float, float, int]]:
+    """Block name -> (median, fastest, slowest, count) of the forward times of the blocks
+    identical to it: same type, same saved and input bytes at ``batch_size``.
+
+    Twelve identical transformer blocks do the same work; their twelve timings are twelve
+    repeats of one measurement, and their median is the honest figure for each.
+    """
+    groups: dict[tuple, list[str]] = {}
+    for blk in step.blocks:
+        key = (types.get(blk.name, ""), blk.activation.at(batch_size), blk.input.at(batch_size))
+        groups.setdefault(key, []).append(blk.name)
+    forward = {blk.name: blk.forward_ms.at(batch_size) for blk in step.blocks}
+    out: dict[str, tuple[float, float, float, int]] = {}
+    for names in groups.values():
+        times = sorted(forward[n] for n in names)
+        mid = len(times) // 2
+        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        for n in names:
+            out[n] = (median, times[0], times[-1], len(times))
+    return out
 
 
 def phases(profile: Profile, batch_size: int, precision: str = "fp32") -> list[PhaseLine]:

@@ -46,6 +46,14 @@ td.est { color: var(--mute); font-style: italic; }
 .advice .effect { color: var(--good); font-weight: 600; margin: 8px 0 0; }
 pre { background: #1d2330; color: #e8ecf4; padding: 10px 12px; border-radius: 4px; margin: 0;
       overflow-x: auto; font: 12.5px/1.45 "DejaVu Sans Mono", Menlo, Consolas, monospace; }
+ul.legend { list-style: none; display: flex; flex-wrap: wrap; gap: 4px 16px; margin: 6px 0 0;
+            padding: 0; font-size: 12.5px; }
+ul.legend li { display: flex; align-items: center; gap: 6px; }
+.swatch { display: inline-block; width: 14px; height: 12px; border: 1px solid var(--line); }
+.swatch.line { height: 3px; border: 0; }
+.swatch.dashed { height: 0; border-top: 2px dashed; background: none !important; }
+.spread { color: var(--mute); font-size: 12px; }
+p.limits { color: var(--warn); font-weight: 600; }
 footer { margin-top: 36px; color: var(--mute); font-size: 12px; }
 """
 
@@ -54,8 +62,7 @@ SCRIPT = r"""
   "use strict";
   var NS = "http://www.w3.org/2000/svg";
   var data = JSON.parse(document.getElementById("memadvisor-data").textContent);
-  var PHASE_COLORS = { forward: "#dbe8ff", loss: "#efe0ff", backward: "#ffe6d5",
-                       optimizer: "#dcf5e3", zero_grad: "#eeeeee", end: "#f4f4f4" };
+  var PHASE_COLORS = data.phase_colors || {};
 
   function fmtBytes(n) {
     var units = [["GiB", 1073741824], ["MiB", 1048576], ["KiB", 1024]];
@@ -150,23 +157,19 @@ SCRIPT = r"""
                      fill: "#5d6678" }, svg, String(Math.round(t * 10) / 10));
       }
     }
-    var lx = L + 8;
-    [["allocated", "#2f6fdd", ""]].concat(hasReserved ? [["reserved", "#8e44ad", "6 4"]] : [])
-      .forEach(function (item) {
-        el("line", { x1: lx, x2: lx + 22, y1: T + 30, y2: T + 30, stroke: item[1],
-                     "stroke-width": 2.5, "stroke-dasharray": item[2] }, svg);
-        el("text", { x: lx + 28, y: T + 34, "font-size": 12 }, svg, item[0]);
-        lx += 110;
-      });
+    // The legend (lines and every phase band) is the HTML list under the chart.
   }
 
-  function drawBars(svg, items, value, label, color, title) {
+  function drawBars(svg, items, value, label, color, title, spread) {
     var W = 470, row = 22, T = 30, L = 150, R = 90;
     var H = T + items.length * row + 12;
     svg.setAttribute("viewBox", "0 0 " + W + " " + H);
     el("text", { x: 8, y: 18, "font-size": 13, "font-weight": 600 }, svg, title);
     var max = 0;
-    items.forEach(function (it) { max = Math.max(max, value(it)); });
+    items.forEach(function (it) {
+      var range = spread ? spread(it) : null;
+      max = Math.max(max, value(it), range ? range[1] : 0);
+    });
     if (max <= 0) { max = 1; }
     items.forEach(function (it, i) {
       var yy = T + i * row, w = value(it) / max * (W - L - R);
@@ -179,7 +182,19 @@ SCRIPT = r"""
         el("rect", { x: L, y: yy + 3, width: Math.max(1, parts[1] / max * (W - L - R)),
                      height: row - 7, fill: parts[2] }, svg);
       }
-      el("text", { x: L + Math.max(1, w) + 5, y: yy + 14, "font-size": 11, fill: "#5d6678" },
+      var end = L + Math.max(1, w);
+      if (spread) {  // a whisker from the fastest to the slowest of identical blocks
+        var lo = spread(it);
+        if (lo) {
+          var x0 = L + lo[0] / max * (W - L - R), x1 = L + lo[1] / max * (W - L - R);
+          el("line", { x1: x0, x2: x1, y1: yy + 11, y2: yy + 11, stroke: "#1d2330",
+                       "stroke-width": 1.2, "class": "spread" }, svg);
+          el("line", { x1: x0, x2: x0, y1: yy + 6, y2: yy + 16, stroke: "#1d2330" }, svg);
+          el("line", { x1: x1, x2: x1, y1: yy + 6, y2: yy + 16, stroke: "#1d2330" }, svg);
+          end = Math.max(end, x1);
+        }
+      }
+      el("text", { x: end + 5, y: yy + 14, "font-size": 11, fill: "#5d6678" },
          svg, label(it));
     });
   }
@@ -201,10 +216,12 @@ SCRIPT = r"""
   var rec = document.getElementById("recompute-bars");
   var blocks = owners.filter(function (c) { return c.owner === "block"; });
   if (rec && blocks.length) {
+    var hasSpread = function (c) { return c.repeats > 1 && c.forward_ms_high > c.forward_ms_low; };
     drawBars(rec, blocks, function (c) { return c.forward_ms; },
-      function (c) { return fmtMs(c.forward_ms); },
+      function (c) { return fmtMs(c.forward_ms) + (hasSpread(c) ? " median" : ""); },
       function (c) { return [c.checkpointed ? "#17a2b8" : "#9aa7bd"]; },
-      "Recompute cost: block forward (ms)");
+      "Recompute cost: block forward, median of identical blocks (ms)",
+      function (c) { return hasSpread(c) ? [c.forward_ms_low, c.forward_ms_high] : null; });
   }
   document.body.setAttribute("data-drawn", "yes");
 })();

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 from memadvisor.profiler import Profile
-from memadvisor.report._facts import Answer
+from memadvisor.report._facts import Answer, Consumer
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
-__all__ = ["OWNERS_NOTE", "answer_rows", "device_title", "fragmentation", "kind_words"]
+__all__ = [
+    "OPS_NOTE",
+    "OWNERS_NOTE",
+    "answer_rows",
+    "device_title",
+    "fragmentation",
+    "kind_words",
+    "op_module",
+    "owner_notes",
+]
 
 OWNERS_NOTE = "Blocks can be checkpointed; other owners (an LM head, the loss) cannot."
+OPS_NOTE = (
+    "Bytes each op's outputs took when made, summed over its calls (torch.profiler's self "
+    "memory, before frees), by the module that ran it; in backward, the module whose backward "
+    "was running."
+)
 
 _KIND_WORDS = {
     "params": "weights",
@@ -17,6 +31,11 @@ _KIND_WORDS = {
     "activations": "activations (saved for backward)",
     "temporaries": "temporaries (recompute, workspaces)",
 }
+
+
+def op_module(module: str) -> str:
+    """An op's module as the tables show it: '' is the model's own forward."""
+    return module if module else "(model's own forward)"
 
 
 def kind_words(kind: str) -> str:
@@ -139,10 +158,83 @@ def _throughput(a: Answer) -> str:
     if a.same_as_baseline:
         # A ratio of two runs of the same configuration measures only timing noise.
         return words + " · the baseline configuration itself: nothing to change for speed"
-    if a.speedup is not None and a.baseline_samples_per_s is not None:
-        base_how = "measured" if a.baseline_measured else "estimated"
+    if a.speedup is not None and a.speedup_basis == "measured":
         words += (
             f" · {fmt_ratio(a.speedup)} the baseline's {fmt_rate(a.baseline_samples_per_s)} "
-            f"(fp32 at batch {a.baseline_batch_size}, {base_how})"
+            f"(fp32 at batch {a.baseline_batch_size}, both measured)"
+        )
+    elif a.speedup is not None:
+        # The baseline only estimated: the ratio is estimate over estimate, and says so.
+        words += (
+            f" · by the estimate {fmt_ratio(a.speedup)} the baseline's (fp32 at batch "
+            f"{a.baseline_batch_size}; both sides estimated, the baseline was not run)"
         )
     return words
+
+
+# Ops that compute a softmax-based loss: what they save grows with batch x classes (x tokens).
+_LOSS_OPS = frozenset(
+    {"_log_softmax", "log_softmax", "_softmax", "softmax", "nll_loss", "nll_loss_forward",
+     "nll_loss2d_forward", "cross_entropy_loss", "binary_cross_entropy_with_logits"}
+)  # fmt: skip
+_SHRINK_LOSS = (
+    "a chunked or fused cross-entropy (one that never holds the log-probabilities of the whole "
+    "batch at once) would shrink it, and so would a smaller batch"
+)
+
+
+def owner_notes(consumers: list[Consumer], *, min_share: float = 0.05) -> list[str]:
+    """A sentence for each owner that is not a block and holds ``min_share`` or more of the
+    activations: who made the bytes and what would shrink them.
+
+    Checkpointing cannot reach these owners, so the report says what can instead.
+    """
+    fed_loss = {c.after for c in consumers if c.after and _is_loss(c)}
+    notes = []
+    for c in consumers:
+        if c.owner != "outside" or c.share < min_share or c.name == "<unattributed>":
+            continue
+        held = f"{fmt_bytes(c.activation_bytes)} ({c.share:.0%})"
+        ops = f" ({', '.join(c.made_by)})" if c.made_by else ""
+        if c.name == "<other>":
+            where = f"{c.type_name}.forward" if c.type_name else "the model's own forward"
+            after = f" after {c.after}" if c.after else ""
+            if _is_loss(c):
+                notes.append(
+                    f"<other>: {held} is the loss over {c.after or 'the output'}'s output, "
+                    f"computed in {where}{ops}; {_SHRINK_LOSS}."
+                )
+            else:
+                notes.append(
+                    f"<other>: {held} made in {where} outside every submodule{after}{ops}; a "
+                    "smaller batch shrinks it, and moving that code into a block lets "
+                    "checkpointing reach it."
+                )
+        elif c.name == "<loss>":
+            if _is_loss_op(c):
+                shrink = _SHRINK_LOSS
+            elif not c.made_by:  # a profile that did not record the ops
+                shrink = f"if it is a cross-entropy, {_SHRINK_LOSS}"
+            else:
+                shrink = "a smaller batch shrinks it"
+            notes.append(f"<loss>: {held} is your loss_fn over the model's output{ops}; {shrink}.")
+        elif c.name in fed_loss:
+            notes.append(
+                f"{c.name}: {held} is its output ({c.type_name}), which the loss reads; a fused "
+                "linear + cross-entropy that computes the loss a chunk of rows at a time never "
+                "holds it all, and a smaller batch shrinks it."
+            )
+        else:
+            notes.append(
+                f"{c.name}: {held} kept by a {c.type_name or 'module'} outside the blocks; a "
+                "smaller batch shrinks it."
+            )
+    return notes
+
+
+def _is_loss(c: Consumer) -> bool:
+    return c.name == "<loss>" or _is_loss_op(c)
+
+
+def _is_loss_op(c: Consumer) -> bool:
+    return bool(_LOSS_OPS.intersection(c.made_by))

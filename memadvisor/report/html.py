@@ -11,33 +11,52 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from memadvisor.dataloading import LoaderAdvice
 from memadvisor.errors import BadInputError
 from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
+from memadvisor.profiler import OpAllocation, Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._html_assets import CSS, SCRIPT
+from memadvisor.report._planned_step import PlannedStep
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
+    OPS_NOTE,
     OWNERS_NOTE,
     answer_rows,
     device_title,
     fragmentation,
     kind_words,
+    op_module,
+    owner_notes,
 )
 
 __all__ = ["render_plan_html", "render_profile_html", "write_html"]
 
-_BAR_COLORS = "Blue: a block; orange: not a block, which checkpointing cannot reach."
+_BAR_COLORS = (
+    "Blue: a block; orange: not a block, which checkpointing cannot reach. Recompute bars: the "
+    "median forward of the blocks identical to each one, the whisker from the fastest to the "
+    "slowest of them (one timing alone is noise on a busy machine)."
+)
 
 
-def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) -> str:
+def render_plan_html(
+    plan: Plan,
+    *,
+    series: facts.MemorySeries | None = None,
+    step: PlannedStep | None = None,
+    ops: list[OpAllocation] | None = None,
+) -> str:
     """The plan's report page.
 
     Args:
         plan: the planner's answer; its profile (when it carries one) feeds the charts.
         series: memory over time from a recorded timeline; without one the chart shows the
             profile's per-phase peaks and says so.
+        step: the plan's own step, recorded (its series and op table); overrides the two.
+        ops: the operations that allocate most, for their table; none: no table.
     """
+    if step is not None:
+        series, ops = step.series, step.ops
     a = facts.answer(plan)
     profile = plan.profile
     parts = [
@@ -56,7 +75,7 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
                 _predicted_phases(facts.predicted_phases(plan)),
             )
         )
-    data: dict = {"budget_bytes": a.budget_bytes}
+    data: dict = {"budget_bytes": a.budget_bytes, "phase_colors": PHASE_COLORS}
     if profile is not None:
         b = max(profile.batch_sizes)
         series = series or facts.series_from_phases(profile, b, a.precision)
@@ -78,7 +97,7 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
                 "consumers",
                 f"Top activation owners at batch {a.batch_size}, {a.precision}",
                 _consumers(owners, show_kept=bool(a.checkpointed)),
-                OWNERS_NOTE,
+                "\n".join([OWNERS_NOTE, *owner_notes(owners)]),
             ),
             _section(
                 "phases",
@@ -87,7 +106,11 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
                 fragmentation(profile),
             ),
         ]
+    if ops:
+        parts.append(_ops_section(ops, f"at batch {a.batch_size}, {a.precision}"))
     parts.append(_section("advice", "Recommendations", _advice(plan)))
+    if plan.data_loading is not None:
+        parts.append(_loading(plan.data_loading))
     if plan.checks:
         items = "".join(
             f"<li><b>{_e(c.strategy)}</b> ({'passed' if c.passed else 'look at this'}): "
@@ -101,7 +124,11 @@ def render_plan_html(plan: Plan, *, series: facts.MemorySeries | None = None) ->
 
 
 def render_profile_html(
-    profile: Profile, *, batch_size: int | None = None, series: facts.MemorySeries | None = None
+    profile: Profile,
+    *,
+    batch_size: int | None = None,
+    series: facts.MemorySeries | None = None,
+    ops: list[OpAllocation] | None = None,
 ) -> str:
     """The profile's report page: memory over the step, activation owners, phases."""
     b = batch_size or max(profile.batch_sizes)
@@ -124,7 +151,7 @@ def render_profile_html(
             "consumers",
             f"Top activation owners at batch {b}, fp32",
             _consumers(owners, show_kept=False),
-            OWNERS_NOTE,
+            "\n".join([OWNERS_NOTE, *owner_notes(owners)]),
         ),
         _section(
             "phases",
@@ -133,8 +160,11 @@ def render_profile_html(
             fragmentation(profile),
         ),
     ]
+    if ops:
+        parts.append(_ops_section(ops, f"at batch {b}, fp32"))
     data = {
         "budget_bytes": None,
+        "phase_colors": PHASE_COLORS,
         "series": series.model_dump(),
         "consumers": [c.model_dump() for c in owners],
     }
@@ -180,7 +210,7 @@ def _page(title: str, parts: Iterable[str], data: dict) -> str:
 
 
 def _section(anchor: str, title: str, body: str, note: str | None = None) -> str:
-    note_html = f'<p class="note">{_e(note)}</p>' if note else ""
+    note_html = "".join(f'<p class="note">{_e(line)}</p>' for line in (note or "").splitlines())
     return f'<section id="{anchor}"><h2>{_e(title)}</h2>{body}{note_html}</section>'
 
 
@@ -269,9 +299,49 @@ def _consumers(owners: list[facts.Consumer], *, show_kept: bool) -> str:
         rows.append(
             f"<tr><td>{_e(c.name)}{tag}</td><td>{_e(c.type_name)}</td>"
             f"<td>{fmt_bytes(c.activation_bytes)}</td><td>{c.share:.0%}</td>{kept}"
-            f"<td>{fmt_ms(c.forward_ms) if c.forward_ms else '—'}</td></tr>"
+            f"<td>{_forward(c)}</td></tr>"
         )
     return _table(head, rows)
+
+
+def _loading(loading: LoaderAdvice) -> str:
+    rows = (
+        f"<tr><td>{label}</td><td>{t.num_workers}</td><td>{t.pin_memory}</td>"
+        f"<td>{fmt_ms(t.first_batch_ms)}</td><td>{fmt_ms(t.batch_ms)}</td>"
+        f"<td>{fmt_rate(t.samples_per_s)}</td></tr>"
+        for label, t in [("yours", loading.current)] + [("", v) for v in loading.variants]
+    )
+    table = _table(["Loader", "Workers", "Pinned", "First batch", "Per batch", "Samples/s"], rows)
+    cls = ' class="limits"' if loading.limits_throughput else ""
+    words = "".join(f"<p{cls}>{_e(s)}</p>" for s in loading.sentences)
+    code = f"<pre><code>{_e(loading.snippet)}</code></pre>" if loading.snippet else ""
+    return _section("loading", "Data loading", table + words + code)
+
+
+def _ops_section(ops: list[OpAllocation], where: str) -> str:
+    rows = (
+        f"<tr><td><code>{_e(o.op)}</code></td><td>{_e(op_module(o.module))}</td>"
+        f"<td>{_e(o.phase)}</td><td>{o.calls}</td><td>{fmt_bytes(o.allocated_bytes)}</td></tr>"
+        for o in ops
+    )
+    return _section(
+        "ops",
+        f"Operations that allocate most, one step {where}",
+        _table(["Op", "Module", "Phase", "Calls", "Allocated"], rows),
+        OPS_NOTE,
+    )
+
+
+def _forward(c: facts.Consumer) -> str:
+    """The forward time; for identical blocks their median and, when they differ, the spread."""
+    if not c.forward_ms:
+        return "—"
+    if c.repeats > 1 and c.forward_ms_high > c.forward_ms_low:
+        return (
+            f'{fmt_ms(c.forward_ms)} <span class="spread">(median of {c.repeats} identical '
+            f"blocks; {fmt_ms(c.forward_ms_low)} to {fmt_ms(c.forward_ms_high)})</span>"
+        )
+    return fmt_ms(c.forward_ms)
 
 
 def _phases(profile: Profile, b: int, precisions: list[str]) -> str:
@@ -293,10 +363,38 @@ def _phases(profile: Profile, b: int, precisions: list[str]) -> str:
     return _table(head, rows)
 
 
+# The background band of each phase in the memory chart; the script reads them from the data.
+PHASE_COLORS = {
+    "forward": "#dbe8ff",
+    "loss": "#efe0ff",
+    "backward": "#ffe6d5",
+    "optimizer": "#dcf5e3",
+    "zero_grad": "#eeeeee",
+    "end": "#f4f4f4",
+}
+
+
 def _memory_chart(series: facts.MemorySeries) -> str:
+    """The chart's frame and its legend: every phase band drawn has an entry.
+
+    The legend is HTML, not drawn by the script, so it is there before any script runs; a
+    narrow band (the loss takes a few percent of the step) has no room for a label inside.
+    """
+    phases = list(dict.fromkeys(span[0] for span in series.spans))
+    entries = "".join(
+        f'<li data-phase="{_e(p)}"><span class="swatch" '
+        f'style="background:{PHASE_COLORS.get(p, "#eeeeee")}"></span>{_e(p)}</li>'
+        for p in phases
+    )
+    lines = '<li><span class="swatch line" style="background:#2f6fdd"></span>allocated</li>' + (
+        '<li><span class="swatch line dashed" style="border-color:#8e44ad"></span>reserved</li>'
+        if any(p[2] is not None for p in series.points)
+        else ""
+    )
     return (
         '<section id="memory"><h2>Memory over the step</h2>'
         '<svg id="memory-chart" class="chart" role="img" aria-label="memory over time"></svg>'
+        f'<ul class="legend" id="memory-legend">{lines}{entries}</ul>'
         f'<p class="caption">{_e(series.caption)}</p></section>'
     )
 

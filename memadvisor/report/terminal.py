@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
@@ -10,19 +13,23 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from memadvisor.dataloading import LoaderAdvice
 from memadvisor.planner import Plan
-from memadvisor.profiler import Profile
+from memadvisor.profiler import OpAllocation, Profile
 from memadvisor.report import _facts as facts
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
+    OPS_NOTE,
     OWNERS_NOTE,
     answer_rows,
     device_title,
     fragmentation,
     kind_words,
+    op_module,
+    owner_notes,
 )
 
-__all__ = ["one_line", "one_line_profile", "print_plan", "print_profile"]
+__all__ = ["one_line", "one_line_profile", "print_code", "print_plan", "print_profile"]
 
 _ESTIMATED = "~"  # marks a number only estimated, never run on a device
 
@@ -56,15 +63,12 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
     else:
         profile = plan.profile
         _section(console, _peak_title(ans), _kinds_table(facts.kinds_at_plan_peak(plan)))
+        owners = facts.consumers(profile, ans.batch_size, ans.precision, ans.checkpointed)
         _section(
             console,
             f"Top activation owners at batch {ans.batch_size}, {ans.precision}",
-            _consumers_table(
-                facts.consumers(profile, ans.batch_size, ans.precision, ans.checkpointed),
-                top=top,
-                show_kept=bool(ans.checkpointed),
-            ),
-            _CONSUMERS_NOTE,
+            _consumers_table(owners, top=top, show_kept=bool(ans.checkpointed)),
+            _consumers_note(owners),
         )
         b = max(profile.batch_sizes)
         _section(
@@ -74,6 +78,8 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
             fragmentation(profile),
         )
     _print_advice(plan, console)
+    if plan.data_loading is not None:
+        _print_loading(plan.data_loading, console)
     for check in plan.checks:
         mark, style = ("passed", "green") if check.passed else ("look at this", "yellow")
         console.print(
@@ -88,12 +94,19 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
 
 
 def print_profile(
-    profile: Profile, console: Console, *, batch_size: int | None = None, top: int = 10
+    profile: Profile,
+    console: Console,
+    *,
+    batch_size: int | None = None,
+    top: int = 10,
+    ops: list[OpAllocation] | None = None,
 ) -> None:
-    """What the profiler measured: memory by kind, top activation owners, per-phase peaks.
+    """What the profiler measured: memory by kind, top activation owners, per-phase peaks,
+    and the operations that allocate most when ``ops`` is given.
 
     Args:
         batch_size: the batch to read the linear fits at; the larger measured one by default.
+        ops: :func:`memadvisor.profiler.top_allocations` at that batch.
     """
     b = batch_size or max(profile.batch_sizes)
     precisions = list(profile.steps)
@@ -107,7 +120,7 @@ def print_profile(
         console,
         f"Top activation owners at batch {b}",
         _profile_consumers(profile, b, precisions, top),
-        _CONSUMERS_NOTE,
+        _consumers_note(facts.consumers(profile, b)),
     )
     _section(
         console,
@@ -115,6 +128,16 @@ def print_profile(
         _phases_table(profile, b, precisions),
         fragmentation(profile),
     )
+    if ops:
+        _section(
+            console, f"Operations that allocate most, one step at batch {b}, fp32",
+            ops_table(ops), OPS_NOTE,
+        )  # fmt: skip
+
+
+def _consumers_note(owners: list[facts.Consumer]) -> str:
+    """The star's meaning, then who made each large owner that is not a block."""
+    return "\n".join([_CONSUMERS_NOTE, *owner_notes(owners)])
 
 
 def _section(console: Console, title: str, table: Table, note: str | None = None) -> None:
@@ -179,25 +202,64 @@ def _peak_title(a: facts.Answer) -> str:
 # -- tables -----------------------------------------------------------------------------------
 
 
+Cell = str | Text
+ColumnKind = Literal["name", "text", "num"]
+
+
+def _table(columns: list[tuple[str, ColumnKind]], rows: list[list[Cell]]) -> Table:
+    """A table that narrows to the console without cutting a header or a value.
+
+    A number column is never narrower than its widest value, so a value never wraps or is
+    cut; headers wrap at their spaces ("Largest batch" over two lines). Module names fold
+    (break at any character, every character kept) when the console is too narrow even
+    then. Rich's own default crops a no-wrap cell with an ellipsis ("Forwa…", "71.6 …").
+    """
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    for i, (header, kind) in enumerate(columns):
+        if kind == "num":
+            widest = max((cell_len(_plain(row[i])) for row in rows), default=0)
+            table.add_column(header, justify="right", min_width=widest)
+        elif kind == "name":
+            widest = max((cell_len(_plain(row[i])) for row in rows), default=0)
+            table.add_column(header, overflow="fold", ratio=None, min_width=min(widest, 12))
+        else:
+            table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _plain(cell: Cell) -> str:
+    return cell.plain if isinstance(cell, Text) else cell
+
+
 def _comparison_table(plan: Plan) -> Table:
-    table = Table(box=box.SIMPLE_HEAVY)
-    for name in ("Config", "Batch", "Peak", "Step", "Largest batch", "Samples/s"):
-        table.add_column(name, justify="left" if name == "Config" else "right", no_wrap=True)
+    columns: list[tuple[str, ColumnKind]] = [
+        ("Config", "name"),
+        ("Batch", "num"),
+        ("Peak", "num"),
+        ("Step", "num"),
+        ("Largest batch", "num"),
+        ("Samples/s", "num"),
+    ]
+    rows: list[list[Cell]] = []
     for line in facts.comparison(plan):
         mark = "" if line.measured else _ESTIMATED
         batch = str(line.batch_size)
         if line.accumulation_steps > 1:
             batch += f"×{line.accumulation_steps}"
         peak = Text(mark + fmt_bytes(line.peak_bytes), style="red" if line.over_budget else "")
-        table.add_row(
-            Text(line.label, style="bold green" if line.is_plan else ""),
-            batch,
-            peak,
-            mark + fmt_ms(line.step_ms),
-            str(line.largest_batch) if line.largest_batch is not None else "—",
-            mark + fmt_rate(line.samples_per_s),
+        rows.append(
+            [
+                Text(line.label, style="bold green" if line.is_plan else ""),
+                batch,
+                peak,
+                mark + fmt_ms(line.step_ms),
+                str(line.largest_batch) if line.largest_batch is not None else "—",
+                mark + fmt_rate(line.samples_per_s),
+            ]
         )
-    return table
+    return _table(columns, rows)
 
 
 def _predicted_phases_table(lines: list[facts.PredictedPhases]) -> Table:
@@ -226,26 +288,25 @@ def _predicted_phases_table(lines: list[facts.PredictedPhases]) -> Table:
 
 
 def _kinds_table(lines: list[facts.KindLine]) -> Table:
-    table = Table(box=box.SIMPLE)
-    table.add_column("Kind")
-    table.add_column("Bytes", justify="right", no_wrap=True)
-    table.add_column("Share", justify="right", no_wrap=True)
-    for line in lines:
-        table.add_row(kind_words(line.kind), fmt_bytes(line.nbytes), f"{line.share:.0%}")
-    return table
+    rows: list[list[Cell]] = [
+        [kind_words(line.kind), fmt_bytes(line.nbytes), f"{line.share:.0%}"] for line in lines
+    ]
+    return _table([("Kind", "text"), ("Bytes", "num"), ("Share", "num")], rows)
 
 
 def _consumers_table(consumers: list[facts.Consumer], *, top: int, show_kept: bool) -> Table:
-    table = Table(box=box.SIMPLE)
-    table.add_column("Module", no_wrap=True)
-    table.add_column("Type", no_wrap=True, overflow="ellipsis")
-    table.add_column("Saved", justify="right", no_wrap=True)
-    table.add_column("Share", justify="right", no_wrap=True)
+    columns: list[tuple[str, ColumnKind]] = [
+        ("Module", "name"),
+        ("Type", "text"),
+        ("Saved", "num"),
+        ("Share", "num"),
+    ]
     if show_kept:
-        table.add_column("Kept by plan", justify="right", no_wrap=True)
-    table.add_column("Forward", justify="right", no_wrap=True)
+        columns.append(("Kept by plan", "num"))
+    columns.append(("Forward", "num"))
+    rows: list[list[Cell]] = []
     for c in consumers[:top]:
-        row = [
+        row: list[Cell] = [
             _owner_name(c),
             c.type_name,
             fmt_bytes(c.activation_bytes),
@@ -257,18 +318,25 @@ def _consumers_table(consumers: list[facts.Consumer], *, top: int, show_kept: bo
                 if c.checkpointed
                 else Text(fmt_bytes(c.kept_bytes))
             )
-        row.append(fmt_ms(c.forward_ms) if c.forward_ms else "—")
-        table.add_row(*row)
+        row.append(_forward(c))
+        rows.append(row)
     if len(consumers) > top:
         rest = consumers[top:]
-        table.add_row(
-            f"… {len(rest)} more",
-            "",
-            fmt_bytes(sum(c.activation_bytes for c in rest)),
-            f"{sum(c.share for c in rest):.0%}",
-            *([""] * (2 if show_kept else 1)),
+        rows.append(
+            [
+                f"… {len(rest)} more",
+                "",
+                fmt_bytes(sum(c.activation_bytes for c in rest)),
+                f"{sum(c.share for c in rest):.0%}",
+                *([""] * (2 if show_kept else 1)),
+            ]
         )
-    return table
+    return _table(columns, rows)
+
+
+def _forward(c: facts.Consumer) -> str:
+    """A block's forward (its recompute cost): the median over identical blocks."""
+    return fmt_ms(c.forward_ms) if c.forward_ms else "—"
 
 
 def _owner_name(c: facts.Consumer) -> Text:
@@ -280,17 +348,17 @@ def _owner_name(c: facts.Consumer) -> Text:
 def _profile_consumers(profile: Profile, b: int, precisions: list[str], top: int) -> Table:
     per_precision = {p: {c.name: c for c in facts.consumers(profile, b, p)} for p in precisions}
     ordered = facts.consumers(profile, b, "fp32")
-    table = Table(box=box.SIMPLE)
-    table.add_column("Module", no_wrap=True)
-    table.add_column("Type", no_wrap=True, overflow="ellipsis")
-    table.add_column("Per sample", justify="right", no_wrap=True)
-    for p in precisions:
-        table.add_column(p, justify="right", no_wrap=True)
-    table.add_column("Share", justify="right", no_wrap=True)
-    table.add_column("Forward", justify="right", no_wrap=True)
+    columns: list[tuple[str, ColumnKind]] = [
+        ("Module", "name"),
+        ("Type", "text"),
+        ("Per sample", "num"),
+    ]
+    columns += [(p, "num") for p in precisions]
+    columns += [("Share", "num"), ("Forward", "num")]
     slopes = _per_sample_bytes(profile)
+    rows: list[list[Cell]] = []
     for c in ordered[:top]:
-        cells = [
+        cells: list[Cell] = [
             _owner_name(c),
             c.type_name,
             fmt_bytes(slopes.get(c.name)) if c.name in slopes else "—",
@@ -298,9 +366,25 @@ def _profile_consumers(profile: Profile, b: int, precisions: list[str], top: int
         for p in precisions:
             other = per_precision[p].get(c.name)
             cells.append(fmt_bytes(other.activation_bytes) if other is not None else "—")
-        cells += [f"{c.share:.0%}", fmt_ms(c.forward_ms) if c.forward_ms else "—"]
-        table.add_row(*cells)
-    return table
+        cells += [f"{c.share:.0%}", _forward(c)]
+        rows.append(cells)
+    return _table(columns, rows)
+
+
+def ops_table(ops: list[OpAllocation]) -> Table:
+    """Op, module, phase, calls and bytes allocated: the profiler's self-memory view."""
+    rows: list[list[Cell]] = [
+        [o.op, op_module(o.module), o.phase, str(o.calls), fmt_bytes(o.allocated_bytes)]
+        for o in ops
+    ]
+    columns: list[tuple[str, ColumnKind]] = [
+        ("Op", "name"),
+        ("Module", "name"),
+        ("Phase", "text"),
+        ("Calls", "num"),
+        ("Allocated", "num"),
+    ]
+    return _table(columns, rows)
 
 
 def _per_sample_bytes(profile: Profile) -> dict[str, float]:
@@ -311,23 +395,20 @@ def _per_sample_bytes(profile: Profile) -> dict[str, float]:
 
 
 def _phases_table(profile: Profile, b: int, precisions: list[str]) -> Table:
-    table = Table(box=box.SIMPLE)
-    table.add_column("Phase")
-    rows: dict[str, list[str]] = {}
+    columns: list[tuple[str, ColumnKind]] = [("Phase", "name")]
+    rows: dict[str, list[Cell]] = {}
     for p in precisions:
         lines = facts.phases(profile, b, p)
         reserved = any(line.reserved_bytes is not None for line in lines)
-        table.add_column(f"{p} allocated" if reserved else p, justify="right", no_wrap=True)
+        columns.append((f"{p} allocated" if reserved else p, "num"))
         if reserved:
-            table.add_column(f"{p} reserved", justify="right", no_wrap=True)
+            columns.append((f"{p} reserved", "num"))
         for line in lines:
-            cells = rows.setdefault(line.phase, [])
+            cells = rows.setdefault(line.phase, [line.phase])
             cells.append(fmt_bytes(line.allocated_bytes))
             if reserved:
                 cells.append(fmt_bytes(line.reserved_bytes))
-    for phase, cells in rows.items():
-        table.add_row(phase, *cells)
-    return table
+    return _table(columns, list(rows.values()))
 
 
 def _profile_header(profile: Profile) -> Panel:
@@ -357,24 +438,72 @@ def _profile_header(profile: Profile) -> Panel:
 
 
 def _print_advice(plan: Plan, console: Console) -> None:
+    """Each recommendation: its title, its sentence, its code, its effect.
+
+    The code is printed line by line with soft wrapping and no frame: a panel or a syntax
+    block pads and crops each line to the console's width (80 columns when piped), which cut
+    a line mid-token, a syntax error once pasted. Here a long line runs past the right edge
+    and the terminal wraps it for display; the characters, and so a paste, stay whole. The
+    ```python fences mark where the code starts and ends, for the eye and for tools.
+    """
     if not plan.advice:
         console.print("[dim]No recommendations: the plain step already fits at its best.[/]")
         return
     console.print()
     console.print(Text("Recommendations", style="bold"))
     for i, advice in enumerate(plan.advice, 1):
-        body: list = [Text(advice.sentence)]
+        console.print()
+        console.print(Text(f"{i}. {advice.title}", style="bold cyan"))
+        console.print(Text(advice.sentence))
         if advice.snippet:
-            body.append(
-                Syntax(advice.snippet, "python", theme="ansi_dark", background_color="default")
-            )
+            print_code(console, advice.snippet)
         if advice.effect:
-            body.append(Text(f"Effect: {advice.effect}", style="green"))
-        console.print(
-            Panel(
-                Group(*body), title=f"{i}. {advice.title}", title_align="left", border_style="cyan"
-            )
+            console.print(Text(f"Effect: {advice.effect}", style="green"))
+
+
+def _print_loading(loading: LoaderAdvice, console: Console) -> None:
+    console.print()
+    console.print(Text("Data loading", style="bold"))
+    console.print(_loader_table(loading))
+    for sentence in loading.sentences:
+        console.print(Text(sentence, style="yellow" if loading.limits_throughput else ""))
+    if loading.snippet:
+        print_code(console, loading.snippet)
+
+
+def _loader_table(loading: LoaderAdvice) -> Table:
+    rows: list[list[Cell]] = []
+    for label, t in [("yours", loading.current)] + [("", v) for v in loading.variants]:
+        rows.append(
+            [
+                Text(label, style="bold") if label else "",
+                str(t.num_workers),
+                str(t.pin_memory),
+                fmt_ms(t.first_batch_ms),
+                fmt_ms(t.batch_ms),
+                fmt_rate(t.samples_per_s),
+            ]
         )
+    columns: list[tuple[str, ColumnKind]] = [
+        ("Loader", "name"),
+        ("Workers", "num"),
+        ("Pinned", "num"),
+        ("First batch", "num"),
+        ("Per batch", "num"),
+        ("Samples/s", "num"),
+    ]
+    return _table(columns, rows)
+
+
+def print_code(console: Console, code: str) -> None:
+    """``code`` between ```python fences, highlighted on a terminal, never wrapped or cut."""
+    console.print(Text("```python", style="dim"), soft_wrap=True)
+    syntax = Syntax("", "python", theme="ansi_dark", background_color="default")
+    for line in code.rstrip("\n").splitlines():
+        text = syntax.highlight(line)
+        text.rstrip()  # highlight() ends each piece with a newline of its own
+        console.print(text, soft_wrap=True)
+    console.print(Text("```", style="dim"), soft_wrap=True)
 
 
 def _probes_line(plan: Plan) -> str:

@@ -230,5 +230,49 @@ def test_plan_help_ends_with_examples_and_exit_codes(cli) -> None:
     assert result.exit_code == 0
     text = result.stdout
     assert text.index("Examples") > text.index("--budget-gb")
-    assert "memadvisor plan examples/gpt.py:build --budget-gb 1" in text
+    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.5" in text
     assert "3 nothing fits the budget" in text
+
+
+@pytest.mark.slow
+def test_plan_piped_at_80_columns_prints_every_advice_code_line_whole(factory, tmp_path) -> None:
+    """Through a pipe rich sees no terminal and lays out at 80 columns: the code to paste must
+    still parse, line by line as printed, and the tables must cut nothing."""
+    import ast
+    import os
+    import re
+    import subprocess
+    import sys
+
+    json_path, html_path = tmp_path / "plan.json", tmp_path / "plan.html"
+    env = {**os.environ, "COLUMNS": "80"}
+    env.pop("FORCE_COLOR", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "memadvisor.cli", "plan", factory("gpt"), "--budget-gb", "0.004",
+         "--json", str(json_path), "--html", str(html_path)],
+        capture_output=True, text=True, env=env, timeout=600,  # stdout is a pipe
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = Plan.model_validate_json(json_path.read_text())
+    out = result.stdout
+    blocks = re.findall(r"^```python\n(.*?)^```$", out, re.S | re.M)
+    assert len(blocks) == sum(1 for a in plan.advice if a.snippet) > 0
+    for block, advice in zip(blocks, [a for a in plan.advice if a.snippet], strict=True):
+        ast.parse(block)
+        assert block.rstrip("\n") == advice.snippet.rstrip("\n")
+    cut = [line for line in out.splitlines() if "…" in line and "more" not in line]
+    assert cut == []
+    # The HTML has the loss band's legend entry and the op table of the plan's own step.
+    page = html_path.read_text()
+    assert 'data-phase="loss"' in page and 'id="ops"' in page
+
+
+def test_plan_world_size_without_a_way_to_share_is_bad_input(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--world-size", "2")
+    assert result.exit_code == 2
+    assert "--parallel ddp or --parallel fsdp2" in _one_error_line(result)
+
+
+def test_plan_parallel_must_be_a_known_way(cli, factory) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", "--parallel", "zero3")
+    assert result.exit_code == 2

@@ -193,3 +193,17 @@ def test_a_card_s_cap_strands_the_largest_tensor_so_the_plan_fits_peak_plus_logi
     est = tiny_plan.estimate
     assert est.reserved_peak_bytes == est.peak_bytes + pick.batch_size * logits
     assert est.limit_bytes <= tiny_plan.config.usable_bytes
+
+
+def test_fsdp2_over_more_cards_than_this_machine_has_plans_what_one_card_cannot_hold() -> None:
+    """Weights, gradients and AdamW state too large for one card's budget are sharded 1/N
+    by FSDP2: the per-rank estimate plans 8 ranks here, with no card and no process group."""
+    # 13.7M parameters, 8 tokens: 0.2 GiB of weights, gradients and state, few activations.
+    workload = fake_workload(lambda: _llama(seq_len=8, n_layers=4, dim=512, ffn_dim=1376))
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        plan_estimated(workload, _config(0.25), progress=False)
+    assert caught.value.minimum_bytes > 0.25 * GIB
+    plan = plan_estimated(workload, _config(0.25, world_size=8, parallel="fsdp2"), progress=False)
+    choice = plan.candidate.choices["parallel"]
+    assert choice["kind"] == "fsdp2" and choice["world_size"] == 8
+    assert plan.estimate.limit_bytes <= plan.config.usable_bytes

@@ -1,0 +1,67 @@
+"""What a plan decides, read once for every integration: precision, blocks, batch, compile."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from memadvisor.estimate import Candidate
+from memadvisor.planner import Plan
+
+__all__ = ["Pick", "apply_blocks", "pick_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """The plan's choices in the words a training framework's settings use."""
+
+    batch_size: int
+    accumulation_steps: int
+    precision: str  # fp32, bf16 or fp16
+    checkpointed: list[str]  # block names
+    block_count: int | None  # blocks the profile found; None unknown
+    compile_mode: str | None  # None: eager
+
+    @property
+    def all_blocks(self) -> bool:
+        """Every block the profile found is checkpointed (a framework's own switch does that)."""
+        return bool(self.checkpointed) and self.block_count == len(self.checkpointed)
+
+
+def pick_of(plan: Plan) -> Pick:
+    from memadvisor.report._facts import checkpointed_blocks, plan_precision
+
+    cand = plan.candidate
+    compile_choice = cand.choice("compile") if plan.compile is not None else None
+    mode: str | None = None
+    if plan.compile is not None and plan.compile.picked:
+        if isinstance(compile_choice, dict):
+            mode = str(compile_choice.get("mode", "default"))
+        elif isinstance(compile_choice, str):
+            mode = compile_choice
+        else:
+            mode = "default"
+    return Pick(
+        batch_size=cand.batch_size,
+        accumulation_steps=cand.accumulation_steps,
+        precision=plan_precision(plan),
+        checkpointed=checkpointed_blocks(cand.choice("checkpointing"), plan.profile),
+        block_count=len(plan.profile.blocks) if plan.profile is not None else None,
+        compile_mode=mode,
+    )
+
+
+def apply_blocks(model: nn.Module, plan: Plan) -> nn.Module:
+    """Checkpoint the plan's blocks of ``model`` in place, and nothing else of the plan.
+
+    Precision, batch and compile are the framework's to set (its autocast, its loader); the
+    rest of :func:`memadvisor.apply_plan` would do them a second time.
+    """
+    from memadvisor.apply import apply_candidate
+
+    choice = plan.candidate.choice("checkpointing")
+    if not choice:
+        return model
+    only = Candidate(batch_size=plan.candidate.batch_size, choices={"checkpointing": choice})
+    return apply_candidate(model, only, profile=plan.profile)

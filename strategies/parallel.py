@@ -1,0 +1,319 @@
+"""Data parallelism over ``world_size`` cards: what each rank holds, and how to wrap the model.
+
+Not searched like the others: the user says how many ranks and how they share the model
+(``PlanConfig.world_size`` and ``parallel``); this strategy turns the single-card estimate
+into the estimate *per rank* at the per-rank batch, and weighs FSDP2's one free choice,
+``reshard_after_forward``.
+
+A choice is ``{"kind": "ddp" | "fsdp2", "world_size": N, "units": [block names],
+"reshard_after_forward": bool}`` (``units`` and the reshard flag for FSDP2 only); the
+planner adds ``"param_dtype"`` to the pick's as a record of its precision, for the advice.
+
+What a rank holds (the estimate's edit, :meth:`Parallel.effect`):
+
+* DDP: the full weights, gradients and optimizer state, plus the gradient buckets: DDP's
+  reducer allocates one flat copy of every gradient (``bucket_cap_mb`` = 25 MiB only cuts
+  it into pieces, and ``gradient_as_bucket_view=False`` is the default), held from the
+  wrap on: ``grad_bytes`` more at every moment of the step.
+* FSDP2 (``fully_shard`` on each block, then on the root): weights and optimizer state
+  sharded 1/N at every moment; gradients sharded 1/N once a unit's reduce-scatter has run
+  (the root's at the end of backward). On top, the all-gathered units: the root's weights
+  from its forward to the end of backward (FSDP2 never reshards the root after forward);
+  in forward the unit being run; in backward the unit being run and the one prefetched
+  (FSDP2 prefetches the next unit's all-gather in backward by default). With
+  ``reshard_after_forward=False`` a unit stays gathered from its forward to its backward,
+  so the all-gather in backward is saved and every unit is held at the loss.
+* A low precision under FSDP2 is ``MixedPrecisionPolicy(param_dtype=bf16|fp16,
+  reduce_dtype=fp32)``: the units are gathered in that dtype and autocast makes no weight
+  copies of its own (the activations are the autocast step's).
+
+Known limitations:
+    * Communication time is not measured. Only ``reshard_after_forward=True``'s extra
+      all-gather in backward is priced, at :data:`ALL_GATHER_BYTES_PER_MS` (an assumed
+      NVLink-class rate), to rank it against keeping the units gathered; DDP's all-reduce and
+      FSDP2's forward all-gathers and reduce-scatters cost both choices alike.
+    * The all-gather's own buffers (the flat output, the reduce-scatter input) are counted
+      as one unit more in forward and backward; on a card they live on NCCL's streams and may
+      overlap the next unit's.
+    * The optimizer step under FSDP2 is the single card's scaled by 1/N (its batch, a few
+      KiB to MiB, is not sharded but is scaled with the rest).
+    * Buffers (BatchNorm statistics) are not sharded by FSDP2 and are counted whole.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import JsonValue
+from torch import nn
+
+from memadvisor.errors import BadInputError
+from memadvisor.strategy import Advice, Strategy
+from strategies._format import mib, names_text
+
+if TYPE_CHECKING:
+    from memadvisor.config import PlanConfig
+    from memadvisor.estimate import StepModel
+    from memadvisor.profiler import Profile
+
+__all__ = ["ALL_GATHER_BYTES_PER_MS", "Parallel", "parse_choice", "wrap_for_rank"]
+
+# 100 GB/s: what NCCL's all-gather reaches between two cards of one NVLink host, in round
+# figures (an assumption, not a measurement: docs/design.md has none yet).
+ALL_GATHER_BYTES_PER_MS = 100e6
+_KINDS = ("ddp", "fsdp2")
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_choice(choice: JsonValue) -> dict[str, Any]:
+    """The choice as a dict with every key, checked.
+
+    Raises:
+        BadInputError: not a choice this strategy makes.
+    """
+    if not isinstance(choice, dict) or choice.get("kind") not in _KINDS:
+        raise BadInputError(
+            "A parallel choice is a dict with kind 'ddp' or 'fsdp2' and world_size, e.g. "
+            f"{{'kind': 'fsdp2', 'world_size': 2, 'units': ['h.0']}}, but got {choice=}."
+        )
+    world = choice.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise BadInputError(f"A parallel choice's world_size is an int >= 1, but got {world=}.")
+    units = choice.get("units", [])
+    if not (isinstance(units, list) and all(isinstance(u, str) for u in units)):
+        raise BadInputError(f"A parallel choice's units are block names, but got {units=}.")
+    return {
+        "kind": choice["kind"],
+        "world_size": world,
+        "units": list(units),
+        "reshard_after_forward": bool(choice.get("reshard_after_forward", True)),
+        "param_dtype": choice.get("param_dtype"),
+    }
+
+
+def _low_precision(precision: str | None) -> str | None:
+    return precision if precision in _LOW else None
+
+
+class Parallel(Strategy):
+    """What each of ``world_size`` ranks holds under DDP or FSDP2."""
+
+    name = "parallel"
+    effect_order = 90  # after precision (the dtype of the gathered units) and checkpointing
+
+    def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
+        if config.parallel == "none":
+            return [None]
+        base: dict[str, JsonValue] = {"kind": config.parallel, "world_size": config.world_size}
+        if config.parallel == "ddp":
+            return [base]
+        units: list[JsonValue] = [b.name for b in profile.blocks]
+        return [
+            {**base, "units": units, "reshard_after_forward": True},
+            {**base, "units": units, "reshard_after_forward": False},
+        ]
+
+    def is_neutral(self, choice: JsonValue) -> bool:
+        return choice is None
+
+    def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
+        c = parse_choice(choice)
+        if c["kind"] == "ddp":
+            for phase in ("forward", "backward", "optimizer"):
+                model.add_bytes(phase, profile.grad_bytes)  # the buckets: one flat gradient copy
+            return
+        _fsdp2_effect(profile, c, model)
+
+    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+        """Nothing in this process: the wrap needs each rank's process group
+        (:func:`wrap_for_rank` there; the advice shows the code)."""
+        parse_choice(choice)
+        return model
+
+    def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
+        if choice is None:
+            return None
+        c = parse_choice(choice)
+        n = c["world_size"]
+        if c["kind"] == "ddp":
+            return Advice(
+                strategy=self.name,
+                title=f"DDP over {n} ranks",
+                sentence=(
+                    f"Each of the {n} ranks keeps the whole model, its gradients and optimizer "
+                    "state, plus DDP's gradient buckets (one flat copy of the gradients, "
+                    f"{mib(profile.grad_bytes)} MiB): the batch in this plan is per rank. "
+                    "gradient_as_bucket_view=True would make the gradients views of the "
+                    "buckets and save that copy (not planned here)."
+                ),
+                snippet=_ddp_snippet(),
+                effect=f"estimated: +{mib(profile.grad_bytes)} MiB per rank for the buckets",
+            )
+        units = c["units"]
+        static = profile.param_bytes + profile.optimizer_state_bytes
+        reshard = c["reshard_after_forward"]
+        low = _low_precision(c["param_dtype"])
+        kept = (
+            "resharded after forward (gathered again in backward: less memory)"
+            if reshard
+            else "kept gathered from forward to backward (no all-gather in backward)"
+        )
+        dtype = (
+            f" Weights are gathered in {low} (MixedPrecisionPolicy), gradients reduced in fp32."
+            if low
+            else ""
+        )
+        return Advice(
+            strategy=self.name,
+            title=f"FSDP2 over {n} ranks, {len(units)} units",
+            sentence=(
+                f"Shard the weights, gradients and optimizer state over {n} ranks with "
+                f"fully_shard on each block ({names_text(units)}) and then on the root; each "
+                f"unit is {kept}.{dtype} Apply the plan's other strategies (checkpointing, "
+                "autocast) first, and build the optimizer after fully_shard. The batch in "
+                "this plan is per rank."
+            ),
+            snippet=_fsdp2_snippet(units, reshard, low),
+            effect=(
+                f"estimated: {mib(static)} MiB of weights and optimizer state become "
+                f"{mib(static / n)} MiB per rank"
+            ),
+        )
+
+
+def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None:
+    """FSDP2's per-rank bytes as edits of the single card's walk (the module docstring)."""
+    n = c["world_size"]
+    shard = 1.0 - 1.0 / n
+    reshard = c["reshard_after_forward"]
+    low = _low_precision(model.precision)
+    ratio = 0.5 if low else 1.0  # the gathered units' dtype against fp32 weights
+    blocks = profile.blocks
+    block_params = [b.param_bytes for b in blocks]
+    root = max(0, profile.param_bytes - sum(block_params))
+    units = [int(p * ratio) for p in block_params]
+    root_unit = int(root * ratio)
+    grads_per_param = profile.grad_bytes / profile.param_bytes if profile.param_bytes else 0.0
+    # Autocast's weight copies are the gathered units themselves under a MixedPrecisionPolicy.
+    casts = list(model.lines.cast) if low else [0] * len(blocks)
+    cast_total = model.step.cast_weight_bytes if low else 0
+    held_grads = profile.grad_bytes * shard if model.accumulation_steps > 1 else 0.0
+
+    # Everywhere: weights and optimizer state sharded (their bytes less the other ranks').
+    sharded = int((profile.param_bytes + profile.optimizer_state_bytes) * shard + held_grads)
+    largest = max(units, default=0)
+    gathered_all = sum(units)
+    # Forward: the root and the unit being run (its all-gather buffer beside it), or all.
+    in_forward = root_unit + (2 * largest if reshard else gathered_all + largest)
+    model.add_bytes("forward", in_forward - sharded - cast_total)
+    model.add_bytes("backward", -sharded)
+    count = len(blocks)
+    per_block = []
+    for k in range(count):
+        # The unit being run and the one prefetched, or every unit not yet past backward.
+        previous = units[k - 1] if k > 0 else 0
+        gathered = units[k] + previous if reshard else sum(units[: k + 1])
+        # Later blocks' gradients were reduce-scattered to a shard; this block's full ones are
+        # copied into the reduce-scatter's input (one unit more).
+        later_grads = sum(block_params[k + 1 :]) * grads_per_param
+        per_block.append(
+            root_unit + gathered + units[k] - int(later_grads * shard) - sum(casts[:k])
+        )
+    head = root_unit + (units[-1] if reshard and units else gathered_all) - cast_total
+    model.add_backward_bytes(per_block, head)
+    optimizer = model.numbers.phases.get("optimizer")
+    if optimizer is None:
+        optimizer = profile.static_bytes + profile.param_bytes
+    model.add_bytes("optimizer", -int(max(0, optimizer - profile.buffer_bytes) * shard))
+    if reshard and n > 1:
+        model.add_ms(gathered_all * shard / ALL_GATHER_BYTES_PER_MS)
+
+
+def wrap_for_rank(
+    model: nn.Module, choice: JsonValue, precision: str | None = None, device_id: int | None = None
+) -> nn.Module:
+    """``model`` wrapped for this rank: DDP, or ``fully_shard`` on each unit and the root.
+
+    Call it in every rank after ``init_process_group`` and after the plan's other
+    strategies are applied; build the optimizer after it.
+
+    Args:
+        model: the model, on this rank's device, other strategies applied.
+        choice: the plan's parallel choice.
+        precision: the plan's precision: bf16/fp16 gathers FSDP2's units in that dtype.
+        device_id: this rank's CUDA device index (None on the CPU).
+
+    Raises:
+        BadInputError: the choice's units are not submodules of ``model``.
+    """
+    c = parse_choice(choice)
+    if c["kind"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            model, device_ids=[device_id] if device_id is not None else None
+        )
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = _low_precision(c["param_dtype"] or precision)
+    policy = (
+        MixedPrecisionPolicy(param_dtype=_LOW[low], reduce_dtype=torch.float32)
+        if low
+        else MixedPrecisionPolicy()
+    )
+    reshard = c["reshard_after_forward"]
+    for name in c["units"]:
+        try:
+            unit = model.get_submodule(name)
+        except AttributeError as e:
+            raise BadInputError(
+                f"Cannot shard {name!r}: {type(model).__name__} has no such submodule. Use a "
+                "plan made for this model."
+            ) from e
+        fully_shard(unit, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+    return model
+
+
+def _ddp_snippet() -> str:
+    return """\
+# torchrun --nproc-per-node N train.py
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+model = DDP(model.cuda(rank), device_ids=[rank])  # after the plan's other strategies
+optimizer = torch.optim.AdamW(model.parameters())
+# each rank loads its own batch_size samples (DistributedSampler)
+"""
+
+
+def _fsdp2_snippet(units: list[str], reshard: bool, low: str | None) -> str:
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(low or "")
+    policy = (
+        f"MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype=torch.float32)"
+        if dtype
+        else "MixedPrecisionPolicy()"
+    )
+    return f"""\
+# torchrun --nproc-per-node N train.py
+import os
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = model.cuda()  # after the plan's other strategies (checkpointing, autocast)
+mp_policy = {policy}
+for name in {units!r}:
+    fully_shard(model.get_submodule(name), reshard_after_forward={reshard}, mp_policy=mp_policy)
+fully_shard(model, reshard_after_forward={reshard}, mp_policy=mp_policy)
+optimizer = torch.optim.AdamW(model.parameters())  # after fully_shard: over the shards
+# each rank loads its own batch_size samples (DistributedSampler)
+"""
