@@ -8,13 +8,13 @@ processes load this file by path and call them, so it imports nothing of the ben
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def classification_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -73,7 +73,33 @@ def hf_llama(
     return {"model": model, "sample_batch": batch}
 
 
+def _example(name: str) -> Any:
+    """``examples/<name>.py`` as a module, loaded by path (this file is loaded by path too)."""
+    module_name = f"memadvisor_bench_example_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # its loss_fn pickles by this name
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpt2_124m(batch_size: int = 4) -> dict:
+    """examples/gpt.py at GPT-2 small's size: 12 layers of 768, 12 heads, 1024 tokens, 124M."""
+    return _example("gpt").build(
+        batch_size=batch_size, block_size=1024, n_layer=12, n_head=12, n_embd=768
+    )
+
+
 # -- file.py:factory targets ------------------------------------------------------------------
+
+
+def gpt2() -> dict:
+    return gpt2_124m()
 
 
 def resnet18() -> dict:
@@ -110,10 +136,7 @@ def llama_small() -> dict:
 def llama_1b(batch_size: int = 1, seq: int = 2048) -> dict:
     """examples/llama.py at TinyLlama-1.1B's shape: 22 layers of 2048, 32 query heads over 4
     key/value heads, a 5632-wide SwiGLU, vocab 32000; 1.10B parameters, 2048 tokens."""
-    from memadvisor.target import load_target_file  # the example under the CLI's module name
-
-    llama = load_target_file(EXAMPLES / "llama.py")
-    return llama.build(
+    return _example("llama").build(
         batch_size=batch_size,
         seq_len=seq,
         vocab_size=32000,

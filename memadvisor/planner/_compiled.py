@@ -14,10 +14,13 @@ measuring them:
    budget set to the share of activations the pick keeps (:func:`kept_share`): both
    variants then hold about the pick's memory at its batch and the device says which
    recompute is cheaper.
-2. Trial. Each variant is compiled once in this process at the sample batch
-   (:func:`~strategies.compile.try_compile`), which also times the one-off compile. A
-   model that does not compile (an error, no graph, graph breaks everywhere) is a note and
-   the plan stays eager.
+2. Trial. Each variant is compiled once in this process
+   (:func:`~strategies.compile.try_compile`), which also times the one-off compile: at the
+   eager pick's confirmed batch when the card has room for it beside a probe (:func:`trial_batch`),
+   so the first compiled probe loads that graph from inductor's cache instead of compiling
+   it again (21 s saved for a 124M GPT on an H200, docs/design.md), else at the sample
+   batch. A model that does not compile (an error, no graph, graph breaks everywhere) is a
+   note and the plan stays eager.
 3. Device. Each variant that compiled gets the batch search eager candidates get
    (``_Prober.confirm``), bracketed from the eager pick's confirmed batch, inside one shared
    inductor cache (:func:`~memadvisor.compile_cache.shared_compile_cache`), so a probe
@@ -41,6 +44,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -52,7 +56,7 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import JsonValue
 
-from memadvisor.compile_cache import shared_compile_cache
+from memadvisor.compile_cache import SharedCompileCache, shared_compile_cache
 from memadvisor.estimate import Candidate, estimate
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._schema import CompiledVariant, CompileOutcome
@@ -63,7 +67,7 @@ if TYPE_CHECKING:
     from memadvisor.planner._plan import _Confirmed, _Prober
     from strategies.compile import Compile, CompileChoice
 
-__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share"]
+__all__ = ["MIN_SPEEDUP", "compiled_pick", "compiled_variants", "kept_share", "trial_batch"]
 
 COMPILE = "compile"
 CHECKPOINTING = "checkpointing"
@@ -74,6 +78,10 @@ MIN_SPEEDUP = 1.03
 # Budgets in twentieths: a plan reads 0.65, not 0.6473; rounded up, so the variant keeps
 # at least what the pick keeps (it recomputes no more than it must).
 _BUDGET_STEP = 0.05
+# What the card must hold beyond two budgets (a probe process's and the trial's, which runs
+# in this process) before the trial runs at the probes' batch: two CUDA contexts and this
+# process's leftovers.
+ROOM_BESIDES_PROBES_BYTES = 2 * 2**30
 
 
 def compiled_pick(
@@ -83,6 +91,8 @@ def compiled_pick(
     ui: Progress,
     *,
     cache_dir: str | Path | None = None,
+    cache: SharedCompileCache | None = None,
+    free_bytes: int | None = None,
 ) -> tuple[_Confirmed, CompileOutcome | None]:
     """The pick to verify: ``eager_best``, or a compiled variant of it the device found faster.
 
@@ -93,6 +103,10 @@ def compiled_pick(
         ui: progress display; the compiled variants get a stage of their own.
         cache_dir: the inductor cache the variants' processes share; None keeps the user's,
             so what the plan compiled is warm for the user's own training.
+        cache: a shared cache the caller entered already (the planner enters it for the
+            whole plan, so the fork server starts once with it); ``cache_dir`` is then unused.
+        free_bytes: bytes free on the card now (None: not a card); with room for the trial
+            beside a probe it runs at the eager pick's batch (:func:`trial_batch`).
 
     Returns:
         The confirmed pick (``eager_best`` itself when compiling was not considered, failed
@@ -114,17 +128,20 @@ def compiled_pick(
     runs_before = len(prober.probes)
     records: list[CompiledVariant] = []
     confirmed: list[tuple[CompiledVariant, _Confirmed]] = []
-    with ui.stage("compile", total=None) as bar, shared_compile_cache(cache_dir) as cache:
+    scope = contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
+    with ui.stage("compile", total=None) as bar, scope as shared:
         prober.bar = bar
         for choices in variants:
             bar.describe(f"compile: trying {_label(choices)}")
-            record, found = _measure_variant(prober, strategy, choices, eager_best.found_batch)
+            record, found = _measure_variant(
+                prober, strategy, choices, eager_best.found_batch, free_bytes
+            )
             records.append(record)
             if found is not None:
                 confirmed.append((record, found))
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(prober.probes) > runs_before
-        cache_report = cache.report() if ran else None
+        cache_report = shared.report() if ran else None
 
     winner = _best(prober.config.objective, confirmed)
     picked = winner is not None and _beats(prober.config.objective, winner[1], eager_best)
@@ -287,19 +304,36 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
 
 
 def _measure_variant(
-    prober: _Prober, strategy: Compile, choices: dict[str, JsonValue], start_batch: int
+    prober: _Prober,
+    strategy: Compile,
+    choices: dict[str, JsonValue],
+    start_batch: int,
+    free_bytes: int | None = None,
 ) -> tuple[CompiledVariant, _Confirmed | None]:
-    """Try ``choices`` at the sample batch here; if it compiles, confirm it on the device."""
+    """Trial ``choices`` here (:func:`trial_batch`); if it compiles, confirm it on the device.
+
+    At the batch the device search starts from, the trial fills inductor's on-disk cache with
+    the graph the first compiled probe needs, and that probe loads it instead of compiling
+    (docs/design.md, plan speed). A trial that ran out of memory there (this process shares
+    the card with the probes) is tried again at the sample batch.
+    """
     workload, device = prober.workload, prober.device
     others = {name: c for name, c in choices.items() if name != COMPILE}
-    at_sample = Candidate(batch_size=workload.sample_batch_size, choices=others)
+    sample = workload.sample_batch_size
+    batches = [trial_batch(start_batch, sample, prober.config.budget_bytes, free_bytes)]
+    if batches[0] != sample:
+        batches.append(sample)
     try:
-        result = strategy.trial(
-            workload,
-            choices[COMPILE],
-            candidate=at_sample,
-            device="cuda" if device.kind == "cuda" else None,
-        )
+        for batch in batches:
+            result = strategy.trial(
+                workload,
+                choices[COMPILE],
+                candidate=Candidate(batch_size=batch, choices=others),
+                device="cuda" if device.kind == "cuda" else None,
+            )
+            _release_trial_memory()
+            if not result.out_of_memory:
+                break
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
         text = f"the compile trial could not run its eager step ({_first_line(e)})."
         return CompiledVariant(choices=choices, compiles=False, trial=text, error=text), None
@@ -324,6 +358,20 @@ def _measure_variant(
     record.batch_size = found.candidate.batch_size
     record.measured = found.measured
     return record, found
+
+
+def trial_batch(
+    start_batch: int, sample_batch: int, budget_bytes: int, free_bytes: int | None
+) -> int:
+    """The batch a compile trial runs at: the device search's start when the card has room,
+    else the sample batch.
+
+    The trial runs in this process, beside a probe process capped at the budget: room is two
+    budgets and :data:`ROOM_BESIDES_PROBES_BYTES` free; ``free_bytes`` None (no card) is none.
+    """
+    if free_bytes is not None and free_bytes >= 2 * budget_bytes + ROOM_BESIDES_PROBES_BYTES:
+        return max(1, start_batch)
+    return max(1, sample_batch)
 
 
 def _bracket(prober: _Prober, choices: dict[str, JsonValue], start_batch: int) -> Scored:

@@ -38,6 +38,7 @@ import torch
 from pydantic import JsonValue
 
 from memadvisor.apply import run_checks
+from memadvisor.compile_cache import shared_compile_cache
 from memadvisor.config import PlanConfig
 from memadvisor.device import Device, Measurement
 from memadvisor.errors import BadInputError
@@ -46,7 +47,7 @@ from memadvisor.planner._budget import check_static_fits, infeasible
 from memadvisor.planner._compare import hand_configurations, unchecked_hand_choices
 from memadvisor.planner._compiled import compiled_pick
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
-from memadvisor.planner._progress import Progress, Stage
+from memadvisor.planner._progress import Progress, Stage, stage_totals
 from memadvisor.planner._schema import Plan, Probe, Row
 from memadvisor.planner._search import search
 from memadvisor.planner._space import Scored, SearchSpace
@@ -120,6 +121,7 @@ class _Prober:
                 return known.measured
             if known.measured is None and known.steps < steps:
                 return None  # it ran out within the steps asked for now
+        self._describe(f"{stage}: batch {candidate.batch_size} running")
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
         self.probes.append(record)
         self._runs[_key(candidate)] = _Run(steps if measured else record.steps, measured)
@@ -129,6 +131,10 @@ class _Prober:
                 f"{stage}: batch {candidate.batch_size} {'fits' if record.fits else 'ran out'}"
             )
         return measured
+
+    def _describe(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.describe(text)
 
     def largest(self, scored: Scored, stage: str) -> tuple[BatchSearch, dict[int, Measurement]]:
         """Probe the largest micro-batch of ``scored``'s choices, bracketed by its estimate."""
@@ -450,8 +456,9 @@ def plan_workload(
         )
     started = time.perf_counter()
     ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
+    first_stage = len(ui.stage_log)  # a shared Progress may have timed other plans
     owned: Device | None = None
-    with preserved_state(workload.model):
+    with preserved_state(workload.model), contextlib.ExitStack() as scope:
         try:
             kind = _resolve_kind(config, device)
             notes: list[str] = []
@@ -477,13 +484,20 @@ def plan_workload(
                     "By the estimate no configuration fits even batch 1.",
                 )
 
+            # One inductor cache for the whole plan, set before the fork server starts: its
+            # children compile into it, and the compile stage needs no fresh server for it.
+            cache = None
+            if kind == "cuda" and config.compile != "off":
+                cache = scope.enter_context(shared_compile_cache())
             if device is None:
                 device = owned = _make_device(kind, config, target, profile)
             prober = _Prober(device, workload, space, config)
             guard = step_times_rank(device) and config.objective != "largest_batch"
             timed = timed_candidates(space, ranked, guard)
             best = _best_on_device(prober, timed, notes, ui)
-            best, compiled = compiled_pick(prober, best, notes, ui)
+            best, compiled = compiled_pick(
+                prober, best, notes, ui, cache=cache, free_bytes=_free_bytes(device)
+            )
             pick, verified = _verified(prober, best, ui)
             pick = _with_parallel_record(_with_batch_record(pick, chosen, config))
             pick_estimate = estimate(profile, pick, chosen)
@@ -517,6 +531,7 @@ def plan_workload(
                 checks=checks,
                 notes=notes,
                 plan_wall_ms=(time.perf_counter() - started) * 1e3,
+                stage_wall_ms=stage_totals(ui.stage_log[first_stage:]),
                 compile=compiled,
                 profile=profile,
             )
@@ -524,6 +539,15 @@ def plan_workload(
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
             _release_cached_memory()
+
+
+def _free_bytes(device: Device) -> int | None:
+    """Bytes free on ``device``'s card now; None where it is not a card."""
+    from memadvisor.device.cuda import CudaDevice
+
+    if not isinstance(device, CudaDevice):
+        return None
+    return int(torch.cuda.mem_get_info(device.index)[0])
 
 
 def timed_candidates(space: SearchSpace, ranked: Sequence[Scored], guard: bool) -> list[Scored]:

@@ -135,6 +135,11 @@ class Plan(_Model):
         description="What a person should know: step-downs, fallbacks, what was only estimated.",
     )
     plan_wall_ms: float = 0.0
+    stage_wall_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description="Wall time of each planner stage (profiling, search, probes, compile, "
+        "verify, checks, ...), in the order they ran; plan_wall_ms less their sum is glue.",
+    )
     compile: CompileOutcome | None = Field(
         None, description="What compiling the eager pick measured; None when not considered."
     )

@@ -147,3 +147,14 @@ def test_numerics_check_rejects_bad_input() -> None:
         check_numerics(_workload(), "fp32")
     with pytest.raises(BadInputError, match="steps"):
         check_numerics(_workload(), "bf16", steps=0)
+
+
+def test_numerics_check_on_a_named_device_trains_copies_there_and_answers_alike() -> None:
+    """``device`` moves only the copies: on the model's own device the check is the default
+    one, and the user's model stays where it was (Precision.check names CUDA when there is
+    one, so a plan on a card does not train on the CPU)."""
+    workload = _workload()
+    default = check_numerics(workload, "bf16", steps=2)
+    named = check_numerics(workload, "bf16", steps=2, device="cpu")
+    assert named.metrics == default.metrics
+    assert all(p.device.type == "cpu" for p in workload.model.parameters())

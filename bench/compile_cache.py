@@ -1,0 +1,125 @@
+"""What inductor's on-disk caches save a probe process: compile time cold, warm, another batch.
+
+The planner measures compiled candidates in fresh processes, each compiling the model again.
+This bench runs such processes one after another on one ``TORCHINDUCTOR_CACHE_DIR`` (new,
+so the first is cold) and prints, per process, the first step (compile included), the
+steady step, the peak, and what dynamo, inductor's FX-graph cache and AOTAutograd's cache
+did (hits, misses). A run is ``BATCH:static`` (shapes as training compiles them) or
+``BATCH:dynamic`` (the batch dimension marked dynamic, so one graph serves every batch).
+
+    python bench/compile_cache.py --model gpt2 --runs 8:static,8:static,12:static,8:dynamic
+
+One JSON line per process on stdout (and appended to ``--json`` when given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from plan_speed import MODELS  # noqa: E402
+
+
+def _child(target: str, batch: int, dynamic: bool, choices: dict[str, Any], steps: int) -> None:
+    started = time.perf_counter()
+    import torch
+
+    from memadvisor import _torch_private
+    from memadvisor.apply import apply_candidate
+    from memadvisor.estimate import Candidate
+    from memadvisor.strategy import load_strategies
+    from memadvisor.target import load_target
+    from memadvisor.workload import tensor_leaves, train_step
+
+    workload = load_target(target)
+    device = torch.device("cuda")
+    candidate = Candidate(batch_size=batch, choices=choices)
+    model = apply_candidate(workload.model.to(device), candidate, load_strategies())
+    optimizer = workload.make_optimizer(model)
+    batch_data = workload.batch(batch, device)
+    if dynamic:
+        for t in tensor_leaves(batch_data):
+            if t.dim() >= 1:
+                torch._dynamo.mark_dynamic(t, 0)
+    ready_s = time.perf_counter() - started
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        train_step(workload, model, optimizer, batch_data)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    counters = _torch_private.dynamo_counters()
+    steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "batch": batch,
+                "dynamic": dynamic,
+                "import_build_s": round(ready_s, 2),
+                "first_step_s": round(times[0], 2),
+                "steady_ms": round(steady * 1e3, 2),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                "graphs": counters.get("stats", {}).get("unique_graphs", 0),
+                "fxgraph": {
+                    k: v for k, v in counters.get("inductor", {}).items() if "fxgraph" in k
+                },
+                "aot_autograd": {
+                    k: v for k, v in counters.get("aot_autograd", {}).items() if "cache" in k
+                },
+            }
+        ),
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--runs", default="8:static,8:static,12:static,8:dynamic,12:dynamic")
+    parser.add_argument("--choices", default='{"precision": "bf16", "compile": "default"}')
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--cache-dir", help="default: a new temporary directory")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    choices = json.loads(args.choices)
+    if args.child:
+        target, batch, mode = args.child
+        _child(target, int(batch), mode == "dynamic", choices, args.steps)
+        return
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="compile-cache-"))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    env["TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO"] = "0"
+    for run in args.runs.split(","):
+        batch, mode = run.split(":")
+        cmd = [sys.executable, str(HERE), "--child", MODELS[args.model], batch, mode]
+        cmd += ["--choices", args.choices, "--steps", str(args.steps)]
+        started = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        record = {"model": args.model, "run": run, "choices": choices, "wall_s": round(wall, 1)}
+        if lines:
+            record |= json.loads(lines[-1][len("RESULT ") :])
+        else:
+            record["error"] = done.stderr[-1500:]
+        print(json.dumps(record), flush=True)
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()

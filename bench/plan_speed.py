@@ -1,0 +1,249 @@
+"""Time to plan on a GPU: per model, the plan's wall time, each stage's, and the pick.
+
+Each (model, compile policy) plans in a fresh process, as ``memadvisor plan TARGET
+--budget-gb B`` does (the process's start, imports and the model's build counted), with a
+cold inductor cache of its own (a new ``TORCHINDUCTOR_CACHE_DIR``: a user's first plan of a
+model) unless ``--warm-cache``. One JSON line per plan, appended to ``--json`` (default
+``bench/results/plan_speed.jsonl``): model, budget_gib, compile, label, plan_wall_s,
+planner_wall_s, stage_wall_s, pick, verified_samples_per_s, device, torch, commit.
+
+``--label`` names the code that ran (``before``: the planner as it was, ``after``: with the
+stage scheduling of issue 16), and ``--table`` prints every model's labels side by side from
+the JSON lines, so the before/after table is made from measurements, not copied.
+
+    python bench/plan_speed.py --models gpt,gpt2 --label after       # ~1 min a model
+    python bench/plan_speed.py --models cnn,resnet18 --compile off
+    python bench/plan_speed.py --table bench/results/plan_speed.jsonl
+
+Models: gpt, cnn, llama (examples/); gpt2 (examples/gpt.py at GPT-2 small's size, 124M);
+resnet18, convnext_tiny (torchvision); bert, llama_small (transformers): the GPU bench's
+(bench/planner.py) plus gpt2. A model whose package is missing is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+MODELS_FILE = HERE.parent / "_models.py"
+RESULTS = HERE.parent / "results" / "plan_speed.jsonl"
+
+MODELS = {
+    "gpt": f"{ROOT}/examples/gpt.py:build",
+    "gpt2": f"{MODELS_FILE}:gpt2",
+    "cnn": f"{ROOT}/examples/cnn.py:build",
+    "llama": f"{ROOT}/examples/llama.py:build",
+    "resnet18": f"{MODELS_FILE}:resnet18_b8",
+    "convnext_tiny": f"{MODELS_FILE}:convnext_tiny_b8",
+    "bert": f"{MODELS_FILE}:bert_base_b4",
+    "llama_small": f"{MODELS_FILE}:llama_small",
+}
+STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
+
+
+# -- the child: one plan, as the CLI makes it -----------------------------------------------
+
+
+def _child(target: str, budget_gib: float, compile_policy: str, out: Path) -> None:
+    from memadvisor.config import PlanConfig
+    from memadvisor.planner import plan_workload
+    from memadvisor.target import load_target
+
+    config = PlanConfig(budget_bytes=int(budget_gib * 2**30), compile=compile_policy)
+    workload = load_target(target)
+    plan = plan_workload(workload, config, target=target, progress=True)
+    out.write_text(plan.model_dump_json())
+
+
+# -- the parent ------------------------------------------------------------------------------
+
+
+def _commit() -> str:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        )
+        return done.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _pick(plan: dict[str, Any]) -> dict[str, Any]:
+    candidate = plan["candidate"]
+    choices = {k: v for k, v in candidate["choices"].items() if k != "batch_size"}
+    checkpointed = choices.get("checkpointing")
+    if isinstance(checkpointed, list):
+        choices["checkpointing"] = f"{len(checkpointed)} blocks"
+    return {
+        "batch_size": candidate["batch_size"],
+        "accumulation_steps": candidate.get("accumulation_steps", 1),
+        "choices": choices,
+    }
+
+
+def plan_one(
+    model: str, budget_gib: float, compile_policy: str, label: str, warm_cache: bool
+) -> dict[str, Any]:
+    """Plan ``model`` in a fresh process; its JSON record (``error`` set when it failed)."""
+    with tempfile.TemporaryDirectory(prefix="plan-speed-") as tmp:
+        out = Path(tmp) / "plan.json"
+        env = dict(os.environ)
+        if not warm_cache:
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
+        cmd = [
+            sys.executable,
+            str(HERE),
+            "--child",
+            MODELS[model],
+            "--budget-gb",
+            str(budget_gib),
+            "--compile",
+            compile_policy,
+            "--out",
+            str(out),
+        ]
+        started = time.perf_counter()
+        done = subprocess.run(cmd, env=env, cwd=ROOT)
+        wall_s = time.perf_counter() - started
+        record: dict[str, Any] = {
+            "model": model,
+            "budget_gib": budget_gib,
+            "compile": compile_policy,
+            "label": label,
+            "cache": "warm" if warm_cache else "cold",
+            "plan_wall_s": round(wall_s, 1),
+            "commit": _commit(),
+        }
+        if done.returncode != 0 or not out.exists():
+            return record | {"error": f"exit code {done.returncode}"}
+        plan = json.loads(out.read_text())
+    verified = plan.get("verified") or {}
+    compiled = plan.get("compile") or {}
+    import torch
+
+    return record | {
+        "planner_wall_s": round(plan["plan_wall_ms"] / 1e3, 1),
+        "stage_wall_s": {k: round(v / 1e3, 1) for k, v in plan.get("stage_wall_ms", {}).items()},
+        "pick": _pick(plan),
+        "compiled": bool(compiled.get("picked")),
+        # The eager pick's timing run (overlapped with the early compile trial, when one ran).
+        "eager_samples_per_s": round(float(compiled.get("eager_samples_per_s") or 0.0), 1),
+        "verified_samples_per_s": round(float(verified.get("samples_per_s", 0.0)), 1),
+        "device_runs": len(plan.get("probes", [])),
+        "runs": [_run_words(p) for p in plan.get("probes", [])],
+        "compile_variants": [
+            {
+                "trial": v.get("trial", "")[:300],
+                "compile_s": round((v.get("compile_ms") or 0.0) / 1e3, 1),
+                "device_s": round(v.get("device_wall_ms", 0.0) / 1e3, 1),
+                "samples_per_s": round((v.get("measured") or {}).get("samples_per_s", 0.0), 1),
+            }
+            for v in compiled.get("variants", [])
+        ],
+        "checks": [c.get("summary", "")[:200] for c in plan.get("checks", [])],
+        "device": plan["device_name"],
+        "torch": torch.__version__,
+    }
+
+
+def _run_words(probe: dict[str, Any]) -> str:
+    """``'timing b12 fits 4.1s bf16+3ckpt+compile'``: one device run in a few words."""
+    choices = (probe.get("candidate") or {}).get("choices", {})
+    tags = [str(choices["precision"])] if choices.get("precision") not in (None, "fp32") else []
+    if isinstance(choices.get("checkpointing"), list) and choices["checkpointing"]:
+        tags.append(f"{len(choices['checkpointing'])}ckpt")
+    if choices.get("compile") not in (None, "off"):
+        tags.append(f"compile={json.dumps(choices['compile'])}")
+    fits = "fits" if probe["fits"] else "OOM"
+    wall = probe.get("wall_ms", 0.0) / 1e3
+    return f"{probe['stage']} b{probe['batch_size']} {fits} {wall:.1f}s {'+'.join(tags)}"
+
+
+def _pick_words(pick: dict[str, Any]) -> str:
+    choices = pick["choices"]
+    words = [f"b{pick['batch_size']}"]
+    if pick.get("accumulation_steps", 1) > 1:
+        words[-1] += f"x{pick['accumulation_steps']}"
+    for name, choice in choices.items():
+        if choice in (None, False, "off", "fp32", [], "none"):
+            continue
+        words.append(choice if name == "precision" else f"{name}={json.dumps(choice)}")
+    return " ".join(words)
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """One line per (model, compile, label): total, each stage, the pick and its samples/s."""
+    head = ["model", "compile", "label", "total s", *STAGES, "pick", "samples/s"]
+    rows = [head]
+    key = lambda r: (r["model"], r["compile"], r["label"] != "before", r["label"])  # noqa: E731
+    for r in sorted(records, key=key):
+        if "error" in r:
+            rows.append([r["model"], r["compile"], r["label"], "failed", *[""] * len(STAGES)])
+            continue
+        stages = r.get("stage_wall_s", {})
+        rows.append(
+            [
+                r["model"],
+                r["compile"],
+                r["label"],
+                f"{r['plan_wall_s']:.0f}",
+                *[f"{stages[s]:.0f}" if s in stages else "-" for s in STAGES],
+                _pick_words(r["pick"]),
+                f"{r['verified_samples_per_s']:.0f}",
+            ]
+        )
+    widths = [max(len(str(row[i])) for row in rows if i < len(row)) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) for row in rows
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,gpt2")
+    parser.add_argument("--budget-gb", type=float, default=8.0)
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--label", default="after", help="the code that ran: before or after")
+    parser.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
+    parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--table", type=Path, help="print the table of these JSON lines; no runs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child, args.budget_gb, args.compile, args.out)
+        return
+    if args.table:
+        records = [json.loads(line) for line in args.table.read_text().splitlines() if line]
+        print(table(records))
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("plan_speed times plans on a GPU; torch.cuda.is_available() is False here.")
+    names = [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        sys.exit(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    for model in names:
+        record = plan_one(model, args.budget_gb, args.compile, args.label, args.warm_cache)
+        print(json.dumps(record), flush=True)
+        with args.json.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        records.append(record)
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
