@@ -114,6 +114,11 @@ def vit_b_16() -> dict:
     return vision("vit_b_16")
 
 
+def resnet50() -> dict:
+    """A ResNet-50-class CNN: the deep CNN of issue 15's user-path measurements."""
+    return vision("resnet50", batch_size=8)
+
+
 # bench/planner.py's sample batches (its profile's batch sizes follow from them).
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "memory_snapshot",
     "memory_snapshot_html",
     "record_memory_history",
+    "tensor_version",
 ]
 
 
@@ -44,6 +45,15 @@ def is_fake(tensor: torch.Tensor) -> bool:
     except ImportError:  # pragma: no cover - moved in a future torch: fall back to the class
         return type(tensor).__name__ == "FakeTensor"
     return bool(_is_fake(tensor))
+
+
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """How many times ``tensor`` was written in place (``Tensor._version``); None for a
+    tensor that keeps no count (an inference tensor) or a torch that dropped the attribute."""
+    try:
+        return int(tensor._version)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def fake_mode_active() -> bool:

@@ -8,6 +8,7 @@ construction. Each strategy rewrites in place (or returns a module whose paramet
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -70,12 +71,42 @@ def apply_candidate(
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
-    for strategy, choice in _chosen(candidate, strategies):
-        rewritten = strategy.apply(model, choice, profile)
-        if rewritten is not model:
-            _check_same_keys(model, rewritten, strategy.name)
-            model = rewritten
+    chosen = _chosen(candidate, strategies)
+    # All or nothing: every choice is checked before any is applied, and what was applied
+    # is taken back when a strategy still fails while applying.
+    for strategy, choice in chosen:
+        strategy.validate(model, choice, profile)
+    before = _Rewrite(model)
+    try:
+        for strategy, choice in chosen:
+            rewritten = strategy.apply(model, choice, profile)
+            if rewritten is not model:
+                _check_same_keys(model, rewritten, strategy.name)
+                model = rewritten
+    except BaseException:
+        before.restore()
+        raise
     return model
+
+
+class _Rewrite:
+    """What strategies change on a model: each module's instance ``forward`` (the wrappers)
+    and its train/eval flag, saved to be put back when applying fails half way."""
+
+    _NONE = object()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = [
+            (m, m.__dict__.get("forward", self._NONE), m.training) for m in model.modules()
+        ]
+
+    def restore(self) -> None:
+        for module, forward, training in self.saved:
+            if forward is self._NONE:
+                module.__dict__.pop("forward", None)
+            else:
+                object.__setattr__(module, "forward", forward)
+            module.training = training
 
 
 def _check_same_keys(before: nn.Module, after: nn.Module, strategy: str) -> None:
@@ -96,10 +127,22 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
         plan = memadvisor.Plan.model_validate_json(Path("plan.json").read_text())
         model = memadvisor.apply_plan(model, plan)
 
+    All or nothing: the model is checked against the plan (its fingerprint: class,
+    parameter names and shapes) and every choice against the model before anything changes.
+
     Raises:
-        BadInputError: the plan uses a strategy that is not installed, or names blocks this
-            model does not have.
+        BadInputError: the plan was made for another model, uses a strategy that is not
+            installed, or names blocks this model does not have.
     """
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
+    fingerprint = plan.model_fingerprint
+    difference = fingerprint.difference(model) if fingerprint is not None else None
+    if difference is not None:
+        raise BadInputError(
+            f"This plan does not fit the model: {difference}. Apply a plan made for this model "
+            "(memadvisor plan ... --json plan.json on the same factory)."
+        )
     model = apply_candidate(model, plan.candidate, None, plan.profile)
     # Not an nn.Module attribute: a plain object in __dict__, kept out of state_dict.
     object.__setattr__(model, "memadvisor_plan", plan)
@@ -107,14 +150,21 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
 
 
 def run_checks(
-    workload: Workload, candidate: Candidate, strategies: Sequence[Strategy] | None = None
+    workload: Workload,
+    candidate: Candidate,
+    strategies: Sequence[Strategy] | None = None,
+    done: Sequence[Check] = (),
 ) -> list[Check]:
     """Each chosen strategy's own measurement of its choice on copies of the workload.
 
-    The planner puts these in ``Plan.checks`` (precision's numerics check is one).
+    The planner puts these in ``Plan.checks`` (precision's numerics check is one); a choice
+    with a check in ``done`` (run before the search) is not checked again.
     """
+    checked = {(c.strategy, json.dumps(c.choice, sort_keys=True)) for c in done}
     checks = []
     for strategy, choice in _chosen(candidate, strategies):
+        if (strategy.name, json.dumps(choice, sort_keys=True)) in checked:
+            continue
         result = strategy.check(workload, choice)
         if result is not None:
             checks.append(result)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "GIB",
+    "ChecksPolicy",
     "CompilePolicy",
     "DeviceKind",
     "Objective",
@@ -15,6 +16,7 @@ __all__ = [
     "PlanConfig",
     "Precision",
     "gib_to_bytes",
+    "samples_per_s",
 ]
 
 GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count in
@@ -23,7 +25,18 @@ Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated", "estimate"]
 Precision = Literal["fp32", "bf16", "fp16"]
 CompilePolicy = Literal["auto", "off", "on"]
+ChecksPolicy = Literal["decide", "report"]
 Parallel = Literal["none", "ddp", "fsdp2"]
+
+
+# A step timed (or estimated) at 0 ms counts as one tick of this: samples/s stays a finite
+# number, which JSON can hold (an infinity was written as null and the plan did not load).
+MIN_STEP_MS = 1e-3
+
+
+def samples_per_s(samples: int, step_ms: float) -> float:
+    """Throughput of ``samples`` per step of ``step_ms``, finite for any step time."""
+    return samples / max(step_ms, MIN_STEP_MS) * 1e3
 
 
 def gib_to_bytes(gib: float) -> int:
@@ -58,7 +71,23 @@ class PlanConfig(BaseModel):
     # the estimate's stated accuracy is 5% median, 10% worst (on the simulated device the
     # examples' picks matched their measured peaks to 0.1%).
     margin_fraction: float = Field(
-        0.08, ge=0.0, lt=0.5, description="Share of the budget the plan keeps free."
+        0.08,
+        ge=0.0,
+        lt=0.5,
+        description="Share of the budget the estimate keeps free before anything is measured "
+        "(where the batch search starts); with measured_margin off, also what the pick keeps "
+        "free. Passing it turns measured_margin off unless that is passed too.",
+    )
+    # On a card the limit moved by a few samples near the edge between fresh processes (a ViT
+    # held batch 92 in one and failed at step 2 in another; docs/design.md), and the fixed 8%
+    # left a CNN at 148 where 166 held: 0.89 of what the card allows.
+    measured_margin: bool = Field(
+        True,
+        description="The pick is sized from its runs: its measured peak (reserved bytes, on a "
+        "card) leaves planner._plan.HEADROOM_FRACTION (3%) of the budget free, the batch "
+        "search extrapolates along the measured bytes per sample, and below a batch that ran "
+        "out it keeps that headroom's worth of measured samples. False keeps margin_fraction "
+        "for the pick (the CLI's --margin).",
     )
     device: DeviceKind = Field(
         "auto",
@@ -95,6 +124,12 @@ class PlanConfig(BaseModel):
     # auto: only on CUDA, where a compiled step can be measured (each compiled candidate
     # costs a compile per probe process, seconds to minutes); the simulated CPU device runs
     # a compiled step eagerly under its byte meter, so it cannot judge one.
+    checks: ChecksPolicy = Field(
+        "decide",
+        description="decide: a choice whose check fails on the workload (precision's "
+        "numerics: bf16 loss curve against fp32's) is not picked; report: it may be picked "
+        "and the failed check is reported.",
+    )
     compile: CompilePolicy = Field(
         "auto",
         description="Whether the planner also measures the eager pick compiled with "
@@ -121,6 +156,14 @@ class PlanConfig(BaseModel):
                 f"model), but got {self.world_size=} and {self.parallel=}."
             )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_given_margin_is_kept(cls, data: object) -> object:
+        # A margin the user sets is theirs: the pick keeps it rather than a measured one.
+        if isinstance(data, dict) and "margin_fraction" in data and "measured_margin" not in data:
+            return {**data, "measured_margin": False}
+        return data
 
     @model_validator(mode="after")
     def _effective_batch_given(self) -> PlanConfig:

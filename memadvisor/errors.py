@@ -7,6 +7,8 @@ message on stderr and the exit code named on its class. Anything else is a bug i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 __all__ = [
@@ -15,7 +17,13 @@ __all__ = [
     "MemadvisorError",
     "PlanningError",
     "SimulatedOutOfMemoryError",
+    "is_our_bug",
 ]
+
+# memadvisor and its built-in strategies, installed side by side (pyproject.toml).
+_OUR_CODE = tuple(
+    f"{Path(__file__).resolve().parents[1] / name}/" for name in ("memadvisor", "strategies")
+)
 
 
 class MemadvisorError(Exception):
@@ -35,9 +43,27 @@ class InfeasibleBudgetError(MemadvisorError):
 
     exit_code = 3
 
-    def __init__(self, message: str, *, minimum_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        minimum_bytes: int | None = None,
+        minimum_gib: str | None = None,
+        advice: str = "",
+    ) -> None:
         super().__init__(message)
+        self.message = message
         self.minimum_bytes = minimum_bytes
+        self.minimum_gib = minimum_gib
+        # Sentences after the minimum: what takes the bytes and what would shrink them.
+        self.advice = advice
+        # How the caller passes a budget: Python's keyword by default; the CLI sets its flag.
+        self.option = "budget_gb="
+
+    def __str__(self) -> str:
+        if self.minimum_gib is None:
+            return self.message + self.advice
+        return f"{self.message} pass {self.option}{self.minimum_gib} or more.{self.advice}"
 
 
 class PlanningError(MemadvisorError):
@@ -65,3 +91,39 @@ class SimulatedOutOfMemoryError(MemadvisorError, torch.OutOfMemoryError):
         self.requested_bytes = requested_bytes
         self.live_bytes = live_bytes
         self.budget_bytes = budget_bytes
+
+
+def _raised_in_our_code(error: BaseException) -> bool:
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = str(Path(tb.tb_frame.f_code.co_filename).resolve())
+    return filename.startswith(_OUR_CODE)
+
+
+def is_our_bug(error: BaseException) -> bool:
+    """Whether ``error`` is a bug in memadvisor: raised by a line of its own code (the
+    innermost frame of the traceback, here or along the chain of causes a wrapper such as
+    dynamo's BackendCompilerFailed keeps), not by torch or the user's model, and neither one
+    of its errors on purpose (:class:`MemadvisorError`) nor running out of memory.
+
+    Code that turns failures into answers ("the model rejected the batch", "does not
+    compile") asks this first and re-raises what is ours, so our bugs keep their traceback.
+    """
+    from memadvisor.device._oom import is_oom
+
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if (
+            not isinstance(current, MemadvisorError)
+            and not is_oom(current)
+            and _raised_in_our_code(current)
+        ):
+            return True
+        inner = getattr(current, "inner_exception", None)
+        current = inner if isinstance(inner, BaseException) else current.__cause__
+    return False

@@ -88,6 +88,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from memadvisor.config import samples_per_s
 from memadvisor.profiler import LinearBytes, Profile, StepProfile
 
 if TYPE_CHECKING:
@@ -559,7 +560,7 @@ class StepModel:
                 "temporaries": max(0, peak - known),
             },
             step_ms=step_ms,
-            samples_per_s=samples / step_ms * 1000.0 if step_ms > 0 else float("inf"),
+            samples_per_s=samples_per_s(samples, step_ms),
             reserved_peak_bytes=self._reserved(peak),
             phase_peak_bytes={
                 "forward": forward_top,

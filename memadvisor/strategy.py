@@ -84,6 +84,15 @@ class Strategy(ABC):
     def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
         """Rewrite ``model`` for ``choice``; parameter names and state_dict keys unchanged."""
 
+    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+        """Raise ``BadInputError`` when :meth:`apply` would refuse ``choice`` for ``model``.
+
+        Called for every chosen strategy before any of them applies, so that a plan that does
+        not fit the model rewrites none of it. Optional: the default accepts every choice
+        (apply's own errors are then caught and the rewrite taken back).
+        """
+        return None
+
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """A sentence and a snippet a person can adopt; None when the choice is neutral."""
@@ -95,6 +104,17 @@ class Strategy(ABC):
         gradients with fp32's.
         """
         return None
+
+    def screen(self, workload: Workload, profile: Profile, config: PlanConfig) -> list[Check]:
+        """Check choices on copies of the user's workload before the search, so that a
+        choice that fails its check is never picked.
+
+        A strategy whose checks decide runs them here and leaves a choice whose check failed
+        out of :meth:`choices` for the rest of the plan, unless ``config.checks`` is
+        'report'. The planner reports every check returned. Optional: the default checks
+        nothing (and :meth:`check` then reports on the pick after the search).
+        """
+        return []
 
     def is_neutral(self, choice: JsonValue) -> bool:
         """True when ``choice`` changes nothing (default: falsy, or 'fp32'/'off')."""

@@ -82,6 +82,12 @@ def _import_file(path: Path) -> Any:
     sys.path.insert(0, str(path.resolve().parent))  # the file's own sibling imports
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[name]
+        raise BadInputError(
+            f"Importing {str(path)!r} called sys.exit({e.code!r}): code that runs a script "
+            "belongs under `if __name__ == '__main__':`."
+        ) from e
     except Exception as e:
         del sys.modules[name]
         raise BadInputError(f"Importing {str(path)!r} failed: {type(e).__name__}: {e}") from e
@@ -133,6 +139,13 @@ def load_target(target: str) -> Workload:
     factory = load_factory(target)
     try:
         result = factory()
+    except SystemExit as e:
+        # An argparse error or a guard in the factory: exiting with its code and no word
+        # would leave the user guessing.
+        raise BadInputError(
+            f"{target} called sys.exit({e.code!r}) instead of returning; a factory returns "
+            "(model, sample_batch) or a dict, and takes no command-line arguments."
+        ) from e
     except Exception as e:
         raise BadInputError(f"{target} raised {type(e).__name__}: {e}") from e
     return workload_from_result(result, origin=target)

@@ -28,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, is_our_bug
 
 __all__ = [
     "CallForm",
@@ -182,6 +182,11 @@ class Workload:
             )
         else:
             self.sample_batch_size = batch_size_of(self.sample_batch)
+        if self.sample_batch_size == 0:
+            raise BadInputError(
+                "sample_batch has 0 rows (dim 0 of its first tensor is 0): pass a batch of at "
+                "least one sample, as the model takes it."
+            )
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -298,7 +303,9 @@ def train_step(
         synchronise a CUDA step and is impossible under FakeTensorMode).
 
     Raises:
-        BadInputError: the model rejects the batch, or no loss can be found.
+        BadInputError: the model rejects the batch (a TypeError, RuntimeError, ValueError,
+            IndexError or KeyError raised by the model or torch, not by memadvisor's own
+            code), or no loss can be found.
     """
     notify = on_phase or (lambda _phase: None)
     loss_value = torch.zeros(())
@@ -309,7 +316,9 @@ def train_step(
         except torch.OutOfMemoryError:
             raise
         except (TypeError, RuntimeError, ValueError, IndexError, KeyError) as e:
-            if _is_oom_text(e):
+            # The model (or torch under it) refusing the batch is the user's to fix; the
+            # same kinds raised by our own wrappers and hooks are our bugs and keep theirs.
+            if _is_oom_text(e) or is_our_bug(e):
                 raise
             raise BadInputError(
                 f"The model rejected the batch: {type(e).__name__}: {e}. Check that "

@@ -23,7 +23,7 @@ from torch import nn
 from memadvisor import _torch_private
 from memadvisor.apply import apply_candidate
 from memadvisor.device import is_oom
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, is_our_bug
 from memadvisor.estimate import Candidate
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
@@ -122,7 +122,7 @@ class _FreshCompiledForward(CompiledForward):
         self.fn = new_compiled_function(type(module), choice, own_backend=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self, *args, **kwargs)
+        return self.fn(self.module, *args, **kwargs)
 
 
 @dataclass
@@ -281,7 +281,9 @@ def try_compile(
     failure: BaseException | None = None
     try:
         _train(workload, eager_candidate, compiled, where, steps, seed, run)
-    except Exception as e:  # noqa: BLE001 - any failure to compile or run is the answer
+    except Exception as e:  # noqa: BLE001 - torch's or the model's failure is the answer
+        if is_our_bug(e):
+            raise  # not "does not compile": a bug of ours, with its traceback
         failure = e
     result |= _what_dynamo_did(before, _torch_private.dynamo_counters())
     if failure is not None:

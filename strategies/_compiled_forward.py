@@ -96,13 +96,20 @@ def parse_choice(choice: JsonValue) -> CompileChoice | None:
     )
 
 
-def _call_through(wrapper: CompiledForward, *args: Any, **kwargs: Any) -> Any:
+def _call_through(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # The frame dynamo compiles: everything below it (inner wrappers, the class's forward)
-    # is traced into the graph.
+    # is traced into the graph. Its root is the module itself, as torch.compile(model)'s
+    # frame is: rooted at the wrapper instead, the same graph took about 60% more host time
+    # per forward (docs/design.md, "CompiledForward in the user's loop").
+    wrapper = module.forward  # the outermost wrapper; CompiledForward is normally it
+    while not isinstance(wrapper, CompiledForward):
+        wrapper = wrapper.inner
     return wrapper.call_inner(*args, **kwargs)
 
 
-_COMPILED: weakref.WeakKeyDictionary[type, dict[CompileChoice, Callable[..., Any]]] = (
+# Per class, per (mode, activation_memory_budget): a plain tuple, so a call looks its
+# function up without building a CompileChoice.
+_COMPILED: weakref.WeakKeyDictionary[type, dict[tuple[str, float | None], Callable[..., Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -151,9 +158,10 @@ def compiled_call(cls: type, choice: CompileChoice) -> Callable[..., Any]:
     Copies of one model (the planner's probes, ``copy.deepcopy``) share it and its graphs.
     """
     per_class = _COMPILED.setdefault(cls, {})
-    if choice not in per_class:
-        per_class[choice] = new_compiled_function(cls, choice)
-    return per_class[choice]
+    key = (choice.mode, choice.activation_memory_budget)
+    if key not in per_class:
+        per_class[key] = new_compiled_function(cls, choice)
+    return per_class[key]
 
 
 class CompiledForward(_forward.ForwardWrapper):
@@ -180,4 +188,8 @@ class CompiledForward(_forward.ForwardWrapper):
         return CompileChoice(mode=self.mode, activation_memory_budget=self.activation_memory_budget)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return compiled_call(type(self.module), self.choice)(self, *args, **kwargs)
+        per_class = _COMPILED.get(type(self.module))
+        fn = per_class.get((self.mode, self.activation_memory_budget)) if per_class else None
+        if fn is None:
+            fn = compiled_call(type(self.module), self.choice)
+        return fn(self.module, *args, **kwargs)

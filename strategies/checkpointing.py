@@ -9,6 +9,18 @@ the best prefix frees at least as much per ms as any other set of that size.
 Applying it installs :class:`CheckpointedForward` on each block (see ``strategies._forward``):
 non-reentrant ``torch.utils.checkpoint.checkpoint`` with the RNG state preserved, so dropout
 draws the same mask in the recompute and gradients equal the unwrapped model's exactly.
+
+The recompute runs the block's forward a second time in training mode, and a forward may
+update buffers (BatchNorm's running statistics and ``num_batches_tracked``, a step counter):
+:class:`_BufferGuard` keeps those updates from landing twice, so the trained model's buffers
+equal the unwrapped model's too.
+
+Known limitations:
+    * Only the block's own buffers are guarded; a forward that writes a buffer of a module
+      outside the block (one shared with another block) updates it again in the recompute.
+    * A buffer the block's forward mutated only on a later call than its first (a
+      conditional update) is recomputed, in that call, from the value forward left rather
+      than the one it read; it is still updated once.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from pydantic import JsonValue
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memadvisor._torch_private import is_fake, tensor_version
 from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Strategy
 from strategies import _forward
@@ -76,6 +89,12 @@ class CheckpointedForward(_forward.ForwardWrapper):
     it always did: nothing is saved for backward there, so there is nothing to recompute.
     """
 
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        super().__init__(module, inner)
+        # Names (relative to the block) of the buffers its forward mutates; None until the
+        # first checkpointed call has shown which.
+        self._mutated_buffers: frozenset[str] | None = None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
             return self.call_inner(*args, **kwargs)
@@ -83,7 +102,89 @@ class CheckpointedForward(_forward.ForwardWrapper):
         # Keyword arguments (attention masks, position ids) travel in a partial so none of
         # their names can collide with checkpoint()'s own keywords.
         run = functools.partial(self.call_inner, **kwargs) if kwargs else self.call_inner
+        if any(True for _ in self.module.buffers()):
+            run = _BufferGuard(self, run)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+class _BufferGuard:
+    """One checkpointed call's forward, whose buffer updates the recompute does not repeat.
+
+    Made before the forward runs, it copies the buffers the block's forward mutates (all of
+    the block's buffers on the first call, while that is not known yet). Its first call is
+    the forward: afterwards it notes which buffers changed (reassigned, written in place as
+    the version counter or, on the first call, the values show) and keeps only their
+    copies. Every later call is a recompute in backward: copies of the values forward read
+    are swapped in for those buffers, so the recompute computes exactly what forward did
+    and its writes land on throwaway tensors; the forward's results are put back afterwards
+    (also when the recompute stops early). Swapping tensors rather than copying values in
+    place leaves the real buffers' version counters alone, so autograd still accepts any of
+    them it saved.
+    """
+
+    def __init__(self, wrapper: CheckpointedForward, run: Any) -> None:
+        self.wrapper, self.run = wrapper, run
+        self.slots = {
+            f"{prefix}.{name}" if prefix else name: (owner, name)
+            for prefix, owner in wrapper.module.named_modules()
+            for name, t in owner._buffers.items()
+            if t is not None
+        }
+        known = wrapper._mutated_buffers
+        self.before = {key: owner._buffers[name] for key, (owner, name) in self.slots.items()}
+        self.versions = {key: tensor_version(t) for key, t in self.before.items()}
+        with torch.no_grad():
+            self.read = {
+                key: t.detach().clone()
+                for key, t in self.before.items()
+                if known is None or key in known
+            }
+        self.mutated: list[str] = []
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            try:
+                return self.run(*args)
+            finally:
+                self._note_mutated()
+        return self._recompute(*args)
+
+    def _note_mutated(self) -> None:
+        for key, (owner, name) in self.slots.items():
+            now = owner._buffers.get(name)
+            if now is not self.before[key] or (
+                now is not None and tensor_version(now) != self.versions[key]
+            ):
+                self.mutated.append(key)
+            elif key in self.read and not is_fake(now) and not torch.equal(now, self.read[key]):
+                # Kernels that update a buffer in place (batch_norm's running statistics)
+                # do not bump its version counter: on the first call the values tell (fake
+                # tensors have none, and nothing to get wrong).
+                self.mutated.append(key)
+        known = self.wrapper._mutated_buffers or frozenset()
+        self.wrapper._mutated_buffers = known | frozenset(self.mutated)
+        self.read = {key: self.read[key] for key in self.mutated if key in self.read}
+        del self.before, self.versions
+
+    def _recompute(self, *args: Any) -> Any:
+        current = {key: self.slots[key][0]._buffers.get(self.slots[key][1]) for key in self.mutated}
+        with torch.no_grad():
+            scratch = {
+                key: (self.read.get(key, current[key])).detach().clone()
+                for key in self.mutated
+                if self.read.get(key, current[key]) is not None
+            }
+        try:
+            for key, t in scratch.items():
+                owner, name = self.slots[key]
+                owner._buffers[name] = t
+            return self.run(*args)
+        finally:
+            for key, t in current.items():
+                owner, name = self.slots[key]
+                owner._buffers[name] = t
 
 
 def ranked_blocks(profile: Profile) -> list[int]:
@@ -119,9 +220,10 @@ def _block_indices(profile: Profile, names: list[str]) -> list[int]:
 def _names(choice: JsonValue) -> list[str]:
     if choice in (None, False):
         return []
-    if not (isinstance(choice, list) and all(isinstance(n, str) for n in choice)):
+    # "" names the root module: checkpointing the whole model is never a plan's choice.
+    if not (isinstance(choice, list) and all(isinstance(n, str) and n for n in choice)):
         raise BadInputError(
-            f"A checkpointing choice is a list of block names, but got {choice=}. "
+            f"A checkpointing choice is a list of block names (non-empty), but got {choice=}. "
             "Example: ['h.0', 'h.1']."
         )
     return list(choice)
@@ -147,20 +249,17 @@ class ActivationCheckpointing(Strategy):
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         model.checkpoint(_block_indices(profile, _names(choice)))
 
+    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+        """Raises ``BadInputError`` when a name is empty or not a submodule of ``model``."""
+        _blocks(model, _names(choice))
+
     def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
         """Wrap each named block; applying the same choice twice wraps nothing twice.
 
         Raises:
             BadInputError: a name is not a submodule of ``model``.
         """
-        for name in _names(choice):
-            try:
-                block = model.get_submodule(name)
-            except AttributeError as e:
-                raise BadInputError(
-                    f"Cannot checkpoint {name!r}: {model.__class__.__name__} has no such "
-                    "submodule. Use a plan made for this model."
-                ) from e
+        for block in _blocks(model, _names(choice)):
             _forward.install(block, CheckpointedForward)
         return model
 
@@ -189,6 +288,23 @@ class ActivationCheckpointing(Strategy):
                 f"+{recompute_ms:.1f} ms of recompute per micro-batch"
             ),
         )
+
+
+def _blocks(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The submodules ``names`` name, all of them found before any is used."""
+    missing = []
+    found = []
+    for name in names:
+        try:
+            found.append(model.get_submodule(name))
+        except AttributeError:
+            missing.append(name)
+    if missing:
+        raise BadInputError(
+            f"Cannot checkpoint {missing}: {model.__class__.__name__} has no such submodule. "
+            "Use a plan made for this model."
+        )
+    return found
 
 
 def _snippet(names: list[str]) -> str:

@@ -111,7 +111,19 @@ class Inference(Strategy):
         """Nothing: an inference profile already measured a step without backward."""
         _check_choice(choice)
 
+    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+        """Raises ``BadInputError``: not a choice, or ``advice`` on a profile that trains
+        (eval() and inference_mode would silently stop its training)."""
+        if _check_choice(choice) == "off" or profile is None or is_inference(profile):
+            return
+        raise BadInputError(
+            f"The plan asks for inference ({choice=}) but was made for a training step (its "
+            "profile has gradients and optimizer state): applying it would put the model in "
+            "eval() and drop its gradients. Use a plan made for this workload."
+        )
+
     def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+        self.validate(model, choice, profile)
         if _check_choice(choice) == "off":
             _forward.remove(model, InferenceForward)
             return model

@@ -191,8 +191,10 @@ def test_optimize_runs_end_to_end_on_the_cnn_example() -> None:
 
 def test_plan_runs_end_to_end_on_a_small_gpt_and_says_it_is_simulated(capfd) -> None:
     """A small GPT config on the simulated device: the pick was verified, its measured peak
-    sits under the budget with the margin kept (by the estimate or the measurement), and
-    one line on stderr says the plan is for the simulated CPU device."""
+    leaves the measured margin's headroom free, and one line on stderr says the plan is for
+    the simulated CPU device."""
+    from memadvisor.planner._plan import HEADROOM_FRACTION
+
     built = _small_gpt()
     result = memadvisor.plan(
         built["model"],
@@ -205,7 +207,8 @@ def test_plan_runs_end_to_end_on_a_small_gpt_and_says_it_is_simulated(capfd) -> 
     cfg = result.config
     assert result.candidate.batch_size >= 1
     assert result.verified.peak_bytes <= cfg.budget_bytes
-    assert min(result.estimate.peak_bytes, result.verified.peak_bytes) <= cfg.usable_bytes
+    assert cfg.measured_margin
+    assert result.verified.peak_bytes <= cfg.budget_bytes * (1 - HEADROOM_FRACTION)
     _, err = capfd.readouterr()
     assert "simulated CPU device" in err
 
@@ -250,3 +253,28 @@ def test_asking_for_cuda_without_a_card_is_bad_input_naming_the_way_out() -> Non
     """device='cuda' on a machine without one: BadInputError pointing at 'simulated'."""
     with pytest.raises(BadInputError, match="simulated"):
         memadvisor.plan(nn.Linear(4, 1), torch.randn(2, 4), budget_gb=1, device="cuda")
+
+
+class _Locked(nn.Module):
+    """A model holding a threading.Lock: copy.deepcopy cannot copy it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.lin = nn.Linear(4, 4)
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_model_deepcopy_cannot_copy_is_refused_before_it_is_run() -> None:
+    """Rule: planning never runs the caller's own model: one that cannot be copied is refused
+    up front, saying why and what to do, with its forward never called."""
+    model = _Locked()
+    with pytest.raises(BadInputError, match="deepcopy.*lock"):
+        memadvisor.plan(model, torch.randn(2, 4), budget_gb=1, device="simulated", progress=False)
+    assert model.calls == 0

@@ -160,3 +160,9 @@ def test_a_batch_the_model_rejects_is_bad_input_naming_the_error() -> None:
     w = Workload(model, torch.ones(2, 5), loss_fn=lambda out, b: out.sum())
     with pytest.raises(BadInputError, match="rejected the batch"):
         train_step(w, model, w.make_optimizer(model), w.batch(2))
+
+
+def test_a_batch_of_0_rows_is_rejected_up_front() -> None:
+    """Rule: an empty sample batch is bad input said in words, not a ZeroDivisionError later."""
+    with pytest.raises(BadInputError, match="0 rows"):
+        Workload(model=nn.Linear(4, 4), sample_batch=(torch.randn(0, 4), torch.zeros(0)))

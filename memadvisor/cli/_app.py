@@ -2,12 +2,14 @@
 
 Exit codes: 0 ok; 2 bad input (BadInputError, and typer's own usage errors); 3 no
 configuration fits the budget (InfeasibleBudgetError); 4 planning failed (any other
-MemadvisorError); 1 anything unexpected, which is a bug in memadvisor or in the model.
+MemadvisorError); 1 anything unexpected, which is a bug in memadvisor or in the model;
+130 interrupted (Ctrl-C), said in one line.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -64,6 +66,7 @@ err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 UNEXPECTED_EXIT_CODE = 1
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class DeviceOption(str, Enum):
@@ -106,6 +109,15 @@ def handle_errors(fn: F) -> F:
             # exist in every typer this package supports, whether it vendors click (0.26 and
             # later) or depends on it.
             raise
+        except KeyboardInterrupt:
+            # Output files are written whole or not at all (write_text), and the planner's
+            # devices end their processes on the way out: saying so is all that is left.
+            err_console.print(
+                "interrupted: stopped before finishing; no output file was left half-written.",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
         except MemadvisorError as e:
             _fail(str(e), e.exit_code, debug=kwargs.get("debug", False))
         except Exception as e:
@@ -199,10 +211,16 @@ def write_text(path: Path, text: str, what: str, *, quiet: bool) -> None:
     Raises:
         BadInputError: the file cannot be written.
     """
+    # Whole or not at all: written beside the target, then renamed over it (atomic on one
+    # file system), so an interrupt or a full disk never leaves half a plan behind.
+    partial = path.with_name(f".{path.name}.partial")
     try:
-        path.write_text(text, encoding="utf-8")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
     except OSError as e:
         raise BadInputError(f"Cannot write {what} to {str(path)!r}: {e.strerror}.") from e
+    finally:
+        partial.unlink(missing_ok=True)
     say_written(what, path, quiet=quiet)
 
 

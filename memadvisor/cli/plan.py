@@ -25,12 +25,17 @@ from memadvisor.cli._app import (
     write_text,
 )
 from memadvisor.config import PlanConfig, gib_to_bytes
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, InfeasibleBudgetError
 
 if TYPE_CHECKING:
     from memadvisor.planner import Plan
     from memadvisor.report import PlannedStep
     from memadvisor.workload import Workload
+
+
+class ChecksOption(str, Enum):
+    decide = "decide"
+    report = "report"
 
 
 class ParallelOption(str, Enum):
@@ -93,8 +98,21 @@ def plan(
     ] = None,
     device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
     margin: Annotated[
-        float, typer.Option("--margin", help="Share of the budget the plan keeps free (0 to 0.5).")
-    ] = 0.08,
+        float | None,
+        typer.Option(
+            "--margin",
+            help="Share of the budget the plan keeps free (0 to 0.5); default: sized from the "
+            "runs (the pick's measured peak leaves 3% free).",
+        ),
+    ] = None,
+    checks: Annotated[
+        ChecksOption,
+        typer.Option(
+            "--checks",
+            help="decide: a precision whose numerics check fails (its loss curve against "
+            "fp32's) is not picked; report: it may be picked, and the failed check is shown.",
+        ),
+    ] = ChecksOption.decide,
     world_size: Annotated[
         int,
         typer.Option(
@@ -137,6 +155,7 @@ def plan(
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
     config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
+    config = config.model_copy(update={"checks": checks.value})
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
@@ -148,7 +167,11 @@ def plan(
     else:
         workload = load_target(target)
     # The planner says in one line when it plans on the CPU simulated device.
-    result = plan_workload(workload, config, target=target, progress=not quiet)
+    try:
+        result = plan_workload(workload, config, target=target, progress=not quiet)
+    except InfeasibleBudgetError as e:
+        e.option = "--budget-gb "  # the minimum in the form this user passes a budget
+        raise
     if json_path is not None:
         write_text(json_path, result.model_dump_json(indent=2) + "\n", "the plan", quiet=quiet)
     console = out_console()
@@ -170,7 +193,7 @@ def _config(
     budget_gb: float,
     objective: ObjectiveOption | None,
     effective_batch: int | None,
-    margin: float,
+    margin: float | None,
     device: DeviceOption,
     world_size: int = 1,
     parallel: ParallelOption = ParallelOption.none,
@@ -184,7 +207,7 @@ def _config(
         raise BadInputError(
             f"--budget-gb must be a positive number of GiB, e.g. 8, but got {budget_gb=}."
         )
-    if not 0.0 <= margin < 0.5:
+    if margin is not None and not 0.0 <= margin < 0.5:
         raise BadInputError(f"--margin must be at least 0 and below 0.5, but got {margin=}.")
     if effective_batch is not None and effective_batch <= 0:
         raise BadInputError(f"--effective-batch must be positive, but got {effective_batch=}.")
@@ -209,10 +232,11 @@ def _config(
         budget_bytes=gib_to_bytes(budget_gb),
         objective=objective.value,
         effective_batch=effective_batch,
-        margin_fraction=margin,
         device=resolve_device(device),  # type: ignore[arg-type]
         world_size=world_size,
         parallel=parallel.value,
+        # Given, the margin is the user's for the pick too; else the runs size it.
+        **({"margin_fraction": margin} if margin is not None else {}),
     )
 
 

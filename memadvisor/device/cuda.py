@@ -17,14 +17,19 @@ a ViT that holds 92 in a fresh one. How each run gets its process, fastest first
    next one's peak unchanged, at 3.9 s of wall time per run instead of 7.5 s.
 2. Fresh process per run, ``python -m memadvisor.device._worker``: where there is no fork,
    or when the zygote cannot serve (it died, or CUDA would not start in a forked child).
-3. This process: when the workload cannot be saved (a ``lambda`` loss does not pickle) or a
-   child cannot load it (a model class defined in ``__main__``). Each run then starts from
-   a checked clean state: garbage collected, the cache emptied, ``memory_allocated`` back
-   to its baseline, peak stats reset.
+3. This process: only when the workload truly cannot be sent (it holds a lock, an open
+   file, a generator: what even cloudpickle refuses) or a child cannot load it. Each run
+   then starts from a checked clean state: garbage collected, the cache emptied,
+   ``memory_allocated`` back to its baseline, peak stats reset; a compiled candidate starts
+   from a reset dynamo (``torch.compiler.reset()``), so it compiles static shapes for its
+   batch as a fresh process would.
 
-Both children rebuild the workload from the user's factory (``target``) or from a
-``torch.save``'d copy of it. :attr:`CudaDevice.notes` says when a run fell back, and the
-planner copies it into ``Plan.notes``.
+Both children rebuild the workload from the user's factory (``target``) or from a copy
+saved with ``torch.save(..., pickle_module=cloudpickle)``: cloudpickle sends lambdas,
+closures and classes defined in ``__main__`` (a script, a notebook) by value, so the
+workloads users write (``loss_fn=lambda out, b: F.cross_entropy(out, b[1])``) reach fresh
+processes. :attr:`CudaDevice.notes` says when a run fell back, and the planner puts that
+note first among ``Plan.notes``, where the report's first lines show it.
 
 Known limitations:
     * A run still costs seconds: the child's first step loads the CUDA kernels (about 3.5 s
@@ -52,6 +57,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from memadvisor.config import samples_per_s
 from memadvisor.device._base import Device, Measurement
 from memadvisor.device._oom import is_oom
 from memadvisor.device._zygote import ForkServer, ZygoteDied
@@ -61,9 +67,17 @@ from memadvisor.profiler import Profile
 from memadvisor.strategy import Strategy
 from memadvisor.workload import Workload, train_step
 
-__all__ = ["RESULT_MARKER", "CudaDevice", "train_candidate"]
+__all__ = [
+    "IN_PROCESS_NOTE_START",
+    "RESULT_MARKER",
+    "CudaDevice",
+    "save_workload",
+    "train_candidate",
+]
 
 RESULT_MARKER = "MEMADVISOR_RESULT "  # prefixes the child's answer; the model may print too
+# How the in-process fallback's note begins: the planner finds it and puts it first.
+IN_PROCESS_NOTE_START = "Probes ran in this process, not in fresh ones,"
 MIB = 2**20
 
 
@@ -136,8 +150,26 @@ def train_candidate(
         peak_bytes=peak,
         reserved_peak_bytes=max(reserved, 0),
         step_ms=step_ms,
-        samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        samples_per_s=samples_per_s(samples, step_ms),
     )
+
+
+def save_workload(parts: dict[str, Any], path: Path) -> None:
+    """Save the workload's parts for a probe process, lambdas and ``__main__`` classes too.
+
+    ``torch.save`` with cloudpickle as its pickler: what plain pickle saves by name (a
+    function or class of an importable module, a target file's loss) goes by name as before;
+    what it cannot (a ``lambda``, a closure, a class defined in ``__main__``) goes by value.
+    Tensors keep torch's own storage format; ``torch.load`` (plain pickle) reads it back in
+    the child, which imports cloudpickle to rebuild what went by value.
+
+    Raises:
+        Exception: whatever cloudpickle raises for an object nothing can send (a lock, an
+            open file, a generator).
+    """
+    import cloudpickle
+
+    torch.save(parts, path, pickle_module=cloudpickle)
 
 
 def _get_fraction(index: int) -> float:
@@ -244,9 +276,9 @@ class CudaDevice(Device):
             "forward_fn": workload.forward_fn,
         }
         try:
-            torch.save(parts, path)
+            save_workload(parts, path)
         except Exception as e:  # noqa: BLE001 - any pickling failure means "cannot send it"
-            self._fall_back(f"the workload does not pickle ({type(e).__name__}: {e})")
+            self._fall_back(f"the workload cannot be sent to one ({type(e).__name__}: {e})")
             return
         self._workload_path = path
 
@@ -254,9 +286,11 @@ class CudaDevice(Device):
         self._stop_zygote()
         self.mode = "in_process"
         self.notes.append(
-            f"Probes ran in this process, not in fresh ones, because {why}. Each started from a "
-            "checked clean state (cache emptied, allocated memory back to its baseline); pass "
-            "a target ('file.py:factory') or a picklable loss_fn for fresh-process probes."
+            f"{IN_PROCESS_NOTE_START} because {why}. Each started from a checked clean state "
+            "(cache emptied, allocated memory back to its baseline, dynamo reset for a "
+            "compiled candidate), but measurements near the budget are less sure than a fresh "
+            "process's; pass a target ('file.py:factory') whose parts cloudpickle can send "
+            "for fresh-process probes."
         )
 
     def _setup(self) -> dict[str, Any]:
@@ -382,6 +416,12 @@ class CudaDevice(Device):
 
     def _run_here(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
         device = torch.device("cuda", self.index)
+        compiled = candidate.choices.get("compile") not in (None, False, "off")
+        if compiled:
+            # A fresh process compiles the candidate's batch with static shapes; here dynamo
+            # would remember earlier batches and compile this one with a dynamic batch
+            # dimension (measured on an H200: 0.59x the static throughput, docs/design.md).
+            torch.compiler.reset()
         self._clean(device)
         previous = _get_fraction(self.index)
         # The cap counts everything this process reserves: the caller's own tensors stay, and
@@ -400,6 +440,9 @@ class CudaDevice(Device):
             )
         finally:
             torch.cuda.set_per_process_memory_fraction(previous, self.index)
+            if compiled:
+                # Nor may the user's own loop, after the plan, inherit this batch's graphs.
+                torch.compiler.reset()
             gc.collect()
             torch.cuda.empty_cache()
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from memadvisor.config import samples_per_s
 from memadvisor.device._base import Device, Measurement
 from memadvisor.device._oom import is_oom
 from memadvisor.errors import BadInputError, PlanningError, SimulatedOutOfMemoryError
@@ -218,7 +219,7 @@ def _measurement(
         peak_bytes=max(peaks),
         reserved_peak_bytes=max(reserved) if None not in reserved else None,
         step_ms=step_ms,
-        samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        samples_per_s=samples_per_s(samples, step_ms),
         rank_peak_bytes=peaks,
     )
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from memadvisor.config import samples_per_s
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device._base import Device, Measurement
 from memadvisor.device._oom import is_oom
@@ -41,7 +43,50 @@ from memadvisor.memory import MemoryMeter
 from memadvisor.profiler import Profile
 from memadvisor.workload import Workload, tensor_leaves, train_step
 
-__all__ = ["AutocastPolicy", "SimulatedDevice", "tensor_leaves"]
+__all__ = [
+    "AutocastPolicy",
+    "SimulatedDevice",
+    "check_host_holds",
+    "host_available_bytes",
+    "tensor_leaves",
+]
+
+
+def host_available_bytes() -> int | None:
+    """Host memory a new allocation can get now (Linux's MemAvailable: free memory plus the
+    page cache it can drop); None where the platform does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_holds(budget_bytes: int) -> None:
+    """Refuse a budget the simulated device could not hold: its tensors live in host RAM.
+
+    Without this a plan fills a budget larger than the host's memory and fails on a CPU
+    allocation, which reads as the model rejecting the batch.
+
+    Raises:
+        BadInputError: ``budget_bytes`` is more than the host memory available now.
+    """
+    available = host_available_bytes()
+    if available is None or budget_bytes <= available:
+        return
+    raise BadInputError(
+        f"The simulated device keeps its tensors in host RAM, and this machine has "
+        f"{available / 2**30:.2f} GiB available, less than the budget of "
+        f"{budget_bytes / 2**30:.2f} GiB: host RAM is the limit here. Plan for a budget "
+        "below that, or on a card (device='cuda')."
+    )
+
 
 AutocastPolicy = Literal["cuda", "cpu"]
 
@@ -129,7 +174,7 @@ class SimulatedDevice(Device):
             peak_bytes=meter.peak_bytes,
             reserved_peak_bytes=None,
             step_ms=step_ms,
-            samples_per_s=samples / step_ms * 1e3 if step_ms > 0 else float("inf"),
+            samples_per_s=samples_per_s(samples, step_ms),
         )
 
     # -- pieces a fake device replaces ------------------------------------------------------

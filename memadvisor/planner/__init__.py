@@ -4,12 +4,20 @@ from memadvisor.planner._estimated import estimated_profile, plan_estimated, wit
 from memadvisor.planner._plan import measure_configuration, plan_workload
 from memadvisor.planner._probe import BatchSearch, find_batch, safe_below
 from memadvisor.planner._progress import Progress
-from memadvisor.planner._schema import EstimateBasis, Measurement, Plan, Probe, Row
+from memadvisor.planner._schema import (
+    EstimateBasis,
+    Measurement,
+    ModelFingerprint,
+    Plan,
+    Probe,
+    Row,
+)
 
 __all__ = [
     "BatchSearch",
     "EstimateBasis",
     "Measurement",
+    "ModelFingerprint",
     "Plan",
     "Probe",
     "Progress",

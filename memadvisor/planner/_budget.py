@@ -17,8 +17,14 @@ def budget_needed_bytes(peak_bytes: int, margin_fraction: float) -> int:
 
 
 def _gib(nbytes: int) -> str:
-    # Round up: a budget printed as enough must be enough.
-    return f"{math.ceil(nbytes / GIB * 100) / 100:.2f} GiB"
+    """An amount needed, rounded up to 0.01 GiB: a budget printed as enough must be enough.
+    (The tolerance keeps a float's last bit from adding 0.01: 0.08 GiB stays 0.08.)"""
+    return f"{math.ceil(nbytes / GIB * 100 - 1e-6) / 100:.2f} GiB"
+
+
+def _gib_given(nbytes: int) -> str:
+    """A budget the caller gave (or its usable part), as they would write it: 0.08, 0.004, 8."""
+    return f"{round(nbytes / GIB, 4):g} GiB"
 
 
 def infeasible(
@@ -30,12 +36,13 @@ def infeasible(
     )
     advice = static_advice(profile, config, max(cheapest_peak_bytes, profile.static_bytes))
     return InfeasibleBudgetError(
-        f"{why} That is more than the {_gib(config.usable_bytes)} usable of the "
-        f"{_gib(config.budget_bytes)} budget ({config.margin_fraction:.0%} is kept as a safety "
-        f"margin). The minimum budget that would work is {_gib(needed)} (estimated at batch 1 "
-        f"with the most memory-saving configuration): pass budget_gb={_gib(needed)[:-4]} or "
-        f"more.{advice}",
+        f"{why} That is more than the {_gib_given(config.usable_bytes)} usable of the "
+        f"{_gib_given(config.budget_bytes)} budget ({config.margin_fraction:.0%} is kept as a "
+        f"safety margin). The minimum budget that would work is {_gib(needed)} (estimated at "
+        "batch 1 with the most memory-saving configuration):",
         minimum_bytes=needed,
+        minimum_gib=_gib(needed)[: -len(" GiB")],
+        advice=advice,
     )
 
 

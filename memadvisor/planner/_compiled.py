@@ -57,6 +57,7 @@ import torch
 from pydantic import JsonValue
 
 from memadvisor.compile_cache import SharedCompileCache, shared_compile_cache
+from memadvisor.errors import is_our_bug
 from memadvisor.estimate import Candidate, estimate
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._schema import CompiledVariant, CompileOutcome
@@ -282,14 +283,6 @@ def _not_considered(prober: _Prober, strategy: Compile | None) -> str | None:
         # A compiled step per rank (compiled FSDP2 hooks, DDP's graph breaks at buckets) is
         # not what the estimate or the rank runner models.
         return f"Compiling was not weighed for {prober.config.parallel} ranks; planned eager."
-    if getattr(device, "mode", None) == "in_process":
-        # One process compiles each new batch with a dynamic batch dimension (dynamo's
-        # automatic dynamic shapes) and keeps earlier graphs: not what a training run does.
-        return (
-            "Compiling was not weighed: the probes ran in this process, where each new batch "
-            "would compile with a dynamic batch dimension; pass a target ('file.py:factory') "
-            "or a picklable loss_fn for fresh-process probes. Planned eager."
-        )
     if not step_times_rank(device):
         return (
             f"compile='on' was asked, but the {device.kind} device's step times cannot tell a "
@@ -335,6 +328,8 @@ def _measure_variant(
             if not result.out_of_memory:
                 break
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
+        if is_our_bug(e):
+            raise
         text = f"the compile trial could not run its eager step ({_first_line(e)})."
         return CompiledVariant(choices=choices, compiles=False, trial=text, error=text), None
     finally:
@@ -350,6 +345,8 @@ def _measure_variant(
     try:
         found = prober.confirm(_bracket(prober, choices, start_batch), stage=STAGE)
     except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
+        if is_our_bug(e):
+            raise
         record.error = _first_line(e)
     record.device_wall_ms = sum(p.wall_ms for p in prober.probes[runs_before:])
     if found is None:

@@ -48,12 +48,13 @@ from memadvisor.planner._compare import hand_configurations, unchecked_hand_choi
 from memadvisor.planner._compiled import compiled_pick
 from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
 from memadvisor.planner._progress import Progress, Stage, stage_totals
-from memadvisor.planner._schema import Plan, Probe, Row
+from memadvisor.planner._schema import ModelFingerprint, Plan, Probe, Row
 from memadvisor.planner._search import search
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.planner._state import preserved_state
 from memadvisor.profiler import Profile
-from memadvisor.strategy import Advice, Strategy, load_strategies
+from memadvisor.profiler._state import check_copyable
+from memadvisor.strategy import Advice, Check, Strategy, load_strategies
 from memadvisor.workload import Workload
 
 __all__ = ["measure_configuration", "plan_workload"]
@@ -73,6 +74,16 @@ _MARGIN_STEP_DOWNS = 3
 # (batch, for largest_batch) are not timed: the estimate's time errors seen on an H200
 # (within ~1.6x per candidate, mostly shared by candidates of one precision) leave them behind.
 RERANK_FLOOR = 0.7
+# Candidates whose throughput lies within this share of the best's are a tie, broken by a
+# fixed rule (fewest strategies). Two measurements of one configuration differ by up to
+# 2-3% (bench/planner.py's tolerance; MIN_SPEEDUP's reasoning for compile), and the
+# estimate's CPU-profiled times jitter as much between profiles of one model.
+TIE_FRACTION = 0.03
+# The measured margin: what the pick's measured limit (reserved bytes on a card) leaves free
+# of the budget; below a batch that ran out, that many bytes' worth of measured samples. Near
+# the edge the limit moved by a few samples between fresh processes on an H200 (a ViT held
+# batch 92 in one, failed at step 2 in another: about 3% of an 8 GB budget); docs/design.md.
+HEADROOM_FRACTION = 0.03
 
 
 @dataclass
@@ -112,6 +123,9 @@ class _Prober:
         self.bar: Stage | None = None
         self.steps = run_steps(device, config)
         self._runs: dict[str, _Run] = {}
+        # Per choice set (JSON), the runs that fitted by batch: the measured margin's slope.
+        self._fitted: dict[str, dict[int, Measurement]] = {}
+        self.tie: _Tie | None = None  # the last tie _device_best broke
 
     def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
         """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
@@ -124,6 +138,9 @@ class _Prober:
         self._describe(f"{stage}: batch {candidate.batch_size} running")
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
         self.probes.append(record)
+        if measured is not None and candidate.accumulation_steps == 1:
+            key = json.dumps(candidate.choices, sort_keys=True)
+            self._fitted.setdefault(key, {})[candidate.batch_size] = measured
         self._runs[_key(candidate)] = _Run(steps if measured else record.steps, measured)
         if self.bar is not None:
             self.bar.advance()
@@ -150,18 +167,22 @@ class _Prober:
 
         def within_margin(batch: int) -> bool:
             m = measured[batch]
-            return m.limit_bytes <= cfg.usable_bytes
+            return m.limit_bytes <= self.pick_limit_bytes(choices, batch)
 
         def extrapolate(batch: int) -> int | None:
             m = measured.get(batch)
             if m is None:
                 return None
-            slope = self.space.bytes_per_sample(choices, batch)
+            slope = self.sample_bytes(choices, batch)
             if slope <= 0:
                 return None
-            # Aimed a quarter margin under the usable budget: a probe that lands just over
-            # it fits but cannot be taken (within_margin), and the search keeps ``start``.
-            aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
+            if cfg.measured_margin:
+                # Half a sample under what the pick may hold: a probe that lands just over it
+                # fits but cannot be taken (within_margin), and the search keeps ``start``.
+                aim = self.pick_limit_bytes(choices, batch) - slope / 2
+            else:
+                # A quarter margin under the usable budget, for the same reason.
+                aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
             return batch + math.floor((aim - m.limit_bytes) / slope)
 
         upper = self.space.upper_batch(scored)
@@ -173,8 +194,44 @@ class _Prober:
             cfg.max_batch,
             within_margin,
             extrapolate,
+            lambda failed: self.below(choices, failed),
+            # A measured slope (two runs) lands the next extrapolation where the first one,
+            # on the estimate's slope, could not: a pessimistic estimate costs a run, not batch.
+            max_extrapolations=3 if cfg.measured_margin else 1,
         )
         return found, measured
+
+    # -- the pick's margin ------------------------------------------------------------------
+
+    def sample_bytes(self, choices: dict[str, JsonValue], batch: int) -> float:
+        """What one more sample of ``choices`` adds to a run's limit: measured between the two
+        largest batches of them that fitted when there are two, else the estimate's slope."""
+        fitted = self._fitted.get(json.dumps(choices, sort_keys=True), {})
+        if len(fitted) >= 2:
+            high, low = sorted(fitted, reverse=True)[:2]
+            slope = (fitted[high].limit_bytes - fitted[low].limit_bytes) / (high - low)
+            if slope > 0:
+                return slope
+        return self.space.bytes_per_sample(choices, batch)
+
+    def pick_limit_bytes(self, choices: dict[str, JsonValue], batch: int) -> float:
+        """The most a run's measured limit may be for its batch to be the pick: the usable
+        budget, or with the measured margin the budget less :data:`HEADROOM_FRACTION`."""
+        cfg = self.config
+        if not cfg.measured_margin:
+            return cfg.usable_bytes
+        return cfg.budget_bytes * (1.0 - HEADROOM_FRACTION)
+
+    def below(self, choices: dict[str, JsonValue], failed: int) -> int:
+        """The largest batch the pick may take when ``failed`` ran out: the margin below it,
+        or with the measured margin the headroom's worth of measured samples below it (at
+        least one)."""
+        cfg = self.config
+        slope = self.sample_bytes(choices, failed) if cfg.measured_margin else 0.0
+        if slope <= 0:
+            return safe_below(failed, cfg.margin_fraction)
+        samples = max(1, math.ceil(HEADROOM_FRACTION * cfg.budget_bytes / slope))
+        return max(0, failed - samples)
 
     def confirm(self, scored: Scored, stage: str = "probe") -> _Confirmed | None:
         """The candidate at the batch the device allows, timed; None when batch 1 fails.
@@ -207,7 +264,7 @@ class _Prober:
             failures += 1
             failed = candidate.batch_size
             micro = (
-                safe_below(failed, self.config.margin_fraction)
+                self.below(candidate.choices, failed)
                 if failures <= _MARGIN_STEP_DOWNS
                 else failed // 2
             )
@@ -248,13 +305,6 @@ def run_steps(device: Device, config: PlanConfig) -> int:
     if runs_cost_more_than_steps(device):
         steps = max(steps, config.verify_steps)
     return steps
-
-
-def _device_key(objective: str, batch: int, samples_per_s: float, estimate_rank: int) -> tuple:
-    """Best first by the device's answer; a tie keeps the estimate's order."""
-    if objective == "largest_batch":
-        return (-batch, -samples_per_s, estimate_rank)
-    return (-samples_per_s, estimate_rank)
 
 
 def step_times_rank(device: Device) -> bool:
@@ -461,6 +511,11 @@ def plan_workload(
     with preserved_state(workload.model), contextlib.ExitStack() as scope:
         try:
             kind = _resolve_kind(config, device)
+            check_copyable(workload.model)
+            if kind == "simulated" and device is None:
+                from memadvisor.device.simulated import check_host_holds
+
+                check_host_holds(config.budget_bytes)
             notes: list[str] = []
             if kind == "simulated" and device is None:
                 why = " (device='simulated')" if torch.cuda.is_available() else " (no CUDA device)"
@@ -471,6 +526,14 @@ def plan_workload(
             )
             if profile is None:
                 profile = _profile(workload, kind, ui)
+            screened: list[Check] = []
+            if any(type(s).screen is not Strategy.screen for s in chosen):
+                # Before the search: a choice that fails its check is then not offered.
+                with ui.stage("screening", total=None):
+                    screened = [c for s in chosen for c in s.screen(workload, profile, config)]
+            for note in _screen_notes(screened, config):
+                notes.append(note)  # among the first lines: it decided what may be picked
+                ui.note(note)
             space = SearchSpace(profile, chosen, config)
             check_static_fits(profile, config, space.cheapest_peak_bytes())
 
@@ -513,12 +576,17 @@ def plan_workload(
                 measure_comparison = _rows_are_cheap(device, prober.probes, space)
             rows, row_notes = _rows(space, prober if measure_comparison else None, plan_row, ui)
             notes += _pick_notes(config, pick, best)
+            tie = _tie_note(prober.tie, best.candidate)
+            if tie is not None:
+                notes.append(tie)
             notes.append(_runs_note(prober.probes, best, verified, config))
             with ui.stage("checks", total=None):
-                checks = run_checks(workload, pick, chosen)
+                checks = screened + run_checks(workload, pick, chosen, done=screened)
             notes += prober.notes + getattr(device, "notes", []) + row_notes
+            notes = _fallbacks_first(notes)
             return Plan(
                 model_name=profile.model_name,
+                model_fingerprint=ModelFingerprint.of(workload.model),
                 config=config,
                 device_kind=device.kind,
                 device_name=device.name,
@@ -539,6 +607,15 @@ def plan_workload(
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
             _release_cached_memory()
+
+
+def _fallbacks_first(notes: list[str]) -> list[str]:
+    """The notes with the in-process fallback's first: it changes how far the report's
+    measurements can be trusted, so the report's first lines say it, not a note at the end."""
+    from memadvisor.device.cuda import IN_PROCESS_NOTE_START
+
+    first = [n for n in notes if n.startswith(IN_PROCESS_NOTE_START)]
+    return first + [n for n in notes if not n.startswith(IN_PROCESS_NOTE_START)]
 
 
 def _free_bytes(device: Device) -> int | None:
@@ -688,26 +765,71 @@ def _rate(space: SearchSpace, scored: Scored, timing: _Timing, measured_times: b
     return timing.measured.samples_per_s * at_pick / ran if ran > 0 else at_pick
 
 
+@dataclass
+class _Tie:
+    """Candidates the device could not tell apart, and the one the fixed rule took."""
+
+    taken: Scored
+    rate: float
+    others: list[tuple[Scored, float]]
+
+
 def _device_best(
     prober: _Prober,
     timed: Sequence[Scored],
     first: dict[str, _Timing | None],
     measured_times: bool,
 ) -> tuple[Scored, _Timing] | None:
-    """The best of the candidates that fitted, by the objective on the device's answer."""
+    """The best of the candidates that fitted, by the objective on the device's answer.
+
+    Rates within :data:`TIE_FRACTION` of the best (at the best's batch, for largest_batch)
+    are a tie, which a fixed rule breaks: fewest strategies turned on, then the choices'
+    JSON. Timings jitter from run to run; without the rule the same inputs could give
+    another pick each time. :attr:`_Prober.tie` keeps the last tie for the plan's notes.
+    """
     space = prober.space
-    keyed = []
-    for rank, s in enumerate(timed):
+    objective = space.config.objective
+    entries = []
+    for s in timed:
         timing = first.get(s.choices_json)
         if timing is None:
             continue
-        rate = _rate(space, s, timing, measured_times)
-        batch = timing.candidate.batch_size
-        keyed.append((_device_key(space.config.objective, batch, rate, rank), s, timing))
-    if not keyed:
+        entries.append((s, timing, _rate(space, s, timing, measured_times)))
+    if not entries:
         return None
-    _, scored, timing = min(keyed, key=lambda entry: entry[0])
+    top_batch = max(t.candidate.batch_size for _, t, _ in entries)
+    if objective == "largest_batch":
+        entries = [e for e in entries if e[1].candidate.batch_size == top_batch]
+    best_rate = max(rate for _, _, rate in entries)
+    tied = [e for e in entries if e[2] >= (1.0 - TIE_FRACTION) * best_rate]
+    scored, timing, rate = min(tied, key=lambda e: (e[0].active, e[0].choices_json))
+    others = [(s, r) for s, _, r in tied if s is not scored]
+    prober.tie = _Tie(scored, rate, others) if others else None
     return scored, timing
+
+
+def _tie_note(tie: _Tie | None, final: Candidate) -> str | None:
+    """The plan's note on a tie the fixed rule broke, when the tie decided the pick."""
+    if tie is None or tie.taken.candidate.choices != final.choices:
+        return None
+    others = "; ".join(
+        f"{_describe_choices(s.candidate.choices)} {rate:.1f}" for s, rate in tie.others
+    )
+    return (
+        f"Tie: {_describe_choices(tie.taken.candidate.choices)} ran {tie.rate:.1f} samples/s "
+        f"and {others} samples/s, within {TIE_FRACTION:.0%} of the best, the spread two runs "
+        "of one configuration show; the plan takes the one with the fewest strategies turned "
+        "on (a fixed rule: the same inputs give the same pick)."
+    )
+
+
+def _describe_choices(choices: dict[str, JsonValue]) -> str:
+    if not choices:
+        return "the plain step"
+    return ", ".join(
+        f"{name} {len(c)} blocks" if isinstance(c, list) else f"{name} {json.dumps(c)}"
+        for name, c in sorted(choices.items())
+    )
 
 
 def _could_beat(
@@ -746,6 +868,26 @@ def _verified(prober: _Prober, best: _Confirmed, ui: Progress) -> tuple[Candidat
             f"The pick ran out of memory within {steps} sustained steps even at batch 1.",
         )
     return pick, verified
+
+
+def _screen_notes(checks: Sequence[Check], config: PlanConfig) -> list[str]:
+    """What the checks run before the search decided, for the plan's first lines."""
+    notes = []
+    for check in checks:
+        if check.passed:
+            continue
+        choice = f"{check.strategy} {check.choice}"
+        if config.checks == "decide":
+            notes.append(
+                f"{choice} was not considered: its check failed. {check.summary} Pass "
+                "checks='report' (CLI: --checks report) to consider it anyway."
+            )
+        else:
+            notes.append(
+                f"{choice} failed its check and was considered anyway (checks='report'): "
+                f"{check.summary}"
+            )
+    return notes
 
 
 def _pick_notes(config: PlanConfig, pick: Candidate, best: _Confirmed) -> list[str]:

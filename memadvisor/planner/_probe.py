@@ -73,6 +73,8 @@ def find_batch(
     max_batch: int,
     within_margin: TryBatch | None = None,
     extrapolate: Extrapolate | None = None,
+    below: Callable[[int], int] | None = None,
+    max_extrapolations: int = 1,
 ) -> BatchSearch:
     """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
 
@@ -88,6 +90,12 @@ def find_batch(
             margin free (the estimate was pessimistic). None takes it whenever it fits.
         extrapolate: for ``start`` once it fitted, the largest batch its measured peak says
             fits the usable budget; None (or a None answer) probes ``upper`` instead.
+        below: the largest batch the pick may take below a batch that ran out; default
+            ``safe_below(b, margin_fraction)``. The planner's measured margin passes what its
+            runs measured (a headroom in samples); the descent before anything fitted still
+            steps a ``margin_fraction`` at a time.
+        max_extrapolations: how many times to extrapolate from the latest fit that stayed
+            within the margin (the first may probe ``upper`` when there is no guess).
 
     Returns:
         The search; ``batch == 0`` when not even batch 1 fits.
@@ -110,27 +118,33 @@ def find_batch(
             )
         return ok
 
+    cap = below if below is not None else (lambda b: safe_below(b, margin_fraction))
     start = min(max(start, 1), max_batch)
     upper = min(max(upper, start + 1), max_batch)
     lo, hi = 0, None  # the largest fit below every failure, the lowest failure
     if run(start):
         lo = start
-        top = upper
-        guess = extrapolate(start) if extrapolate is not None else None
-        if guess is not None:
-            top = min(guess, max_batch)
-        if top > start:
+        for attempt in range(max(1, max_extrapolations)):
+            guess = extrapolate(lo) if extrapolate is not None else None
+            if guess is None and attempt > 0:
+                break  # only the first step may fall back to the bracket's top
+            top = upper if guess is None else min(guess, max_batch)
+            if top <= lo:
+                break
             if not run(top):
                 hi = top
-            elif within_margin is None or within_margin(top):
-                lo = top
+                break
+            if within_margin is not None and not within_margin(top):
+                break
+            lo = top
     else:
         hi = start
         failures_before_a_fit = 1
-        while lo < safe_below(hi, margin_fraction):
-            target = safe_below(hi, margin_fraction)
+        while lo < cap(hi):
+            target = cap(hi)
             if lo == 0 and failures_before_a_fit <= _MARGIN_DESCENTS:
-                b = target  # the estimate was a little optimistic: the margin below the failure
+                # The estimate was a little optimistic: the margin below the failure.
+                b = min(target, max(1, safe_below(hi, margin_fraction)))
             elif lo == 0:
                 b = min(max(1, hi // 2), target)  # far off: halve
             else:
@@ -141,7 +155,7 @@ def find_batch(
                 hi = b
                 if lo == 0:
                     failures_before_a_fit += 1
-    search.batch = lo if hi is None else min(lo, safe_below(hi, margin_fraction))
+    search.batch = lo if hi is None else min(lo, cap(hi))
     return search
 
 

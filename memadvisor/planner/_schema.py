@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+from torch import nn
 
 from memadvisor.compile_cache import CompileCacheReport
 from memadvisor.config import PlanConfig
@@ -19,14 +29,20 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = [
+    "SCHEMA_VERSION",
     "CompileOutcome",
     "CompiledVariant",
     "EstimateBasis",
     "Measurement",
+    "ModelFingerprint",
     "Plan",
     "Probe",
     "Row",
 ]
+
+# The Plan layout this version reads and writes; a file of another version is refused, not
+# guessed at. 2: model_fingerprint.
+SCHEMA_VERSION = 2
 
 
 class _Model(BaseModel):
@@ -110,11 +126,75 @@ class EstimateBasis(_Model):
     )
 
 
-class Plan(_Model):
-    """The chosen configuration; ``apply_plan(model, plan)`` rewrites a model to it."""
+class ModelFingerprint(_Model):
+    """What identifies the model a plan was made for: its class and every parameter's name
+    and shape. Not its values: a plan fits the same model at any point of its training."""
 
-    schema_version: int = 1
+    class_name: str = Field(description="The model's class (__qualname__).")
+    parameters: list[tuple[str, list[int]]] = Field(
+        description="(name, shape) of every parameter, in named_parameters() order."
+    )
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelFingerprint:
+        return cls(
+            class_name=type(model).__qualname__,
+            parameters=[(n, list(p.shape)) for n, p in model.named_parameters()],
+        )
+
+    def difference(self, model: nn.Module) -> str | None:
+        """What differs between ``model`` and the model this fingerprint was taken of, in a
+        sentence; None when nothing does."""
+        other = ModelFingerprint.of(model)
+        if other.class_name != self.class_name:
+            return f"it was made for {self.class_name}, but the model is {other.class_name}"
+        mine, theirs = dict(self.parameters), dict(other.parameters)
+        missing = [n for n in mine if n not in theirs]
+        extra = [n for n in theirs if n not in mine]
+        if missing or extra:
+            return (
+                f"the model's parameters differ: missing {missing[:5]}, not in the plan {extra[:5]}"
+            )
+        for name, shape in mine.items():
+            if theirs[name] != shape:
+                return f"parameter {name} has shape {theirs[name]}; the plan's model had {shape}"
+        return None
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The path of the first NaN or infinity in ``value``, a model or container of them."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, BaseModel):
+        items: Any = ((k, getattr(value, k)) for k in type(value).model_fields)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class Plan(_Model):
+    """The chosen configuration; ``apply_plan(model, plan)`` rewrites a model to it.
+
+    A plan loads only when it is one this version can trust: its own schema version, every
+    float finite (JSON has no infinity; Python's json writes NaN and Infinity, which pydantic
+    would read), and the pick's batch within ``config.max_batch``.
+    """
+
+    schema_version: int = SCHEMA_VERSION
     model_name: str
+    model_fingerprint: ModelFingerprint | None = Field(
+        None,
+        description="The model the plan was made for; apply_plan refuses another. None in "
+        "hand-built plans (nothing to check against).",
+    )
     config: PlanConfig
     device_kind: Literal["cuda", "simulated", "fake", "estimate"] = Field(
         description="Where the pick was confirmed; estimate: nowhere (every figure estimated)."
@@ -195,3 +275,28 @@ class Plan(_Model):
         if record_step and self._workload is not None and self.device_kind != "estimate":
             step = planned_step(self._workload, self, in_place=False)
         return write_html(render_plan_html(self, step=step), path)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _this_schema(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(
+                f"this memadvisor reads plans of schema_version {SCHEMA_VERSION}, but the file "
+                f"has schema_version {value}; make the plan again with this version"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _finite_and_in_range(self) -> Plan:
+        where = _non_finite(self, "")
+        if where is not None:
+            raise ValueError(f"{where} is not a finite number; a plan holds only finite ones")
+        limit = self.config.max_batch
+        for field in ("batch_size", "accumulation_steps"):
+            value = getattr(self.candidate, field)
+            if value > limit:
+                raise ValueError(
+                    f"candidate.{field} is {value}, above config.max_batch={limit}; this is not "
+                    "a plan memadvisor made"
+                )
+        return self

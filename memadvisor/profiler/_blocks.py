@@ -1,9 +1,18 @@
 """Which modules are the model's blocks: the repeated units a person would checkpoint.
 
-By default, the members of the largest ``ModuleList``/``Sequential`` whose children all have
-one type (transformer layers, ResNet bottlenecks). Sibling containers of the same member type
-count together, so a ResNet's ``layer1`` ... ``layer4`` give all its bottlenecks, not only the
-longest stage's.
+By default, the repeated units in ``ModuleList``/``Sequential`` containers: runs of two or
+more adjacent children of one type that hold parameters (transformer layers, ResNet
+bottlenecks). A run need not fill its container, so ``nn.Sequential(stem, *blocks, head)``
+gives its blocks as a container of blocks alone does. Runs of the same member type count
+together, so a ResNet's ``layer1`` ... ``layer4`` give all its bottlenecks, not only the
+longest stage's; the type with the most members wins (more parameters per member breaks a
+tie: the transformer layers, not a list of two small heads).
+
+Known limitations:
+    * Repeated units that are attributes of a plain module (``self.block1``,
+      ``self.block2``) rather than children of a container are not found; name them with
+      ``blocks=``.
+    * Parameterless modules (activations, dropout) are never blocks.
 """
 
 from __future__ import annotations
@@ -92,20 +101,28 @@ def _check_disjoint(names: list[str]) -> None:
                 )
 
 
+def _runs(children: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """Maximal runs of adjacent children of one type, two or more long, holding parameters."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    for name, child in children:
+        if runs and type(runs[-1][-1][1]) is type(child):
+            runs[-1].append((name, child))
+        else:
+            runs.append([(name, child)])
+    return [run for run in runs if len(run) >= 2 and any(True for _ in run[0][1].parameters())]
+
+
 def _detect(model: nn.Module) -> list[str]:
-    # Containers whose children (at least two) all share one type: candidates for blocks.
+    # Runs of same-type children inside containers (the whole container, or part of one
+    # beside a stem and a head): candidates for blocks.
     members_by_type: dict[type, list[str]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        children = list(module.named_children())
-        if len(children) < 2:
-            continue
-        types = {type(child) for _, child in children}
-        if len(types) != 1:
-            continue
         prefix = f"{name}." if name else ""
-        members_by_type.setdefault(types.pop(), []).extend(prefix + c for c, _ in children)
+        for run in _runs(list(module.named_children())):
+            member_type = type(run[0][1])
+            members_by_type.setdefault(member_type, []).extend(prefix + c for c, _ in run)
     if not members_by_type:
         return []
 

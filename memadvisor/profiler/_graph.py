@@ -45,6 +45,10 @@ def saved_storages(roots: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStor
     return found
 
 
+# What autograd says when a saved tensor was freed by a backward (torch/csrc/autograd).
+_FREED = "after they have already been freed"
+
+
 def _saved_by(node: Any) -> Iterator[torch.Tensor]:
     slots = _RAW_SLOTS.get(type(node))
     if slots is None:
@@ -53,8 +57,10 @@ def _saved_by(node: Any) -> Iterator[torch.Tensor]:
     for slot in slots:
         try:
             value = getattr(node, slot)
-        except RuntimeError:  # already freed by a backward: nothing is kept
-            continue
+        except RuntimeError as e:
+            if _FREED not in str(e):
+                raise  # not the freed case: a miscount would pass silently
+            continue  # already freed by a backward: nothing is kept
         for saved in value if isinstance(value, (list, tuple)) else (value,):
             yield from _tensors(_packed(saved))
     # A custom Function's ctx may also hold tensors as plain attributes (ctx.mask = mask).

@@ -14,7 +14,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 
-__all__ = ["clone_module", "private_model", "rng_restored"]
+__all__ = ["check_copyable", "clone_module", "private_model", "rng_restored"]
 
 
 def clone_module(model: nn.Module) -> nn.Module:
@@ -37,6 +37,32 @@ def clone_module(model: nn.Module) -> nn.Module:
             if isinstance(value, torch.Tensor) and id(value) not in memo:
                 memo[id(value)] = value.detach().clone()
     return copy.deepcopy(model, memo)
+
+
+def check_copyable(model: nn.Module) -> None:
+    """Refuse a model ``copy.deepcopy`` cannot copy, before anything runs it.
+
+    Planning trains copies only (the caller's model stays as it is); a model holding a lock,
+    an open file or a connection cannot be copied. Checked without copying a tensor: every
+    tensor is its own copy in the memo, so only the Python objects around them are copied.
+
+    Raises:
+        BadInputError: the copy fails; the message names the error and the fix.
+    """
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for t in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            if isinstance(t, torch.Tensor):
+                memo[id(t)] = t
+    try:
+        copy.deepcopy(model, memo)
+    except Exception as e:  # noqa: BLE001 - whatever deepcopy raises, the model is not copyable
+        raise BadInputError(
+            f"The model cannot be copied with copy.deepcopy ({type(e).__name__}: {e}). "
+            "memadvisor measures copies so that your model stays as it is: hold the object "
+            "that cannot be copied (a lock, an open file, a connection) outside the module, "
+            "or give its class a __deepcopy__."
+        ) from e
 
 
 @contextlib.contextmanager

@@ -59,6 +59,10 @@ class Answer(_Model):
     budget_bytes: int
     usable_bytes: int = Field(description="The budget less the safety margin.")
     margin_fraction: float
+    measured_margin: bool = Field(
+        False, description="The pick was sized from its runs (a measured peak within headroom)."
+    )
+    headroom_fraction: float = Field(0.0, description="What the measured margin leaves free.")
     objective: str
     precision: str
     checkpointed: list[str] = Field(description="Names of the checkpointed blocks.")
@@ -240,6 +244,12 @@ def _runs(cand: Candidate) -> tuple:
     return cand.batch_size, cand.accumulation_steps, changes
 
 
+def _headroom_fraction() -> float:
+    from memadvisor.planner._plan import HEADROOM_FRACTION
+
+    return HEADROOM_FRACTION
+
+
 def _speedup(
     plan: Plan, base: Row | None, measured_rate: float | None
 ) -> tuple[float | None, Literal["measured", "estimated"] | None]:
@@ -284,6 +294,8 @@ def answer(plan: Plan) -> Answer:
         budget_bytes=plan.config.budget_bytes,
         usable_bytes=plan.config.usable_bytes,
         margin_fraction=plan.config.margin_fraction,
+        measured_margin=plan.config.measured_margin,
+        headroom_fraction=_headroom_fraction(),
         objective=plan.config.objective,
         precision=plan_precision(plan),
         checkpointed=checkpointed_blocks(cand.choice("checkpointing"), profile),

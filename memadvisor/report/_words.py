@@ -61,13 +61,21 @@ def device_title(a: Answer) -> str:
     return f"{a.device_name} ({a.device_kind})"
 
 
+def _margin_words(a: Answer) -> str:
+    if a.measured_margin:
+        return (
+            f"the pick's measured peak leaves {a.headroom_fraction:.0%} free; the estimate "
+            f"started at {fmt_bytes(a.usable_bytes)}"
+        )
+    return f"{fmt_bytes(a.usable_bytes)} planned after the {a.margin_fraction:.0%} margin"
+
+
 def answer_rows(a: Answer) -> list[tuple[str, str]]:
     """(label, sentence) for each line of the answer, in reading order."""
     rows = [
         (
             "Budget",
-            f"{fmt_bytes(a.budget_bytes)} ({fmt_bytes(a.usable_bytes)} planned after the "
-            f"{a.margin_fraction:.0%} margin) · objective: {a.objective}",
+            f"{fmt_bytes(a.budget_bytes)} ({_margin_words(a)}) · objective: {a.objective}",
         ),
         ("Precision", "fp32 (no autocast)" if a.precision == "fp32" else f"{a.precision} autocast"),
         ("Checkpointed", _checkpointed(a)),

@@ -17,6 +17,7 @@ from memadvisor.dataloading import LoaderAdvice
 from memadvisor.planner import Plan
 from memadvisor.profiler import OpAllocation, Profile
 from memadvisor.report import _facts as facts
+from memadvisor.report._adopt import adoption_snippet
 from memadvisor.report._units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.report._words import (
     OPS_NOTE,
@@ -78,6 +79,7 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
             fragmentation(profile),
         )
     _print_advice(plan, console)
+    _print_adoption(plan, console)
     if plan.data_loading is not None:
         _print_loading(plan.data_loading, console)
     for check in plan.checks:
@@ -504,6 +506,13 @@ def print_code(console: Console, code: str) -> None:
         text.rstrip()  # highlight() ends each piece with a newline of its own
         console.print(text, soft_wrap=True)
     console.print(Text("```", style="dim"), soft_wrap=True)
+
+
+def _print_adoption(plan: Plan, console: Console) -> None:
+    console.print()
+    console.print(Text("Train with it in your own loop", style="bold"))
+    code = adoption_snippet(plan)
+    console.print(Syntax(code, "python", theme="ansi_dark", background_color="default"))
 
 
 def _probes_line(plan: Plan) -> str:

@@ -107,3 +107,15 @@ def raises() -> dict:
 
 def not_a_model() -> tuple:
     return "a string, not an nn.Module", torch.randn(2, 4)
+
+
+def exits() -> dict:
+    """A factory that ends the process itself (a script's argparse, a guard)."""
+    import sys
+
+    sys.exit(7)
+
+
+def empty_batch() -> dict:
+    """A sample batch with 0 rows."""
+    return {"model": nn.Linear(4, 4), "sample_batch": torch.randn(0, 4), "loss_fn": _sum_loss}

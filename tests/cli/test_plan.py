@@ -185,6 +185,42 @@ def test_plan_factory_that_raises_is_bad_input_with_its_message(cli, factory) ->
     assert "RuntimeError" in line and "the dataset at /data/train is not mounted" in line
 
 
+def test_plan_factory_that_calls_sys_exit_says_so(cli, factory) -> None:
+    """Rule: a factory ending the process is reported, not passed on as a silent exit 7."""
+    result = cli("plan", factory("exits"), "--budget-gb", "1")
+    assert result.exit_code == 2
+    assert "sys.exit(7)" in _one_error_line(result)
+
+
+def test_plan_a_batch_of_0_rows_is_bad_input(cli, factory) -> None:
+    """Rule: an empty sample batch is the user's input to fix, not a ZeroDivisionError bug."""
+    result = cli("plan", factory("empty_batch"), "--budget-gb", "1")
+    assert result.exit_code == 2
+    assert "0 rows" in _one_error_line(result)
+
+
+def test_plan_infeasible_budget_names_the_cli_option_and_the_budget_as_given(cli, factory) -> None:
+    """Rule: the CLI's user is told --budget-gb (not budget_gb=), and the budget shown is the
+    one they passed (0.08, not 0.09 by rounding up)."""
+    result = cli("plan", factory("wide"), "--budget-gb", "0.08")
+    assert result.exit_code == 3
+    line = _one_error_line(result)
+    assert "of the 0.08 GiB budget" in line
+    assert "--budget-gb " in line and "budget_gb=" not in line
+
+
+def test_plan_simulated_budget_above_host_memory_says_host_ram_is_the_limit(
+    cli, factory, monkeypatch
+) -> None:
+    from memadvisor.device import simulated
+
+    monkeypatch.setattr(simulated, "host_available_bytes", lambda: 2**30)
+    result = cli("plan", factory("mlp"), "--budget-gb", "4", "--device", "simulated")
+    assert result.exit_code == 2
+    line = _one_error_line(result)
+    assert "host RAM" in line and "1.00 GiB" in line
+
+
 def test_plan_factory_returning_no_model_is_bad_input(cli, factory) -> None:
     result = cli("plan", factory("not_a_model"), "--budget-gb", "1")
     assert result.exit_code == 2

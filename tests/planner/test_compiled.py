@@ -247,7 +247,9 @@ def test_compile_is_weighed_only_when_asked_and_measurable(
     profile, strategies, workload, fake_device, trials
 ) -> None:
     """auto: not on a device that is not CUDA; off: never; on: not where step times don't rank
-    or probes share one process (said in a note). Nothing is compiled or run in these cases."""
+    (said in a note). Nothing is compiled or run in these cases. Probes sharing one process
+    (CudaDevice's last fallback, which resets dynamo around each compiled run) still weigh
+    compiling."""
     device = _compiling_device(fake_device, {'"default"': 2.0}, threshold=40)
     for policy in ("auto", "off"):
         prober, eager, _ = _setup(profile, strategies, device, workload, {}, compile=policy)
@@ -261,12 +263,15 @@ def test_compile_is_weighed_only_when_asked_and_measurable(
     class InProcess(fake_device):
         mode = "in_process"  # as CudaDevice when its probes cannot run in fresh processes
 
-    for unfit, words in ((Untimed, "cannot tell a compiled step"), (InProcess, "dynamic batch")):
-        prober, eager, _ = _setup(profile, strategies, unfit(threshold=40), workload, {})
-        notes = []
-        assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
-        assert words in notes[0] and not _compile_runs(prober)
+    prober, eager, _ = _setup(profile, strategies, Untimed(threshold=40), workload, {})
+    notes = []
+    assert compiled_pick(prober, eager, notes, QUIET) == (eager, None)
+    assert "cannot tell a compiled step" in notes[0] and not _compile_runs(prober)
     assert trials == []
+
+    prober, eager, _ = _setup(profile, strategies, InProcess(threshold=40), workload, {})
+    _, outcome = compiled_pick(prober, eager, [], QUIET)
+    assert outcome is not None and _compile_runs(prober) and trials
 
 
 def test_compile_on_needs_the_compile_strategy() -> None:

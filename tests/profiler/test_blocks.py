@@ -91,3 +91,41 @@ def test_nested_blocks_are_refused() -> None:
     """A block inside another block cannot be checkpointed separately."""
     with pytest.raises(BadInputError, match="contains"):
         find_blocks(Staged(), ["stage1.0", "stage1.0.a"])
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(4, 4)
+
+
+class Stem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+def test_blocks_beside_a_head_in_one_sequential_are_found() -> None:
+    """nn.Sequential(*blocks, head): the run of Blocks, not the head."""
+    model = nn.Sequential(*(Block() for _ in range(3)), nn.Linear(4, 2))
+    assert find_blocks(model) == ["0", "1", "2"]
+
+
+def test_blocks_between_a_stem_and_a_head_in_a_container_are_found() -> None:
+    """A stem, four Blocks and a head in one Sequential (or one ModuleList, as a model that
+    loops over it would keep them): the Blocks, by their place in the container."""
+    parts = [Stem(), *(Block() for _ in range(4)), nn.Linear(4, 2)]
+    for container in (nn.Sequential(*parts), nn.ModuleList(parts)):
+        wrapper = nn.Module()
+        wrapper.net = container
+        assert find_blocks(wrapper) == ["net.1", "net.2", "net.3", "net.4"]
+
+
+def test_the_longest_kind_of_run_wins_and_activations_are_never_blocks() -> None:
+    """Two Stems and three Blocks side by side: the Blocks; a run of ReLUs has no parameters
+    and a Linear-ReLU alternation has no run: no blocks."""
+    mixed = nn.Sequential(Stem(), Stem(), nn.ReLU(), Block(), Block(), Block(), nn.ReLU())
+    assert find_blocks(mixed) == ["3", "4", "5"]
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.ReLU())) == []
+    alternating = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU())
+    assert find_blocks(alternating) == []

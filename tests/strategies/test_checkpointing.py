@@ -269,3 +269,81 @@ def test_explain_is_none_when_off_and_its_snippet_checkpoints_exactly(
     expected, got = _grads(model, batch, loss_fn), _grads(pasted, batch, loss_fn)
     assert all(torch.equal(expected[n], got[n]) for n in expected)
     assert calls[0] == 2
+
+
+# -- buffers a forward mutates ------------------------------------------------------------
+
+
+def _train(model: nn.Module, batch, loss_fn, steps: int) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(5)
+    for _ in range(steps):
+        loss_fn(model(batch[0]), batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_nothing_is_lost_buffers_and_parameters_equal_after_n_steps(cnn_example) -> None:
+    """Rule: a checkpointed CNN trains to exactly the unwrapped one's state: every parameter
+    and every buffer (BatchNorm's running stats and num_batches_tracked among them)."""
+    built = cnn_example.build(batch_size=4)
+    plain = built["model"]
+    wrapped = copy.deepcopy(plain)
+    names = [f"layers.{i}" for i in range(len(wrapped.layers))]
+    CKPT.apply(wrapped, names, None)
+    _train(plain, built["sample_batch"], built["loss_fn"], steps=3)
+    _train(wrapped, built["sample_batch"], built["loss_fn"], steps=3)
+    assert int(wrapped.layers[0].bn1.num_batches_tracked) == 3
+    mine, theirs = wrapped.state_dict(), plain.state_dict()
+    assert list(mine) == list(theirs)
+    for key in theirs:
+        assert torch.equal(mine[key], theirs[key]), key
+
+
+class _Counting(nn.Module):
+    """A forward that reads a buffer it mutates, in place and by reassignment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("last", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last = x.detach().mean(0)
+        return torch.tanh(self.lin(x) * self.calls)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_any_mutated_buffer_changes_once_and_the_recompute_sees_what_forward_saw(
+    steps: int,
+) -> None:
+    """Rule: the recompute neither applies a forward's buffer updates a second time nor
+    reads the updated values: buffers and gradients equal the unwrapped model's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Counting(), _Counting())
+    wrapped = copy.deepcopy(plain)
+    CKPT.apply(wrapped, ["0", "1"], None)
+    x = torch.randn(3, 4)
+    for model in (plain, wrapped):
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            model(x).pow(2).sum().backward()
+    assert float(wrapped[0].calls) == steps
+    for (name, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_checkpointed_batchnorm_trains_on_fake_tensors() -> None:
+    """Rule: the buffer guard never reads values, which fake tensors (fake planning) lack."""
+    from memadvisor._torch_private import fake_tensor_mode
+
+    with fake_tensor_mode():
+        model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 1))
+        CKPT.apply(model, ["0"], None)
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        assert model[0][1].num_batches_tracked.shape == ()

@@ -1,0 +1,44 @@
+"""Ctrl-C during ``memadvisor plan``: exit 130, one line saying so, no file half-written, no
+process left behind. A real process and a real SIGINT (the in-process runner has neither)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FACTORIES = Path(__file__).resolve().parent / "factories.py"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups")
+def test_sigint_exits_130_with_one_line_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memadvisor.cli", "plan", f"{FACTORIES}:mlp",
+             "--budget-gb", "0.05", "--json", str(out / "plan.json"),
+             "--html", str(out / "plan.html")],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while "profiling" not in stderr_path.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, "planning never started"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    lines = [line for line in stderr_path.read_text().splitlines() if line.strip()]
+    assert proc.returncode == 130, lines
+    assert sum("interrupted" in line for line in lines) == 1
+    assert "interrupted" in lines[-1] and "Traceback" not in stderr_path.read_text()
+    assert stdout == ""
+    assert list(out.iterdir()) == []  # no plan, no report, no temporary file
+    with pytest.raises(ProcessLookupError):  # nothing of its process group is left
+        os.killpg(proc.pid, 0)
