@@ -29,7 +29,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.estimate import Candidate, estimate
 from memadvisor.planner._budget import check_static_fits, infeasible
 from memadvisor.planner._progress import Progress
-from memadvisor.planner._schema import EstimateBasis, Plan, Row
+from memadvisor.planner._schema import EstimateBasis, ModelFingerprint, Plan, Row
 from memadvisor.planner._search import search
 from memadvisor.planner._space import SearchSpace
 from memadvisor.profiler import (
@@ -102,7 +102,8 @@ def plan_estimated(
         workload: a :class:`~memadvisor.device.fake.FakeWorkload` (a factory's model built
             as fake tensors), or a real workload, copied to fake tensors first (a model
             built on the meta device is welcome: nothing of it is read).
-        config: the budget, objective and search settings (``config.device`` is not read).
+        config: the budget, objective and search settings (``config.device`` is not read;
+            the margin is kept whole, as nothing measures the pick: ``measured_margin`` off).
         profile: a profile already made (skips profiling), e.g. a per-rank one; its times
             are modelled from its FLOPs (counted first if it has none), as a fresh one's.
         time_model: the rates step times are modelled at; default :class:`StepTimeModel`.
@@ -117,6 +118,8 @@ def plan_estimated(
     started = time.perf_counter()
     ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
     time_model = time_model or StepTimeModel()
+    # Nothing is measured, so no measured headroom can stand in for the margin: it is kept.
+    config = config.model_copy(update={"measured_margin": False})
     fake = workload if isinstance(workload, FakeWorkload) else fake_workload(workload)
     if profile is None:
         profile = estimated_profile(fake, time_model=time_model, progress=ui)
@@ -153,6 +156,7 @@ def plan_estimated(
     notes = [ESTIMATED_NOTE, *cannot_know, *_batch_notes(config, pick, best.largest_batch)]
     return Plan(
         model_name=profile.model_name,
+        model_fingerprint=ModelFingerprint.of(fake.model),  # names and shapes, as the real's
         config=config,
         device_kind="estimate",
         device_name=ESTIMATE_DEVICE_NAME,

@@ -153,6 +153,9 @@ def test_a_model_built_on_the_meta_device_plans_as_its_real_twin() -> None:
     assert plans[0].candidate == plans[1].candidate
     assert plans[0].estimate.peak_bytes == plans[1].estimate.peak_bytes
     assert next(meta.parameters()).is_meta  # the caller's model is left as it was
+    # The plan applies to the real model (its fingerprint is the fake twin's names and shapes).
+    assert plans[1].model_fingerprint == plans[0].model_fingerprint
+    memadvisor.apply_plan(real["model"], plans[1])
 
 
 def test_a_model_far_larger_than_this_machine_is_planned_without_its_memory(tmp_path) -> None:
