@@ -14,14 +14,18 @@ import importlib.util
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memadvisor.errors import BadInputError
 from memadvisor.workload import Workload
 
+if TYPE_CHECKING:
+    from memadvisor.device.fake import FakeWorkload
+
 __all__ = [
     "TARGET_MODULE_PREFIX",
     "load_factory",
+    "load_fake_target",
     "load_target",
     "load_target_file",
     "workload_from_result",
@@ -145,3 +149,32 @@ def load_target(target: str) -> Workload:
     except Exception as e:
         raise BadInputError(f"{target} raised {type(e).__name__}: {e}") from e
     return workload_from_result(result, origin=target)
+
+
+def load_fake_target(target: str) -> FakeWorkload:
+    """Import ``target`` and call its factory inside a fresh ``FakeTensorMode``: every tensor
+    it makes is fake, so a model of any size costs no memory. Planned for a CUDA card.
+
+    Raises:
+        BadInputError: as :func:`load_target`, or the factory made tensors outside the fake
+            mode (a model cached at import time).
+    """
+    from memadvisor.device.fake import fake_workload  # the device layer imports this module
+
+    factory = load_factory(target)
+
+    def build() -> Any:
+        try:
+            return factory()
+        except BadInputError:
+            raise
+        except ImportError as e:
+            raise BadInputError(f"{target} raised {type(e).__name__}: {e}") from e
+        except Exception as e:
+            raise BadInputError(
+                f"{target} raised {type(e).__name__} under fake tensors: {e}. Build the model "
+                "and batch inside the factory, with no op that reads tensor values (.item(), "
+                "data-dependent shapes)."
+            ) from e
+
+    return fake_workload(build)

@@ -30,7 +30,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.strategy import Advice, Check, Strategy
 from memadvisor.workload import train_step
 from strategies import _forward
-from strategies._format import loss_line, mib
+from strategies._format import how_known, loss_line, mib
 
 if TYPE_CHECKING:
     from memadvisor.config import PlanConfig
@@ -238,8 +238,11 @@ def _effect_text(profile: Profile, precision: str) -> str:
     saved = fp32.activation_total.at(b) - low.activation_total.at(b)
     fp32_ms, low_ms = fp32.step_ms.at(b), low.step_ms.at(b)
     speed = f", step {fp32_ms:.1f} -> {low_ms:.1f} ms" if fp32_ms > 0 and low_ms > 0 else ""
+    if speed and profile.flops is not None:
+        speed += " (modelled from FLOPs)"
     return (
-        f"measured at batch {b} in profiling: activations {mib(fp32.activation_total.at(b))} -> "
+        f"{how_known(profile)} at batch {b} in profiling: activations "
+        f"{mib(fp32.activation_total.at(b))} -> "
         f"{mib(low.activation_total.at(b))} MiB ({mib(saved)} MiB less){speed}; "
         f"+{mib(low.cast_weight_bytes)} MiB of {precision} weight copies during forward"
     )

@@ -484,7 +484,8 @@ def plan_workload(
         target: ``"file.py:factory"`` when there is one: CUDA probes rebuild the workload
             from it in fresh processes.
         profile: a profile already made (else the workload is profiled first).
-        device: where probes run (else CUDA when available, or the simulated CPU device).
+        device: where probes run (else CUDA when available, or the simulated CPU device;
+            with ``config.device == "estimate"`` none: see :func:`plan_estimated`).
         progress: show progress bars on stderr (or a :class:`Progress` to share).
         strategies: strategy instances (else ``load_strategies(config.strategies)``).
         measure_comparison: run the hand configurations on the device too; by default
@@ -497,6 +498,12 @@ def plan_workload(
         BadInputError: the workload, target or config cannot be used as given.
         PlanningError: a device run failed for a reason other than memory.
     """
+    if config.device == "estimate" and device is None:
+        from memadvisor.planner._estimated import plan_estimated
+
+        return plan_estimated(
+            workload, config, profile=profile, progress=progress, strategies=strategies
+        )
     started = time.perf_counter()
     ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
     first_stage = len(ui.stage_log)  # a shared Progress may have timed other plans

@@ -22,7 +22,7 @@ from memadvisor.config import PlanConfig
 from memadvisor.dataloading import LoaderAdvice
 from memadvisor.device._base import Measurement
 from memadvisor.estimate import Candidate, Estimate
-from memadvisor.profiler import Profile
+from memadvisor.profiler import Profile, StepTimeModel
 from memadvisor.strategy import Advice, Check
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "CompileOutcome",
     "CompiledVariant",
+    "EstimateBasis",
     "Measurement",
     "ModelFingerprint",
     "Plan",
@@ -114,6 +115,17 @@ class CompileOutcome(_Model):
     wall_ms: float = Field(0.0, description="Planner wall time spent on compiled variants.")
 
 
+class EstimateBasis(_Model):
+    """What a plan made without a card (``device="estimate"``) rests on, besides the profile."""
+
+    time_model: StepTimeModel = Field(
+        description="The rates its step times assume, applied to the profile's FLOPs."
+    )
+    cannot_know: list[str] = Field(
+        default_factory=list, description="What only a card can say, in sentences."
+    )
+
+
 class ModelFingerprint(_Model):
     """What identifies the model a plan was made for: its class and every parameter's name
     and shape. Not its values: a plan fits the same model at any point of its training."""
@@ -184,7 +196,9 @@ class Plan(_Model):
         "hand-built plans (nothing to check against).",
     )
     config: PlanConfig
-    device_kind: Literal["cuda", "simulated", "fake"]
+    device_kind: Literal["cuda", "simulated", "fake", "estimate"] = Field(
+        description="Where the pick was confirmed; estimate: nowhere (every figure estimated)."
+    )
     device_name: str
     candidate: Candidate = Field(description="The pick.")
     estimate: Estimate = Field(description="The estimate of the pick.")
@@ -210,6 +224,9 @@ class Plan(_Model):
         None, description="What compiling the eager pick measured; None when not considered."
     )
     profile: Profile | None = Field(None, description="The profile the plan was made from.")
+    basis: EstimateBasis | None = Field(
+        None, description="device='estimate': the step-time model and what it cannot know."
+    )
     data_loading: LoaderAdvice | None = Field(
         None, description="The user's DataLoader timed against the planned step, when given."
     )
@@ -254,7 +271,8 @@ class Plan(_Model):
         from memadvisor.report import planned_step, render_plan_html, write_html
 
         step = None
-        if record_step and self._workload is not None:
+        # An estimate plan's model may be fake or on the meta device: nothing to record.
+        if record_step and self._workload is not None and self.device_kind != "estimate":
             step = planned_step(self._workload, self, in_place=False)
         return write_html(render_plan_html(self, step=step), path)
 

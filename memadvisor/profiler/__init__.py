@@ -2,6 +2,12 @@
 
 from memadvisor.profiler._blocks import find_blocks
 from memadvisor.profiler._export import record_timeline, write_memory_snapshot
+from memadvisor.profiler._flops import (
+    FlopCounter,
+    StepTimeModel,
+    count_step_flops,
+    with_modelled_times,
+)
 from memadvisor.profiler._ops import OpAllocation, top_allocations
 from memadvisor.profiler._profile import as_optimizer_factory, profile, profile_workload
 from memadvisor.profiler._schema import (
@@ -14,6 +20,7 @@ from memadvisor.profiler._schema import (
     ModuleActivity,
     PhasePeak,
     Profile,
+    StepFlops,
     StepProfile,
     UntrackedBytes,
 )
@@ -24,18 +31,23 @@ __all__ = [
     "BlockActivity",
     "BlockInfo",
     "DeviceInfo",
+    "FlopCounter",
     "LayerRow",
     "LinearBytes",
     "LinearMs",
     "ModuleActivity",
     "PhasePeak",
     "Profile",
+    "StepFlops",
     "StepProfile",
+    "StepTimeModel",
     "UntrackedBytes",
     "as_optimizer_factory",
+    "count_step_flops",
     "find_blocks",
     "profile",
     "profile_workload",
     "record_timeline",
+    "with_modelled_times",
     "write_memory_snapshot",
 ]

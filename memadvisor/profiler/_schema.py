@@ -23,6 +23,7 @@ __all__ = [
     "ModuleActivity",
     "PhasePeak",
     "Profile",
+    "StepFlops",
     "StepProfile",
     "UntrackedBytes",
 ]
@@ -249,6 +250,25 @@ class StepProfile(_Model):
     )
 
 
+class StepFlops(_Model):
+    """Matmul FLOPs of one plain training step (no autocast), per sample, by dtype."""
+
+    batch_size: int = Field(gt=0, description="The batch the FLOPs were counted at.")
+    forward_per_sample: dict[str, float] = Field(
+        description="The model's forward and the loss, by dtype name (fp32, bf16, fp16, ...)."
+    )
+    backward_per_sample: dict[str, float] = Field(description="Backward, by dtype name.")
+    module_forward_per_sample: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Per named module (blocks included), its forward by dtype: what a "
+        "checkpointed block's recompute costs.",
+    )
+
+    @property
+    def total_per_sample(self) -> float:
+        return sum(self.forward_per_sample.values()) + sum(self.backward_per_sample.values())
+
+
 class LayerRow(_Model):
     """One named module in the per-layer table (fp32, at the larger measured batch).
 
@@ -279,6 +299,15 @@ class Profile(_Model):
     grad_bytes: int = Field(ge=0, description="Gradients at the end of backward.")
     optimizer_state_bytes: int = Field(ge=0, description="After the first optimizer step.")
     buffer_bytes: int = Field(0, ge=0)
+    param_count: int | None = Field(
+        None, ge=0, description="Parameters (elements, each shared tensor once); None: not counted."
+    )
+    trainable_param_count: int | None = Field(
+        None,
+        ge=0,
+        description="Of those, the ones with requires_grad: only they have gradients and "
+        "optimizer state. None: not counted.",
+    )
     blocks: list[BlockInfo] = Field(default_factory=list)
     steps: dict[str, StepProfile] = Field(description="Keyed by precision; 'fp32' always.")
     layers: list[LayerRow] = Field(default_factory=list)
@@ -292,6 +321,11 @@ class Profile(_Model):
         None, description="CUDA: peak reserved / peak allocated over the step."
     )
     profiling_ms: float = Field(0.0, description="Wall time of the profiling pass itself.")
+    flops: StepFlops | None = Field(
+        None,
+        description="Fake tensors: the step's matmul FLOPs, counted in the warm-up step where "
+        "no time can be measured; None elsewhere.",
+    )
     call_form: CallForm | None = Field(
         None,
         description="How the step calls the model and finds the loss, for advice written in "
