@@ -127,7 +127,7 @@ def plan_one(
             return record | {"error": f"exit code {done.returncode}"}
         plan = json.loads(out.read_text())
     verified = plan.get("verified") or {}
-    compiled = plan.get("compile") or {}
+    compiled = next((s for s in plan.get("stages", []) if s.get("strategy") == "compile"), {})
     import torch
 
     return record | {
@@ -143,7 +143,7 @@ def plan_one(
         "compile_variants": [
             {
                 "trial": v.get("trial", "")[:300],
-                "compile_s": round((v.get("compile_ms") or 0.0) / 1e3, 1),
+                "compile_s": round((v.get("one_off_ms") or 0.0) / 1e3, 1),
                 "device_s": round(v.get("device_wall_ms", 0.0) / 1e3, 1),
                 "samples_per_s": round((v.get("measured") or {}).get("samples_per_s", 0.0), 1),
             }

@@ -2,9 +2,11 @@
 
 No transformers needed. The default config is small enough to train on a CPU; the ``7b``
 preset is Llama-2-7B's shape (6.7B parameters), meant for fake tensors, which plan a card's
-memory without using any (``memadvisor.device.fake``):
+memory without using any (``--device estimate``, ``memadvisor.device.fake``); ``build_7b``
+builds it at a 2048-token context:
 
     memadvisor plan examples/llama.py:build --budget-gb 2
+    memadvisor plan examples/llama.py:build_7b --budget-gb 160 --device estimate
     python -c "from examples.llama import build; from memadvisor.device.fake import fake_workload; \
         fake_workload(lambda: build(preset='7b'))"
 """
@@ -173,3 +175,9 @@ def build(batch_size: int = 2, seq_len: int | None = None, preset: str = "tiny",
         "sample_batch": (tokens[:, :-1], tokens[:, 1:]),
         "loss_fn": loss_fn,
     }
+
+
+def build_7b(batch_size: int = 1, seq_len: int = 2048):
+    """Llama-2-7B's shape at a 2048-token context: for ``--device estimate`` (fake tensors);
+    built for real it takes 27 GB of weights."""
+    return build(batch_size=batch_size, seq_len=seq_len, preset="7b")

@@ -27,6 +27,7 @@ __all__ = [
     "fake_copy",
     "fake_mode_active",
     "fake_tensor_mode",
+    "flop_formulas",
     "inductor_backend",
     "inductor_cache_dir",
     "is_fake",
@@ -395,6 +396,36 @@ def inductor_cache_dir() -> str:
 
         return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     return os.path.abspath(default_cache_dir())
+
+
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas by op (``OpOverloadPacket``): ``formula(*args, **kwargs, out_val=out)``.
+
+    Wraps ``torch.utils.flop_counter.flop_registry`` (what ``FlopCounterMode`` counts:
+    matmuls, convolutions, attention). The CPU's flash attention ops, which fake tensors
+    on the CPU dispatch to and the registry lacks, get the CUDA flash kernels' formulas
+    (their arguments start the same: query, key, value; grad_out first in backward).
+
+    Raises:
+        TorchPrivateAPIError: this torch has no such registry.
+    """
+    try:
+        from torch.utils.flop_counter import flop_registry
+    except ImportError as e:  # pragma: no cover - moved in a future torch
+        raise _missing("torch.utils.flop_counter.flop_registry", e) from e
+    aten = torch.ops.aten
+    formulas = dict(flop_registry)
+    aliases = {
+        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu_backward": (
+            "_scaled_dot_product_flash_attention_backward"
+        ),
+    }
+    for cpu_op, card_op in aliases.items():
+        cpu, card = getattr(aten, cpu_op, None), getattr(aten, card_op, None)
+        if cpu is not None and card in formulas:
+            formulas.setdefault(cpu, formulas[card])
+    return formulas
 
 
 def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:

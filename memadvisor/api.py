@@ -193,7 +193,10 @@ def plan(
         make_batch: ``make_batch(b)`` for batches whose dim 0 is not the batch.
         forward_fn: ``forward_fn(model, batch)`` for models not called the usual way.
         device: ``"auto"`` (CUDA when available, else the CPU simulated device), ``"cuda"``,
-            ``"simulated"``, or a :class:`~memadvisor.device.Device`.
+            ``"simulated"``, ``"estimate"`` (no device: the model copied to fake tensors and
+            planned for a CUDA card from the estimate alone; a model built under
+            ``torch.device("meta")`` costs no memory), or a
+            :class:`~memadvisor.device.Device`.
         progress: show progress on stderr.
         measure_comparison: also run the hand configurations (Baseline, +Checkpointing,
             +AMP, +Both) on the device for the report; by default only where that is cheap

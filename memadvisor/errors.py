@@ -50,19 +50,26 @@ class InfeasibleBudgetError(MemadvisorError):
     exit_code = 3
 
     def __init__(
-        self, message: str, *, minimum_bytes: int | None = None, minimum_gib: str | None = None
+        self,
+        message: str,
+        *,
+        minimum_bytes: int | None = None,
+        minimum_gib: str | None = None,
+        advice: str = "",
     ) -> None:
         super().__init__(message)
         self.message = message
         self.minimum_bytes = minimum_bytes
         self.minimum_gib = minimum_gib
+        # Sentences after the minimum: what takes the bytes and what would shrink them.
+        self.advice = advice
         # How the caller passes a budget: Python's keyword by default; the CLI sets its flag.
         self.option = "budget_gb="
 
     def __str__(self) -> str:
         if self.minimum_gib is None:
-            return self.message
-        return f"{self.message} pass {self.option}{self.minimum_gib} or more."
+            return self.message + self.advice
+        return f"{self.message} pass {self.option}{self.minimum_gib} or more.{self.advice}"
 
 
 class PlanningError(MemadvisorError):

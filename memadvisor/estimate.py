@@ -419,18 +419,16 @@ class StepModel:
             optimizer_peak += grown["optimizer"]
             end_of_forward_extra, backward_extra = grown["end_of_forward"], grown["backward"]
 
-        # The moments that can hold the peak: (phase, bytes, block or -1).
-        best_phase: PeakPhase = "forward"
+        # Each phase's highest moment; the step's peak is the highest of the three (a tie
+        # goes to the earlier phase). A backward moment is its block's index, -2 the head.
         # Forward peaks at the loss (autocast's cached weight copies gone) or as the model's
         # forward ends (the copies of checkpointed blocks still cached).
         end_of_model = eof + overhead + end_of_forward_extra - freed_total + cast_freed
-        best = max(forward_peak - freed_total, end_of_model)
-        best += held_grads + extra["forward"] - offloaded
-        best_block = -1
+        forward_top = max(forward_peak - freed_total, end_of_model)
+        forward_top += held_grads + extra["forward"] - offloaded
         eof += overhead + backward_extra + held_grads + extra["backward"]
-        level = eof + head - freed_total - offloaded + self.backward_head_bytes
-        if level > best:
-            best_phase, best, best_block = "backward", level, -2
+        backward_top = eof + head - freed_total - offloaded + self.backward_head_bytes
+        backward_block = -2
         below = freed_total  # freed by checkpointed blocks whose backward has not run yet
         by_block = self.backward_block_bytes
         if by_block is not None:
@@ -443,8 +441,8 @@ class StepModel:
                 level += eof + by_block[k]
                 if offload:
                     level -= int(offload * sum(act[:k]))
-                if level > best:
-                    best_phase, best, best_block = "backward", level, k
+                if level > backward_top:
+                    backward_top, backward_block = level, k
         elif offload:
             offloaded_below = offload * sum(act)
             for k in range(n - 1, -1, -1):
@@ -455,11 +453,11 @@ class StepModel:
                 if ckpt[k] and starts[k] - below + recompute_top[k] > level:
                     level = starts[k] - below + recompute_top[k]
                 level += eof - int(offloaded_below)
-                if level > best:
-                    best_phase, best, best_block = "backward", level, k
+                if level > backward_top:
+                    backward_top, backward_block = level, k
         else:
             # The hot loop of the search: plain comparisons, relative to the end of forward.
-            top, top_block = best - eof, best_block
+            top = backward_top - eof
             for k in range(n - 1, -1, -1):
                 if freed[k]:
                     below -= freed[k]
@@ -469,11 +467,15 @@ class StepModel:
                     if recompute > level:
                         level = recompute
                 if level > top:
-                    top, top_block = level, k
-            if top_block != best_block:
-                best_phase, best, best_block = "backward", top + eof, top_block
-        if optimizer_peak + extra["optimizer"] > best:
-            best_phase, best, best_block = "optimizer", optimizer_peak + extra["optimizer"], -1
+                    top, backward_block = level, k
+            backward_top = top + eof
+        optimizer_top = optimizer_peak + extra["optimizer"]
+        best_phase: PeakPhase = "forward"
+        best, best_block = forward_top, -1
+        if backward_top > best:
+            best_phase, best, best_block = "backward", backward_top, backward_block
+        if optimizer_top > best:
+            best_phase, best, best_block = "optimizer", optimizer_top, -1
         peak = best
         if best_block == -2:
             peak_at = "backward: head"
@@ -502,6 +504,11 @@ class StepModel:
             step_ms=step_ms,
             samples_per_s=samples_per_s(samples, step_ms),
             reserved_peak_bytes=self._reserved(peak),
+            phase_peak_bytes={
+                "forward": forward_top,
+                "backward": backward_top,
+                "optimizer": optimizer_top,
+            },
         )
 
     def _reserved(self, peak: int) -> int | None:

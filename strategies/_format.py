@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memadvisor.schema.call import CallForm
 
-__all__ = ["loop_header", "loss_line", "mib", "names_text"]
+if TYPE_CHECKING:
+    from memadvisor.schema.profile import Profile
+
+__all__ = ["how_known", "loop_header", "loss_line", "mib", "names_text"]
 
 MIB = 2**20
 
@@ -20,6 +25,12 @@ def names_text(names: list[str], limit: int = 4) -> str:
     if len(names) <= limit:
         return ", ".join(names)
     return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
+def how_known(profile: Profile) -> str:
+    """How a profile's bytes were had: ``'measured'``, or for fake tensors (nothing ran,
+    shapes only) ``'metered under fake tensors'``."""
+    return "metered under fake tensors" if profile.device.kind == "fake" else "measured"
 
 
 def loss_line(form: CallForm | None, model: str = "model") -> str:

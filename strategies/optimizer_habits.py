@@ -23,7 +23,7 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice
 from memadvisor.strategy import Strategy
-from strategies._format import mib
+from strategies._format import how_known, mib
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -102,7 +102,7 @@ class OptimizerHabits(Strategy):
             )
             parts.append(
                 f"the optimizer step held {mib(temporaries)} MiB of temporaries at batch {b} "
-                f"(measured; {where})"
+                f"({how_known(profile)}; {where})"
             )
         device = profile.device.kind
         fused = (

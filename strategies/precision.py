@@ -33,7 +33,7 @@ from memadvisor.schema.precision import AUTOCAST_DTYPES, FULL, PRECISIONS
 from memadvisor.strategy import Strategy
 from memadvisor.workload import train_step
 from strategies import _forward
-from strategies._format import loss_line, mib
+from strategies._format import how_known, loss_line, mib
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -51,8 +51,9 @@ __all__ = [
 
 
 # What check_numerics calls safe: the low-precision loss curve within 5% of fp32's (of the
-# fp32 loss's size) at every step. bf16 keeps 8 bits of mantissa (~0.4% per value): a curve
-# that parts by ten times that has lost something fp32 learns.
+# fp32 loss's size) at every step, allowing the curve to run one step ahead or behind where
+# it falls steeply. bf16 keeps 8 bits of mantissa (~0.4% per value): a curve that parts by
+# ten times that has lost something fp32 learns.
 LOSS_TOLERANCE = 0.05
 # 16 steps at 8 samples: long enough for a curve to part (drift grows with the steps it
 # compounds over), short enough to cost 2 x 16 small steps. Where steps are slow (a large
@@ -62,6 +63,27 @@ NUMERICS_STEPS = 16
 NUMERICS_MIN_STEPS = 4
 NUMERICS_MAX_BATCH = 8
 NUMERICS_TIME_S = 5.0
+
+
+def _loss_drift(low: list[float], ref: list[float]) -> float:
+    """How far the low-precision loss curve strays from fp32's, as a share of fp32's largest
+    loss: at each step, the distance from the low loss to the range fp32's curve spans over
+    that step and its two neighbours, the largest over the steps.
+
+    Why the neighbours: a few samples trained for a few steps are memorised, and the loss
+    can fall by a tenth of its size in a step (a ViT on an H200: 6.9 to 0.12 in 16 steps).
+    Where it falls that steeply, a curve that runs a fraction of a step ahead differs from
+    fp32's by more than 5% at that step while training the same; a curve that has *parted*
+    from fp32's stays outside the neighbours' range too.
+    """
+    scale = max(abs(x) for x in ref) or 1.0
+    worst = 0.0
+    for t, value in enumerate(low):
+        near = ref[max(t - 1, 0) : t + 2]
+        below, above = min(near), max(near)
+        gap = below - value if value < below else value - above if value > above else 0.0
+        worst = max(worst, gap)
+    return worst / scale
 
 
 def _check_choice(choice: JsonValue) -> str:
@@ -230,8 +252,11 @@ def _effect_text(profile: Profile, precision: str) -> str:
     saved = fp32.activation_total.at(b) - low.activation_total.at(b)
     fp32_ms, low_ms = fp32.step_ms.at(b), low.step_ms.at(b)
     speed = f", step {fp32_ms:.1f} -> {low_ms:.1f} ms" if fp32_ms > 0 and low_ms > 0 else ""
+    if speed and profile.flops is not None:
+        speed += " (modelled from FLOPs)"
     return (
-        f"measured at batch {b} in profiling: activations {mib(fp32.activation_total.at(b))} -> "
+        f"{how_known(profile)} at batch {b} in profiling: activations "
+        f"{mib(fp32.activation_total.at(b))} -> "
         f"{mib(low.activation_total.at(b))} MiB ({mib(saved)} MiB less){speed}; "
         f"+{mib(low.cast_weight_bytes)} MiB of {precision} weight copies during forward"
     )
@@ -394,8 +419,7 @@ def check_numerics(
             passed=False,
             metrics={**metrics, "finite_steps": float(len(low) - 1)},
         )
-    scale = max(abs(x) for x in ref) or 1.0
-    drift = max(abs(lo - r) for lo, r in zip(low, ref, strict=True)) / scale
+    drift = _loss_drift(low, ref)
     cosine = _cosine(low_grads, ref_grads)
     passed = drift <= LOSS_TOLERANCE
     summary = (

@@ -148,6 +148,19 @@ def test_the_optimizer_step_is_the_peak_when_activations_are_small() -> None:
     assert est.breakdown["grads"] == 10 * MIB and est.breakdown["activations"] == 0
 
 
+def test_each_phase_keeps_its_own_highest_moment_and_the_peak_is_the_highest() -> None:
+    """Batch 4: forward's measured peak 29b + 30 = 146 MiB, backward the head's 162, the
+    optimizer step 60. Every block checkpointed frees 20b = 80 MiB until its backward:
+    forward 66, backward block 2's 110 (see above)."""
+    plain = _peak(_walk_profile(), 4)
+    assert plain.phase_peak_bytes == {"forward": 146 * MIB, "backward": 162 * MIB,
+                                      "optimizer": 60 * MIB}  # fmt: skip
+    assert plain.peak_bytes == max(plain.phase_peak_bytes.values())
+    checkpointed = _peak(_walk_profile(), 4, [0, 1, 2])
+    assert checkpointed.phase_peak_bytes == {"forward": 66 * MIB, "backward": 110 * MIB,
+                                             "optimizer": 60 * MIB}  # fmt: skip
+
+
 def test_cuda_fixed_costs_are_added_once_and_reserved_scales_by_the_measured_ratio() -> None:
     """On CUDA the phase peaks came from the allocator with the fixed costs in; the walk's
     levels are tensor bytes, so the 70 MiB is added to those alone."""

@@ -75,6 +75,7 @@ class DeviceOption(str, Enum):
     auto = "auto"
     cuda = "cuda"
     simulated = "simulated"
+    estimate = "estimate"
 
 
 TARGET_HELP = (
@@ -86,7 +87,9 @@ DEBUG_HELP = "Show the traceback of an error."
 QUIET_HELP = "No progress bars and no full report: only the one-line answer and errors."
 DEVICE_HELP = (
     "cuda: the real card, the budget emulated with a memory fraction; simulated: CPU tensors "
-    "whose bytes are tracked against the budget; auto: cuda when there is one."
+    "whose bytes are tracked against the budget; auto: cuda when there is one; estimate: no "
+    "device at all, the model built as fake tensors (no memory, any size) and planned for a "
+    "CUDA card from the estimate alone."
 )
 
 
@@ -142,7 +145,7 @@ def _print_error(message: str) -> None:
 
 
 def resolve_device(device: DeviceOption) -> str:
-    """``cuda`` or ``simulated``: where this machine can run what was asked.
+    """``cuda``, ``simulated`` or ``estimate``: where this machine can run what was asked.
 
     Raises:
         BadInputError: ``cuda`` was asked for on a machine without a CUDA device.
@@ -161,7 +164,14 @@ def resolve_device(device: DeviceOption) -> str:
 
 
 def announce_device(kind: str, *, quiet: bool) -> None:
-    """Say in one line that the work runs on the CPU simulated device, not a card."""
+    """Say in one line that the work runs on the CPU simulated device or on none, not a card."""
+    if kind == DeviceOption.estimate.value and not quiet:
+        err_console.print(
+            "No device in use: the model is built as fake tensors (no memory) and planned for a "
+            "CUDA card from the estimate alone; every figure is estimated.",
+            highlight=False,
+            soft_wrap=True,
+        )
     if kind == DeviceOption.simulated.value and not quiet:
         err_console.print(
             "No GPU in use: running on the CPU simulated device (tensor bytes tracked against "

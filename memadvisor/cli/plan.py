@@ -14,6 +14,7 @@ from memadvisor.cli._app import (
     QUIET_HELP,
     TARGET_HELP,
     DeviceOption,
+    announce_device,
     app,
     check_output_paths,
     err_console,
@@ -68,6 +69,8 @@ EPILOG = """[bold]Examples[/]
   memadvisor plan my_project.train:build --budget-gb 8 --effective-batch 64 --device cuda
 
   memadvisor plan examples/gpt.py:build --budget-gb 8 --world-size 2 --parallel fsdp2
+
+  memadvisor plan examples/llama.py:build_7b --budget-gb 160 --device estimate --json plan.json
 
 A saved plan applies to a fresh model with
 memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
@@ -164,11 +167,16 @@ def plan(
     config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
     config = config.model_copy(update={"checks": checks.value})
     check_output_paths(json=json_path, html=html_path)
+    from memadvisor.device.fake import load_fake_target
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
     from memadvisor.target import load_target
 
-    workload = load_target(target)
+    if config.device == "estimate":
+        announce_device(config.device, quiet=quiet)
+        workload = load_fake_target(target)
+    else:
+        workload = load_target(target)
     # The planner says in one line when it plans on the CPU simulated device.
     try:
         result = plan_workload(workload, config, target=target, progress=not quiet)
@@ -185,7 +193,9 @@ def plan(
     if html_path is not None:
         from memadvisor.report import render_plan_html
 
-        step = _planned_step(workload, result, debug=debug)
+        # Fake tensors have no step worth recording: the chart shows the phase peaks.
+        estimated = result.device_kind == "estimate"
+        step = None if estimated else _planned_step(workload, result, debug=debug)
         page = render_plan_html(result, step=step)
         write_text(html_path, page, "the HTML report", quiet=quiet)
 

@@ -119,9 +119,11 @@ def profile(
     kind = resolve_device(device)
     if cuda_snapshot_path is not None and kind != "cuda":
         raise BadInputError(
-            "--cuda-snapshot records the CUDA caching allocator, but this profile runs on the "
-            "CPU simulated device; drop the option or run on a machine with a GPU."
+            "--cuda-snapshot records the CUDA caching allocator, but this profile runs "
+            f"{'under fake tensors' if kind == 'estimate' else 'on the CPU simulated device'}; "
+            "drop the option or run on a machine with a GPU."
         )
+    from memadvisor.device.fake import load_fake_target
     from memadvisor.profiler import (
         profile_workload,
         record_timeline,
@@ -131,11 +133,30 @@ def profile(
     from memadvisor.report import one_line_profile, print_profile
     from memadvisor.target import load_target
 
-    workload = load_target(target)
-    announce_device(kind, quiet=quiet)
-    on = _profiler_device(kind)
-    with _progress(quiet) as bar:
-        result = profile_workload(workload, blocks=blocks or None, device=on, progress=bar)
+    if kind == "estimate":
+        recorded = {"--timeline": timeline_path, "--speedscope": speedscope_path}
+        asked = [flag for flag, path in {**recorded, "--html": html_path}.items() if path]
+        if asked:
+            raise BadInputError(
+                f"{', '.join(asked)} record a step of real tensors, but --device estimate "
+                "builds the model as fake tensors; drop them, or profile on a device."
+            )
+        from memadvisor.device.fake import profile_fake
+        from memadvisor.planner import with_flop_times
+        from memadvisor.schema.profile import StepTimeModel
+
+        fake = load_fake_target(target)
+        announce_device(kind, quiet=quiet)
+        with _progress(quiet) as bar:
+            result = profile_fake(fake, blocks=blocks or None, progress=bar)
+        result = with_flop_times(fake, result, StepTimeModel())
+        workload = fake
+    else:
+        workload = load_target(target)
+        announce_device(kind, quiet=quiet)
+        on = _profiler_device(kind)
+        with _progress(quiet) as bar:
+            result = profile_workload(workload, blocks=blocks or None, device=on, progress=bar)
     if json_path is not None:
         write_text(json_path, result.model_dump_json(indent=2) + "\n", "the profile", quiet=quiet)
     timeline = None

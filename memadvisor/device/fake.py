@@ -41,13 +41,20 @@ from memadvisor._torch_private import fake_copy, fake_tensor_mode, is_fake
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device.simulated import SimulatedDevice, tensor_leaves
 from memadvisor.errors import BadInputError
-from memadvisor.target import workload_from_result
+from memadvisor.target import load_factory, workload_from_result
 from memadvisor.workload import Workload
 
 if TYPE_CHECKING:
     from memadvisor.schema.profile import Profile
 
-__all__ = ["CUDA_FIXED_BYTES", "FakeDevice", "FakeWorkload", "fake_workload", "profile_fake"]
+__all__ = [
+    "CUDA_FIXED_BYTES",
+    "load_fake_target",
+    "FakeDevice",
+    "FakeWorkload",
+    "fake_workload",
+    "profile_fake",
+]
 
 PlanFor = Literal["cuda", "cpu"]
 
@@ -122,12 +129,17 @@ def fake_workload(
     mode = fake_tensor_mode()
     if isinstance(source, Workload):
         real = source
-        model = fake_copy(real.model, mode)
+        if any(t.is_meta for t in tensor_leaves(real.sample_batch)):
+            raise BadInputError(
+                "The sample batch is on the meta device; give a real one (a batch of token "
+                "ids costs little) or make_batch(b): only the model may be built on meta."
+            )
+        model = _fake_cpu(fake_copy(real.model, mode), mode)
         sample_batch = fake_copy(real.sample_batch, mode)
     else:
         with mode:
             real = workload_from_result(source(), origin="the fake workload's factory")
-        model, sample_batch = real.model, real.sample_batch
+        model, sample_batch = _fake_cpu(real.model, mode), real.sample_batch
     if not all(is_fake(t) for t in [*model.parameters(), *tensor_leaves(sample_batch)]):
         raise BadInputError(
             "The factory made some tensors outside the fake mode (e.g. a model built once and "
@@ -141,12 +153,38 @@ def fake_workload(
     return FakeWorkload(**fields, fake_mode=mode, plan_for=plan_for)
 
 
+def _fake_cpu(model: nn.Module, mode: Any) -> nn.Module:
+    """``model`` (a fake copy) with parameters and buffers on the meta device made fake CPU
+    tensors of ``mode``: a model built under ``torch.device("meta")`` costs no memory
+    either, but its tensors cannot meet the batch's device. Shared tensors stay shared;
+    ``requires_grad`` is kept. Values are lost, which fake tensors never read."""
+    made: dict[int, torch.Tensor] = {}
+
+    def on_cpu(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            with mode:
+                data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            if isinstance(t, nn.Parameter):
+                data = nn.Parameter(data, requires_grad=t.requires_grad)
+            made[id(t)] = data
+        return made[id(t)]
+
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in list(slots.items()):
+                if t is not None and t.is_meta:
+                    slots[name] = on_cpu(t)
+    return model
+
+
 def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
     """The profiler's pass over a fake workload, run inside its fake mode.
 
     ``kwargs`` go to :func:`memadvisor.profiler.profile_workload`. Planned for CUDA, the
     profile's ``fixed_overhead_bytes`` is what a card holds beyond tensors
-    (:data:`CUDA_FIXED_BYTES`), which the estimate adds to every peak.
+    (:data:`CUDA_FIXED_BYTES`), which the estimate adds to every peak, and each step's
+    ``largest_allocation`` (what a memory cap strands beyond the allocated peak: the
+    estimate's ``reserved_peak_bytes``) is the one the metered steps saw.
 
     Raises:
         BadInputError: ``workload`` is not a :class:`FakeWorkload`.
@@ -163,6 +201,11 @@ def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
         profile = profile_workload(workload, **kwargs)
     if workload.plan_for == "cuda":
         profile = profile.model_copy(update={"fixed_overhead_bytes": CUDA_FIXED_BYTES})
+    else:  # no memory cap strands the largest allocation on the CPU
+        steps = {
+            p: s.model_copy(update={"largest_allocation": None}) for p, s in profile.steps.items()
+        }
+        profile = profile.model_copy(update={"steps": steps})
     return profile
 
 
@@ -189,3 +232,30 @@ class FakeDevice(SimulatedDevice):
 
     def _fresh_model(self, workload: Workload) -> nn.Module:
         return workload.fresh_model()  # a FakeWorkload: _context, which runs first, checked
+
+
+def load_fake_target(target: str) -> FakeWorkload:
+    """Import ``target`` and call its factory inside a fresh ``FakeTensorMode``: every tensor
+    it makes is fake, so a model of any size costs no memory. Planned for a CUDA card.
+
+    Raises:
+        BadInputError: as :func:`load_target`, or the factory made tensors outside the fake
+            mode (a model cached at import time).
+    """
+    factory = load_factory(target)
+
+    def build() -> Any:
+        try:
+            return factory()
+        except BadInputError:
+            raise
+        except ImportError as e:
+            raise BadInputError(f"{target} raised {type(e).__name__}: {e}") from e
+        except Exception as e:
+            raise BadInputError(
+                f"{target} raised {type(e).__name__} under fake tensors: {e}. Build the model "
+                "and batch inside the factory, with no op that reads tensor values (.item(), "
+                "data-dependent shapes)."
+            ) from e
+
+    return fake_workload(build)

@@ -44,6 +44,7 @@ from memadvisor.planner._notes import (
     screen_notes,
     tie_note,
 )
+from memadvisor.planner._pick import advice_for, with_records
 from memadvisor.planner._prober import Confirmed, Prober
 from memadvisor.planner._progress import Progress, stage_totals
 from memadvisor.planner._rerank import best_on_device, timed_candidates
@@ -53,7 +54,7 @@ from memadvisor.planner._space import SearchSpace
 from memadvisor.planner._stage import refined_pick
 from memadvisor.process_state import preserved_state
 from memadvisor.profiler._state import check_copyable
-from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.advice import Check
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import ModelFingerprint, Plan, Row
@@ -79,37 +80,6 @@ def _profile(workload: Workload, kind: str, ui: Progress) -> Profile:
         )
 
 
-def _with_records(
-    candidate: Candidate, strategies: Sequence[Strategy], config: PlanConfig
-) -> Candidate:
-    """The pick with each strategy's record of it (``Strategy.record``: the batch size's), so
-    that their advice explains what the planner solved itself."""
-    records = {}
-    for s in strategies:
-        record = s.record(candidate, config)
-        if record is not None:
-            records[s.name] = record
-    if not records:
-        return candidate
-    return Candidate(
-        batch_size=candidate.batch_size,
-        accumulation_steps=candidate.accumulation_steps,
-        choices={**candidate.choices, **records},
-    )
-
-
-def _advice(strategies: Sequence[Strategy], candidate: Candidate, profile: Profile) -> list[Advice]:
-    out = []
-    for s in strategies:
-        choice = candidate.choices.get(s.name)
-        if choice is None or s.is_neutral(choice):
-            continue
-        advice = s.explain(choice, profile)
-        if advice is not None:
-            out.append(advice)
-    return out
-
-
 def plan_workload(
     workload: Workload,
     config: PlanConfig,
@@ -129,7 +99,8 @@ def plan_workload(
         target: ``"file.py:factory"`` when there is one: CUDA probes rebuild the workload
             from it in fresh processes.
         profile: a profile already made (else the workload is profiled first).
-        device: where probes run (else CUDA when available, or the simulated CPU device).
+        device: where probes run (else CUDA when available, or the simulated CPU device;
+            with ``config.device == "estimate"`` none: see :func:`plan_estimated`).
         progress: show progress bars on stderr (or a :class:`Progress` to share).
         strategies: strategy instances (else ``load_strategies(config.strategies)``).
         measure_comparison: run the hand configurations on the device too; by default
@@ -142,6 +113,12 @@ def plan_workload(
         BadInputError: the workload, target or config cannot be used as given.
         PlanningError: a device run failed for a reason other than memory.
     """
+    if config.device == "estimate" and device is None:
+        from memadvisor.planner._estimated import plan_estimated
+
+        return plan_estimated(
+            workload, config, profile=profile, progress=progress, strategies=strategies
+        )
     started = time.perf_counter()
     ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
     first_stage = len(ui.stage_log)  # a shared Progress may have timed other plans
@@ -206,7 +183,7 @@ def plan_workload(
             best, stages, stage_notes = refined_pick(prober, best, chosen, ui)
             notes += stage_notes
             pick, verified = _verified(prober, best, ui)
-            pick = _with_records(pick, chosen, config)
+            pick = with_records(pick, chosen, config)
             pick_estimate = estimate(profile, pick, chosen)
             same_batch = pick.batch_size == best.candidate.batch_size
             plan_row = Row(
@@ -241,7 +218,7 @@ def plan_workload(
                 verified=verified,
                 probes=prober.probes,
                 comparison=rows,
-                advice=_advice(chosen, pick, profile),
+                advice=advice_for(chosen, pick, profile),
                 checks=checks,
                 notes=notes,
                 plan_wall_ms=(time.perf_counter() - started) * 1e3,

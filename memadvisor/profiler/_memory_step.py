@@ -77,6 +77,10 @@ class MemoryMeasurement:
     # phase -> the meter's (tracked) peak; with ``phases`` it gives what the allocator held
     # beyond tracked tensors in each phase (CUDA).
     phase_tracked: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The largest storage forward and the loss made (autocast's weight copies aside): what
+    # grows with the batch (logits). Fake tensors planned for a card fit
+    # StepProfile.largest_allocation from it.
+    largest_allocation: int = 0
     # For what no submodule made (<loss>, <other>): owner -> op name -> saved bytes, and the
     # submodule whose forward had finished last when the largest of them was made.
     outside_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -458,6 +462,9 @@ class MemoryStep:
             end_of_forward=self.walk.end_of_forward,
             backward_head_peak=self.walk.head_peak,
             phase_tracked=dict(peaks.tracked),
+            largest_allocation=max(
+                (r.nbytes for r in self.records.values() if not r.cast_weight), default=0
+            ),
             outside_ops=self.outside_ops,
             outside_after=self.outside_after,
         )

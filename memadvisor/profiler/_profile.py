@@ -22,7 +22,9 @@ How a pass runs (``profile_workload``):
     5. Every size that grows with the batch is fitted through its two measurements.
 
 The RNG states are put back at the end. Under ``FakeTensorMode`` no step is timed (fake ops
-take no real time) and every time is 0.
+take no real time) and every time is 0; the warm-up counts the step's matmul FLOPs instead
+(``Profile.flops``), from which a planner can model times, and only the first precision
+warms up (nothing but the optimizer's state persists between fake steps).
 
 Batch sizes: by default the sample batch's size ``n`` and ``2n``; where that runs out of
 memory on a card, ``(n/2, n)`` and so on down to ``(1, 2)``. Two sizes separate what each
@@ -37,6 +39,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
@@ -51,6 +54,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.process_state import rng_restored
 from memadvisor.profiler._blocks import BlockSpec, find_blocks
 from memadvisor.profiler._device import Target, resolve_target
+from memadvisor.profiler._flops import FlopCounter
 from memadvisor.profiler._memory_step import (
     LOSS_OWNER,
     OTHER_OWNER,
@@ -79,6 +83,7 @@ from memadvisor.schema.profile import (
     ModuleActivity,
     PhasePeak,
     Profile,
+    StepFlops,
     StepProfile,
 )
 from memadvisor.workload import Workload, train_step
@@ -200,6 +205,11 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], keep: Callable[[torch.Tensor]
     return sum(seen.values())
 
 
+def _unique_count(params: Iterable[torch.Tensor], keep: Callable[[torch.Tensor], bool]) -> int:
+    seen = {id(p): p.numel() for p in params if keep(p)}
+    return sum(seen.values())
+
+
 class _Pass:
     """One profiling pass at one pair of batch sizes."""
 
@@ -230,6 +240,7 @@ class _Pass:
         self.large_timing: dict[str, tuple[tuple[int, int], list[TimingMeasurement]]] = {}
         # CUDA: per precision, the step's largest single allocation at those sizes.
         self.largest_allocation: dict[str, LinearBytes] = {}
+        self.flops: StepFlops | None = None  # fake tensors: counted in the warm-up
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return not self.target.is_cuda or t.device.type == "cuda"
@@ -244,15 +255,9 @@ class _Pass:
         measured = {}
         for precision in self.precisions:
             step_wl = autocast_workload(wl, precision, self.target)
-            # A plain step first: the optimizer's state, and whatever a precision's first step
-            # makes and keeps (cuBLAS/cuBLASLt workspaces), exist before anything is measured.
-            what = f"warm-up step, {precision}, batch {b2}"
-            self.progress.begin(what)
-            if precision == "fp32":
-                step_wl = self._noting_call_form(step_wl)
-            train_step(step_wl, model, optimizer, wl.batch(b2, self.target.device))
-            step_wl = autocast_workload(wl, precision, self.target)
-            self.progress.advance(what)
+            # fp32's warm-up also notes how the step calls the model and finds the loss.
+            warm_wl = self._noting_call_form(step_wl) if precision == "fp32" else step_wl
+            self._warm_up(model, optimizer, warm_wl, precision, first=not measured)
             mem = [self._metered(model, optimizer, step_wl, b, precision) for b in self.sizes]
             owners = sorted({o for m in mem for o in m.outside} - {LOSS_OWNER, OTHER_OWNER})
             timing = [
@@ -278,6 +283,8 @@ class _Pass:
             grad_bytes=memory_fp32.grad_bytes,
             optimizer_state_bytes=state_bytes,
             buffer_bytes=_unique_bytes(model.buffers(), self._on_device),
+            param_count=_unique_count(model.parameters(), lambda p: True),
+            trainable_param_count=_unique_count(model.parameters(), lambda p: p.requires_grad),
             blocks=[
                 BlockInfo(
                     name=name,
@@ -292,6 +299,7 @@ class _Pass:
             layers=self._layers(model, memory_fp32),
             fixed_overhead_bytes=self._fixed_overhead(memory_fp32),
             fragmentation_ratio=self._fragmentation(memory_fp32),
+            flops=self.flops,
             call_form=self.call_form,
         )
 
@@ -305,6 +313,35 @@ class _Pass:
         return dataclasses.replace(wl, loss_fn=loss_fn)
 
     # -- steps ------------------------------------------------------------------------------
+
+    def _warm_up(
+        self, model: nn.Module, optimizer: Any, wl: Workload, precision: str, *, first: bool
+    ) -> None:
+        """A plain step first: the optimizer's state, and whatever a precision's first step
+        makes and keeps (cuBLAS/cuBLASLt workspaces), exist before anything is measured.
+
+        Under fake tensors only the first precision's is needed (nothing but the optimizer's
+        state persists), and it counts the step's FLOPs, which stand in for the times a
+        fake step cannot have (:mod:`memadvisor.profiler._flops`).
+        """
+        b2 = self.sizes[1]
+        what = f"warm-up step, {precision}, batch {b2}"
+        self.progress.begin(what)
+        if self.target.fake and not first:
+            self.progress.advance(f"{what}: not needed under fake tensors")
+            return
+        counter = FlopCounter(model) if self.target.fake else None
+        with counter or contextlib.nullcontext():
+            train_step(
+                wl,
+                model,
+                optimizer,
+                self.workload.batch(b2, self.target.device),
+                on_phase=counter.on_phase if counter is not None else None,
+            )
+        if counter is not None:
+            self.flops = counter.result(b2)
+        self.progress.advance(what)
 
     def _metered(
         self, model: nn.Module, optimizer: Any, wl: Workload, b: int, precision: str
@@ -534,8 +571,20 @@ class _Pass:
             backward_head_peak=self._walk_bytes(mem, lambda m: m.backward_head_peak),
             untracked_batch_sizes=untracked[0] if untracked else None,
             untracked=untracked[1] if untracked else [],
-            largest_allocation=self.largest_allocation.get(precision),
+            largest_allocation=self.largest_allocation.get(precision) or self._fake_largest(mem),
         )
+
+    def _fake_largest(self, mem: list[MemoryMeasurement]) -> LinearBytes | None:
+        """Fake tensors: the largest tensor forward and the loss made (the logits, for an
+        LM), as the metered steps saw it. A card measures the step's largest allocation at
+        larger sizes (``_untracked``); fake tensors stand in for one, and its reserved bytes
+        add about that much under a memory cap (the estimate's ``reserved_peak_bytes``).
+        Parameter-sized allocations (gradients, optimizer temporaries) are left out: they
+        do not grow with the batch, and a line through two small sizes would keep them at
+        every batch. None on real CPU tensors, which nothing caps that way."""
+        if not self.target.fake:
+            return None
+        return self._bytes(mem[0].largest_allocation, mem[1].largest_allocation)
 
     def _walk_bytes(
         self, mem: list[MemoryMeasurement], read: Callable[[MemoryMeasurement], int | None]

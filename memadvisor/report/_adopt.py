@@ -37,8 +37,9 @@ def adoption_snippet(plan: Plan) -> str:
         lines.append(
             f"    logits = model(inputs.cuda())  # {precision}: autocast runs inside forward"
         )
+        how = "estimated" if plan.device_kind == "estimate" else "measured"
         lines.append(
-            "    # The plan measured your loss_fn on these logits as they come; upcast\n"
+            f"    # The plan {how} your loss_fn on these logits as they come; upcast\n"
             "    # (logits.float()) only if your loss_fn did, or its memory was not planned."
         )
     else:

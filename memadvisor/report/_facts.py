@@ -24,6 +24,7 @@ __all__ = [
     "KindLine",
     "MemorySeries",
     "PhaseLine",
+    "PredictedPhases",
     "answer",
     "checkpointed_blocks",
     "comparison",
@@ -33,6 +34,7 @@ __all__ = [
     "kinds_of_profile",
     "phases",
     "plan_precision",
+    "predicted_phases",
     "series_from_events",
     "series_from_phases",
     "series_from_timeline",
@@ -115,6 +117,20 @@ class ComparisonLine(_Model):
     largest_batch: int | None
     measured: bool
     over_budget: bool
+    is_plan: bool
+
+
+class PredictedPhases(_Model):
+    """One configuration's estimated peak in each phase of its step, at its batch."""
+
+    label: str
+    batch_size: int
+    accumulation_steps: int
+    largest_batch: int | None
+    forward_bytes: int
+    backward_bytes: int
+    optimizer_bytes: int
+    peak_phase: str
     is_plan: bool
 
 
@@ -339,6 +355,39 @@ def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
         over_budget=held > budget_bytes,
         is_plan=is_plan,
     )
+
+
+def predicted_phases(plan: Plan) -> list[PredictedPhases]:
+    """Each comparison row's estimated peak per phase (rows whose estimate lacks them are
+    left out): what a plan made without a card can show instead of measured peaks."""
+    out = []
+    for line, row in zip(comparison(plan), _rows_with_pick(plan), strict=True):
+        phases = row.estimate.phase_peak_bytes
+        if not phases:
+            continue
+        out.append(
+            PredictedPhases(
+                label=row.label,
+                batch_size=row.candidate.batch_size,
+                accumulation_steps=row.candidate.accumulation_steps,
+                largest_batch=row.largest_batch,
+                forward_bytes=phases["forward"],
+                backward_bytes=phases["backward"],
+                optimizer_bytes=phases["optimizer"],
+                peak_phase=row.estimate.peak_phase,
+                is_plan=line.is_plan,
+            )
+        )
+    return out
+
+
+def _rows_with_pick(plan: Plan) -> list[Row]:
+    """The comparison rows, with the pick last when the planner left it out (as
+    :func:`comparison` lays them out)."""
+    rows = list(plan.comparison)
+    if not any(r.label.strip().lower() == "plan" for r in rows):
+        rows.append(Row(label="Plan", candidate=plan.candidate, estimate=plan.estimate))
+    return rows
 
 
 _RUN_STAGES = {

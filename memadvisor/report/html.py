@@ -67,6 +67,15 @@ def render_plan_html(
         _answer(a),
         _section("comparison", "Configurations compared", _comparison(plan)),
     ]
+    if plan.device_kind == "estimate":
+        parts.append(
+            _section(
+                "predicted-phases",
+                "Predicted peak per phase, each configuration at its batch (estimated: "
+                "nothing ran on a device)",
+                _predicted_phases(facts.predicted_phases(plan)),
+            )
+        )
     data: dict = {"budget_bytes": a.budget_bytes, "phase_colors": PHASE_COLORS}
     if profile is not None:
         b = max(profile.batch_sizes)
@@ -243,6 +252,29 @@ def _comparison(plan: Plan) -> str:
         '<p class="note">~ and grey italics: estimated, not run on the device. A peak in red '
         "is over the budget.</p>"
     )
+
+
+def _predicted_phases(lines: list[facts.PredictedPhases]) -> str:
+    rows = []
+    for line in lines:
+        batch = str(line.batch_size) + (
+            f"×{line.accumulation_steps}" if line.accumulation_steps > 1 else ""
+        )
+        cells = "".join(
+            f'<td class="est">{"<b>" if phase == line.peak_phase else ""}~{fmt_bytes(nbytes)}'
+            f"{'</b>' if phase == line.peak_phase else ''}</td>"
+            for phase, nbytes in (
+                ("forward", line.forward_bytes),
+                ("backward", line.backward_bytes),
+                ("optimizer", line.optimizer_bytes),
+            )
+        )
+        largest = line.largest_batch if line.largest_batch is not None else "—"
+        rows.append(
+            f"<tr{' class=plan' if line.is_plan else ''}><td>{_e(line.label)}</td>"
+            f"<td>{batch}</td>{cells}<td>{largest}</td></tr>"
+        )
+    return _table(["Config", "Batch", "Forward", "Backward", "Optimizer", "Largest batch"], rows)
 
 
 def _kinds(lines: list[facts.KindLine]) -> str:

@@ -43,13 +43,23 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
     """The whole plan report: answer, comparison, where the memory goes, recommendations."""
     ans = facts.answer(plan)
     console.print(_answer_panel(ans))
+    estimated_only = plan.device_kind == "estimate"
     _section(
         console,
         "Configurations compared",
         _comparison_table(plan),
-        f"{_ESTIMATED} estimated (not run on the device); other numbers measured. "
+        f"{_ESTIMATED} estimated: nothing ran on a device (--device estimate). "
+        "A peak in red is over the budget."
+        if estimated_only
+        else f"{_ESTIMATED} estimated (not run on the device); other numbers measured. "
         "A peak in red is over the budget.",
     )
+    if estimated_only:
+        _section(
+            console,
+            "Predicted peak per phase, each configuration at its batch (estimated)",
+            _predicted_phases_table(facts.predicted_phases(plan)),
+        )
     if plan.profile is None:
         console.print("[dim]The plan carries no profile: where the memory goes is not shown.[/]")
     else:
@@ -82,6 +92,8 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
         )
     if plan.probes:
         console.print(_probes_line(plan))
+    elif estimated_only:
+        console.print(f"[dim]No device runs; planning took {fmt_ms(plan.plan_wall_ms)}.[/]")
 
 
 def print_profile(
@@ -251,6 +263,31 @@ def _comparison_table(plan: Plan) -> Table:
             ]
         )
     return _table(columns, rows)
+
+
+def _predicted_phases_table(lines: list[facts.PredictedPhases]) -> Table:
+    table = Table(box=box.SIMPLE)
+    for name in ("Config", "Batch", "Forward", "Backward", "Optimizer", "Largest batch"):
+        table.add_column(name, justify="left" if name == "Config" else "right", no_wrap=True)
+    for line in lines:
+        batch = str(line.batch_size)
+        if line.accumulation_steps > 1:
+            batch += f"×{line.accumulation_steps}"
+        cells = []
+        for phase, nbytes in (
+            ("forward", line.forward_bytes),
+            ("backward", line.backward_bytes),
+            ("optimizer", line.optimizer_bytes),
+        ):
+            bold = "bold" if phase == line.peak_phase else ""
+            cells.append(Text(_ESTIMATED + fmt_bytes(nbytes), style=bold))
+        table.add_row(
+            Text(line.label, style="bold green" if line.is_plan else ""),
+            batch,
+            *cells,
+            str(line.largest_batch) if line.largest_batch is not None else "—",
+        )
+    return table
 
 
 def _kinds_table(lines: list[facts.KindLine]) -> Table:

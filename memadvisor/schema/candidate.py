@@ -56,6 +56,11 @@ class Estimate(BaseModel):
         "the step's largest allocation at this batch where the profile has its line, else "
         "peak_bytes scaled by its reserved/allocated ratio; None where it has neither.",
     )
+    phase_peak_bytes: dict[PeakPhase, int] | None = Field(
+        None,
+        description="The highest bytes of each phase (forward, backward, optimizer), allocated "
+        "as peak_bytes is; None in estimates made before this was kept.",
+    )
 
     @property
     def limit_bytes(self) -> int:

@@ -22,7 +22,7 @@ __all__ = [
 GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count in
 
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
-DeviceKind = Literal["auto", "cuda", "simulated"]
+DeviceKind = Literal["auto", "cuda", "simulated", "estimate"]
 Parallel = Literal["none", "ddp", "fsdp2"]
 ChecksPolicy = Literal["decide", "report"]
 Parallel = Literal["none", "ddp", "fsdp2"]
@@ -88,7 +88,11 @@ class PlanConfig(BaseModel):
         "out it keeps that headroom's worth of measured samples. False keeps margin_fraction "
         "for the pick (the CLI's --margin).",
     )
-    device: DeviceKind = Field("auto", description="cuda, the CPU simulated device, or auto.")
+    device: DeviceKind = Field(
+        "auto",
+        description="cuda, the CPU simulated device, auto, or estimate: no device at all, the "
+        "model profiled under fake tensors and planned from the estimate alone.",
+    )
     # On a card a run's fixed cost (a process, a CUDA context, the first step's kernel loading:
     # seconds, docs/design.md "A clean state per run") dwarfs its steps, so there every run
     # takes verify_steps steps and the pick's own run at the final batch is its verification;

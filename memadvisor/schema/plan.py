@@ -21,7 +21,7 @@ from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.loader import LoaderAdvice
-from memadvisor.schema.profile import Profile
+from memadvisor.schema.profile import Profile, StepTimeModel
 
 __all__ = ["Plan", "PlanViews", "Probe", "Row", "StageOutcome", "StageVariant", "lend_views"]
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA_VERSION",
+    "EstimateBasis",
     "ModelFingerprint",
     "Plan",
     "PlanViews",
@@ -130,6 +131,17 @@ class StageOutcome(_Model):
     wall_ms: float = Field(0.0, description="Planner wall time spent in the stage.")
 
 
+class EstimateBasis(_Model):
+    """What a plan made without a card (``device="estimate"``) rests on, besides the profile."""
+
+    time_model: StepTimeModel = Field(
+        description="The rates its step times assume, applied to the profile's FLOPs."
+    )
+    cannot_know: list[str] = Field(
+        default_factory=list, description="What only a card can say, in sentences."
+    )
+
+
 class ModelFingerprint(_Model):
     """What identifies the model a plan was made for: its class and every parameter's name
     and shape. Not its values: a plan fits the same model at any point of its training."""
@@ -200,7 +212,9 @@ class Plan(_Model):
         "hand-built plans (nothing to check against).",
     )
     config: PlanConfig
-    device_kind: Literal["cuda", "simulated", "fake"]
+    device_kind: Literal["cuda", "simulated", "fake", "estimate"] = Field(
+        description="Where the pick was confirmed; estimate: nowhere (every figure estimated)."
+    )
     device_name: str
     candidate: Candidate = Field(description="The pick.")
     estimate: Estimate = Field(description="The estimate of the pick.")
@@ -227,6 +241,9 @@ class Plan(_Model):
         description="What each measured-only strategy's stage found for the eager pick.",
     )
     profile: Profile | None = Field(None, description="The profile the plan was made from.")
+    basis: EstimateBasis | None = Field(
+        None, description="device='estimate': the step-time model and what it cannot know."
+    )
     data_loading: LoaderAdvice | None = Field(
         None, description="The user's DataLoader timed against the planned step, when given."
     )
@@ -263,7 +280,9 @@ class Plan(_Model):
         Raises:
             BadInputError: the file cannot be written.
         """
-        workload = self._workload if record_step else None
+        # An estimate plan's model may be fake or on the meta device: nothing to record.
+        recordable = record_step and self.device_kind != "estimate"
+        workload = self._workload if recordable else None
         return _views().write_html(self, path, workload)
 
     @field_validator("schema_version")

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["AUTOCAST_DTYPES", "FULL", "PRECISIONS", "Precision"]
+__all__ = ["AUTOCAST_DTYPES", "DTYPE_NAMES", "FULL", "PRECISIONS", "Precision"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 #: Every precision, the full one first.
@@ -21,3 +21,8 @@ PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
 FULL: Precision = "fp32"
 #: The dtype autocast runs each low precision in.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The precision name of each dtype a step computes in.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: FULL,
+    **{dtype: name for name, dtype in AUTOCAST_DTYPES.items()},
+}

@@ -12,9 +12,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from memadvisor.schema.call import CallForm
-from memadvisor.schema.precision import Precision
+from memadvisor.schema.precision import AUTOCAST_DTYPES, Precision
 
 __all__ = [
+    "StepTimeModel",
     "BlockActivity",
     "BlockInfo",
     "DeviceInfo",
@@ -24,6 +25,7 @@ __all__ = [
     "ModuleActivity",
     "PhasePeak",
     "Profile",
+    "StepFlops",
     "StepProfile",
     "UntrackedBytes",
 ]
@@ -249,6 +251,25 @@ class StepProfile(_Model):
     )
 
 
+class StepFlops(_Model):
+    """Matmul FLOPs of one plain training step (no autocast), per sample, by dtype."""
+
+    batch_size: int = Field(gt=0, description="The batch the FLOPs were counted at.")
+    forward_per_sample: dict[str, float] = Field(
+        description="The model's forward and the loss, by dtype name (fp32, bf16, fp16, ...)."
+    )
+    backward_per_sample: dict[str, float] = Field(description="Backward, by dtype name.")
+    module_forward_per_sample: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Per named module (blocks included), its forward by dtype: what a "
+        "checkpointed block's recompute costs.",
+    )
+
+    @property
+    def total_per_sample(self) -> float:
+        return sum(self.forward_per_sample.values()) + sum(self.backward_per_sample.values())
+
+
 class LayerRow(_Model):
     """One named module in the per-layer table (fp32, at the larger measured batch).
 
@@ -279,6 +300,15 @@ class Profile(_Model):
     grad_bytes: int = Field(ge=0, description="Gradients at the end of backward.")
     optimizer_state_bytes: int = Field(ge=0, description="After the first optimizer step.")
     buffer_bytes: int = Field(0, ge=0)
+    param_count: int | None = Field(
+        None, ge=0, description="Parameters (elements, each shared tensor once); None: not counted."
+    )
+    trainable_param_count: int | None = Field(
+        None,
+        ge=0,
+        description="Of those, the ones with requires_grad: only they have gradients and "
+        "optimizer state. None: not counted.",
+    )
     blocks: list[BlockInfo] = Field(default_factory=list)
     steps: dict[str, StepProfile] = Field(description="Keyed by precision; 'fp32' always.")
     layers: list[LayerRow] = Field(default_factory=list)
@@ -292,6 +322,11 @@ class Profile(_Model):
         None, description="CUDA: peak reserved / peak allocated over the step."
     )
     profiling_ms: float = Field(0.0, description="Wall time of the profiling pass itself.")
+    flops: StepFlops | None = Field(
+        None,
+        description="Fake tensors: the step's matmul FLOPs, counted in the warm-up step where "
+        "no time can be measured; None elsewhere.",
+    )
     call_form: CallForm | None = Field(
         None,
         description="How the step calls the model and finds the loss, for advice written in "
@@ -307,3 +342,38 @@ class Profile(_Model):
     def static_bytes(self) -> int:
         """Weights, gradients, optimizer state and buffers: what no batch size changes."""
         return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.buffer_bytes
+
+
+class StepTimeModel(BaseModel):
+    """Times from FLOPs and bytes at nominal rates: a stated model, not a measurement.
+
+    The default is an H100 SXM's dense datasheet peaks at half utilisation: fp32 matmuls
+    without TF32 (torch's default for ``matmul``) at 67 TFLOP/s, bf16 and fp16 on tensor
+    cores at 989, HBM at 3.35 TB/s. Only the ratios rank configurations: bf16 matmuls about
+    15x fp32's, and what recompute adds against what a larger batch saves of the optimizer
+    step.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "H100 SXM datasheet peaks at 50% utilisation"
+    matmul_tflops: dict[str, float] = Field(
+        default_factory=lambda: {"fp32": 33.5, "bf16": 494.5, "fp16": 494.5},
+        description="Matmul TFLOP/s by dtype name; a dtype not named runs at fp32's.",
+    )
+    memory_tb_per_s: float = Field(1.675, gt=0, description="Bytes moved by the optimizer step.")
+
+    def matmul_ms(self, flops_by_dtype: dict[str, float], autocast: str = "fp32") -> float:
+        """Milliseconds for these FLOPs; under a low-precision ``autocast`` all run at its rate."""
+        if autocast in AUTOCAST_DTYPES:
+            flops_by_dtype = {autocast: sum(flops_by_dtype.values())}
+        fp32 = self.matmul_tflops["fp32"]
+        # TFLOP/s = 1e9 FLOP/ms
+        return sum(f / (self.matmul_tflops.get(d, fp32) * 1e9) for d, f in flops_by_dtype.items())
+
+    def memory_ms(self, nbytes: float) -> float:
+        return nbytes / (self.memory_tb_per_s * 1e9)  # TB/s = 1e9 B/ms
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{p} {r:g}" for p, r in self.matmul_tflops.items())
+        return f"{self.name}: matmuls at {rates} TFLOP/s, memory at {self.memory_tb_per_s:g} TB/s"

@@ -34,6 +34,11 @@ def gpt() -> dict:
     )
 
 
+def llama() -> dict:
+    """examples/llama.py at 2 layers and 32 tokens: for --device estimate (fake tensors)."""
+    return _example("llama").build(batch_size=2, seq_len=32, n_layers=2)
+
+
 def cnn() -> dict:
     """examples/cnn.py's SmallResNet at 8 channels and 2 bottlenecks, 16x16 images."""
     module = _example("cnn")
