@@ -22,16 +22,20 @@ def test_sigint_exits_130_with_one_line_and_leaves_nothing_behind(tmp_path: Path
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "memadvisor.cli", "plan", f"{FACTORIES}:mlp",
+            [sys.executable, "-m", "memadvisor.cli", "plan", f"{FACTORIES}:slow_mlp",
              "--budget-gb", "0.05", "--json", str(out / "plan.json"),
              "--html", str(out / "plan.html")],
             stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
             env={**os.environ, "COLUMNS": "200"},
         )  # fmt: skip
+        # The first line (the simulated device) is printed as planning starts; progress bars
+        # off a terminal may be written only when they end, so they cannot be waited on.
         deadline = time.monotonic() + 120
-        while "profiling" not in stderr_path.read_text() and proc.poll() is None:
+        while "simulated" not in stderr_path.read_text() and proc.poll() is None:
             assert time.monotonic() < deadline, "planning never started"
             time.sleep(0.1)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the plan ended before it could be interrupted"
         os.kill(proc.pid, signal.SIGINT)
         stdout, _ = proc.communicate(timeout=120)
     lines = [line for line in stderr_path.read_text().splitlines() if line.strip()]
