@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -83,6 +84,18 @@ def mlp() -> dict:
         "sample_batch": (torch.randn(8, WIDTH), torch.randint(0, 10, (8,))),
         "loss_fn": _cross_entropy,
     }
+
+
+def _slow_cross_entropy(
+    logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    time.sleep(0.2)  # every step takes a while: planning lasts long enough to interrupt
+    return F.cross_entropy(logits, batch[1])
+
+
+def slow_mlp() -> dict:
+    """``mlp`` whose loss sleeps 0.2 s a call: a plan of it lasts tens of seconds."""
+    return {**mlp(), "loss_fn": _slow_cross_entropy}
 
 
 def wide() -> dict:
