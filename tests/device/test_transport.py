@@ -43,7 +43,7 @@ torch.cuda.get_device_properties = lambda index: SimpleNamespace(
 )
 
 from memadvisor.device.cuda import CudaDevice
-from memadvisor.estimate import Candidate
+from memadvisor.schema import Candidate
 from memadvisor.workload import Workload
 
 
