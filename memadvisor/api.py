@@ -102,14 +102,6 @@ def plan_config(
             f"{said['world_size']} {world_size} needs {said['parallel']} ddp or "
             f"{said['parallel']} fsdp2 (how the ranks share the model), but got {parallel=}."
         )
-    world_size, parallel = fields.get("world_size", 1), fields.get("parallel", "none")
-    if isinstance(world_size, int) and world_size < 1:
-        raise BadInputError(f"{said['world_size']} must be at least 1, but got {world_size=}.")
-    if isinstance(world_size, int) and world_size > 1 and parallel == "none":
-        raise BadInputError(
-            f"{said['world_size']} {world_size} needs {said['parallel']} ddp or "
-            f"{said['parallel']} fsdp2 (how the ranks share the model), but got {parallel=}."
-        )
     if objective is None:
         objective = "effective_batch" if effective_batch is not None else "throughput"
     if objective == "effective_batch" and effective_batch is None:
