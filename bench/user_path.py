@@ -263,6 +263,7 @@ def _largest_holding(plan: Any, name: str, args: argparse.Namespace, device: Any
     peaks: dict[int, int] = {}
 
     def fits(batch: int) -> bool:
+        _say(f"holding: batch {batch}")
         try:
             m = device.run(workload, Candidate(batch_size=batch, choices=choices), steps)
         except Exception as e:
@@ -297,7 +298,7 @@ def _largest_holding(plan: Any, name: str, args: argparse.Namespace, device: Any
         descend=True,
     )
     row_tried = ", ".join(f"{b}{'' if ok else ' OOM'}" for b, ok in found.tried)
-    print(f"  holding search ({name}): {row_tried} -> {found.batch}", flush=True)
+    _say(f"holding search ({name}): {row_tried} -> {found.batch}")
     return found.batch or None
 
 
@@ -311,16 +312,25 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "simulated"
     job = _job(name)
     t0 = time.perf_counter()
-    plan = memadvisor.plan(
-        job["model"],
-        job["sample_batch"],
-        loss_fn=job.get("loss_fn"),
-        budget_gb=args.budget_gib,
-        device=args.device,
-        progress=False,
-        measure_comparison=False,
-    )
-    row["plan_wall_s"] = time.perf_counter() - t0
+    if args.plan is not None:
+        plan = memadvisor.Plan.model_validate_json(args.plan.read_text())
+        row["plan_wall_s"] = sum(plan.stage_wall_ms.values()) / 1e3 if plan.stage_wall_ms else None
+        row["plan_from"] = str(args.plan)
+    else:
+        _say(f"{name}: planning")
+        plan = memadvisor.plan(
+            job["model"],
+            job["sample_batch"],
+            loss_fn=job.get("loss_fn"),
+            budget_gb=args.budget_gib,
+            device=args.device,
+            progress=False,
+            measure_comparison=False,
+        )
+        row["plan_wall_s"] = time.perf_counter() - t0
+        if args.save_plan is not None:
+            args.save_plan.write_text(plan.model_dump_json())
+    _say(f"{name}: plan {row['plan_wall_s']} s, batch {plan.candidate.batch_size}")
     cand = plan.candidate
     row["pick"] = {k: v for k, v in cand.choices.items() if k != "batch_size"}
     row["batch"] = cand.batch_size
@@ -349,18 +359,21 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         # Interleaved (apply, compile, apply, compile, ...): the host's noise between fresh
         # processes is as large as the gap being measured (docs/design.md).
-        for _ in range(args.repeats):
+        for _ in range(args.repeats if args.loops else 0):
             users.append(_fresh({**spec, "mode": "apply"}, args.timeout_s))
+            _say(f"{name}: user loop {users[-1].get('samples_per_s')}")
             plains.append(_fresh({**spec, "mode": "torch_compile"}, args.timeout_s))
+            _say(f"{name}: torch.compile {plains[-1].get('samples_per_s')}")
     finally:
         os.unlink(f.name)
     row["user_loop"] = users
     row["user_loop_samples_per_s"] = _median([u.get("samples_per_s") for u in users])
-    row["user_loop_ooms"] = sum(int(u.get("ooms") or 0) for u in users)
+    row["user_loop_ooms"] = sum(int(u.get("ooms") or 0) for u in users) if users else None
     row["torch_compile"] = plains
     row["torch_compile_samples_per_s"] = _median([p.get("samples_per_s") for p in plains])
     device = _device(args.device, budget_bytes, name, plan.profile)
     try:
+        _say(f"{name}: hand configurations ({args.hand})")
         row["hand"] = {} if args.hand == "none" else _hand(plan, name, args, device)
         row["largest_batch_holding"] = (
             _largest_holding(plan, name, args, device) if args.holding else None
@@ -372,6 +385,11 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     holding = row["largest_batch_holding"]
     row["batch_over_holding"] = cand.batch_size / holding if holding else None
     return row
+
+
+def _say(text: str) -> None:
+    """A timestamped progress line on stderr: a run cut off by a time limit still says where."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -444,6 +462,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compile)")
     parser.add_argument("--hand", choices=("all", "eager", "none"), default="all")
     parser.add_argument("--no-holding", dest="holding", action="store_false")
+    parser.add_argument("--no-loops", dest="loops", action="store_false")
+    parser.add_argument("--save-plan", type=Path, default=None, help="write the plan here")
+    parser.add_argument("--plan", type=Path, default=None, help="a saved plan: no planning")
     parser.add_argument(
         "--repeats", type=int, default=2, help="user loop / torch.compile pairs, interleaved"
     )

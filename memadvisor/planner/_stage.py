@@ -21,7 +21,7 @@ from memadvisor.planner._probe import BatchSearch
 from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Prober
 from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._space import Scored
-from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe, StageOutcome
 from memadvisor.strategy import PickStage, Strategy
 
@@ -52,11 +52,13 @@ class ProberStage(PickStage):
         The estimate is eager's (the stage's choice is measured only): the device's answer
         for the eager pick is the better start. The search's top stays the estimate's.
 
-        With the measured margin, a variant that at the refined pick's own batch allocates
-        what that pick did (no more, and less by under the headroom) is confirmed there
-        without searching its edge: the pick's batch already stays the headroom below an edge
-        the device measured, and each new batch of a compiled variant is a compile of its own
-        (tens of seconds on a card). One that allocates more, or much less, gets the search.
+        With the measured margin, a variant that at the refined pick's own batch allocates no
+        more than that pick did is confirmed without searching its own edge: the pick's batch
+        stays the headroom below an edge the device measured, and each new batch of a compiled
+        variant is a compile of its own (tens of seconds on a card). Where it allocates less
+        by more than the headroom, one run more tries the batch at which it would allocate
+        what the pick did (along the pick's measured bytes per sample) and takes it if it fits
+        within them. One that allocates more gets the whole search.
         """
         space = self._prober.space
         candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
@@ -74,14 +76,35 @@ class ProberStage(PickStage):
             and ref.candidate.batch_size == candidate.batch_size
         ):
             m = self._prober.run(candidate, self._prober.steps, self._name)
-            headroom = HEADROOM_FRACTION * self.config.budget_bytes
-            if m is not None and 0 <= ref.measured.peak_bytes - m.peak_bytes <= headroom:
+            if m is not None and m.peak_bytes <= ref.measured.peak_bytes:
+                spare = ref.measured.peak_bytes - m.peak_bytes
+                if spare > HEADROOM_FRACTION * self.config.budget_bytes:
+                    larger = self._larger(candidate, spare, ref)
+                    if larger is not None:
+                        candidate, m = larger
                 b = candidate.batch_size
                 search = BatchSearch(batch=b, largest_fit=b, tried=[(b, True)])
                 return Confirmed(
                     candidate=candidate, found_batch=b, measured=m, scored=scored, search=search
                 )
         return self._prober.confirm(scored, stage=self._name)
+
+    def _larger(
+        self, candidate: Candidate, spare: int, ref: Confirmed
+    ) -> tuple[Candidate, Measurement] | None:
+        """The batch at which ``candidate``'s choices would allocate what ``ref`` did, if it
+        fits within that: ``spare`` bytes along the pick's measured bytes per sample."""
+        slope = self._prober.sample_bytes(ref.candidate.choices, ref.candidate.batch_size)
+        if slope <= 0:
+            return None
+        batch = candidate.batch_size + int(spare // slope)
+        if batch <= candidate.batch_size or batch > self.config.max_batch:
+            return None
+        larger = candidate.model_copy(update={"batch_size": batch})
+        m = self._prober.run(larger, self._prober.steps, self._name)
+        if m is None or m.peak_bytes > ref.measured.peak_bytes:
+            return None
+        return larger, m
 
     @property
     def probes(self) -> Sequence[Probe]:

@@ -215,11 +215,16 @@ def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_mo
     assert result.verified.reserved_peak_bytes <= result.config.budget_bytes
     # Few runs, all children of the fork server: each candidate timed once (2 best by the
     # estimate + the Baseline/+AMP guards, at most 4), the winner's search continuing from
-    # its timing run, and its verify_steps-step run at the final batch as its verification.
+    # its timing run to the edge (the measured margin: a run that runs out, then the headroom
+    # below it and a bisection; at 1 GiB a GPT's fragmentation moved the edge to 0.85 of the
+    # allocated bytes' extrapolation), and its verification.
     runs = [p for p in result.probes if p.stage in ("timing", "probe", "verify")]
     picked = {k: v for k, v in result.candidate.choices.items() if k != "batch_size"}
     winner = [p for p in runs if p.candidate.choices == picked]  # batch_size: the pick's record
-    assert len(runs) <= 6 and len(winner) <= 3, [(p.stage, p.batch_size, p.fits) for p in runs]
+    tried = [(p.stage, p.batch_size, p.fits) for p in runs]
+    assert len(runs) <= 10 and len(winner) <= 7, tried
+    failed = [p.batch_size for p in winner if not p.fits]
+    assert failed and result.candidate.batch_size < min(failed), tried
     stepped_down = any("stepped down" in n for n in result.notes)
     assert stepped_down or not [p for p in runs if p.stage == "verify"]
     assert not any("fresh process each" in n for n in result.notes), result.notes
