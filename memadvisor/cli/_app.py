@@ -13,11 +13,17 @@ import os
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 
+from memadvisor.cli._interrupt import (
+    INTERRUPTED_EXIT_CODE,
+    interrupted,
+    raise_if_interrupted,
+    say_interrupted,
+)
 from memadvisor.errors import BadInputError, MemadvisorError
 
 app = typer.Typer(
@@ -66,7 +72,6 @@ err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 UNEXPECTED_EXIT_CODE = 1
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class DeviceOption(str, Enum):
@@ -98,6 +103,8 @@ def handle_errors(fn: F) -> F:
 
     A MemadvisorError exits with its class's ``exit_code``; anything else is unexpected and
     exits with 1. With ``--debug`` the traceback is printed too, and the exit code is the same.
+    A Ctrl-C (KeyboardInterrupt, or any error after one: :mod:`memadvisor.cli._interrupt`)
+    prints one line and exits with 130.
     """
 
     @functools.wraps(fn)
@@ -112,15 +119,14 @@ def handle_errors(fn: F) -> F:
         except KeyboardInterrupt:
             # Output files are written whole or not at all (write_text), and the planner's
             # devices end their processes on the way out: saying so is all that is left.
-            err_console.print(
-                "interrupted: stopped before finishing; no output file was left half-written.",
-                highlight=False,
-                soft_wrap=True,
-            )
-            raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
-        except MemadvisorError as e:
-            _fail(str(e), e.exit_code, debug=kwargs.get("debug", False))
+            _say_interrupted_and_exit()
         except Exception as e:
+            if interrupted():
+                # A library caught the Ctrl-C and raised an error of its own instead, or the
+                # cleanup after it failed: the interrupt is what ended the command.
+                _say_interrupted_and_exit()
+            if isinstance(e, MemadvisorError):
+                _fail(str(e), e.exit_code, debug=kwargs.get("debug", False))
             _fail(
                 f"unexpected {type(e).__name__}: {e}. This is a bug in memadvisor or in the "
                 "model; rerun with --debug for the traceback.",
@@ -129,6 +135,11 @@ def handle_errors(fn: F) -> F:
             )
 
     return wrapper  # type: ignore[return-value]
+
+
+def _say_interrupted_and_exit() -> NoReturn:
+    say_interrupted(err_console)
+    raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
 
 
 def _fail(message: str, exit_code: int, *, debug: bool) -> None:
@@ -211,6 +222,7 @@ def write_text(path: Path, text: str, what: str, *, quiet: bool) -> None:
     Raises:
         BadInputError: the file cannot be written.
     """
+    raise_if_interrupted()  # a Ctrl-C that a library swallowed still leaves no output
     # Whole or not at all: written beside the target, then renamed over it (atomic on one
     # file system), so an interrupt or a full disk never leaves half a plan behind.
     partial = path.with_name(f".{path.name}.partial")

@@ -20,6 +20,7 @@ from memadvisor.cli._app import (
     err_console,
     handle_errors,
     out_console,
+    raise_if_interrupted,
     resolve_device,
     write_text,
 )
@@ -183,6 +184,7 @@ def plan(
     except InfeasibleBudgetError as e:
         e.option = "--budget-gb "  # the minimum in the form this user passes a budget
         raise
+    raise_if_interrupted()  # a Ctrl-C that a library swallowed: no report, no file
     if json_path is not None:
         write_text(json_path, result.model_dump_json(indent=2) + "\n", "the plan", quiet=quiet)
     console = out_console()

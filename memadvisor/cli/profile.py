@@ -30,6 +30,7 @@ from memadvisor.cli._app import (
     err_console,
     handle_errors,
     out_console,
+    raise_if_interrupted,
     resolve_device,
     say_written,
     write_text,
@@ -185,6 +186,7 @@ def profile(
         series = series_from_timeline(timeline, caption=caption)
         page = render_profile_html(result, batch_size=b, series=series, ops=ops)
         write_text(html_path, page, "the HTML report", quiet=quiet)
+    raise_if_interrupted()  # a Ctrl-C that a library swallowed: no report
     console = out_console()
     if quiet:
         console.print(one_line_profile(result), highlight=False, soft_wrap=True)

@@ -37,9 +37,12 @@ Advance = Callable[[int], None]
 
 @contextlib.contextmanager
 def _quiet_optuna() -> Iterator[None]:
-    # Optuna logs a line per trial; the planner shows its own progress. Put the user's level back.
+    # Optuna logs a line per trial; the planner shows its own progress. Its warnings are for
+    # a failed trial, and the objective's error (or the user's Ctrl-C) is raised to the
+    # planner anyway: printed here it would come twice, with a traceback. Put the user's
+    # level back.
     level = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
         yield
     finally:
