@@ -26,41 +26,6 @@ PLUGIN = textwrap.dedent(
     from memadvisor.strategy import Strategy
 
 
-    class Sparse(Strategy):
-        """2:4 sparse weights; recomputes the last block to fit its masks."""
-
-        name = "sparse"
-        effect_order = 70
-        installs = "sparsity masks"
-
-        def choices(self, profile, config):
-            return ["off", "2:4"]
-
-        def effect(self, profile, choice, model):
-            return None
-
-        def apply(self, model, choice, profile):
-            return model
-
-        def explain(self, choice, profile):
-            return None
-
-        def describe(self, choice, plan):
-            if self.is_neutral(choice):
-                return ReportPart(label="Sparsity", words="dense", brief="dense")
-            return ReportPart(
-                label="Sparsity",
-                words=f"{choice} sparse weights",
-                brief=f"{choice} sparse",
-                recomputed_blocks=["transformer.h.3"],
-                loop=LoopLines(
-                    setup=["masks = sparse.masks(model)  # from the plan"],
-                    step="sparse.step(optimizer, masks)",
-                    loader_comment="any shape",
-                ),
-            )
-
-
     class Quiet(Strategy):
         """No words of its own: the contract's default lists its choice under Also."""
 
@@ -77,6 +42,32 @@ PLUGIN = textwrap.dedent(
 
         def explain(self, choice, profile):
             return None
+
+
+    class Sparse(Quiet):
+        """2:4 sparse weights; recomputes the last block to fit its masks."""
+
+        name = "sparse"
+        effect_order = 70
+        installs = "sparsity masks"
+
+        def choices(self, profile, config):
+            return ["off", "2:4"]
+
+        def describe(self, choice, plan):
+            if self.is_neutral(choice):
+                return ReportPart(label="Sparsity", words="dense", brief="dense")
+            return ReportPart(
+                label="Sparsity",
+                words=f"{choice} sparse weights",
+                brief=f"{choice} sparse",
+                recomputed_blocks=["transformer.h.3"],
+                loop=LoopLines(
+                    setup=["masks = sparse.masks(model)  # from the plan"],
+                    step="sparse.step(optimizer, masks)",
+                    loader_comment="any shape",
+                ),
+            )
     '''
 )
 
