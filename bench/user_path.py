@@ -12,12 +12,15 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
   accumulation with its own AdamW and the loss outside the model, as the README shows;
   samples/s over the steps after ``--warmup`` (10), OOMs counted.
 * torch.compile: the same loop in a fresh process with ``torch.compile(model)`` under an
-  outer autocast of the plan's precision, at the same batch.
+  outer autocast of the plan's precision, at the same batch. The two alternate
+  ``--repeats`` (2) times; each figure is the median of its runs (OOMs: the sum).
 * hand: fp32 / bf16 x no / all-blocks checkpointing, eager and (``--hand all``) compiled,
   each at its own largest batch found as the plan's is (``measure_configuration``); the
   best one's samples/s.
 * largest holding: the largest batch of the pick's choices that holds ``verify_steps`` (20)
-  steps in a fresh process (the batch search with no margin), and batch / that.
+  steps in a fresh process, found by running out of memory (extrapolated along the measured
+  allocated bytes per sample to the budget, then bisected below the lowest failure), and
+  batch / that.
 
     python bench/user_path.py --models cnn,gpt                        # ~5 min each on an H200
     python bench/user_path.py --models vit_b_16 --hand eager          # fewer device runs
@@ -240,9 +243,14 @@ def _hand(plan: Any, name: str, args: argparse.Namespace, device: Any) -> dict[s
 
 def _largest_holding(plan: Any, name: str, args: argparse.Namespace, device: Any) -> int | None:
     """The largest batch of the pick's choices that holds verify_steps steps from a clean
-    state: the plan's batch search with no margin at all."""
-    from memadvisor.planner import measure_configuration
-    from memadvisor.schema.config import PlanConfig
+    state, found by running out of memory: from the pick, extrapolate along the measured
+    allocated bytes per sample to where they fill the budget, then bisect below the lowest
+    batch that ran out (the planner's batch search with no headroom at all)."""
+    import math
+
+    from memadvisor.errors import is_oom
+    from memadvisor.planner import find_batch
+    from memadvisor.schema.candidate import Candidate
     from memadvisor.workload import Workload
 
     job = _job(name)
@@ -250,15 +258,47 @@ def _largest_holding(plan: Any, name: str, args: argparse.Namespace, device: Any
         model=job["model"], sample_batch=job["sample_batch"], loss_fn=job.get("loss_fn")
     )
     choices = {k: v for k, v in plan.candidate.choices.items() if k != "batch_size"}
-    config = PlanConfig(
-        budget_bytes=plan.config.budget_bytes,
-        margin_fraction=0.0,
-        verify_steps=plan.config.verify_steps,
+    steps = plan.config.verify_steps
+    budget = plan.config.budget_bytes
+    peaks: dict[int, int] = {}
+
+    def fits(batch: int) -> bool:
+        try:
+            m = device.run(workload, Candidate(batch_size=batch, choices=choices), steps)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            return False
+        peaks[batch] = m.peak_bytes
+        return True
+
+    def extrapolate(batch: int) -> int | None:
+        if batch not in peaks:
+            return None
+        fitted = sorted(peaks)
+        if len(fitted) >= 2:
+            slope = (peaks[fitted[-1]] - peaks[fitted[-2]]) / (fitted[-1] - fitted[-2])
+        else:
+            slope = peaks[batch] / batch  # weights included: a slope too steep, short of it
+        if slope <= 0:
+            return None
+        return batch + max(1, math.ceil((budget - peaks[batch]) / slope))
+
+    start = plan.candidate.batch_size
+    found = find_batch(
+        fits,
+        start,
+        start + 1,
+        0.0,
+        plan.config.max_batch,
+        extrapolate=extrapolate,
+        below=lambda failed: failed - 1,
+        max_extrapolations=4,
+        descend=True,
     )
-    row, _ = measure_configuration(
-        workload, config, choices, profile=plan.profile, device=device, label="holding"
-    )
-    return row.largest_batch
+    row_tried = ", ".join(f"{b}{'' if ok else ' OOM'}" for b, ok in found.tried)
+    print(f"  holding search ({name}): {row_tried} -> {found.batch}", flush=True)
+    return found.batch or None
 
 
 def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -304,16 +344,21 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "compile_backend": args.compile_backend,
     }
+    users: list[dict[str, Any]] = []
+    plains: list[dict[str, Any]] = []
     try:
-        user = _fresh({**spec, "mode": "apply"}, args.timeout_s)
-        plain = _fresh({**spec, "mode": "torch_compile"}, args.timeout_s)
+        # Interleaved (apply, compile, apply, compile, ...): the host's noise between fresh
+        # processes is as large as the gap being measured (docs/design.md).
+        for _ in range(args.repeats):
+            users.append(_fresh({**spec, "mode": "apply"}, args.timeout_s))
+            plains.append(_fresh({**spec, "mode": "torch_compile"}, args.timeout_s))
     finally:
         os.unlink(f.name)
-    row["user_loop"] = user
-    row["user_loop_samples_per_s"] = user.get("samples_per_s")
-    row["user_loop_ooms"] = user.get("ooms")
-    row["torch_compile"] = plain
-    row["torch_compile_samples_per_s"] = plain.get("samples_per_s")
+    row["user_loop"] = users
+    row["user_loop_samples_per_s"] = _median([u.get("samples_per_s") for u in users])
+    row["user_loop_ooms"] = sum(int(u.get("ooms") or 0) for u in users)
+    row["torch_compile"] = plains
+    row["torch_compile_samples_per_s"] = _median([p.get("samples_per_s") for p in plains])
     device = _device(args.device, budget_bytes, name, plan.profile)
     try:
         row["hand"] = {} if args.hand == "none" else _hand(plan, name, args, device)
@@ -327,6 +372,13 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     holding = row["largest_batch_holding"]
     row["batch_over_holding"] = cand.batch_size / holding if holding else None
     return row
+
+
+def _median(values: list[float | None]) -> float | None:
+    import statistics
+
+    seen = [v for v in values if v is not None]
+    return statistics.median(seen) if seen else None
 
 
 # -- table ---------------------------------------------------------------------------------------
@@ -392,6 +444,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compile)")
     parser.add_argument("--hand", choices=("all", "eager", "none"), default="all")
     parser.add_argument("--no-holding", dest="holding", action="store_false")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="user loop / torch.compile pairs, interleaved"
+    )
     parser.add_argument("--compile-backend", default="inductor", help="eager for a CPU smoke")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per fresh process")
     parser.add_argument("--json", type=Path, default=RESULTS, help="append JSON lines here")

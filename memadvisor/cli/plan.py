@@ -112,7 +112,7 @@ def plan(
         typer.Option(
             "--margin",
             help="Share of the budget the plan keeps free (0 to 0.5); default: sized from the "
-            "runs (the pick's measured peak leaves 3% free).",
+            "runs (3% of the budget below the batch that ran out).",
         ),
     ] = None,
     checks: Annotated[

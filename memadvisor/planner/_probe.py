@@ -76,6 +76,7 @@ def find_batch(
     extrapolate: Extrapolate | None = None,
     below: Callable[[int], int] | None = None,
     max_extrapolations: int = 1,
+    descend: bool = False,
 ) -> BatchSearch:
     """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
 
@@ -97,6 +98,10 @@ def find_batch(
             steps a ``margin_fraction`` at a time.
         max_extrapolations: how many times to extrapolate from the latest fit that stayed
             within the margin (the first may probe ``upper`` when there is no guess).
+        descend: after the upward probes met the edge (a failure, or a fit outside the
+            margin, taken as an edge one sample above it), probe the highest batch ``below``
+            allows, then bisect, instead of keeping the last fit inside the margin. The
+            planner's measured margin aims its extrapolation at the edge itself and sets this.
 
     Returns:
         The search; ``batch == 0`` when not even batch 1 fits.
@@ -136,8 +141,27 @@ def find_batch(
                 hi = top
                 break
             if within_margin is not None and not within_margin(top):
+                if descend:
+                    hi = top + 1  # it fitted at the edge: the pick stays below it
                 break
             lo = top
+        if descend and hi is not None:
+            # The first step down goes straight to the highest pickable batch: a measured
+            # slope puts the edge close, so it usually fits; then bisect.
+            target = cap(hi)
+            if lo < target:
+                if run(target):
+                    lo = target
+                else:
+                    hi = target
+            while lo < cap(hi):
+                b = min((lo + hi) // 2, cap(hi))
+                if b <= lo:
+                    break
+                if run(b):
+                    lo = b
+                else:
+                    hi = b
     else:
         hi = start
         failures_before_a_fit = 1

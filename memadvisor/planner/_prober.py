@@ -27,9 +27,10 @@ from memadvisor.workload import Workload
 
 __all__ = ["HEADROOM_FRACTION", "Confirmed", "Prober", "Run", "Tie", "run_steps"]
 
-# The measured margin: what the pick's measured limit (reserved bytes on a card) leaves free
-# of the budget; below a batch that ran out, that many bytes' worth of measured samples. Near
-# the edge the limit moved by a few samples between fresh processes (docs/design.md).
+# The measured margin: how far below the edge the pick stays, as a share of the budget in
+# measured bytes per sample: below the lowest batch that ran out, that many bytes' worth of
+# samples, and a pick's allocated peak leaves that much of the budget free. Near the edge the
+# limit moved by a few samples between fresh processes (docs/design.md, "The measured margin").
 HEADROOM_FRACTION = 0.03
 
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
@@ -125,7 +126,7 @@ class Prober:
 
         def within_margin(batch: int) -> bool:
             m = measured[batch]
-            return m.limit_bytes <= self.pick_limit_bytes(choices, batch)
+            return _held(m, cfg.measured_margin) <= self.pick_limit_bytes(choices, batch)
 
         def extrapolate(batch: int) -> int | None:
             m = measured.get(batch)
@@ -135,12 +136,13 @@ class Prober:
             if slope <= 0:
                 return None
             if cfg.measured_margin:
-                # Half a sample under what the pick may hold: a probe that lands just over it
-                # fits but cannot be taken (within_margin), and the search keeps ``start``.
-                aim = self.pick_limit_bytes(choices, batch) - slope / 2
-            else:
-                # A quarter margin under the usable budget, for the same reason.
-                aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
+                # At the edge itself, where the allocated peak fills the budget: the first
+                # failure (or a fit past the headroom) measures where it is, and the pick is
+                # the headroom's worth of samples below it (find_batch's ``descend``).
+                return batch + max(1, math.ceil((cfg.budget_bytes - m.peak_bytes) / slope))
+            # A quarter margin under the usable budget: a probe that lands just over it fits
+            # but cannot be taken (within_margin), and the search keeps ``start``.
+            aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
             return batch + math.floor((aim - m.limit_bytes) / slope)
 
         upper = self.space.upper_batch(scored)
@@ -156,25 +158,31 @@ class Prober:
             # A measured slope (two runs) lands the next extrapolation where the first one,
             # on the estimate's slope, could not: a pessimistic estimate costs a run, not batch.
             max_extrapolations=3 if cfg.measured_margin else 1,
+            descend=cfg.measured_margin,
         )
         return found, measured
 
     # -- the pick's margin ------------------------------------------------------------------
 
     def sample_bytes(self, choices: dict[str, JsonValue], batch: int) -> float:
-        """What one more sample of ``choices`` adds to a run's limit: measured between the two
-        largest batches of them that fitted when there are two, else the estimate's slope."""
+        """What one more sample of ``choices`` adds to a run's peak: measured between the two
+        largest batches of them that fitted when there are two, else the estimate's slope.
+
+        With the measured margin the peak is the allocated one (:func:`_held`): a card's
+        reserved peak stops growing where it meets the memory cap, long before the edge."""
         fitted = self._fitted.get(json.dumps(choices, sort_keys=True), {})
         if len(fitted) >= 2:
             high, low = sorted(fitted, reverse=True)[:2]
-            slope = (fitted[high].limit_bytes - fitted[low].limit_bytes) / (high - low)
+            held = self.config.measured_margin
+            slope = (_held(fitted[high], held) - _held(fitted[low], held)) / (high - low)
             if slope > 0:
                 return slope
         return self.space.bytes_per_sample(choices, batch)
 
     def pick_limit_bytes(self, choices: dict[str, JsonValue], batch: int) -> float:
-        """The most a run's measured limit may be for its batch to be the pick: the usable
-        budget, or with the measured margin the budget less :data:`HEADROOM_FRACTION`."""
+        """The most a run's measured peak (:func:`_held`) may be for its batch to be the
+        pick: the usable budget, or with the measured margin the budget less
+        :data:`HEADROOM_FRACTION`."""
         cfg = self.config
         if not cfg.measured_margin:
             return cfg.usable_bytes
@@ -238,6 +246,13 @@ class Prober:
             candidate = Candidate(
                 batch_size=batch, accumulation_steps=accumulation, choices=candidate.choices
             )
+
+
+def _held(measured: Measurement, measured_margin: bool) -> int:
+    """The bytes of a run the margin reads: with the measured margin the allocated peak, which
+    grows with the batch up to the edge; else the limit (on a card the reserved peak, which a
+    memory cap holds at the cap once the allocator starts freeing its cache)."""
+    return measured.peak_bytes if measured_margin else measured.limit_bytes
 
 
 def _key(candidate: Candidate) -> str:

@@ -17,7 +17,8 @@ from pydantic import JsonValue
 
 from memadvisor.errors import PlanningError
 from memadvisor.estimate import estimate
-from memadvisor.planner._prober import Confirmed, Prober
+from memadvisor.planner._probe import BatchSearch
+from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Prober
 from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._space import Scored
 from memadvisor.schema.candidate import Candidate
@@ -30,8 +31,11 @@ __all__ = ["ProberStage", "refined_pick"]
 class ProberStage(PickStage):
     """A :class:`~memadvisor.strategy.PickStage` over the plan's prober, for one strategy."""
 
-    def __init__(self, prober: Prober, name: str, ui: Progress) -> None:
+    def __init__(
+        self, prober: Prober, name: str, ui: Progress, reference: Confirmed | None = None
+    ) -> None:
         self._prober, self._name, self._ui = prober, name, ui
+        self._reference = reference  # the pick this stage refines
         self.config = prober.config
         self.profile = prober.space.profile
         self.workload = prober.workload
@@ -47,6 +51,12 @@ class ProberStage(PickStage):
 
         The estimate is eager's (the stage's choice is measured only): the device's answer
         for the eager pick is the better start. The search's top stays the estimate's.
+
+        With the measured margin, a variant that at the refined pick's own batch allocates
+        what that pick did (no more, and less by under the headroom) is confirmed there
+        without searching its edge: the pick's batch already stays the headroom below an edge
+        the device measured, and each new batch of a compiled variant is a compile of its own
+        (tens of seconds on a card). One that allocates more, or much less, gets the search.
         """
         space = self._prober.space
         candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
@@ -56,6 +66,21 @@ class ProberStage(PickStage):
             largest_batch=candidate.batch_size,
             active=len(choices),
         )
+        ref = self._reference
+        if (
+            ref is not None
+            and self.config.measured_margin
+            and ref.candidate.accumulation_steps == 1
+            and ref.candidate.batch_size == candidate.batch_size
+        ):
+            m = self._prober.run(candidate, self._prober.steps, self._name)
+            headroom = HEADROOM_FRACTION * self.config.budget_bytes
+            if m is not None and 0 <= ref.measured.peak_bytes - m.peak_bytes <= headroom:
+                b = candidate.batch_size
+                search = BatchSearch(batch=b, largest_fit=b, tried=[(b, True)])
+                return Confirmed(
+                    candidate=candidate, found_batch=b, measured=m, scored=scored, search=search
+                )
         return self._prober.confirm(scored, stage=self._name)
 
     @property
@@ -83,7 +108,7 @@ def refined_pick(
         if not strategy.measured_only:
             continue
         started = time.perf_counter()
-        result = strategy.refine(ProberStage(prober, strategy.name, ui), pick)
+        result = strategy.refine(ProberStage(prober, strategy.name, ui, pick), pick)
         if result is None:
             continue
         notes += result.notes

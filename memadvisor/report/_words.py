@@ -66,8 +66,8 @@ def device_title(a: Answer) -> str:
 def _margin_words(a: Answer) -> str:
     if a.measured_margin:
         return (
-            f"the pick's measured peak leaves {a.headroom_fraction:.0%} free; the estimate "
-            f"started at {fmt_bytes(a.usable_bytes)}"
+            f"the pick stays {a.headroom_fraction:.0%} of it below the batch that ran out; "
+            f"the estimate started at {fmt_bytes(a.usable_bytes)}"
         )
     return f"{fmt_bytes(a.usable_bytes)} planned after the {a.margin_fraction:.0%} margin"
 

@@ -82,11 +82,11 @@ class PlanConfig(BaseModel):
     # left a CNN at 148 where 166 held: 0.89 of what the card allows.
     measured_margin: bool = Field(
         True,
-        description="The pick is sized from its runs: its measured peak (reserved bytes, on a "
-        "card) leaves planner._plan.HEADROOM_FRACTION (3%) of the budget free, the batch "
-        "search extrapolates along the measured bytes per sample, and below a batch that ran "
-        "out it keeps that headroom's worth of measured samples. False keeps margin_fraction "
-        "for the pick (the CLI's --margin).",
+        description="The pick is sized from its runs: the batch search extrapolates along "
+        "the measured allocated bytes per sample to the batch that fills the budget, and the "
+        "pick stays planner._prober.HEADROOM_FRACTION (3%) of the budget's worth of measured "
+        "samples below the lowest batch that ran out. False keeps margin_fraction for the "
+        "pick (the CLI's --margin).",
     )
     device: DeviceKind = Field(
         "auto",

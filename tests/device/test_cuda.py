@@ -144,10 +144,19 @@ def test_a_workload_without_target_is_saved_and_run_fresh() -> None:
 
 @gpu
 def test_an_unpicklable_workload_falls_back_in_process_from_a_clean_state() -> None:
-    """A lambda loss does not pickle: runs happen in this process, the fallback is noted, and
-    after each run the allocator is back to its baseline."""
+    """A loss holding a lock pickles by no means (cloudpickle sends lambdas, not locks): runs
+    happen in this process, the fallback is noted, and after each run the allocator is back
+    to its baseline."""
+    import threading
+
     workload = _picklable_workload()
-    workload.loss_fn = lambda out, batch: (out - batch).abs().mean()
+    lock = threading.Lock()
+
+    def loss_fn(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        with lock:
+            return (out - batch).abs().mean()
+
+    workload.loss_fn = loss_fn
     device = _device(GIB)
     baseline = torch.cuda.memory_allocated()
     for batch in (64, 128):

@@ -144,6 +144,7 @@ class FakeDevice(Device):
         error_at: int | None = None,
         inverse_times: bool = False,
         runs_cost_more_than_steps: bool = False,
+        reserved_over: float | None = None,
     ) -> None:
         super().__init__(budget_bytes=100 * MIB, name="fake")
         # True models a card: a run's fixed cost dwarfs its steps, so the planner's probes
@@ -154,6 +155,9 @@ class FakeDevice(Device):
         self.short_steps = short_steps
         self.error, self.error_at = error, error_at
         self.inverse_times = inverse_times  # smaller batches "faster": against the estimate
+        # A card's reserved peak: this much over the allocated one, held at the budget by the
+        # memory cap (the allocator frees its cache there rather than fail). None: no reserve.
+        self.reserved_over = reserved_over
         self.calls: list[tuple[int, int, dict]] = []
 
     def limit(self, candidate: Candidate, steps: int) -> int:
@@ -180,8 +184,15 @@ class FakeDevice(Device):
         # Memory grows linearly with the batch and fills the budget half a sample past the
         # threshold: what a run measures says how far the threshold is, as on a card.
         peak = int(b * self.budget_bytes / (self.limit(candidate, steps) + 0.5))
+        reserved = None
+        if self.reserved_over is not None:
+            reserved = min(self.budget_bytes, int(peak * (1 + self.reserved_over)))
         return Measurement(
-            steps=steps, peak_bytes=peak, step_ms=step_ms, samples_per_s=b * k / step_ms * 1e3
+            steps=steps,
+            peak_bytes=peak,
+            reserved_peak_bytes=reserved,
+            step_ms=step_ms,
+            samples_per_s=b * k / step_ms * 1e3,
         )
 
 

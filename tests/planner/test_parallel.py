@@ -30,7 +30,10 @@ def test_fsdp2_over_two_ranks_plans_a_larger_per_rank_batch_than_one_card() -> N
     }
     one = memadvisor.plan(w.model, w.sample_batch, **common)
     two = memadvisor.plan(w.model, w.sample_batch, world_size=2, parallel="fsdp2", **common)
-    assert two.candidate.batch_size > 1.5 * one.candidate.batch_size
+    # Both picks stay the measured headroom below the batch that ran out (454 vs 322 when
+    # written); before that margin was kept, the sharded pick was its first probe, whose
+    # peak filled 99.95% of the budget (485).
+    assert two.candidate.batch_size > 1.3 * one.candidate.batch_size
     ranks = two.verified.rank_peak_bytes
     assert ranks is not None and len(ranks) == 2
     assert two.verified.peak_bytes == max(ranks) <= gib_to_bytes(BUDGET_GB)

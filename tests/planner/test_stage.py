@@ -78,9 +78,14 @@ def turbo_installed(install_plugin):
     install_plugin("turbo_plugin", PLUGIN, {"turbo": "turbo_plugin:Turbo"})
 
 
-def _turbo_device(fake_device, speedup: float):
+def _turbo_device(fake_device, speedup: float, memory: float = 1.0):
     class TurboDevice(fake_device):
-        """Runs with turbo on take 1/speedup of the time (and the same memory)."""
+        """Runs with turbo on take 1/speedup of the time and ``memory`` times the bytes (the
+        threshold moves with them)."""
+
+        def limit(self, candidate: Candidate, steps: int) -> int:
+            base = super().limit(candidate, steps)
+            return int(base / memory) if candidate.choices.get("turbo") == "on" else base
 
         def run(self, workload, candidate: Candidate, steps: int) -> Measurement:
             m = super().run(workload, candidate, steps)
@@ -166,3 +171,23 @@ def test_refine_is_not_asked_of_strategies_that_are_not_measured_only(
         strategies=[Eager(), strategies[1]],
     )
     assert plan.stages == [] and isinstance(plan.candidate, Candidate)
+
+
+@pytest.mark.parametrize(("memory", "searched"), [(1.0, False), (0.7, True)])
+def test_a_variant_that_allocates_what_the_pick_did_is_confirmed_at_its_batch(
+    turbo_installed, workload, profile, strategies, fake_device, memory: float, searched: bool
+) -> None:
+    """A measured variant whose peak at the eager pick's batch is the pick's (within the
+    headroom) is confirmed there in one run: that batch already stays the headroom below the
+    edge the device measured, and on a card each new batch of a compiled variant compiles
+    again. One that allocates 30% less has its own edge searched and gets a larger batch."""
+    device = _turbo_device(fake_device, speedup=1.5, memory=memory)
+    plan = _plan(workload, profile, strategies, device)
+    eager_batch = plan.stages[0].eager_batch_size
+    turbo_runs = [p for p in plan.probes if p.stage == "turbo"]
+    if searched:
+        assert len(turbo_runs) > 1 and plan.candidate.batch_size > eager_batch
+        assert any(not p.fits for p in turbo_runs)  # the edge was measured
+    else:
+        assert [(p.batch_size, p.fits) for p in turbo_runs] == [(eager_batch, True)]
+        assert plan.candidate.batch_size == eager_batch

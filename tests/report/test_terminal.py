@@ -46,7 +46,7 @@ def test_plan_report_gives_the_answer_before_the_evidence(plan: Plan) -> None:
 def test_plan_answer_states_budget_precision_blocks_batch_peaks_and_speedup(plan: Plan) -> None:
     text = _render(print_plan, plan)
     answer = text[: text.index("Configurations compared")]
-    assert "8.00 GiB" in answer and "measured peak leaves 3% free" in answer
+    assert "8.00 GiB" in answer and "stays 3% of it below the batch that ran out" in answer
     assert "bf16 autocast" in answer
     assert "3 of 4 blocks: transformer.h.0, transformer.h.1, transformer.h.2" in answer
     assert "12 × 2 accumulation steps = effective batch 24" in answer
