@@ -17,6 +17,10 @@ defaults that change nothing, so a strategy answers only what it has to say:
 * ``refine``: for a ``measured_only`` strategy, a stage that measures variants of the eager
   pick on the device through a :class:`PickStage` and returns the pick to verify
   (torch.compile: the estimate cannot predict a compiled step, the device can).
+* ``describe``, ``changes_step`` and ``installs``: how the report shows the choice (an
+  answer row of its own or an "Also" entry, its phrase in the one-line answer, its lines in
+  a plain training loop), whether it changes what the device runs, and what ``apply_plan``
+  installs in the forward, in a word.
 
 Known limitations:
     * ``refine`` runs after the eager pick, once per measured-only strategy in registration
@@ -27,6 +31,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,13 +42,14 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.advice import Advice, Check, ReportPart
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe, StageOutcome
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
@@ -225,6 +231,32 @@ class Strategy(ABC):
         only, after the device has chosen the eager pick and before verification.
         """
         return None
+
+    #: What :func:`memadvisor.apply_plan` installs in the model's forward for this strategy,
+    #: in a word ('autocast'), for the comment on the report's adoption code; '': nothing.
+    installs: ClassVar[str] = ""
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
+        """How the report shows ``choice``, the plan's pick's (None when the pick leaves
+        this strategy out); None: nothing to show.
+
+        Default: a non-neutral choice listed under the answer's "Also" as itself (a string)
+        or its JSON; a neutral one not at all. A strategy with words of its own gives its
+        choice an answer row (a label), a phrase in the one-line answer, the profiled step
+        it runs, the blocks it recomputes, and its lines in a plain training loop.
+        """
+        if self.is_neutral(choice):
+            return None
+        return ReportPart(words=choice if isinstance(choice, str) else json.dumps(choice))
+
+    def changes_step(self, choice: JsonValue) -> bool:
+        """Whether ``choice`` changes the step the device runs (default: a non-neutral one).
+
+        A choice that only records the pick (the batch) or advises (optimizer habits) does
+        not: the report then calls a pick that differs from the baseline only by such
+        choices the baseline itself.
+        """
+        return not self.is_neutral(choice)
 
 
 def registered_names() -> list[str]:

@@ -20,7 +20,7 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.schema.advice import Advice
+from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.schema.call import CallForm
 from memadvisor.strategy import Strategy
 from strategies._format import loop_header, loss_line
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
 
 __all__ = ["BatchSize", "accumulation_steps_for", "choice_for"]
@@ -87,6 +88,14 @@ class BatchSize(Strategy):
 
     def is_neutral(self, choice: JsonValue) -> bool:
         return choice in (None, "off")
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
+        """Nothing of its own: the answer's Batch row is the planner's batch itself."""
+        return None
+
+    def changes_step(self, choice: JsonValue) -> bool:
+        """Never: the choice records the pick's batch, which the report compares itself."""
+        return False
 
     def record(self, pick: Candidate, config: PlanConfig) -> JsonValue | None:
         """The pick's batch (and accumulation), so that its advice explains the batch."""

@@ -26,6 +26,7 @@ Known limitations:
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memadvisor._torch_private import is_fake, tensor_version
 from memadvisor.errors import BadInputError
-from memadvisor.schema.advice import Advice
+from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.strategy import Strategy
 from strategies import _forward
 from strategies._format import mib, names_text
@@ -45,9 +46,10 @@ from strategies._format import mib, names_text
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
 
-__all__ = ["ActivationCheckpointing", "CheckpointedForward", "ranked_blocks"]
+__all__ = ["ActivationCheckpointing", "CheckpointedForward", "checkpointed_blocks", "ranked_blocks"]
 
 # Keyword arguments through which HF decoder layers receive a KV cache. A Cache object is
 # updated in place by forward: a recompute would append the same keys and values again.
@@ -219,6 +221,21 @@ def _block_indices(profile: Profile, names: list[str]) -> list[int]:
     return [index[n] for n in names]
 
 
+def checkpointed_blocks(choice: JsonValue, profile: Profile | None) -> list[str]:
+    """Block names a checkpointing choice names, as a plan may hold it: a list of names or
+    of block indices (a choice of any other shape, as its JSON)."""
+    if not isinstance(choice, list):
+        return [] if choice in (None, False, 0, "off", {}) else [json.dumps(choice)]
+    names = [b.name for b in profile.blocks] if profile is not None else []
+    out: list[str] = []
+    for item in choice:
+        if isinstance(item, int) and 0 <= item < len(names):
+            out.append(names[item])
+        else:
+            out.append(str(item))
+    return out
+
+
 def _names(choice: JsonValue) -> list[str]:
     if choice in (None, False):
         return []
@@ -236,6 +253,20 @@ class ActivationCheckpointing(Strategy):
 
     name = "checkpointing"
     effect_order = 50
+    installs = "checkpointing"
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart:
+        """The answer's Checkpointed row ("none" too) and the blocks the pick recomputes."""
+        names = checkpointed_blocks(choice, plan.profile)
+        if not names:
+            return ReportPart(label="Checkpointed", words="none", brief="no checkpointing")
+        of = f" of {len(plan.profile.blocks)}" if plan.profile is not None else ""
+        return ReportPart(
+            label="Checkpointed",
+            words=f"{len(names)}{of} blocks: {', '.join(names)}",
+            brief=f"{len(names)} blocks checkpointed",
+            recomputed_blocks=names,
+        )
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         order = ranked_blocks(profile)

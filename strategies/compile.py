@@ -62,7 +62,7 @@ import torch
 from pydantic import JsonValue
 from torch import nn
 
-from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.call import CallForm
 from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
 from strategies import _forward
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
@@ -126,6 +127,7 @@ class Compile(Strategy):
     # 60): compiling wraps what they installed, so they are compiled with the model.
     effect_order = 80
     measured_only = True
+    installs = "compile"
 
     def __init__(self, choices: Sequence[JsonValue] | None = None) -> None:
         offered = DEFAULT_CHOICES if choices is None else tuple(choices)
@@ -169,6 +171,16 @@ class Compile(Strategy):
             activation_memory_budget=parsed.activation_memory_budget,
         )
         return model
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
+        """The choice under "Also" (the plan's measured stage has its own row), and a loader
+        that drops the last, smaller batch: a second shape would compile a second graph."""
+        part = super().describe(choice, plan)
+        if part is not None:
+            part.loop = LoopLines(
+                loader_args=", drop_last=True", loader_comment="one shape: no second compile"
+            )
+        return part
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """The advice; its effect quotes the trial :meth:`check` ran, when there was one."""

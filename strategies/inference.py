@@ -108,6 +108,11 @@ class Inference(Strategy):
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         return ["advice"] if is_inference(profile) else ["off"]
 
+    def changes_step(self, choice: JsonValue) -> bool:
+        """Never: the profile of an inference workload measured a step without backward
+        already, so every configuration the report compares runs that step, "advice" or not."""
+        return False
+
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         """Nothing: an inference profile already measured a step without backward."""
         _check_choice(choice)

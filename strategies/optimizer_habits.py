@@ -74,6 +74,10 @@ class OptimizerHabits(Strategy):
             return ["off"]  # no optimizer: nothing to advise
         return ["advice"]
 
+    def changes_step(self, choice: JsonValue) -> bool:
+        """Never: "advice" is what the training loop could do, not what the plan runs."""
+        return False
+
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         """Nothing: the advice is what the training loop could do, not what the plan runs."""
         _check_choice(choice)

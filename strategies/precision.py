@@ -28,7 +28,7 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.schema.advice import Advice, Check
+from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.precision import AUTOCAST_DTYPES, FULL, PRECISIONS
 from memadvisor.strategy import Strategy
 from memadvisor.workload import train_step
@@ -38,6 +38,7 @@ from strategies._format import how_known, loss_line, mib
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
@@ -139,10 +140,40 @@ class Precision(Strategy):
     # candidates (docs/design.md, "Re-ranking on the device"): the planner times each
     # precision, everything else plain, beside the estimate's best.
     guarded = True
+    installs = "autocast"
 
     def is_neutral(self, choice: JsonValue) -> bool:
         """fp32 (no autocast) is this strategy's off."""
         return choice in (None, "off", FULL)
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart:
+        """The answer's Precision row (fp32 too), the profiled step the pick runs, and, for
+        a low precision, what autocast inside the forward means for the user's loop: the
+        loss sees low-precision logits, and fp16 needs a GradScaler."""
+        precision = FULL if self.is_neutral(choice) or not isinstance(choice, str) else choice
+        if precision == FULL:
+            return ReportPart(
+                label="Precision", words=f"{FULL} (no autocast)", brief=FULL, step_precision=FULL
+            )
+        how = "estimated" if plan.device_kind == "estimate" else "measured"
+        loop = LoopLines(
+            forward_comment=f"{precision}: autocast runs inside forward",
+            forward_notes=[
+                f"# The plan {how} your loss_fn on these logits as they come; upcast",
+                "# (logits.float()) only if your loss_fn did, or its memory was not planned.",
+            ],
+        )
+        if precision == "fp16":
+            loop.setup = ['scaler = torch.amp.GradScaler("cuda")  # fp16 needs one; bf16 does not']
+            loop.backward = "scaler.scale(loss).backward()"
+            loop.step = "scaler.step(optimizer); scaler.update()"
+        return ReportPart(
+            label="Precision",
+            words=f"{precision} autocast",
+            brief=precision,
+            step_precision=precision if precision in PRECISIONS else None,
+            loop=loop,
+        )
 
     def by_hand(self, options: Sequence[JsonValue]) -> tuple[str, JsonValue] | None:
         """ "+AMP": bf16 autocast where offered, else fp16."""

@@ -1,7 +1,11 @@
-"""Shared test setup: the gpu marker skips without CUDA; examples load by path."""
+"""Shared test setup: the gpu marker skips without CUDA; examples load by path; a third
+party's strategy installs with its entry point as pip would leave it."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,3 +27,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def examples_dir() -> Path:
     return EXAMPLES
+
+
+@pytest.fixture
+def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable]:
+    """``install_plugin(module, source, {name: "module:Class"})``: the module on sys.path with
+    a dist-info whose entry points register its strategies in ``memadvisor.strategies``, as
+    pip would install a third party's package; taken away after the test."""
+    modules: list[str] = []
+
+    def install(module: str, source: str, entry_points: dict[str, str]) -> None:
+        (tmp_path / f"{module}.py").write_text(source)
+        info = tmp_path / f"{module}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+        lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[memadvisor.strategies]\n{lines}")
+        modules.append(module)
+        importlib.invalidate_caches()
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from memadvisor.strategy import registered_names
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("memadvisor", "strategies")
 
@@ -189,3 +191,37 @@ def test_the_planner_and_the_report_import_no_strategy(package: str) -> None:
         if target.split(".")[0] == "strategies"
     ]
     assert offenders == []
+
+
+def named_strategies(path: Path, names: set[str]) -> list[str]:
+    """Where ``path``'s code spells a strategy's registered name as a string (the key a
+    choice is read by: ``choices.get("precision")``), as 'file:line "name"'."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    ]
+
+
+STRATEGY_NAMES = set(registered_names())
+
+
+def test_the_name_scan_is_not_blind() -> None:
+    """The scan finds names where they are known to be spelled (an integration reads the
+    compile stage by name), else an empty scan of the report would pass the test below."""
+    assert {"precision", "checkpointing", "compile", "batch_size"} <= STRATEGY_NAMES
+    found = named_strategies(ROOT / "memadvisor" / "integrations" / "_pick.py", STRATEGY_NAMES)
+    assert any("'compile'" in hit for hit in found)
+
+
+@pytest.mark.parametrize("package", ["planner", "report"])
+def test_the_planner_and_the_report_name_no_strategy(package: str) -> None:
+    """The planner and the report read no strategy's choice by its name: what a choice means
+    to them each strategy says through the contract (the report: ``Strategy.describe``,
+    ``changes_step``, ``installs``), so a third party's strategy is planned and reported as a
+    built-in is. Prose may mention a technique ("blocks can be checkpointed"); a string that
+    is a registered name may not appear."""
+    files = sorted((ROOT / "memadvisor" / package).rglob("*.py"))
+    assert files
+    assert [hit for path in files for hit in named_strategies(path, STRATEGY_NAMES)] == []

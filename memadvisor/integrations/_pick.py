@@ -30,8 +30,9 @@ class Pick:
 
 
 def pick_of(plan: Plan) -> Pick:
-    from memadvisor.report._facts import checkpointed_blocks, plan_precision
+    from memadvisor.report._facts import answer
 
+    said = answer(plan)  # the pick's precision and recomputed blocks, in its strategies' words
     cand = plan.candidate
     # The compile strategy's measured stage (Plan.stages), when the plan weighed compiling.
     stage = next((s for s in plan.stages if s.strategy == "compile"), None)
@@ -47,8 +48,8 @@ def pick_of(plan: Plan) -> Pick:
     return Pick(
         batch_size=cand.batch_size,
         accumulation_steps=cand.accumulation_steps,
-        precision=plan_precision(plan),
-        checkpointed=checkpointed_blocks(cand.choice("checkpointing"), plan.profile),
+        precision=said.precision,
+        checkpointed=said.checkpointed,
         block_count=len(plan.profile.blocks) if plan.profile is not None else None,
         compile_mode=mode,
     )

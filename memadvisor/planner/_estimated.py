@@ -26,11 +26,10 @@ from collections.abc import Sequence
 from memadvisor.device.fake import FakeWorkload, fake_workload, profile_fake
 from memadvisor.errors import BadInputError
 from memadvisor.estimate import estimate
-from memadvisor.planner._budget import check_static_fits, infeasible
 from memadvisor.planner._pick import advice_for, with_records
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._rows import comparison_rows
-from memadvisor.planner._search import search
+from memadvisor.planner._search import ranked_or_infeasible
 from memadvisor.planner._space import SearchSpace
 from memadvisor.profiler import count_step_flops, with_modelled_times
 from memadvisor.schema.candidate import Candidate
@@ -125,16 +124,7 @@ def plan_estimated(
         profile = with_flop_times(fake, profile, time_model)
     chosen = list(strategies) if strategies is not None else load_strategies(config.strategies)
     space = SearchSpace(profile, chosen, config)
-    check_static_fits(profile, config, space.cheapest_peak_bytes())
-    with ui.stage("search", total=None) as bar:
-        ranked = search(space, config.seed, bar.advance)
-    if not ranked:
-        raise infeasible(
-            profile,
-            config,
-            space.cheapest_peak_bytes(),
-            "By the estimate no configuration fits even batch 1.",
-        )
+    ranked = ranked_or_infeasible(space, ui)
     best = ranked[0]
     pick = with_records(best.candidate, chosen, config)
     pick_estimate = estimate(profile, pick, chosen)

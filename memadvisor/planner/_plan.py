@@ -35,7 +35,7 @@ from memadvisor.device import Device, make_device, resolve_kind
 from memadvisor.device.simulated import check_host_holds
 from memadvisor.estimate import estimate
 from memadvisor.memory import release_cached_memory
-from memadvisor.planner._budget import check_static_fits, infeasible
+from memadvisor.planner._budget import infeasible
 from memadvisor.planner._notes import (
     SIMULATED_NOTE,
     fallbacks_first,
@@ -49,7 +49,7 @@ from memadvisor.planner._prober import Confirmed, Prober
 from memadvisor.planner._progress import Progress, stage_totals
 from memadvisor.planner._rerank import best_on_device, timed_candidates
 from memadvisor.planner._rows import comparison_rows, measure_configuration, rows_are_cheap
-from memadvisor.planner._search import search
+from memadvisor.planner._search import ranked_or_infeasible
 from memadvisor.planner._space import SearchSpace
 from memadvisor.planner._stage import refined_pick
 from memadvisor.process_state import preserved_state
@@ -148,17 +148,7 @@ def plan_workload(
                 notes.append(note)  # among the first lines: it decided what may be picked
                 ui.note(note)
             space = SearchSpace(profile, chosen, config)
-            check_static_fits(profile, config, space.cheapest_peak_bytes())
-
-            with ui.stage("search", total=None) as bar:
-                ranked = search(space, config.seed, bar.advance)
-            if not ranked:
-                raise infeasible(
-                    profile,
-                    config,
-                    space.cheapest_peak_bytes(),
-                    "By the estimate no configuration fits even batch 1.",
-                )
+            ranked = ranked_or_infeasible(space, ui)
 
             # What a strategy sets up for the whole plan, before the device starts processes
             # that inherit it (compile: one inductor cache that every probe compiles into).

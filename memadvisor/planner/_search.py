@@ -25,9 +25,11 @@ from collections.abc import Callable, Iterator
 
 import optuna
 
+from memadvisor.planner._budget import check_static_fits, infeasible
+from memadvisor.planner._progress import Progress
 from memadvisor.planner._space import Scored, SearchSpace
 
-__all__ = ["ENUMERATE_UP_TO", "TPE_TRIALS", "search"]
+__all__ = ["ENUMERATE_UP_TO", "TPE_TRIALS", "ranked_or_infeasible", "search"]
 
 ENUMERATE_UP_TO = 1024  # ~1.2 s of Optuna bookkeeping plus ~0.7 ms of estimates each
 TPE_TRIALS = 256
@@ -101,3 +103,26 @@ def search(space: SearchSpace, seed: int, advance: Advance | None = None) -> lis
         if scored is not None:
             best.setdefault(scored.choices_json, scored)
     return sorted(best.values(), key=space.key)
+
+
+def ranked_or_infeasible(space: SearchSpace, ui: Progress) -> list[Scored]:
+    """:func:`search` under the plan's "search" progress stage, once the static bytes are
+    known to fit: the ranking, never empty.
+
+    Raises:
+        InfeasibleBudgetError: the weights, gradients and optimizer state alone exceed the
+            budget, or no combination fits even batch 1; the message names the minimum
+            budget and what would shrink the static bytes.
+    """
+    profile, config = space.profile, space.config
+    check_static_fits(profile, config, space.cheapest_peak_bytes())
+    with ui.stage("search", total=None) as bar:
+        ranked = search(space, config.seed, bar.advance)
+    if not ranked:
+        raise infeasible(
+            profile,
+            config,
+            space.cheapest_peak_bytes(),
+            "By the estimate no configuration fits even batch 1.",
+        )
+    return ranked

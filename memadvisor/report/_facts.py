@@ -2,20 +2,24 @@
 
 The terminal and the HTML renderers only lay these facts out; neither does arithmetic of
 its own, so the two can never disagree. The facts are pydantic models because the HTML
-embeds them as JSON for its charts.
+embeds them as JSON for its charts. What a strategy's choice means (its answer row, the
+profiled step it runs, the blocks it recomputes) each strategy says itself
+(``report._parts``): the report names none.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field
 
+from memadvisor.report._parts import changes, others, parts, plan_strategies
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import Plan, Row, StageOutcome
+from memadvisor.schema.precision import FULL
 from memadvisor.schema.profile import Profile, StepProfile
+from memadvisor.strategy import Strategy
 
 __all__ = [
     "Answer",
@@ -26,23 +30,17 @@ __all__ = [
     "PhaseLine",
     "PredictedPhases",
     "answer",
-    "checkpointed_blocks",
     "comparison",
     "consumers",
     "device_runs",
     "kinds_at_plan_peak",
     "kinds_of_profile",
     "phases",
-    "plan_precision",
     "predicted_phases",
     "series_from_events",
     "series_from_phases",
     "series_from_timeline",
 ]
-
-# Strategies the answer names in words of its own; any other non-neutral choice is listed.
-_NAMED_STRATEGIES = ("precision", "checkpointing", "batch_size")
-_NEUTRAL: tuple[JsonValue, ...] = (None, False, 0, [], "off", "fp32", {})
 
 
 class _Model(BaseModel):
@@ -63,8 +61,21 @@ class Answer(_Model):
     )
     headroom_fraction: float = Field(0.0, description="What the measured margin leaves free.")
     objective: str
-    precision: str
-    checkpointed: list[str] = Field(description="Names of the checkpointed blocks.")
+    precision: str = Field(
+        description="The profiled step the pick runs (a key of Profile.steps), as its "
+        "strategies say; fp32 when none changes it."
+    )
+    checkpointed: list[str] = Field(
+        description="Names of the blocks the pick recomputes in backward, as its strategies say."
+    )
+    choice_rows: list[tuple[str, str]] = Field(
+        default_factory=list,
+        description="(label, words) of each strategy that gives the pick's choice a row of its "
+        "own, in effect order, in the strategy's words.",
+    )
+    briefs: list[str] = Field(
+        default_factory=list, description="The strategies' phrases in the one-line answer."
+    )
     block_count: int | None = Field(None, description="Blocks the profile found; None unknown.")
     batch_size: int
     accumulation_steps: int
@@ -194,26 +205,6 @@ class MemorySeries(_Model):
 # -- the plan ---------------------------------------------------------------------------------
 
 
-def plan_precision(plan: Plan) -> str:
-    """The pick's precision: the precision strategy's choice, fp32 when it is off."""
-    choice = plan.candidate.choice("precision")
-    return choice if isinstance(choice, str) else "fp32"
-
-
-def checkpointed_blocks(choice: JsonValue, profile: Profile | None) -> list[str]:
-    """Block names a checkpointing choice names: a list of names or of block indices."""
-    if not isinstance(choice, list):
-        return [] if choice in _NEUTRAL else [json.dumps(choice)]
-    names = [b.name for b in profile.blocks] if profile is not None else []
-    out: list[str] = []
-    for item in choice:
-        if isinstance(item, int) and 0 <= item < len(names):
-            out.append(names[item])
-        else:
-            out.append(str(item))
-    return out
-
-
 def _baseline(rows: Sequence[Row]) -> Row | None:
     for row in rows:
         if row.label.strip().lower().startswith("baseline"):
@@ -227,18 +218,10 @@ def _rate(row: Row) -> tuple[float, bool]:
     return row.estimate.samples_per_s, False
 
 
-def _runs(cand: Candidate) -> tuple:
-    """What a candidate runs: its batch and every choice that changes the step.
-
-    Left out: neutral choices, the batch_size strategy's record of the batch (the batch is
-    compared itself) and advice-only choices ("advice"), which change nothing that runs.
-    """
-    changes = {
-        name: json.dumps(choice, sort_keys=True)
-        for name, choice in cand.choices.items()
-        if name != "batch_size" and choice not in _NEUTRAL and choice != "advice"
-    }
-    return cand.batch_size, cand.accumulation_steps, changes
+def _runs(cand: Candidate, strategies: Sequence[Strategy]) -> tuple:
+    """What a candidate runs: its batch and every choice that changes the step (each
+    strategy says which of its choices do: a record of the batch or advice does not)."""
+    return cand.batch_size, cand.accumulation_steps, changes(cand, strategies)
 
 
 def _headroom_fraction() -> float:
@@ -277,13 +260,9 @@ def answer(plan: Plan) -> Answer:
     base = _baseline(plan.comparison)
     base_rate, base_measured = _rate(base) if base is not None else (None, False)
     speedup, basis = _speedup(plan, base, rate if measured else None)
-    # A measured stage the planner ran has an answer line of its own (the Compile row).
-    named = (*_NAMED_STRATEGIES, *(stage.strategy for stage in plan.stages))
-    others = {
-        name: choice if isinstance(choice, str) else json.dumps(choice)
-        for name, choice in cand.choices.items()
-        if name not in named and choice not in _NEUTRAL
-    }
+    strategies = plan_strategies(plan)
+    found = parts(plan, strategies)
+    steps = [p.step_precision for p in found.values() if p.step_precision is not None]
     return Answer(
         model_name=plan.model_name,
         device_kind=plan.device_kind,
@@ -294,8 +273,10 @@ def answer(plan: Plan) -> Answer:
         measured_margin=plan.config.measured_margin,
         headroom_fraction=_headroom_fraction(),
         objective=plan.config.objective,
-        precision=plan_precision(plan),
-        checkpointed=checkpointed_blocks(cand.choice("checkpointing"), profile),
+        precision=steps[-1] if steps else FULL,
+        checkpointed=[b for p in found.values() for b in p.recomputed_blocks],
+        choice_rows=[(p.label, p.words) for p in found.values() if p.label],
+        briefs=[p.brief for p in found.values() if p.brief],
         block_count=len(profile.blocks) if profile is not None else None,
         batch_size=cand.batch_size,
         accumulation_steps=cand.accumulation_steps,
@@ -312,8 +293,9 @@ def answer(plan: Plan) -> Answer:
         baseline_measured=base_measured,
         speedup=speedup,
         speedup_basis=basis,
-        same_as_baseline=base is not None and _runs(base.candidate) == _runs(cand),
-        other_choices=others,
+        same_as_baseline=base is not None
+        and _runs(base.candidate, strategies) == _runs(cand, strategies),
+        other_choices=others(plan, strategies, found),
         stages=list(plan.stages),
         notes=list(plan.notes),
     )

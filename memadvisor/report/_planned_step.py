@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from memadvisor.profiler import OpAllocation
 from memadvisor.report._facts import MemorySeries, answer, series_from_timeline
+from memadvisor.report._words import choices_lead
 
 if TYPE_CHECKING:
     from memadvisor.schema.plan import Plan
@@ -53,10 +54,9 @@ def planned_step(workload: Workload, plan: Plan, *, in_place: bool) -> PlannedSt
     apply_plan(workload.model, plan)
     # fp32 here: the applied plan's own autocast wraps the forward already.
     timeline = record_timeline(workload, batch_size=a.batch_size, device=device)
-    ckpt = f"{len(a.checkpointed)} blocks checkpointed" if a.checkpointed else "no checkpointing"
     series = series_from_timeline(
         timeline,
-        caption=f"One step of the plan ({a.precision}, {ckpt}, micro-batch {a.batch_size}) "
+        caption=f"One step of the plan ({choices_lead(a)}micro-batch {a.batch_size}) "
         f"recorded module by module on {timeline.device}.",
     )
     ops = top_allocations(workload, batch_size=a.batch_size, device=device)

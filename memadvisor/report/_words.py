@@ -11,6 +11,7 @@ __all__ = [
     "OPS_NOTE",
     "OWNERS_NOTE",
     "answer_rows",
+    "choices_lead",
     "device_title",
     "fragmentation",
     "kind_words",
@@ -78,8 +79,7 @@ def answer_rows(a: Answer) -> list[tuple[str, str]]:
             "Budget",
             f"{fmt_bytes(a.budget_bytes)} ({_margin_words(a)}) · objective: {a.objective}",
         ),
-        ("Precision", "fp32 (no autocast)" if a.precision == "fp32" else f"{a.precision} autocast"),
-        ("Checkpointed", _checkpointed(a)),
+        *a.choice_rows,
         ("Batch", _batch(a)),
         ("Peak", _peak(a)),
         ("Throughput", _throughput(a)),
@@ -88,6 +88,12 @@ def answer_rows(a: Answer) -> list[tuple[str, str]]:
     if a.other_choices:
         rows.append(("Also", ", ".join(f"{k}: {v}" for k, v in a.other_choices.items())))
     return rows
+
+
+def choices_lead(a: Answer) -> str:
+    """The pick's choices as the start of a phrase ('bf16, no checkpointing, '), in their
+    strategies' words, for the one-line answer and the chart's caption; '' without any."""
+    return "".join(f"{words}, " for words in a.briefs)
 
 
 def _stage(a: Answer, outcome: StageOutcome) -> str:
@@ -100,13 +106,6 @@ def _stage(a: Answer, outcome: StageOutcome) -> str:
         eager = f"the eager pick's {fmt_rate(outcome.eager_samples_per_s)} samples/s"
         words += f": {fmt_ratio(a.samples_per_s / outcome.eager_samples_per_s)} {eager}"
     return " · ".join([words, *outcome.costs])
-
-
-def _checkpointed(a: Answer) -> str:
-    if not a.checkpointed:
-        return "none"
-    of = f" of {a.block_count}" if a.block_count is not None else ""
-    return f"{len(a.checkpointed)}{of} blocks: {', '.join(a.checkpointed)}"
 
 
 def _batch(a: Answer) -> str:

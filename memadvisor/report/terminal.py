@@ -20,6 +20,7 @@ from memadvisor.report._words import (
     OPS_NOTE,
     OWNERS_NOTE,
     answer_rows,
+    choices_lead,
     device_title,
     fragmentation,
     kind_words,
@@ -156,10 +157,9 @@ def _section(console: Console, title: str, table: Table, note: str | None = None
 def one_line(plan: Plan) -> str:
     """The answer in one line, for ``--quiet`` and logs."""
     a = facts.answer(plan)
-    ckpt = f"{len(a.checkpointed)} blocks checkpointed" if a.checkpointed else "no checkpointing"
     peak = a.verified_peak_bytes if a.verified_peak_bytes is not None else a.estimated_peak_bytes
     return (
-        f"{a.model_name}: {a.precision}, {ckpt}, batch {a.batch_size} x {a.accumulation_steps}, "
+        f"{a.model_name}: {choices_lead(a)}batch {a.batch_size} x {a.accumulation_steps}, "
         f"peak {fmt_bytes(peak)} {'verified' if a.verified_peak_bytes is not None else 'estimated'}"
         f" of {fmt_bytes(a.budget_bytes)}, {fmt_rate(a.samples_per_s)} samples/s"
     )

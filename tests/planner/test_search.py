@@ -8,9 +8,11 @@ import optuna
 import pytest
 from pydantic import JsonValue
 
+from memadvisor.errors import InfeasibleBudgetError
 from memadvisor.estimate import StepModel, estimate
 from memadvisor.planner import _search
-from memadvisor.planner._search import search
+from memadvisor.planner._progress import Progress
+from memadvisor.planner._search import ranked_or_infeasible, search
 from memadvisor.planner._space import SearchSpace, largest_batch, micro_batch_for
 from memadvisor.schema.advice import Advice
 from memadvisor.schema.candidate import Candidate
@@ -121,3 +123,27 @@ def test_a_large_space_is_sampled_with_tpe_and_the_same_seed_gives_the_same_rank
         runs.append([s.choices_json for s in search(space, seed=7)])
     assert runs[0] == runs[1] and 0 < len(runs[0]) <= 30
     assert optuna.logging.get_verbosity() == level
+
+
+def test_ranked_or_infeasible_ranks_or_says_what_does_not_fit(profile, strategies) -> None:
+    """The planner's one way into the search (a plan with a device and one without): the
+    ranking where something fits; where the static bytes fit but not even batch 1 does, the
+    error says so; where the static bytes alone exceed the budget, it names them."""
+    ui = Progress(enabled=False)
+    roomy = SearchSpace(profile, strategies, PlanConfig(budget_bytes=100 * MIB))
+    assert ranked_or_infeasible(roomy, ui) == search(roomy, seed=0)
+
+    # The smallest budget whose usable part holds the static bytes: no room for batch 1.
+    budget = next(
+        b
+        for b in itertools.count(profile.static_bytes, 1024)
+        if PlanConfig(budget_bytes=b).usable_bytes >= profile.static_bytes
+    )
+    tight = SearchSpace(profile, strategies, PlanConfig(budget_bytes=budget))
+    assert search(tight, seed=0) == []
+    with pytest.raises(InfeasibleBudgetError, match="no configuration fits even batch 1"):
+        ranked_or_infeasible(tight, ui)
+
+    starved = SearchSpace(profile, strategies, PlanConfig(budget_bytes=profile.static_bytes // 2))
+    with pytest.raises(InfeasibleBudgetError, match="optimizer state alone take"):
+        ranked_or_infeasible(starved, ui)

@@ -6,8 +6,6 @@ reported in its own words. Nothing in the planner or the report knows its name.
 
 from __future__ import annotations
 
-import importlib.metadata
-import sys
 import textwrap
 
 import pytest
@@ -75,17 +73,9 @@ PLUGIN = textwrap.dedent(
 
 
 @pytest.fixture
-def turbo_installed(tmp_path, monkeypatch):
+def turbo_installed(install_plugin):
     """turbo_plugin installed on sys.path with its entry point, as pip would leave it."""
-    (tmp_path / "turbo_plugin.py").write_text(PLUGIN)
-    info = tmp_path / "turbo_plugin-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: turbo-plugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[memadvisor.strategies]\nturbo = turbo_plugin:Turbo\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    yield sys.modules.get("turbo_plugin")
-    sys.modules.pop("turbo_plugin", None)
+    install_plugin("turbo_plugin", PLUGIN, {"turbo": "turbo_plugin:Turbo"})
 
 
 def _turbo_device(fake_device, speedup: float, memory: float = 1.0):

@@ -54,11 +54,19 @@ def test_a_pick_that_runs_what_the_baseline_runs_is_not_compared_by_ratio(plan: 
     assert not facts.answer(plan.model_copy(update={"candidate": bigger})).same_as_baseline
 
 
-def test_checkpointed_blocks_reads_names_or_indices(profile: Profile) -> None:
-    assert facts.checkpointed_blocks(["transformer.h.1"], profile) == ["transformer.h.1"]
-    assert facts.checkpointed_blocks([0, 3], profile) == ["transformer.h.0", "transformer.h.3"]
-    assert facts.checkpointed_blocks([], profile) == []
-    assert facts.checkpointed_blocks(None, profile) == []
+def test_checkpointed_blocks_reads_names_or_indices(plan: Plan) -> None:
+    """The checkpointing strategy's part names the blocks a choice names, by name or index."""
+
+    def blocks(choice) -> list[str]:
+        cand = plan.candidate.model_copy(
+            update={"choices": {**plan.candidate.choices, "checkpointing": choice}}
+        )
+        return facts.answer(plan.model_copy(update={"candidate": cand})).checkpointed
+
+    assert blocks(["transformer.h.1"]) == ["transformer.h.1"]
+    assert blocks([0, 3]) == ["transformer.h.0", "transformer.h.3"]
+    assert blocks([]) == []
+    assert blocks(None) == []
 
 
 def test_comparison_appends_the_pick_and_marks_what_was_measured(plan: Plan) -> None:
