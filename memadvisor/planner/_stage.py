@@ -100,7 +100,7 @@ class ProberStage(PickStage):
         batch = candidate.batch_size + int(spare // slope)
         if batch <= candidate.batch_size or batch > self.config.max_batch:
             return None
-        larger = candidate.model_copy(update={"batch_size": batch})
+        larger = Candidate(batch_size=batch, choices=candidate.choices)
         m = self._prober.run(larger, self._prober.steps, self._name)
         if m is None or m.peak_bytes > ref.measured.peak_bytes:
             return None
