@@ -25,7 +25,7 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
     python bench/user_path.py --models cnn,gpt                        # ~5 min each on an H200
     python bench/user_path.py --models vit_b_16 --hand eager          # fewer device runs
     python bench/user_path.py --table bench/results/user_path.jsonl   # the table again
-    python bench/user_path.py --device simulated --models gpt --budget-gib 0.05 \\
+    python bench/user_path.py --device simulated --models cnn --budget-gib 0.25 \\
         --steps 6 --warmup 2 --compile-backend eager --hand eager --json /tmp/u.jsonl  # CPU
 
 Models: gpt, cnn, llama (examples/); resnet18, resnet50, convnext_tiny, vit_b_16

@@ -109,6 +109,13 @@ def plan_config(
             f"{said['objective']} effective_batch needs {said['effective_batch']} N, the batch "
             f"you train with, but got {effective_batch=}."
         )
+    if effective_batch is not None and objective != "effective_batch":
+        # Planned silently, the batch the user trains with would be ignored.
+        raise BadInputError(
+            f"{said['effective_batch']} {effective_batch} is kept only by {said['objective']} "
+            f"effective_batch, but got {objective=}: drop {said['objective']} (it then "
+            f"defaults to effective_batch) or drop {said['effective_batch']}."
+        )
     if strategy_options:
         fields["options"] = {**fields.get("options", {}), **strategy_options}
     try:

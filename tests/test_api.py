@@ -248,6 +248,11 @@ def test_a_budget_below_the_weights_fails_at_once_naming_the_minimum() -> None:
         ({"budget_gb": 1, "verify_step": 20}, "verify_step"),
         ({"budget_gb": 1, "margin_fraction": 0.9}, "margin_fraction"),
         ({"budget_gb": 1, "objective": "effective_batch"}, "effective_batch"),
+        # An effective batch another objective would ignore: refused, not planned past.
+        (
+            {"budget_gb": 1, "objective": "largest_batch", "effective_batch": 256},
+            "effective_batch 256 is kept only by objective effective_batch",
+        ),
     ],
 )
 def test_bad_options_are_bad_input_naming_the_value(kwargs: dict, words: str) -> None:
