@@ -86,11 +86,6 @@ class Measurement(BaseModel):
         description="Runs on several ranks (DDP, FSDP2): each rank's peak, rank 0 first; "
         "peak_bytes is the largest. None for a run on one device.",
     )
-    rank_peak_bytes: list[int] | None = Field(
-        None,
-        description="Runs on several ranks (DDP, FSDP2): each rank's peak, rank 0 first; "
-        "peak_bytes is the largest. None for a run on one device.",
-    )
 
     @property
     def limit_bytes(self) -> int:
