@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from pydantic import JsonValue
 
-from memadvisor.planner._prober import Confirmed, Tie
+from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Tie
 from memadvisor.planner._rerank import TIE_FRACTION
 from memadvisor.schema.advice import Check
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -44,10 +44,14 @@ def pick_notes(config: PlanConfig, pick: Candidate, best: Confirmed) -> list[str
             f"rounded up ({pick.batch_size} x {pick.accumulation_steps})."
         )
     found = best.search
+    limit = (
+        f"the budget less the {HEADROOM_FRACTION:.0%} headroom"
+        if config.measured_margin
+        else "usable budget (budget less margin)"
+    )
     if found.lowest_failure is None and found.probe_count > 1:
         kept = (
-            f" and kept {best.found_batch}: the higher one's measured peak passed the "
-            "usable budget (budget less margin)."
+            f" and kept {best.found_batch}: the higher one's measured peak passed {limit}."
             if best.found_batch < found.largest_fit
             else " (its measured peak left the margin free)."
         )
@@ -69,6 +73,17 @@ def runs_note(
     search = best.search.probe_count
     tried = ", ".join(f"{b} {'fits' if ok else 'OOM'}" for b, ok in best.search.tried)
     text = f"The pick's batch took {search} device run{'s' if search != 1 else ''} ({tried})"
+    found = best.search
+    if (
+        config.measured_margin
+        and found.lowest_failure is not None
+        and best.found_batch < found.largest_fit
+    ):
+        text += (
+            f"; kept {best.found_batch} where {found.largest_fit} also fitted: the pick stays "
+            f"{HEADROOM_FRACTION:.0%} of the budget's worth of measured samples below "
+            f"{found.lowest_failure}, which ran out, as the edge moves between fresh processes"
+        )
     if not any(r.stage == "verify" for r in runs):
         return (
             f"{text}; the pick's own {verified.steps}-step run from a clean state (at least "

@@ -1,0 +1,48 @@
+"""The plan's notes on the pick's batch say why a batch that fitted was not taken.
+
+Rule: with the measured margin, when a run above the pick fitted and a higher one ran out,
+the note names the pick, the larger batch that fitted and the one that ran out, and the
+headroom that separates them; with no such fit above the pick it says nothing of it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from memadvisor.planner._notes import runs_note
+from memadvisor.planner._probe import BatchSearch
+from memadvisor.schema.candidate import Measurement
+from memadvisor.schema.config import PlanConfig
+
+MIB = 2**20
+VERIFIED = Measurement(steps=20, peak_bytes=90 * MIB, step_ms=1.0, samples_per_s=1.0)
+
+
+def _best(tried: list[tuple[int, bool]], batch: int) -> SimpleNamespace:
+    search = BatchSearch(
+        batch=batch,
+        largest_fit=max(b for b, ok in tried if ok),
+        lowest_failure=min((b for b, ok in tried if not ok), default=None),
+        tried=tried,
+    )
+    return SimpleNamespace(search=search, found_batch=batch)
+
+
+def test_a_fit_above_the_pick_is_explained_by_the_headroom_below_the_failure() -> None:
+    """101 ran out, 97 fitted, 96 kept (the ViT-B/16 search on an H200): the note says so."""
+    best = _best([(101, False), (92, True), (96, True), (97, True)], 96)
+    config = PlanConfig(budget_bytes=100 * MIB)
+    note = runs_note([], best, VERIFIED, config)  # type: ignore[arg-type]
+    assert "(101 OOM, 92 fits, 96 fits, 97 fits)" in note
+    assert "kept 96 where 97 also fitted" in note and "below 101, which ran out" in note
+    assert "3% of the budget" in note
+
+
+def test_no_fit_above_the_pick_no_explanation() -> None:
+    """The pick is the largest fit (or the margin is fixed): nothing to explain."""
+    config = PlanConfig(budget_bytes=100 * MIB)
+    plain = runs_note([], _best([(41, False), (39, True)], 39), VERIFIED, config)  # type: ignore[arg-type]
+    assert "kept" not in plain
+    fixed = PlanConfig(budget_bytes=100 * MIB, margin_fraction=0.08)
+    best = _best([(101, False), (92, True), (96, True), (97, True)], 92)
+    assert "kept" not in runs_note([], best, VERIFIED, fixed)  # type: ignore[arg-type]
