@@ -145,41 +145,32 @@ def find_batch(
                     hi = top + 1  # it fitted at the edge: the pick stays below it
                 break
             lo = top
-        if descend and hi is not None:
-            # The first step down goes straight to the highest pickable batch: a measured
-            # slope puts the edge close, so it usually fits; then bisect.
-            target = cap(hi)
-            if lo < target:
-                if run(target):
-                    lo = target
-                else:
-                    hi = target
-            while lo < cap(hi):
-                b = min((lo + hi) // 2, cap(hi))
-                if b <= lo:
-                    break
-                if run(b):
-                    lo = b
-                else:
-                    hi = b
+        # Only ``descend`` steps down from a fit (else ``start`` stays): a measured slope
+        # puts the edge close, so the highest pickable batch usually fits; then bisect.
+        stepping_down = straight_to_target = descend and hi is not None
     else:
         hi = start
-        failures_before_a_fit = 1
-        while lo < cap(hi):
-            target = cap(hi)
-            if lo == 0 and failures_before_a_fit <= _MARGIN_DESCENTS:
-                # The estimate was a little optimistic: the margin below the failure.
-                b = min(target, max(1, safe_below(hi, margin_fraction)))
-            elif lo == 0:
-                b = min(max(1, hi // 2), target)  # far off: halve
-            else:
-                b = min((lo + hi) // 2, target)
-            if run(b):
-                lo = b
-            else:
-                hi = b
-                if lo == 0:
-                    failures_before_a_fit += 1
+        stepping_down, straight_to_target = True, False
+    failures_before_a_fit = 1
+    while stepping_down and lo < cap(hi):
+        target = cap(hi)
+        if straight_to_target:
+            b, straight_to_target = target, False
+        elif lo == 0 and failures_before_a_fit <= _MARGIN_DESCENTS:
+            # The estimate was a little optimistic: the margin below the failure.
+            b = min(target, max(1, safe_below(hi, margin_fraction)))
+        elif lo == 0:
+            b = min(max(1, hi // 2), target)  # far off: halve
+        else:
+            b = min((lo + hi) // 2, target)
+        if b <= lo:
+            break
+        if run(b):
+            lo = b
+        else:
+            hi = b
+            if lo == 0:
+                failures_before_a_fit += 1
     search.batch = lo if hi is None else min(lo, cap(hi))
     return search
 
