@@ -77,23 +77,25 @@ class ProberStage(PickStage):
         ):
             m = self._prober.run(candidate, self._prober.steps, self._name)
             if m is not None and m.peak_bytes <= ref.measured.peak_bytes:
+                search = BatchSearch(tried=[(candidate.batch_size, True)])
                 spare = ref.measured.peak_bytes - m.peak_bytes
                 if spare > HEADROOM_FRACTION * self.config.budget_bytes:
-                    larger = self._larger(candidate, spare, ref)
+                    larger = self._larger(candidate, spare, ref, search)
                     if larger is not None:
                         candidate, m = larger
                 b = candidate.batch_size
-                search = BatchSearch(batch=b, largest_fit=b, tried=[(b, True)])
+                search.batch = search.largest_fit = b
                 return Confirmed(
                     candidate=candidate, found_batch=b, measured=m, scored=scored, search=search
                 )
         return self._prober.confirm(scored, stage=self._name)
 
     def _larger(
-        self, candidate: Candidate, spare: int, ref: Confirmed
+        self, candidate: Candidate, spare: int, ref: Confirmed, search: BatchSearch
     ) -> tuple[Candidate, Measurement] | None:
         """The batch at which ``candidate``'s choices would allocate what ``ref`` did, if it
-        fits within that: ``spare`` bytes along the pick's measured bytes per sample."""
+        fits within that: ``spare`` bytes along the pick's measured bytes per sample. The run
+        goes into ``search``'s record (a failure as its lowest)."""
         slope = self._prober.sample_bytes(ref.candidate.choices, ref.candidate.batch_size)
         if slope <= 0:
             return None
@@ -102,7 +104,11 @@ class ProberStage(PickStage):
             return None
         larger = Candidate(batch_size=batch, choices=candidate.choices)
         m = self._prober.run(larger, self._prober.steps, self._name)
-        if m is None or m.peak_bytes > ref.measured.peak_bytes:
+        search.tried.append((batch, m is not None))
+        if m is None:
+            search.lowest_failure = batch
+            return None
+        if m.peak_bytes > ref.measured.peak_bytes:
             return None
         return larger, m
 

@@ -198,5 +198,8 @@ def test_a_variant_that_allocates_no_more_than_the_pick_is_confirmed_without_its
     elif memory < 1.0:
         assert turbo_runs == [(eager_batch, True), (batch, True)] and batch > eager_batch
         assert plan.verified.peak_bytes <= eager_peak
+        # The plan's note counts both runs of the pick's batch, not the last one alone.
+        runs = f"took 2 device runs ({eager_batch} fits, {batch} fits)"
+        assert any(runs in n for n in plan.notes), plan.notes
     else:
         assert any(not fits for _, fits in turbo_runs) and batch < eager_batch
