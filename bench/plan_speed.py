@@ -32,21 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _targets import targets  # bench/, first on sys.path when run as a script
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-MODELS_FILE = HERE.parent / "_models.py"
 RESULTS = HERE.parent / "results" / "plan_speed.jsonl"
 
-MODELS = {
-    "gpt": f"{ROOT}/examples/gpt.py:build",
-    "gpt2": f"{MODELS_FILE}:gpt2",
-    "cnn": f"{ROOT}/examples/cnn.py:build",
-    "llama": f"{ROOT}/examples/llama.py:build",
-    "resnet18": f"{MODELS_FILE}:resnet18_b8",
-    "convnext_tiny": f"{MODELS_FILE}:convnext_tiny_b8",
-    "bert": f"{MODELS_FILE}:bert_base_b4",
-    "llama_small": f"{MODELS_FILE}:llama_small",
-}
+MODELS = targets("gpt", "gpt2", "cnn", "llama", "resnet18", "convnext_tiny", "bert", "llama_small")
 STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
 
 

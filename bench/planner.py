@@ -45,21 +45,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _targets import targets  # bench/, first on sys.path when run as a script
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[1]
 GIB = 2**30
-MODELS_FILE = HERE.parent / "_models.py"  # the non-example factories, loaded by path
 
-MODELS = {
-    "gpt": f"{ROOT}/examples/gpt.py:build",
-    "cnn": f"{ROOT}/examples/cnn.py:build",
-    "llama": f"{ROOT}/examples/llama.py:build",
-    "resnet18": f"{MODELS_FILE}:resnet18_b8",
-    "convnext_tiny": f"{MODELS_FILE}:convnext_tiny_b8",
-    "bert": f"{MODELS_FILE}:bert_base_b4",
-    "llama_small": f"{MODELS_FILE}:llama_small",
-}
+MODELS = targets("gpt", "cnn", "llama", "resnet18", "convnext_tiny", "bert", "llama_small")
 DEFAULT_MODELS = "gpt,cnn,resnet18,convnext_tiny,bert,llama_small"
 
 

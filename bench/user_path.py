@@ -46,23 +46,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _targets import TARGETS  # bench/, first on sys.path when run as a script
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 GIB = 2**30
 RESULTS = HERE.parent / "results" / "user_path.jsonl"
-MODELS_FILE = HERE.parent / "_models.py"
-MODELS = {
-    "gpt": f"{ROOT}/examples/gpt.py:build",
-    "cnn": f"{ROOT}/examples/cnn.py:build",
-    "llama": f"{ROOT}/examples/llama.py:build",
-    "resnet18": f"{MODELS_FILE}:resnet18_b8",
-    "convnext_tiny": f"{MODELS_FILE}:convnext_tiny_b8",
-    "vit_b_16": f"{MODELS_FILE}:vit_b_16",
-    "resnet50": f"{MODELS_FILE}:resnet50",
-    "gpt2": f"{MODELS_FILE}:gpt2",
-    "bert": f"{MODELS_FILE}:bert_base_b4",
-    "llama_small": f"{MODELS_FILE}:llama_small",
-}
+MODELS = dict(TARGETS)
 DEFAULT_MODELS = "gpt,cnn,llama,resnet18,resnet50,convnext_tiny,vit_b_16,gpt2,bert,llama_small"
 HAND = ("fp32", "fp32+ckpt", "bf16", "bf16+ckpt")
 
