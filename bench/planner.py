@@ -47,7 +47,6 @@ from typing import Any
 import torch
 from _targets import targets  # bench/, first on sys.path when run as a script
 
-HERE = Path(__file__).resolve()
 GIB = 2**30
 
 MODELS = targets("gpt", "cnn", "llama", "resnet18", "convnext_tiny", "bert", "llama_small")
