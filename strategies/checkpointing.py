@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,29 +50,57 @@ if TYPE_CHECKING:
     from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
 
-__all__ = ["ActivationCheckpointing", "CheckpointedForward", "checkpointed_blocks", "ranked_blocks"]
+__all__ = [
+    "ActivationCheckpointing",
+    "CheckpointedForward",
+    "checkpointed_blocks",
+    "is_mutable_cache",
+    "ranked_blocks",
+]
 
-# Keyword arguments through which HF decoder layers receive a KV cache. A Cache object is
-# updated in place by forward: a recompute would append the same keys and values again.
-_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
 _warned: set[str] = set()
 
 
-def _without_mutable_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with in-place KV caches dropped, as HF's own gradient checkpointing does.
+def is_mutable_cache(value: object) -> bool:
+    """Whether ``value`` is a KV cache that a forward updates in place.
 
-    HF models build a cache whenever ``use_cache`` (True in most configs), in training too;
-    ``GradientCheckpointingLayer`` then passes ``use_cache=False`` and no cache to the layer
-    unless it sets ``_can_checkpoint_with_cache`` (a layer that only reads the cache). A
+    Recognised by what it is, not by the argument that carries it (transformers has named
+    it ``layer_past``, ``past_key_value``, ``past_key_values`` and, since 5.x, ``cache``,
+    and passes it by position in some models): an instance of transformers' ``Cache``
+    (looked up only when transformers is already imported), or an object with Cache's two
+    defining methods, ``update`` and ``get_seq_length``, for caches of other libraries. A
     cache of plain tensors (older models' ``layer_past`` tuples) is never written, so the
     recompute is harmless and it is kept.
     """
+    if value is None or isinstance(value, (torch.Tensor, tuple, list, dict)):
+        return False
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_type = getattr(cache_utils, "Cache", None)
+    if isinstance(cache_type, type) and isinstance(value, cache_type):
+        return True
+    return callable(getattr(value, "update", None)) and callable(
+        getattr(value, "get_seq_length", None)
+    )
+
+
+def _without_mutable_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with in-place KV caches replaced by None, as HF's own gradient
+    checkpointing does.
+
+    HF models build a cache whenever ``use_cache`` (True in most configs), in training too;
+    ``GradientCheckpointingLayer`` then passes ``use_cache=False`` and no cache to the layer
+    unless it sets ``_can_checkpoint_with_cache`` (a layer that only reads the cache).
+    """
     if getattr(module, "_can_checkpoint_with_cache", False):
-        return kwargs
-    dropped = [k for k in _CACHE_KWARGS if hasattr(kwargs.get(k), "update")]
+        return args, kwargs
+    dropped = [f"argument {i}" for i, a in enumerate(args) if is_mutable_cache(a)]
+    dropped += [k for k, v in kwargs.items() if is_mutable_cache(v)]
     if not dropped:
-        return kwargs
-    kwargs = {**kwargs, **dict.fromkeys(dropped)}
+        return args, kwargs
+    args = tuple(None if is_mutable_cache(a) else a for a in args)
+    kwargs = {k: None if is_mutable_cache(v) else v for k, v in kwargs.items()}
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     name = type(module).__name__
@@ -79,11 +108,11 @@ def _without_mutable_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[st
         _warned.add(name)
         warnings.warn(
             f"{name} is checkpointed while training with a KV cache: it runs with "
-            f"{', '.join(dropped)}=None and use_cache=False (a recompute would update the cache "
-            "twice), as Hugging Face's gradient checkpointing does.",
+            f"{', '.join(dropped)} = None and use_cache=False (a recompute would update the "
+            "cache twice), as Hugging Face's gradient checkpointing does.",
             stacklevel=3,
         )
-    return kwargs
+    return args, kwargs
 
 
 class CheckpointedForward(_forward.ForwardWrapper):
@@ -102,7 +131,7 @@ class CheckpointedForward(_forward.ForwardWrapper):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
             return self.call_inner(*args, **kwargs)
-        kwargs = _without_mutable_cache(self.module, kwargs)
+        args, kwargs = _without_mutable_cache(self.module, args, kwargs)
         # Keyword arguments (attention masks, position ids) travel in a partial so none of
         # their names can collide with checkpoint()'s own keywords.
         run = functools.partial(self.call_inner, **kwargs) if kwargs else self.call_inner

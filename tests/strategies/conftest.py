@@ -117,6 +117,9 @@ class ToyCache:
         self.values.append(v)
         return torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1)
 
+    def get_seq_length(self) -> int:
+        return sum(k.shape[1] for k in self.keys)
+
 
 class HFStyleDecoderLayer(nn.Module):
     def __init__(self, d: int = 16, dropout: float = 0.1) -> None:

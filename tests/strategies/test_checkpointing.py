@@ -192,9 +192,58 @@ def test_a_kv_cache_is_used_as_given_in_eval(hf_model, toy_cache_class) -> None:
     assert returned is cache and len(cache.keys) == 1
 
 
+def test_a_cache_is_recognised_by_what_it_is_under_any_name_or_position(
+    hf_model, toy_cache_class
+) -> None:
+    """The cache is found by type, not by the argument's name: transformers renamed it
+    (``past_key_value`` -> ``cache``) and some models pass it by position."""
+    checkpointing._warned.clear()
+    layer = hf_model.layers[0]
+    seen: list[object] = []
+    inner = layer.forward
+
+    def spy(x, *rest, **kwargs):
+        seen.extend([*rest, *kwargs.values()])
+        return inner(x, **{k: v for k, v in kwargs.items() if k != "some_new_name"})
+
+    layer.forward = spy
+    CKPT.apply(hf_model, ["layers.0"], None)
+    cache = toy_cache_class()
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match="KV cache"):
+        layer(x, cache, some_new_name=cache, use_cache=True)[0].sum().backward()
+    assert cache.keys == [] and not any(s is cache for s in seen)
+    assert checkpointing.is_mutable_cache(cache)
+    assert not checkpointing.is_mutable_cache((torch.zeros(1), torch.zeros(1)))
+
+
+def _hf_exactness(
+    transformers, model: nn.Module, blocks: list[str], batch: dict, counted: str
+) -> None:
+    """Loss, every gradient and the state_dict keys of ``model`` with ``blocks`` checkpointed
+    equal the unwrapped model's, and the last block recomputes; failures name the
+    transformers release met."""
+    version = f"transformers {transformers.__version__}"
+    tuned = CKPT.apply(copy.deepcopy(model), blocks, None)
+    calls = _count_calls(tuned.get_submodule(counted))
+    results = []
+    for m in (model, tuned):
+        torch.manual_seed(1)
+        out = m(**batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b), f"{version}: loss {loss_a} != {loss_b}"
+    unequal = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
+    assert not unequal, f"{version}: gradients differ for {unequal}"
+    assert calls[0] == 2, f"{version}: {counted} ran {calls[0]} times, not forward + recompute"
+    assert list(tuned.state_dict()) == list(model.state_dict()), version
+
+
 def test_a_real_hf_llama_checkpoints_exactly_with_masks_dropout_and_its_default_cache() -> None:
     """transformers' LlamaForCausalLM (use_cache on by default builds a DynamicCache in
-    training): gradients equal the unwrapped model's exactly and every layer recomputes."""
+    training, passed by keyword): gradients equal the unwrapped model's exactly and every
+    layer recomputes."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=64,
@@ -208,22 +257,46 @@ def test_a_real_hf_llama_checkpoints_exactly_with_masks_dropout_and_its_default_
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
-    tuned = CKPT.apply(copy.deepcopy(model), ["model.layers.0", "model.layers.1"], None)
     ids = torch.randint(0, 64, (2, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    calls = _count_calls(tuned.model.layers[1].self_attn)
-    results = []
-    for m in (model, tuned):
-        torch.manual_seed(1)
-        out = m(input_ids=ids, attention_mask=mask, labels=ids)
-        out.loss.backward()
-        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b)
-    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
-    assert calls[0] == 2
-    assert list(tuned.state_dict()) == list(model.state_dict())
+    _hf_exactness(
+        transformers,
+        model,
+        ["model.layers.0", "model.layers.1"],
+        {"input_ids": ids, "attention_mask": mask, "labels": ids},
+        counted="model.layers.1.self_attn",
+    )
+
+
+def test_a_real_hf_gpt2_with_its_default_config_checkpoints_exactly() -> None:
+    """GPT-2 with its shipped ``use_cache=True`` passes its cache to each block by position:
+    the README's Hugging Face example crashed on it. (Dropout is off here: GPT-2's attention
+    dropout recomputes within 5e-8 rather than bit-exactly; Llama above covers dropout.)"""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    assert config.use_cache
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 9))
+    _hf_exactness(
+        transformers,
+        model,
+        ["transformer.h.0", "transformer.h.1"],
+        {"input_ids": ids, "labels": ids},
+        counted="transformer.h.1.attn",
+    )
 
 
 # -- choices, effect, explain -------------------------------------------------------------------
