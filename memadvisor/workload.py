@@ -46,6 +46,7 @@ __all__ = [
     "Phase",
     "Workload",
     "batch_size_of",
+    "compact_batch",
     "resize_batch",
     "tensor_leaves",
     "train_step",
@@ -89,6 +90,46 @@ def batch_size_of(batch: Any) -> int:
         f"sample_batch holds no tensor with a batch dimension (got {type(batch).__name__}); "
         "pass a tensor, a tuple/list or dict of tensors, or make_batch(b)."
     )
+
+
+def _owns_its_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds no more than ``t`` itself (a view of a larger one does not)."""
+    if t.device.type == "meta" or t.layout is not torch.strided:
+        return True  # no storage to count, or not one storage (sparse, nested)
+    return t.untyped_storage().nbytes() <= t.numel() * t.element_size()
+
+
+def compact_batch(batch: Any) -> Any:
+    """``batch`` with every tensor that is a view into a larger storage copied to a compact
+    tensor of its own (contiguous); every other leaf, and the containers' types, unchanged.
+
+    A batch sliced from a dataset tensor, ``(X[:16], Y[:16])``, keeps all of ``X`` alive
+    through its storage: counted by storage, as memory is, it would weigh the whole dataset.
+    """
+    if isinstance(batch, torch.Tensor):
+        if _owns_its_bytes(batch):
+            return batch
+        return batch.clone(memory_format=torch.contiguous_format)
+    if isinstance(batch, Mapping):
+        items = {k: compact_batch(v) for k, v in batch.items()}
+        if all(items[k] is v for k, v in batch.items()):
+            return batch  # nothing copied: keep the caller's own object
+        return _rebuild_mapping(batch, items)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        values = [compact_batch(v) for v in batch]
+        return (
+            batch
+            if all(a is b for a, b in zip(values, batch, strict=True))
+            else type(batch)(*values)
+        )
+    if isinstance(batch, (tuple, list)):
+        values = [compact_batch(v) for v in batch]
+        return (
+            batch
+            if all(a is b for a, b in zip(values, batch, strict=True))
+            else type(batch)(values)
+        )
+    return batch
 
 
 def _rebuild_mapping(original: Mapping, items: dict[str, Any]) -> Mapping:
@@ -168,6 +209,7 @@ class Workload:
             raise BadInputError(
                 f"model must be a torch.nn.Module, but got {type(self.model).__name__}."
             )
+        self.sample_batch = compact_batch(self.sample_batch)
         if self.make_batch is not None:
             self.sample_batch_size = (
                 batch_size_of(self.sample_batch) if _has_tensor(self.sample_batch) else 1
@@ -187,7 +229,7 @@ class Workload:
         if self.make_batch is not None:
             if size <= 0:
                 raise BadInputError(f"A batch size must be positive, but got {size=}.")
-            batch = self.make_batch(size)
+            batch = compact_batch(self.make_batch(size))
         else:
             batch = resize_batch(self.sample_batch, size, self.sample_batch_size)
         return batch if device is None else _move(batch, torch.device(device))

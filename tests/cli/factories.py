@@ -40,6 +40,17 @@ def llama() -> dict:
     return _example("llama").build(batch_size=2, seq_len=32, n_layers=2)
 
 
+def llama_lora_cast() -> dict:
+    """The usual LoRA setup written the usual way: examples/llama.py (2 layers, 32 tokens)
+    built in fp32, then cast with ``model.to(torch.bfloat16)``, frozen, and given fp32 rank-4
+    adapters (examples/llama_lora.py's add_lora). Under --device estimate the cast runs on
+    fake tensors."""
+    built = _example("llama").build(batch_size=2, seq_len=32, n_layers=2)
+    base = built["model"].to(torch.bfloat16)
+    built["model"] = _example("llama_lora").add_lora(base, rank=4)
+    return built
+
+
 def cnn() -> dict:
     """examples/cnn.py's SmallResNet at 8 channels and 2 bottlenecks, 16x16 images."""
     module = _example("cnn")
@@ -82,6 +93,35 @@ def mlp() -> dict:
     return {
         "model": MLP(),
         "sample_batch": (torch.randn(8, WIDTH), torch.randint(0, 10, (8,))),
+        "loss_fn": _cross_entropy,
+    }
+
+
+def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(4096, WIDTH), torch.randint(0, 10, (4096,))
+
+
+def mlp_sliced() -> dict:
+    """``mlp`` with its sample batch sliced from 4096-row dataset tensors, (X[:16], Y[:16]),
+    as a user takes a sample from a dataset (docs/design.md, "A sample batch sliced from a
+    dataset")."""
+    x, y = _dataset()
+    return {"model": MLP(), "sample_batch": (x[:16], y[:16]), "loss_fn": _cross_entropy}
+
+
+def mlp_strided() -> dict:
+    """``mlp_sliced`` with every other row: (X[::2][:16], Y[::2][:16]), a strided view."""
+    x, y = _dataset()
+    return {"model": MLP(), "sample_batch": (x[::2][:16], y[::2][:16]), "loss_fn": _cross_entropy}
+
+
+def mlp_fresh16() -> dict:
+    """``mlp_sliced``'s 16 rows as tensors of their own: what the sliced batch should plan as."""
+    x, y = _dataset()
+    return {
+        "model": MLP(),
+        "sample_batch": (x[:16].clone(), y[:16].clone()),
         "loss_fn": _cross_entropy,
     }
 
