@@ -208,3 +208,13 @@ def test_make_batch_slices_of_a_dataset_are_compacted_too() -> None:
     out = w.batch(5)
     assert torch.equal(out, data[:5])
     assert out.untyped_storage().nbytes() == 5 * 4 * 4
+
+
+@pytest.mark.parametrize("name", ["loss_fn", "make_batch", "forward_fn"])
+def test_a_callable_option_that_is_not_callable_is_refused_naming_the_value(name: str) -> None:
+    """Rule: loss_fn=3 is refused when the workload is built, naming the option, the value
+    and the call it must support; not a TypeError once profiling runs."""
+    with pytest.raises(
+        BadInputError, match=rf"{name} must be a function {name}\(.*{name}=3 \(int\)"
+    ):
+        Workload(nn.Linear(2, 1), torch.randn(2, 2), **{name: 3})

@@ -169,6 +169,42 @@ def exits() -> dict:
     sys.exit(7)
 
 
+def on_meta() -> dict:
+    """``mlp`` built under ``torch.device("meta")``: shapes, no values (for --device estimate)."""
+    with torch.device("meta"):
+        model = MLP()
+    return {**mlp(), "model": model}
+
+
+def _mse_against_labels(logits: torch.Tensor, batch: tuple) -> torch.Tensor:
+    return ((logits - batch[1]) ** 2).mean()  # (B, 10) against (B, 3): the user's mistake
+
+
+def loss_shapes() -> dict:
+    """``mlp`` whose loss_fn compares its (B, 10) logits with (B, 3) targets."""
+    torch.manual_seed(0)
+    return {
+        "model": MLP(),
+        "sample_batch": (torch.randn(8, WIDTH), torch.randn(8, 3)),
+        "loss_fn": _mse_against_labels,
+    }
+
+
+def _mean_over_no_samples(logits: torch.Tensor, batch: tuple) -> torch.Tensor:
+    samples = 0
+    return logits.sum() * (1 / samples)
+
+
+def loss_divides_by_zero() -> dict:
+    """``mlp`` whose loss_fn raises ZeroDivisionError in the user's own Python."""
+    return {**mlp(), "loss_fn": _mean_over_no_samples}
+
+
+def loss_not_callable() -> dict:
+    """``mlp`` with ``loss_fn=3``."""
+    return {**mlp(), "loss_fn": 3}
+
+
 def empty_batch() -> dict:
     """A sample batch with 0 rows."""
     return {"model": nn.Linear(4, 4), "sample_batch": torch.randn(0, 4), "loss_fn": _sum_loss}
