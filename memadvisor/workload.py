@@ -115,20 +115,11 @@ def compact_batch(batch: Any) -> Any:
         if all(items[k] is v for k, v in batch.items()):
             return batch  # nothing copied: keep the caller's own object
         return _rebuild_mapping(batch, items)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        values = [compact_batch(v) for v in batch]
-        return (
-            batch
-            if all(a is b for a, b in zip(values, batch, strict=True))
-            else type(batch)(*values)
-        )
     if isinstance(batch, (tuple, list)):
         values = [compact_batch(v) for v in batch]
-        return (
-            batch
-            if all(a is b for a, b in zip(values, batch, strict=True))
-            else type(batch)(values)
-        )
+        if all(a is b for a, b in zip(values, batch, strict=True)):
+            return batch
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)
     return batch
 
 
