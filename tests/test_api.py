@@ -395,6 +395,7 @@ def test_a_sample_batch_sliced_from_a_dataset_tensor_is_estimated_as_its_rows(ro
     assert 1 <= len(searched) <= 4, [(p.batch_size, p.fits, p.stage) for p in searched]
 
 
+@pytest.mark.slow
 def test_a_bf16_cast_lora_model_plans_on_the_estimate_device_from_python() -> None:
     """Rule: memadvisor.plan(device="estimate") plans the usual LoRA model, built on the meta
     device (as the README says for a large one), cast with ``.to(torch.bfloat16)`` and given
