@@ -72,7 +72,8 @@ def test_a_compile_trial_failing_in_our_code_is_a_bug_not_does_not_compile(monke
     from strategies import _compile_trial
 
     class Broken(_forward.ForwardWrapper):
-        def __init__(self, module, inner, choice=None) -> None:
+        def __init__(self, module, inner, choice=None, **options) -> None:  # noqa: ANN003
+            # Whatever else the trial passes (main's regional form adds fn=) is ignored.
             super().__init__(module, 1)  # our call_inner then calls 1(...): a TypeError
 
     monkeypatch.setattr(_compile_trial, "_FreshCompiledForward", Broken)
