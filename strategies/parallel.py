@@ -50,7 +50,7 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.schema.advice import Advice
+from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.strategy import Strategy
 from strategies._format import mib, names_text
 
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
 
 __all__ = ["ALL_GATHER_BYTES_PER_MS", "Parallel", "parse_choice", "wrap_for_rank"]
@@ -134,6 +135,28 @@ class Parallel(Strategy):
         if not isinstance(choice, dict) or precision in (None, "fp32"):
             return None
         return {**choice, "param_dtype": precision}
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
+        """The answer's "Ranks" row: how the ranks share the model, and that the batch and
+        every peak of the plan are one rank's."""
+        if choice is None:
+            return None
+        c = parse_choice(choice)
+        n = c["world_size"]
+        if c["kind"] == "ddp":
+            how, brief = f"DDP over {n} ranks (a full replica each)", f"DDP x{n}"
+        else:
+            kept = (
+                "units resharded after forward"
+                if c["reshard_after_forward"]
+                else "units kept gathered from forward to backward"
+            )
+            how, brief = f"FSDP2 over {n} ranks, {len(c['units'])} {kept}", f"FSDP2 x{n}"
+        return ReportPart(
+            label="Ranks",
+            words=f"{how}; the batch and the peaks are per rank, each rank a card of the budget",
+            brief=brief,
+        )
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         c = parse_choice(choice)
