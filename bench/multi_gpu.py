@@ -103,11 +103,14 @@ def _profile(workload: Any, device: str) -> Any:
     import contextlib
 
     from memadvisor.device._autocast import cuda_autocast_policy
+    from memadvisor.memory import release_cached_memory
     from memadvisor.profiler import profile_workload
 
     policy = contextlib.nullcontext() if device == "cuda" else cuda_autocast_policy()
     with policy:
-        return profile_workload(workload, device="cuda" if device == "cuda" else "cpu")
+        profile = profile_workload(workload, device="cuda" if device == "cuda" else "cpu")
+    release_cached_memory(workspaces=True)  # card 0 is rank 0's: this process keeps nothing
+    return profile
 
 
 class Bench:
