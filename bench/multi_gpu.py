@@ -18,6 +18,8 @@ progress line (``[  12s] ...``) is printed before each stage, so a slow card sho
 * long run: the pick trained ``--long-steps`` steps by the ranks from a clean state; OOMs
   counted; tokens/s over all ranks (the median step's, the first excluded) for a language
   model (samples/s x sequence length x world size).
+* ``--parallel auto``: DDP and FSDP2 (resharded after forward or not) are each timed on
+  the ranks and the fastest is the pick; the row keeps what each measured.
 * refused: a plan the budget cannot hold (DDP of a model whose replica does not fit) is a row
   with the minimum it names; it costs no device run.
 
@@ -27,6 +29,8 @@ The issue's run (2 cards, about 6-7 minutes on 2 x H100):
         --budget-gb 12 --json bench/results/multi_gpu.jsonl
     python bench/multi_gpu.py --models llama_tiny --parallel fsdp2 --budget-gb 1 \\
         --long-steps 20 --json /tmp/multi_gpu_check.jsonl        # a 2-card check, ~1-2 min
+    python bench/multi_gpu.py --models gpt --parallel auto --world-sizes 2 --budget-gb 8 \
+        --long-steps 50 --json bench/results/multi_gpu.jsonl   # DDP vs FSDP2, measured
     python bench/multi_gpu.py --table bench/results/multi_gpu.jsonl
     python bench/multi_gpu.py --smoke --json /tmp/smoke.jsonl     # CPU smoke (CI)
 
@@ -197,6 +201,8 @@ class Bench:
             measured_reserved_gib=_gib(verified.reserved_peak_bytes),
             rank_peaks_gib=[_gib(b) for b in verified.rank_peak_bytes or []],
             error=round(plan.estimate.peak_bytes / verified.peak_bytes - 1, 4),
+            # parallel=auto, or FSDP2's resharding: what each way measured, as the plan chose
+            measured_alternatives=[n for n in plan.notes if n.startswith("Measured against")],
         )
         return {**row, **self._long_run(plan, world_size)}
 

@@ -2,8 +2,11 @@
 
 Not searched like the others: the user says how many ranks and how they share the model
 (``PlanConfig.world_size`` and ``parallel``); this strategy turns the single-card estimate
-into the estimate *per rank* at the per-rank batch, and weighs FSDP2's one free choice,
-``reshard_after_forward``.
+into the estimate *per rank* at the per-rank batch, and offers FSDP2's one free choice,
+``reshard_after_forward``, both ways (and, with ``parallel="auto"``, DDP beside them).
+What tells these apart where all fit is communication time, which the estimate does not
+price: the strategy is ``measured_alternatives``, so on a device whose times rank the
+planner times the estimate's best candidate of each choice and the fastest wins.
 
 A choice is ``{"kind": "ddp" | "fsdp2", "world_size": N, "units": [block names],
 "reshard_after_forward": bool}`` (``units`` and the reshard flag for FSDP2 only); the
@@ -105,18 +108,23 @@ class Parallel(Strategy):
 
     name = "parallel"
     effect_order = 90  # after precision (the dtype of the gathered units) and checkpointing
+    # DDP against FSDP2, and resharding after forward or not, differ in communication, which
+    # the estimate does not price (but one all-gather): the device's step times decide.
+    measured_alternatives = True
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if config.parallel == "none":
             return [None]
-        base: dict[str, JsonValue] = {"kind": config.parallel, "world_size": config.world_size}
-        if config.parallel == "ddp":
-            return [base]
+        n = config.world_size
+        ddp: list[JsonValue] = [{"kind": "ddp", "world_size": n}]
         units: list[JsonValue] = [b.name for b in profile.blocks]
-        return [
-            {**base, "units": units, "reshard_after_forward": True},
-            {**base, "units": units, "reshard_after_forward": False},
+        fsdp2: list[JsonValue] = [
+            {"kind": "fsdp2", "world_size": n, "units": units, "reshard_after_forward": r}
+            for r in (True, False)
         ]
+        if config.parallel == "ddp":
+            return ddp
+        return fsdp2 if config.parallel == "fsdp2" else ddp + fsdp2
 
     def is_neutral(self, choice: JsonValue) -> bool:
         return choice is None
@@ -194,6 +202,7 @@ class Parallel(Strategy):
         units = c["units"]
         static = profile.param_bytes + profile.optimizer_state_bytes
         reshard = c["reshard_after_forward"]
+        how = "resharded after forward" if reshard else "kept gathered after forward"
         low = _low_precision(c["param_dtype"])
         kept = (
             "resharded after forward (gathered again in backward: less memory)"
@@ -207,7 +216,7 @@ class Parallel(Strategy):
         )
         return Advice(
             strategy=self.name,
-            title=f"FSDP2 over {n} ranks, {len(units)} units",
+            title=f"FSDP2 over {n} ranks, {len(units)} units {how}",
             sentence=(
                 f"Shard the weights, gradients and optimizer state over {n} ranks with "
                 f"fully_shard on each block ({names_text(units)}) and then on the root; each "

@@ -52,7 +52,7 @@ def infeasible(
     """The error that names the minimum budget, from the cheapest estimated batch-1 peak;
     ``sharded``, when given, is the FSDP2 world size the per-rank estimate fits at."""
     # A rank under FSDP2 holds a shard of the static bytes: its own estimate is the floor.
-    floor = 0 if config.parallel == "fsdp2" else profile.static_bytes
+    floor = 0 if config.may_shard else profile.static_bytes
     cheapest_peak_bytes = max(cheapest_peak_bytes, floor)
     needed = budget_needed_bytes(cheapest_peak_bytes, config.margin_fraction)
     advice = static_advice(profile, config, cheapest_peak_bytes, sharded)
@@ -110,7 +110,7 @@ def static_advice(
         else f"{_count(trainable)} of {_count(total)} parameters trainable"
     )
     # Under FSDP2 a rank holds 1/world_size of each (the minimum above is per rank).
-    shards = config.world_size if config.parallel == "fsdp2" else 1
+    shards = config.world_size if config.may_shard else 1
     whole = " before sharding" if shards > 1 else ""
     words = (
         f" Of that, weights take {_gib(profile.param_bytes)}, gradients {_gib(grads)} and "
@@ -137,7 +137,7 @@ def static_advice(
     static = profile.param_bytes + grads + state
     rest = cheapest_peak_bytes - static
     gathered = 2 * max((b.param_bytes for b in profile.blocks), default=0)
-    rough = sharded is None and config.parallel != "fsdp2"
+    rough = sharded is None and not config.may_shard
     for cards in SHARD_COUNTS if static > worth and rough else ():
         per_card = static // cards + rest + gathered
         if per_card <= config.usable_bytes:
@@ -176,7 +176,7 @@ def check_static_fits(
     Raises:
         InfeasibleBudgetError: with ``minimum_bytes`` the smallest budget that would work.
     """
-    if profile.static_bytes <= config.usable_bytes or config.parallel == "fsdp2":
+    if profile.static_bytes <= config.usable_bytes or config.may_shard:
         return  # FSDP2 shards them: the search's per-rank estimate decides
     whose = (
         f"Under DDP each of the {config.world_size} ranks holds the whole model: its"

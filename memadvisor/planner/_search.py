@@ -116,7 +116,7 @@ def ranked_or_infeasible(space: SearchSpace, ui: Progress) -> list[Scored]:
     """
     profile, config = space.profile, space.config
     cheapest = space.cheapest_peak_bytes()
-    if profile.static_bytes > config.usable_bytes and config.parallel != "fsdp2":
+    if profile.static_bytes > config.usable_bytes and not config.may_shard:
         check_static_fits(profile, config, cheapest, sharded_fit(space))
     with ui.stage("search", total=None) as bar:
         ranked = search(space, config.seed, bar.advance)
@@ -143,7 +143,7 @@ def sharded_fit(space: SearchSpace) -> ShardedFit | None:
     alone = SearchSpace(
         profile, strategies, config.model_copy(update={"world_size": 1, "parallel": "none"})
     )
-    own = config.world_size if config.parallel == "fsdp2" else 1
+    own = config.world_size if config.may_shard else 1
     for world_size in (n for n in SHARD_COUNTS if n > own):
         update = {"world_size": world_size, "parallel": "fsdp2"}
         sharded = SearchSpace(profile, strategies, config.model_copy(update=update))

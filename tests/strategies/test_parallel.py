@@ -86,7 +86,7 @@ def test_choices_follow_the_config(profile: Profile) -> None:
 
 
 def test_a_world_size_without_a_way_to_share_is_refused() -> None:
-    with pytest.raises(ValueError, match="parallel='ddp' or 'fsdp2'"):
+    with pytest.raises(ValueError, match="parallel='ddp', 'fsdp2' or 'auto'"):
         PlanConfig(budget_bytes=2**30, world_size=2)
 
 
