@@ -43,6 +43,10 @@ SMOKES: dict[str, list[str]] = {
         "1", "--min-rounds", "1", "--warmup", "1", "--json", OUT,
     ],
     "fake_7b": ["--preset", "tiny", "--seq-len", "64"],
+    "plan_speed": [
+        "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
+        "--json", OUT,
+    ],
 }  # fmt: skip
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
@@ -50,7 +54,6 @@ IMPORT_ONLY = {
     "compile_vs_eager": "plans with compile weighed, which only a card measures",
     "compiled_forward_gap": "CUDA events and compiled loops",
     "gpu_facts": "compares the meter with the CUDA allocator",
-    "plan_speed": "times plans on a card",
     "planner": "plans on a card against hand configurations",
     "profile_check": "compares the profile with the CUDA allocator",
     "strategies_effect": "its CPU path takes minutes (numerics curves)",
