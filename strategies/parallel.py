@@ -236,6 +236,7 @@ def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None
     """FSDP2's per-rank bytes as edits of the single card's walk (the module docstring)."""
     n = c["world_size"]
     shard = 1.0 - 1.0 / n
+    model.hold_share(1.0 / n)  # the breakdown's weights, gradients and state: a rank's
     reshard = c["reshard_after_forward"]
     low = _low_precision(model.precision)
     ratio = 0.5 if low else 1.0  # the gathered units' dtype against fp32 weights
