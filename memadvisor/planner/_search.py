@@ -141,11 +141,12 @@ def sharded_fit(space: SearchSpace) -> ShardedFit | None:
     """
     profile, config, strategies = space.profile, space.config, space.strategies
     alone = SearchSpace(
-        profile, strategies, config.model_copy(update={"world_size": 1, "parallel": "none"})
+        profile, strategies, config.model_copy(update=dict(world_size=1, parallel="none"))
     )
     own = config.world_size if config.may_shard else 1
     for world_size in (n for n in SHARD_COUNTS if n > own):
-        update = {"world_size": world_size, "parallel": "fsdp2"}
+        # PlanConfig's fields by keyword: the planner spells no strategy's name.
+        update = dict(world_size=world_size, parallel="fsdp2")
         sharded = SearchSpace(profile, strategies, config.model_copy(update=update))
         if sharded.options == alone.options:
             return None  # nothing here plans ranks
