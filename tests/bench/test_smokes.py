@@ -51,6 +51,7 @@ SMOKES: dict[str, list[str]] = {
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
     "compile_cache": "times inductor's caches on a card",
+    "compile_regional": "its --smoke compiles with inductor on the CPU: minutes here",
     "compile_vs_eager": "plans with compile weighed, which only a card measures",
     "compiled_forward_gap": "CUDA events and compiled loops",
     "gpu_facts": "compares the meter with the CUDA allocator",
