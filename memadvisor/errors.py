@@ -84,6 +84,9 @@ class InfeasibleBudgetError(MemadvisorError):
         self.advice = advice
         # How the caller passes a budget: Python's keyword by default; the CLI sets its flag.
         self.option = "budget_gb="
+        # The fewest FSDP2 ranks whose per-rank estimate fits (None: none up to 64, or no
+        # strategy plans ranks); the advice names it too.
+        self.sharded_world_size: int | None = None
 
     def __str__(self) -> str:
         if self.minimum_gib is None:

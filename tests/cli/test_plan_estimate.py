@@ -142,3 +142,26 @@ def test_llama_7b_lora_plans_at_24_gib_with_optimizer_state_for_the_adapters_alo
     assert profile.grad_bytes == 4 * adapters
     assert profile.optimizer_state_bytes == 8 * adapters + 4 * 32 * 4 * 2  # + step counters
     assert plan.estimate.limit_bytes <= 24 * GIB
+
+
+@pytest.mark.slow
+def test_llama_1b_on_one_12_gib_card_exits_3_naming_fsdp2_over_2_ranks(cli) -> None:
+    result = cli("plan", f"{LLAMA}:build_1b", "--budget-gb", "12", "--device", "estimate")
+    assert result.exit_code == 3
+    error = _error_line(result)
+    assert "Sharded with FSDP2 over 2 ranks it fits" in error
+    assert "--world-size 2 --parallel fsdp2" in error
+
+
+@pytest.mark.slow
+def test_llama_1b_over_8_ranks_plans_a_per_rank_peak_under_the_budget(cli, tmp_path) -> None:
+    json_path = tmp_path / "plan.json"
+    result = cli(
+        "plan", f"{LLAMA}:build_1b", "--budget-gb", "12", "--device", "estimate",
+        "--world-size", "8", "--parallel", "fsdp2", "--json", str(json_path),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    plan = Plan.model_validate_json(json_path.read_text())
+    assert plan.candidate.choices["parallel"]["world_size"] == 8
+    assert plan.estimate.limit_bytes <= plan.config.usable_bytes < plan.profile.static_bytes
+    assert "FSDP2 over 8 ranks" in result.stdout and "per rank" in result.stdout
