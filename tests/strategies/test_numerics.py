@@ -19,11 +19,16 @@ from memadvisor.workload import Workload
 from strategies._numerics import _compare, _Run, check_numerics
 from strategies.precision import TF32_OFF, TF32_ON, Precision, TF32Matmuls, precision_of
 from tests.fixtures import precision_failures as planted
-from tests.fixtures import tiny_hf
+from tests.fixtures import tiny_hf, zoo
 
 CONFIG = PlanConfig(budget_bytes=2**30)
-# One model per architecture (Mistral's tiny config is Llama's, so it is left out).
-ARCHITECTURES = [name for name in tiny_hf.MODELS if name != "mistral"]
+# The zoo (its torchvision entries skip where torchvision is missing) and transformers' own
+# CNN, ConvNeXt and Swin, so that a CNN and a hierarchical vision transformer run everywhere.
+ARCHITECTURES = [e.name for e in zoo.entries()] + list(tiny_hf.MODELS)
+FAMILIES = {
+    **{e.name: e.family for e in zoo.entries()},
+    **{name: kind for name, (kind, _) in tiny_hf.MODELS.items()},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -43,25 +48,40 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _hf(name: str) -> Workload:
+def _built(name: str) -> Workload:
+    """The named architecture's workload; skips a zoo entry whose package is missing."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return Workload(**tiny_hf.MODELS[name][1]())
+        if name in tiny_hf.MODELS:
+            return Workload(**tiny_hf.MODELS[name][1]())
+        entry = zoo.by_name(name)
+        pytest.importorskip(entry.needs)
+        model, batch, loss_fn = entry.build()
+        return Workload(model=model, sample_batch=batch, loss_fn=loss_fn)
 
 
-def test_the_zoo_covers_the_architectures_the_check_must_not_refuse() -> None:
-    kinds = {tiny_hf.MODELS[name][0] for name in ARCHITECTURES}
-    assert len(ARCHITECTURES) >= 8
-    for kind in ("decoder", "encoder-decoder", "encoder", "CNN"):
-        assert kind in kinds
-    assert "hierarchical vision transformer" in kinds
+def test_the_architectures_that_run_with_transformers_alone_cover_every_family() -> None:
+    """At least 8 architectures run without torchvision, and among them a decoder, an
+    encoder-decoder, an encoder, a CNN and a hierarchical vision transformer."""
+    here = [
+        n for n in ARCHITECTURES if n in tiny_hf.MODELS or zoo.by_name(n).needs == "transformers"
+    ]
+    assert len(here) >= 8
+    families = {FAMILIES[n] for n in here}
+    assert {
+        "decoder",
+        "encoder-decoder",
+        "encoder",
+        "CNN",
+        "hierarchical vision transformer",
+    } <= families
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_bf16_trains_every_architecture_and_is_not_refused(name: str) -> None:
     """Rule: no false alarm. bf16 autocast on the CPU, from random weights, against fp32's
     spread: each passes, and the report names the spread it compared with."""
-    check = check_numerics(_hf(name), "bf16")
+    check = check_numerics(_built(name), "bf16")
     assert check.passed, check.summary
     assert check.metrics["grad_distance_fp32"] > 0
     assert "fp32's own spread" in check.summary
@@ -111,7 +131,7 @@ def test_what_a_scaler_rescues_and_what_bf16_trains_pass() -> None:
 
 
 @pytest.mark.parametrize(
-    ("factory", "expected"), [(lambda: _hf("resnet"), True), (planted.offset, False)]
+    ("factory", "expected"), [(lambda: _built("hf-resnet"), True), (planted.offset, False)]
 )
 def test_the_verdict_is_the_same_over_ten_runs_with_other_seeds(factory, expected) -> None:
     """Rule: the verdict does not hang on the dropout draw or the perturbation: ten runs with
