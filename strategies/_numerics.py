@@ -7,10 +7,10 @@ fp32 7.963 and 7.864 after 16 steps, bf16 7.754). A fixed percentage of such a c
 little, so the threshold is measured on the workload itself:
 
 * **A**, the reference: fp32 from the model's weights.
-* **B**, fp32's own spread: fp32 again, its forward and backward seeing the weights perturbed
-  at every step by a relative ``u`` (:data:`ROUNDING`, the low precision's unit roundoff:
-  2^-8 for bf16, 2^-11 for fp16 and TF32), a fresh perturbation each step as rounding is,
-  while the weights the optimizer updates stay exact, as autocast's fp32 master weights do.
+* **B**, fp32's own spread: fp32 again, its forward and backward seeing each weight times
+  (1 + u z), z standard normal and fresh each step as rounding is, u the low precision's
+  unit roundoff (:data:`ROUNDING`: 2^-8 for bf16, 2^-11 for fp16 and TF32), while the
+  weights the optimizer updates stay exact, as autocast's fp32 master weights do.
 * **L**: the low precision from the same weights.
 
 All three take the same batch and the same seed (dropout draws alike). L fails when it is
@@ -59,9 +59,10 @@ ROUNDING: dict[str, float] = {"bf16": 2.0**-8, "fp16": 2.0**-11, "tf32": 2.0**-1
 
 # How much worse than fp32's own spread a precision may be before it fails. The spread is
 # one sample (one perturbed run), and rounding everywhere is not the same perturbation as
-# rounding the weights, so the multipliers leave room: on the CPU zoo (docs/design.md,
-# "Precision check") bf16's loss gap reached 1.4x fp32's spread and its gradient distance
-# 2.6x; the planted failures sit at 50x and beyond, or at inf/nan.
+# noise on the weights, so the multipliers leave room: over 12 tiny architectures on the CPU
+# (docs/design.md, "Precision check") bf16's loss gap reached 2.5x fp32's spread and its
+# gradient distance 1.2x (60 runs), fp16's 4.1x and 3.6x (36 runs); the planted failures sit
+# at 20x and beyond, or at inf/nan.
 LOSS_SPREADS = 4.0
 DIRECTION_SPREADS = 6.0
 NORM_SPREADS = 4.0
@@ -137,8 +138,8 @@ def _train(
     ``jitter``: each step's forward and backward see the weights times (1 + jitter * z), z
     standard normal and fresh each step; the optimizer updates the exact weights.
     ``scaler``: fp16 trains with a GradScaler (as the plan's advice says); its skipped steps
-    are not counted. With ``time_s``, stop once the steps after the first have taken that long and
-    :data:`NUMERICS_MIN_STEPS` are done. A non-finite loss ends the run.
+    are not counted. With ``time_s``, stop once the steps after the first have taken that
+    long and :data:`NUMERICS_MIN_STEPS` are done. A non-finite loss ends the run.
     """
     from strategies.precision import AutocastForward, grad_scaler_for  # precision imports us
 
