@@ -11,6 +11,7 @@ it; then the planted failures, fp16 without a scaler among them, which must be r
 
     python bench/precision_check.py                     # on a card: the table above, 8 GiB
     python bench/precision_check.py --device cpu --tiny  # smoke: tiny configs, on the CPU
+    python bench/precision_check.py --device cpu --tiny --seeds 5  # false-alarm sweep
 
 It prints a progress line per check and a table at the end, and writes one JSON line per
 check (model, precision, verdict, fp32_spread, low_precision_gap, check_s, device, and the
@@ -123,19 +124,23 @@ BASE: dict[str, Callable[[int], dict]] = {
 
 
 def _tiny() -> dict[str, Callable[[int], dict]]:
-    """The smoke mode's models: the zoo's transformers entries at their tiny configs."""
+    """The smoke mode's models: the zoo's entries whose package is here, at their tiny
+    configs, and transformers' own ResNet, ConvNeXt and Swin (the zoo's are torchvision's)."""
+    import importlib.util
+
     from tests.fixtures import tiny_hf, zoo
 
-    def from_zoo(name: str) -> Callable[[int], dict]:
+    def from_zoo(entry: zoo.ZooEntry) -> Callable[[int], dict]:
         def build(_samples: int) -> dict:
-            model, batch, loss_fn = zoo.by_name(name).build()
+            model, batch, loss_fn = entry.build()
             return {"model": model, "sample_batch": batch, "loss_fn": loss_fn}
 
         return build
 
+    here = [e for e in zoo.entries() if importlib.util.find_spec(e.needs) is not None]
     return {
-        **{n: from_zoo(n) for n in ("t5", "gpt2", "llama", "bert")},
-        "hf-swin": lambda _samples: tiny_hf.swin(),
+        **{e.name: from_zoo(e) for e in here},
+        **{name: (lambda _samples, f=f: f()) for name, (_, f) in tiny_hf.MODELS.items()},
     }
 
 
@@ -194,6 +199,7 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=8.0, help="cap on the card (GiB)")
     parser.add_argument("--samples", type=int, default=2, help="the sample batch's rows")
     parser.add_argument("--models", default="", help="comma-separated subset")
+    parser.add_argument("--seeds", type=int, default=1, help="check each with seeds 0..N-1")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -214,7 +220,10 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * GIB / total), device)
         device_name = f"{torch.cuda.get_device_name(device)}, {args.budget_gb:g} GiB"
     else:
-        device_name = "cpu"
+        # Tiny models gain nothing from threads, and on a shared machine lose many times
+        # over (a Swin check 0.3 s on one thread, 12 s on all at load 11).
+        torch.set_num_threads(1)
+        device_name = "cpu, 1 thread"
     models = _tiny() if args.tiny else BASE
     if args.models:
         models = {n: models[n] for n in args.models.split(",")}
@@ -225,10 +234,12 @@ def main() -> None:
     started = time.perf_counter()
     print(f"precision check on {device_name}, torch {torch.__version__}", flush=True)
 
-    def run(name: str, workload: Workload, precision: str, scaler: bool = True) -> None:
+    def run(
+        name: str, workload: Workload, precision: str, scaler: bool = True, seed: int = 0
+    ) -> None:
         label = precision if scaler or precision != "fp16" else "fp16 (no scaler)"
-        check = check_numerics(workload, precision, device=device, scaler=scaler)
-        row = _row(name, label, check, device_name)
+        check = check_numerics(workload, precision, seed=seed, device=device, scaler=scaler)
+        row = {**_row(name, label, check, device_name), "seed": seed}
         recorder.write(row)
         print(
             f"[{time.perf_counter() - started:6.1f} s] {name} {label}: {row['verdict']} "
@@ -243,7 +254,8 @@ def main() -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] built {name} in "
               f"{time.perf_counter() - t:.1f} s", flush=True)  # fmt: skip
         for precision in _precisions(device):
-            run(name, workload, precision)
+            for seed in range(args.seeds):
+                run(name, workload, precision, seed=seed)
         del workload
     for factory, precision, scaler in PLANTED:
         run(f"planted:{factory}", Workload(**getattr(precision_failures, factory)()), precision,
@@ -256,7 +268,44 @@ def main() -> None:
     print(" | ".join(columns))
     for row in recorder.rows:
         print(" | ".join(_fmt(row[c]) for c in columns))
+    print()
+    for line in _summary(recorder.rows):
+        print(line)
     print(f"\n{len(recorder.rows)} checks in {time.perf_counter() - started:.1f} s -> {out}")
+
+
+def _ratio(row: dict[str, Any], num: str, den: str) -> float:
+    """``row[num] / row[den]``; -inf where either is missing (a check that ended at inf/nan)."""
+    if row.get(num) is None or not row.get(den):
+        return -math.inf
+    return row[num] / row[den]
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per precision, over the models that are not planted failures: how many were refused
+    (false alarms) and the worst ratios of the low precision to fp32's spread."""
+    lines = []
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        mine = [r for r in rows if r["precision"] == precision and ":" not in r["model"]]
+        if not mine:
+            continue
+        refused = [f"{r['model']} seed {r['seed']}" for r in mine if r["verdict"] != "pass"]
+        loss = max(mine, key=lambda r: _ratio(r, "low_precision_gap", "fp32_spread"))
+        grad = max(mine, key=lambda r: _ratio(r, "grad_distance", "grad_distance_fp32"))
+        margin = max(
+            max(_ratio(r, "low_precision_gap", "loss_limit"), _ratio(r, "grad_distance",
+                "grad_distance_limit")) for r in mine
+        )  # fmt: skip
+        lines.append(
+            f"{precision}: {len(refused)} of {len(mine)} refused {refused or ''}; worst loss "
+            f"gap/spread {_ratio(loss, 'low_precision_gap', 'fp32_spread'):.3g} "
+            f"({loss['model']} seed {loss['seed']}), worst gradient distance/fp32's "
+            f"{_ratio(grad, 'grad_distance', 'grad_distance_fp32'):.3g} "
+            f"({grad['model']} seed {grad['seed']}); closest to a limit {margin:.2f} of it; "
+            "check_s up to "
+            f"{max(r['check_s'] for r in mine)}"
+        )
+    return lines
 
 
 if __name__ == "__main__":
