@@ -266,3 +266,10 @@ def test_tf32_is_screened_and_reported_as_process_wide(profile_factory) -> None:
     advice = strategy.explain("tf32", profile)
     assert "process-wide" in advice.sentence and TF32_ON in advice.snippet
     assert TF32_OFF in advice.snippet and TF32_OFF in advice.sentence
+
+
+def test_the_report_row_says_tf32_is_process_wide_and_how_to_switch_it_off() -> None:
+    part = Precision().describe("tf32", None)  # the plan is read only for autocast's words
+    assert part.brief == "tf32" and part.step_precision == "fp32"  # fp32's profiled step
+    assert "process-wide" in part.words and TF32_ON in part.words and TF32_OFF in part.words
+    assert any(TF32_ON in line for line in part.loop.setup)
