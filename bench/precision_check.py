@@ -297,7 +297,8 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
                 "grad_distance_limit")) for r in mine
         )  # fmt: skip
         lines.append(
-            f"{precision}: {len(refused)} of {len(mine)} refused {refused or ''}; worst loss "
+            f"{precision}: {len(refused)} of {len(mine)} refused"
+            f"{(' (' + ', '.join(refused) + ')') if refused else ''}; worst loss "
             f"gap/spread {_ratio(loss, 'low_precision_gap', 'fp32_spread'):.3g} "
             f"({loss['model']} seed {loss['seed']}), worst gradient distance/fp32's "
             f"{_ratio(grad, 'grad_distance', 'grad_distance_fp32'):.3g} "

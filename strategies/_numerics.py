@@ -205,7 +205,9 @@ def _train(
 def _record_grads(run: _Run, params: list[nn.Parameter], scaler) -> None:
     scale = float(scaler.get_scale()) if scaler is not None else 1.0
     grads = [p.grad.detach().float() / scale for p in params if p.grad is not None]
-    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    # One norm of the per-parameter norms: one device sync a step, not one a parameter.
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
     run.grad_norms.append(norm)
     if not run.grads:
         run.grads.extend(g.cpu() for g in grads)
@@ -213,8 +215,12 @@ def _record_grads(run: _Run, params: list[nn.Parameter], scaler) -> None:
 
 def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """||a - b|| / ||b|| over all parameters, in float64; 0 where both are zero."""
-    diff = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True))
-    ref = sum(float(y.double().pow(2).sum()) for y in b)
+
+    def sq(t: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+
+    diff = sum(sq(x - y) for x, y in zip(a, b, strict=True))
+    ref = sum(sq(y) for y in b)
     if ref == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return math.sqrt(diff / ref)
