@@ -10,10 +10,16 @@ little, so the threshold is measured on the workload itself:
 * **B**, fp32's own spread: fp32 again, its forward and backward seeing each weight times
   (1 + u z), z standard normal and fresh each step as rounding is, u the low precision's
   unit roundoff (:data:`ROUNDING`: 2^-8 for bf16, 2^-11 for fp16 and TF32), while the
-  weights the optimizer updates stay exact, as autocast's fp32 master weights do.
-* **L**: the low precision from the same weights.
+  weights the optimizer updates stay exact, as autocast's fp32 master weights do; and
+  another dropout draw (the next seed).
+* **L**: the low precision from the same weights, the same seed as A.
 
-All three take the same batch and the same seed (dropout draws alike). L fails when it is
+Why another dropout draw: on a card the low precision's dropout need not draw A's masks
+even from A's seed (fp32 attention takes another SDPA kernel than bf16, with its own
+random stream), so L may differ from A by a dropout draw, and fp32's spread must include
+one. A model without dropout is unchanged by it.
+
+All three take the same batch. L fails when it is
 worse than B is: inf/nan where fp32 is finite; a higher loss over the last steps beyond
 :data:`LOSS_SPREADS` times fp32's spread; a gradient norm that explodes beyond
 :data:`NORM_SPREADS` times fp32's; a first-step gradient that points elsewhere beyond
@@ -38,7 +44,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -126,14 +132,14 @@ def _train(
     steps: int,
     *,
     seed: int,
-    batch_size: int,
+    batch: Any,
     device: torch.device,
     jitter: float = 0.0,
     scaler: bool = True,
     time_s: float | None = None,
 ) -> _Run:
     """Train a copy of the workload's model ``steps`` optimizer steps in ``precision``
-    ('fp32', 'tf32', 'bf16' or 'fp16') on one batch of ``batch_size``.
+    ('fp32', 'tf32', 'bf16' or 'fp16') on ``batch``, its dropout drawn from ``seed``.
 
     ``jitter``: each step's forward and backward see the weights times (1 + jitter * z), z
     standard normal and fresh each step; the optimizer updates the exact weights.
@@ -149,10 +155,9 @@ def _train(
     grad_scaler = grad_scaler_for(precision, device.type) if scaler else None
     optimizer = workload.make_optimizer(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    batch = workload.batch(batch_size, device=device)
     run = _Run()
     exact: list[torch.Tensor] = []
-    noise = torch.Generator(device=device).manual_seed(seed + 1)
+    noise = torch.Generator(device=device).manual_seed(seed)
 
     def on_phase(phase: str) -> None:
         if phase == "forward" and jitter > 0.0:
@@ -169,11 +174,10 @@ def _train(
                 exact.clear()
                 _record_grads(run, params, grad_scaler)
 
-    cuda = [device.index or 0] if device.type == "cuda" else []
     started = time.perf_counter()
     taken = 0
     mode = tf32_matmuls() if precision == "tf32" else contextlib.nullcontext()
-    with mode, torch.random.fork_rng(devices=cuda):  # the caller's RNG untouched
+    with mode, torch.random.fork_rng(devices=_cuda(device)):  # the caller's RNG untouched
         torch.manual_seed(seed)
         while taken < steps and run.skipped <= MAX_SKIPPED_STEPS:
             scale = grad_scaler.get_scale() if grad_scaler is not None else 1.0
@@ -200,6 +204,11 @@ def _train(
             if late and taken >= NUMERICS_MIN_STEPS:
                 break
     return run
+
+
+def _cuda(device: torch.device) -> list[int]:
+    """The CUDA devices whose RNG a run on ``device`` draws from (for ``fork_rng``)."""
+    return [device.index or 0] if device.type == "cuda" else []
 
 
 def _record_grads(run: _Run, params: list[nn.Parameter], scaler) -> None:
@@ -328,19 +337,22 @@ def check_numerics(
     b = batch_size or min(workload.sample_batch_size, NUMERICS_MAX_BATCH)
     where = torch.device(device) if device is not None else workload.device
     started = time.perf_counter()
-    common = {"seed": seed, "batch_size": b, "device": where}
-    a = _train(workload, "fp32", steps, time_s=time_s, **common)
+    with torch.random.fork_rng(devices=_cuda(where)):  # a make_batch may draw: not from yours
+        batch = workload.batch(b, device=where)  # one batch for the three runs
+    common = {"batch": batch, "device": where}
+    a = _train(workload, "fp32", steps, seed=seed, time_s=time_s, **common)
     steps = len(a.losses)  # fewer than asked where steps are slow: B and L take as many
-    low = _train(workload, precision, steps, scaler=scaler, **common)
+    low = _train(workload, precision, steps, seed=seed, scaler=scaler, **common)
     spread = None
     if a.finite and low.finite and len(low.losses) == steps:
-        spread = _train(workload, "fp32", steps, jitter=ROUNDING[precision], **common)
+        u = ROUNDING[precision]
+        spread = _train(workload, "fp32", steps, seed=seed + 1, jitter=u, **common)
     wall_ms = (time.perf_counter() - started) * 1e3
     name = f"{precision} without a GradScaler" if precision == "fp16" and not scaler else precision
     what = (
         f"{name} vs fp32 over {steps} training steps from the same weights on {b} samples, "
         f"against fp32 vs fp32 with weights perturbed by {ROUNDING[precision]:.3g} "
-        f"({precision}'s rounding)"
+        f"({precision}'s rounding) and another dropout draw"
     )
     metrics = {"steps": float(steps), "batch_size": float(b), "wall_ms": wall_ms}
     if low.skipped:

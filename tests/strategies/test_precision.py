@@ -146,7 +146,7 @@ def test_numerics_check_is_zero_for_identical_runs_so_the_difference_is_real() -
 
     workload = _workload()
     runs = [
-        _train(workload, "fp32", 2, seed=0, batch_size=8, device=torch.device("cpu"))
+        _train(workload, "fp32", 2, seed=0, batch=workload.batch(8), device=torch.device("cpu"))
         for _ in range(2)
     ]
     assert runs[0].losses == runs[1].losses and runs[0].grad_norms == runs[1].grad_norms
