@@ -4,8 +4,9 @@ Choices are ``"fp32"`` (off), the one low precision the profiled device supports
 it can, else fp16, which needs a ``GradScaler`` in the training loop: a model cannot carry
 one, so the advice shows it and :func:`grad_scaler_for` makes one for our own steps), and
 ``"tf32"`` on a card whose matmuls have it (compute capability 8.0 and up): fp32 everywhere,
-but fp32 matmuls and convolutions round their inputs to TF32's 10-bit mantissa. None is
-offered on a device that lacks it; the CPU has no TF32.
+but fp32 matmuls round their inputs to TF32's 10-bit mantissa (cuDNN's convolutions already
+do by default: ``torch.backends.cudnn.allow_tf32``). None is offered on a device that lacks
+it; the CPU has no TF32.
 
 Applying bf16/fp16 installs :class:`AutocastForward` on the model's root module. Weights,
 gradients and optimizer state stay fp32; outputs come back in whatever dtype autocast
@@ -98,8 +99,8 @@ class AutocastForward(_forward.ForwardWrapper):
 class TF32Matmuls(_forward.ForwardWrapper):
     """Marks a model planned in fp32 with TF32 matmuls, and switches TF32 on for the process.
 
-    TF32 is not the model's: it is one process-wide setting that every fp32 matmul and
-    convolution after it reads, ``torch.set_float32_matmul_precision("high")``. Installing
+    TF32 is not the model's: it is one process-wide setting that every fp32 matmul after it
+    reads, ``torch.set_float32_matmul_precision("high")``. Installing
     this wrapper sets it, and so does loading a saved model that carries it (``__setstate__``),
     so a model trains as planned wherever it goes; removing it (applying 'fp32') restores
     the setting it found. ``torch.set_float32_matmul_precision("highest")`` switches it off
@@ -322,8 +323,9 @@ def _tf32_advice(strategy: str) -> Advice:
         strategy=strategy,
         title="TF32 matmuls",
         sentence=(
-            "Keep fp32 and let matmuls and convolutions round their inputs to TF32 (10-bit "
-            "mantissa, fp32's range) on the card's tensor cores: weights, activations, "
+            "Keep fp32 and let matmuls round their inputs to TF32 (10-bit mantissa, fp32's "
+            "range) on the card's tensor cores, as cuDNN's convolutions already do by default: "
+            "weights, activations, "
             "gradients and optimizer state stay fp32. It is a process-wide setting, not the "
             f"model's: apply_plan switches it on for the whole process ({TF32_ON}); "
             f"{TF32_OFF} switches it off."
