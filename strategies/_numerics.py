@@ -100,8 +100,8 @@ MAX_SKIPPED_STEPS = 24
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool = True) -> Iterator[None]:
     """fp32 matmuls in TF32 (``torch.set_float32_matmul_precision("high")``) inside the
-    block, the process's previous setting restored after. A no-op on the CPU, whose matmuls
-    have no TF32."""
+    block, or in full fp32 (``"highest"``) with ``enabled=False``; the process's previous
+    setting restored after. A no-op on the CPU, whose matmuls have no TF32."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     try:
@@ -176,7 +176,8 @@ def _train(
 
     started = time.perf_counter()
     taken = 0
-    mode = tf32_matmuls() if precision == "tf32" else contextlib.nullcontext()
+    # fp32 is fp32 whatever the process has set: TF32 only in the TF32 run.
+    mode = tf32_matmuls(precision == "tf32")
     with mode, torch.random.fork_rng(devices=_cuda(device)):  # the caller's RNG untouched
         torch.manual_seed(seed)
         while taken < steps and run.skipped <= MAX_SKIPPED_STEPS:
