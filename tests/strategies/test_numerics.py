@@ -142,6 +142,41 @@ def test_the_verdict_is_the_same_over_ten_runs_with_other_seeds(factory, expecte
     assert verdicts == {expected}
 
 
+class _DropoutDrawsByDtype(nn.Module):
+    """An MLP with dropout whose masks depend on the precision, as a card's attention
+    kernels do (fp32 and bf16 take different SDPA kernels, each with its own random
+    stream): under autocast it draws one number more before its dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            torch.rand(1)
+        return self.down(nn.functional.dropout(torch.relu(self.up(x)), 0.3, self.training))
+
+
+def test_a_dropout_draw_the_low_precision_does_not_share_is_judged_against_another_draw() -> None:
+    """Rule: where L's dropout masks differ from fp32's (a card's kernels), L fails against
+    fp32's same-draw spread, and a second spread run with another draw judges it: it passes,
+    and the report says which spread it was. A model without dropout (offset) gets no
+    rescue from that second run."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    workload = Workload(
+        model=_DropoutDrawsByDtype(), sample_batch=(x, x[:, :1]), loss_fn=planted._mse
+    )
+    check = check_numerics(workload, "bf16")
+    assert check.passed and check.metrics["spread_runs"] == 2
+    assert check.metrics["grad_distance"] > check.metrics["grad_distance_fp32_same_draw"] * 6
+    assert "as that failed it, another dropout draw" in check.summary
+    offset = check_numerics(Workload(**planted.offset()), "bf16")
+    assert not offset.passed and offset.metrics["spread_runs"] == 2
+    plain = check_numerics(Workload(**planted.activations_past_fp16()), "bf16")
+    assert plain.passed and plain.metrics["spread_runs"] == 1
+
+
 def _run(losses: list[float], norm: float = 1.0, grad: float = 1.0) -> _Run:
     return _Run(losses=losses, grad_norms=[norm] * len(losses), grads=[torch.tensor([grad, 1.0])])
 
