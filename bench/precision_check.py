@@ -176,6 +176,7 @@ def _row(model: str, label: str, check: Any, device_name: str) -> dict[str, Any]
         "grad_distance_fp32": m.get("grad_distance_fp32"),
         "grad_distance": m.get("grad_distance"),
         "grad_distance_limit": m.get("grad_distance_limit"),
+        "spread_runs": m.get("spread_runs"),  # 2: judged against another dropout draw
         "steps": m.get("steps"),
         "samples": m.get("batch_size"),
         "check_s": round(m["wall_ms"] / 1e3, 2),
@@ -263,7 +264,8 @@ def main() -> None:
     recorder.close()
 
     columns = ["model", "precision", "verdict", "fp32_spread", "low_precision_gap", "loss_limit",
-               "grad_distance_fp32", "grad_distance", "steps", "check_s"]  # fmt: skip
+               "grad_distance_fp32", "grad_distance", "spread_runs", "steps",
+               "check_s"]  # fmt: skip
     print()
     print(" | ".join(columns))
     for row in recorder.rows:
