@@ -54,7 +54,16 @@ def t5_base(samples: int) -> dict:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    model = T5ForConditionalGeneration(T5Config(decoder_start_token_id=0, pad_token_id=0))
+    config = T5Config(  # t5-base's sizes (T5Config()'s defaults are t5-small's)
+        d_model=768,
+        d_kv=64,
+        d_ff=3072,
+        num_layers=12,
+        num_heads=12,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config)
     batch = {
         "input_ids": torch.randint(0, 32128, (samples, 512)),
         "labels": torch.randint(0, 32128, (samples, 128)),
