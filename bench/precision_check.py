@@ -6,7 +6,7 @@ weights) on an H100 at 8 GiB had bf16 refused by a fixed 5% rule although bf16 e
 This bench runs ``strategies.precision.check_numerics`` as a plan on the card does (the
 user's model on the CPU, the check's copies on the card, the process capped at the budget)
 for that model and four more architectures of the zoo at base size (GPT-2 124M, a Llama of
-~200M, BERT base, Swin-T), in bf16, fp16 (with its GradScaler) and TF32 where the card has
+160M, BERT base, Swin-T), in bf16, fp16 (with its GradScaler) and TF32 where the card has
 it; then the planted failures, fp16 without a scaler among them, which must be refused.
 
     python bench/precision_check.py                     # on a card: the table above, 8 GiB
@@ -81,8 +81,8 @@ def gpt2_124m(samples: int) -> dict:
     return {"model": model, "sample_batch": {"input_ids": ids, "labels": ids.clone()}}
 
 
-def llama_200m(samples: int) -> dict:
-    """LlamaForCausalLM: 8 layers of 1024 (GQA), vocab 32000, 1024 tokens."""
+def llama_160m(samples: int) -> dict:
+    """LlamaForCausalLM, 160M parameters: 8 layers of 1024 (GQA), vocab 32000, 1024 tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def swin_tiny(samples: int) -> dict:
 BASE: dict[str, Callable[[int], dict]] = {
     "t5-base": t5_base,
     "gpt2-124m": gpt2_124m,
-    "llama-200m": llama_200m,
+    "llama-160m": llama_160m,
     "bert-base": bert_base,
     "swin-tiny": swin_tiny,
 }
