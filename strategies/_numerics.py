@@ -55,6 +55,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
 from memadvisor.workload import train_step
 from strategies import _forward
+from strategies._autocast import AutocastForward, grad_scaler_for
 
 if TYPE_CHECKING:
     from memadvisor.workload import Workload
@@ -149,8 +150,6 @@ def _train(
     are not counted. With ``time_s``, stop once the steps after the first have taken that
     long and :data:`NUMERICS_MIN_STEPS` are done. A non-finite loss ends the run.
     """
-    from strategies.precision import AutocastForward, grad_scaler_for  # precision imports us
-
     model = copy.deepcopy(workload.model).to(device)
     if precision in ("bf16", "fp16"):
         _forward.install(model, AutocastForward, precision=precision)

@@ -33,9 +33,10 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
-from memadvisor.schema.precision import AUTOCAST_DTYPES, FULL, PRECISIONS
+from memadvisor.schema.precision import FULL, PRECISIONS
 from memadvisor.strategy import Strategy
 from strategies import _forward
+from strategies._autocast import AutocastForward, grad_scaler_for
 from strategies._format import how_known, loss_line, mib
 from strategies._numerics import NUMERICS_MAX_BATCH, ROUNDING, check_numerics
 
@@ -71,29 +72,6 @@ def _check_choice(choice: JsonValue) -> str:
     if choice not in CHOICES:
         raise BadInputError(f"A precision choice is one of {CHOICES}, but got {choice=}.")
     return str(choice)
-
-
-def _device_type(module: nn.Module) -> str:
-    for t in module.parameters():
-        return t.device.type
-    for t in module.buffers():
-        return t.device.type
-    return "cpu"
-
-
-class AutocastForward(_forward.ForwardWrapper):
-    """The module's forward under ``torch.autocast`` on the device its parameters are on.
-
-    The device is read at each call, so the model can be moved after applying.
-    """
-
-    def __init__(self, module: nn.Module, inner: Any, precision: str = "bf16") -> None:
-        super().__init__(module, inner)
-        self.precision = precision
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(_device_type(self.module), dtype=AUTOCAST_DTYPES[self.precision]):
-            return self.call_inner(*args, **kwargs)
 
 
 class TF32Matmuls(_forward.ForwardWrapper):
@@ -134,13 +112,6 @@ def _remove_tf32(model: nn.Module) -> None:
     if wrapper is not None:
         wrapper.restore()
         _forward.remove(model, TF32Matmuls)
-
-
-def grad_scaler_for(precision: str, device_type: str) -> torch.amp.GradScaler | None:
-    """A fresh GradScaler for fp16 (whose small gradients underflow without one), else None."""
-    if precision != "fp16":
-        return None
-    return torch.amp.GradScaler(device_type)
 
 
 class Precision(Strategy):
