@@ -309,3 +309,29 @@ def test_the_report_row_says_tf32_is_process_wide_and_how_to_switch_it_off() -> 
     assert part.brief == "tf32" and part.step_precision == "fp32"  # fp32's profiled step
     assert "process-wide" in part.words and TF32_ON in part.words and TF32_OFF in part.words
     assert any(TF32_ON in line for line in part.loop.setup)
+
+
+@pytest.mark.gpu
+def test_on_a_card_tf32_is_offered_checked_and_switched_on_process_wide() -> None:
+    """On a card of compute capability 8.0+: the profile says TF32, its check trains on the
+    card and passes a plain transformer, and the fp32 runs stay full fp32."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("TF32 needs compute capability 8.0+")
+    info = Target(torch.device("cuda"), fake=False).info()
+    assert info.tf32_supported
+    torch.set_float32_matmul_precision("highest")
+    workload = _built("llama")
+    for precision in ("tf32", "bf16"):
+        check = check_numerics(workload, precision, device="cuda")
+        assert check.passed, check.summary
+    assert torch.get_float32_matmul_precision() == "highest"
+    model = Precision().apply(nn.Linear(4, 4).cuda(), "tf32", None)
+    assert torch.get_float32_matmul_precision() == "high" and precision_of(model) == "tf32"
+
+
+@pytest.mark.gpu
+def test_on_a_card_the_planted_failures_fail() -> None:
+    for factory, precision, scaler in PLANTED:
+        workload = Workload(**getattr(planted, factory)())
+        check = check_numerics(workload, precision, device="cuda", scaler=scaler)
+        assert not check.passed, (factory, precision, check.summary)
