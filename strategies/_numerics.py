@@ -35,7 +35,8 @@ Known limitations:
     a precision that fails only after thousands (a slowly growing activation in fp16) is
     not caught. Weight perturbation stands in for rounding everywhere; activations are not
     perturbed, so a model whose activations alone lose their meaning in the low precision
-    fails it through the loss or the gradient, not through B.
+    fails it through the loss or the gradient, not through B. B holds one more copy of the
+    weights on the device while it steps (the exact ones, put back before the update).
 """
 
 from __future__ import annotations
@@ -399,8 +400,8 @@ def check_numerics(
     if len(low.losses) < steps:
         return check(
             False,
-            f"{what}: the GradScaler skipped {low.skipped} steps in a row (the gradients "
-            "overflow fp16 at every scale it tried).",
+            f"{what}: the GradScaler skipped {low.skipped} steps, its scale halved down to "
+            f"2^{16 - low.skipped} (the gradients overflow fp16 at every scale it tried).",
         )
     m = {**verdict.metrics, **(draw or {})}
     summary = (
