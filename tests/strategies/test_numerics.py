@@ -130,6 +130,16 @@ def test_what_a_scaler_rescues_and_what_bf16_trains_pass() -> None:
     assert rescued.passed and rescued.metrics["skipped_steps"] > 0
 
 
+def test_gradients_no_scale_brings_into_fp16s_range_fail_even_with_a_scaler() -> None:
+    """Rule: a GradScaler's skipped steps are its search for a scale, not a failure, up to
+    24 halvings (scale 2^-8); gradients that overflow fp16 even there fail."""
+    made = planted.gradients_past_fp16()
+    loss_fn = made["loss_fn"]
+    made["loss_fn"] = lambda out, batch: loss_fn(out, batch) * 1e7  # gradients ~1e12
+    check = check_numerics(Workload(**made), "fp16")
+    assert not check.passed and "the GradScaler skipped 25 steps" in check.summary
+
+
 @pytest.mark.parametrize(
     ("factory", "expected"), [(lambda: _built("hf-resnet"), True), (planted.offset, False)]
 )
