@@ -140,7 +140,7 @@ class Parallel(Strategy):
         its units in that dtype)."""
         choice = pick.choices.get(self.name)
         precision = pick.choices.get("precision")
-        if not isinstance(choice, dict) or precision in (None, "fp32"):
+        if not isinstance(choice, dict) or _low_precision(precision) is None:  # fp32, tf32
             return None
         return {**choice, "param_dtype": precision}
 

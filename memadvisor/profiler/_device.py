@@ -66,6 +66,7 @@ class Target:
             total_bytes=total,
             bf16_supported=self.supports("bf16"),
             fp16_supported=self.supports("fp16"),
+            tf32_supported=self.is_cuda and torch.cuda.get_device_capability(self.device) >= (8, 0),
             torch_version=torch.__version__,
         )
 
