@@ -225,6 +225,8 @@ def main() -> None:
     from tests.fixtures import precision_failures
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the memory fraction needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * GIB / total), device)
