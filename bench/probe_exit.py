@@ -2,8 +2,9 @@
 
 The CUDA probe path on the CPU (the card faked, the fork server's child running
 tests/device/zygote_runner.py's sleeping batch), as tests/device/test_lifetime.py drives it.
-Prints, per signal: seconds from the signal until the planner exited, until the zygote and
-its child were gone, and whether the temp folder (the pickled workload) was still there 5 s
+Prints, per signal: seconds from the signal until the zygote and its child were gone, until
+the planner script exited (a plain script: it finalizes torch, which the CLI skips after a
+Ctrl-C), and whether the temp folder (the pickled workload) was still there 5 s
 later.
 
     python bench/probe_exit.py [--repeat 3]
@@ -74,11 +75,11 @@ def once(signum: int) -> tuple[float, float, bool]:
         zygote = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
         t0 = time.monotonic()
         os.kill(planner.pid, signum)
-        planner.wait()
-        exited = time.monotonic() - t0
         while (_alive(child) or _alive(zygote)) and time.monotonic() - t0 < 30:
             time.sleep(0.01)
         gone = time.monotonic() - t0
+        planner.wait()
+        exited = time.monotonic() - t0
         time.sleep(max(0.0, 5 - gone))
         left = any(tmp.glob("memadvisor-*"))
         for pid in (child, zygote):
@@ -95,8 +96,8 @@ def main() -> None:
         for _ in range(args.repeat):
             exited, gone, left = once(signum)
             print(
-                f"{signal.Signals(signum).name}: planner exited {exited:.2f} s, probe "
-                f"processes gone {gone:.2f} s, temp folder left after 5 s: {left}",
+                f"{signal.Signals(signum).name}: probe processes gone {gone:.2f} s, planner "
+                f"exited {exited:.2f} s, temp folder left after 5 s: {left}",
                 flush=True,
             )
 
