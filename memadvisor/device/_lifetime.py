@@ -154,15 +154,18 @@ class _Janitor:
 
     def tell(self, op: str, path: Path) -> None:
         with self.lock:
-            pipe = self._pipe()
+            # A folder removed with no janitor running (at exit, after it stopped) needs none.
+            pipe = self._pipe(start=op == "+")
             if pipe is None:
                 return
             with contextlib.suppress(OSError, ValueError):
                 pipe.write(op + json.dumps(str(path)) + "\n")
                 pipe.flush()
 
-    def _pipe(self) -> IO[str] | None:
+    def _pipe(self, start: bool) -> IO[str] | None:
         if self.process is None or self.pid != os.getpid() or self.process.poll() is not None:
+            if not start:
+                return None
             try:
                 self.process = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-c", _JANITOR],
