@@ -86,14 +86,25 @@ def test_a_fifo_is_refused_not_replaced(tmp_path: Path, writer: str) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no temporary left
 
 
-def test_a_device_node_is_refused_before_and_at_the_write() -> None:
-    """/dev/null (a character device) is refused by the early check and by the write."""
-    before = os.stat("/dev/null")
+def private_null_device(folder: Path) -> Path:
+    """A character device (the null device's numbers) in ``folder``, never the machine's own
+    /dev/null: code with the bug under test replaces the node it is given (it did, as root)."""
+    node = folder / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except (PermissionError, AttributeError):
+        pytest.skip("making a device node needs root (the FIFO tests cover a non-regular file)")
+    return node
+
+
+def test_a_device_node_is_refused_before_and_at_the_write(tmp_path: Path) -> None:
+    """A character device is refused by the early check and by the write, and stays one."""
+    node = private_null_device(tmp_path)
     with pytest.raises(BadInputError, match="character device"):
-        check_output_paths(html=Path("/dev/null"))
+        check_output_paths(html=node)
     with pytest.raises(BadInputError, match="character device"):
-        write_text_atomic("/dev/null", "x", "the HTML report")
-    assert os.stat("/dev/null").st_ino == before.st_ino
+        write_text_atomic(node, "x", "the HTML report")
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
 
 
 def test_a_symlink_to_a_regular_file_is_written_through_and_stays_a_link(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -40,11 +41,18 @@ def test_a_batch_of_nan_or_inf_is_refused_before_planning(
     assert result.stdout == ""
 
 
-def test_a_device_node_as_output_is_refused_before_planning(cli, factory) -> None:
-    result = cli("plan", factory("mlp"), "--budget-gb", "0.01", "--html", "/dev/null")
+def test_a_device_node_as_output_is_refused_before_planning(cli, factory, tmp_path) -> None:
+    """A private character device, never the machine's /dev/null: memadvisor before this fix
+    replaced the node it was given with a regular file (as root, /dev/null itself)."""
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except (PermissionError, AttributeError):
+        pytest.skip("making a device node needs root")
+    result = cli("plan", factory("mlp"), "--budget-gb", "0.01", "--html", str(node))
     assert result.exit_code == 2
     assert "--html" in _error(result) and "character device" in result.stderr
-    assert result.stdout == ""
+    assert result.stdout == "" and stat.S_ISCHR(os.lstat(node).st_mode)
 
 
 def _run_cli(prefix: list[str], args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
