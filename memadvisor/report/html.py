@@ -14,6 +14,7 @@ from pathlib import Path
 from memadvisor.errors import BadInputError
 from memadvisor.profiler import OpAllocation
 from memadvisor.report import _facts as facts
+from memadvisor.report._adopt import adoption_snippet
 from memadvisor.report._html_assets import CSS, SCRIPT
 from memadvisor.report._planned_step import PlannedStep
 from memadvisor.report._words import (
@@ -110,6 +111,15 @@ def render_plan_html(
     if ops:
         parts.append(_ops_section(ops, f"at batch {a.batch_size}, {a.precision}"))
     parts.append(_section("advice", "Recommendations", _advice(plan)))
+    parts.append(
+        _section(
+            "adopt",
+            "Train with it in your own loop",
+            f"<pre><code>{_e(adoption_snippet(plan))}</code></pre>",
+            "Runs as printed once model, plan and dataset (and loss_fn or forward_fn where "
+            "you planned with one) are defined.",
+        )
+    )
     if plan.data_loading is not None:
         parts.append(_loading(plan.data_loading))
     if plan.checks:

@@ -149,6 +149,18 @@ def test_page_holds_the_plans_numbers_as_text(plan: Plan) -> None:
         assert text in page, text
 
 
+def test_page_has_the_adoption_code_the_terminal_prints(plan: Plan) -> None:
+    """The "Train with it in your own loop" section is in the page, the same code as the
+    terminal's, escaped."""
+    import html
+
+    from memadvisor.report._adopt import adoption_snippet
+
+    page = render_plan_html(plan)
+    assert 'id="adopt"' in page and "Train with it in your own loop" in page
+    assert html.escape(adoption_snippet(plan), quote=True) in page
+
+
 def test_embedded_data_cannot_close_its_script_tag(plan: Plan) -> None:
     evil = "</script><script>alert(1)</script>"
     page = render_plan_html(plan.model_copy(update={"model_name": evil, "notes": [evil]}))
