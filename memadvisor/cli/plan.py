@@ -74,7 +74,7 @@ EPILOG = """[bold]Examples[/]
   memadvisor plan examples/llama.py:build_7b --budget-gb 160 --device estimate --json plan.json
 
 A saved plan applies to a fresh model with
-memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
+memadvisor.apply_plan(model, "plan.json") (or Plan.load("plan.json")).
 
 Exit codes: 0 ok, 2 bad input, 3 nothing fits the budget, 4 planning failed, 1 a bug.
 """
