@@ -46,7 +46,7 @@ from memadvisor.planner._notes import (
 )
 from memadvisor.planner._pick import advice_for, with_records
 from memadvisor.planner._prober import Confirmed, Prober
-from memadvisor.planner._progress import Progress, stage_totals
+from memadvisor.planner._progress import Progress, log_pick, stage_totals
 from memadvisor.planner._rerank import best_on_device, timed_candidates
 from memadvisor.planner._rows import comparison_rows, measure_configuration, rows_are_cheap
 from memadvisor.planner._search import ranked_or_infeasible
@@ -197,7 +197,8 @@ def plan_workload(
                 checks = screened + run_checks(workload, pick, chosen, done=screened)
             notes += prober.notes + device.notes + row_notes
             notes = fallbacks_first(notes)
-            return Plan(
+            ui.log_notes(notes)
+            result = Plan(
                 model_name=profile.model_name,
                 model_fingerprint=ModelFingerprint.of(workload.model),
                 config=config,
@@ -216,6 +217,8 @@ def plan_workload(
                 stages=stages,
                 profile=profile,
             )
+            log_pick(result)
+            return result
         finally:
             if owned is not None:
                 owned.close()
