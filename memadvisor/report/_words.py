@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from memadvisor.report._facts import Answer, Consumer
-from memadvisor.schema.plan import StageOutcome
+from memadvisor.report._facts import Answer, Consumer, times_rank
+from memadvisor.schema.plan import Plan, StageOutcome
 from memadvisor.schema.profile import Profile
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
 __all__ = [
+    "comparison_note",
     "OPS_NOTE",
     "OWNERS_NOTE",
     "answer_rows",
@@ -127,6 +128,21 @@ def _peak(a: Answer) -> str:
     return words + f" over {a.verified_steps} steps"
 
 
+def comparison_note(plan: Plan, mark: str = "~") -> str:
+    """What the comparison's marks mean for this plan: which numbers ran on the device, and
+    which rank (the estimate's, where the device's times do not)."""
+    red = "A peak in red is over the budget."
+    if plan.device_kind == "estimate":
+        return f"{mark} estimated: nothing ran on a device (--device estimate). {red}"
+    if not times_rank(plan):
+        return (
+            f"{mark} estimated. Step and Samples/s are the estimate's on every row, and rank "
+            f"them: this device's times do not (CPU times, slowed by tracking). A peak without "
+            f"{mark} was measured. {red}"
+        )
+    return f"{mark} estimated (not run on the device); other numbers measured. {red}"
+
+
 def _throughput(a: Answer) -> str:
     how = "measured" if a.measured else "estimated"
     words = f"{fmt_rate(a.samples_per_s)} samples/s ({how}), {fmt_ms(a.step_ms)} per step"
@@ -139,10 +155,16 @@ def _throughput(a: Answer) -> str:
             f"(fp32 at batch {a.baseline_batch_size}, both measured)"
         )
     elif a.speedup is not None:
-        # The baseline only estimated: the ratio is estimate over estimate, and says so.
+        # The baseline only estimated, or the device's times rank nothing: the ratio is
+        # estimate over estimate, and says so.
+        why = (
+            "the baseline was not run"
+            if a.times_rank
+            else "this device's times do not rank, the estimate's do"
+        )
         words += (
             f" · by the estimate {fmt_ratio(a.speedup)} the baseline's (fp32 at batch "
-            f"{a.baseline_batch_size}; both sides estimated, the baseline was not run)"
+            f"{a.baseline_batch_size}; both sides estimated: {why})"
         )
     return words
 

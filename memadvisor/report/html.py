@@ -21,6 +21,7 @@ from memadvisor.report._words import (
     OPS_NOTE,
     OWNERS_NOTE,
     answer_rows,
+    comparison_note,
     device_title,
     fragmentation,
     kind_words,
@@ -243,6 +244,8 @@ def _comparison(plan: Plan) -> str:
     for line in facts.comparison(plan):
         est = "" if line.measured else ' class="est"'
         mark = "" if line.measured else "~"
+        time_est = "" if line.time_measured else ' class="est"'
+        time_mark = "" if line.time_measured else "~"
         batch = str(line.batch_size) + (
             f"×{line.accumulation_steps}" if line.accumulation_steps > 1 else ""
         )
@@ -250,18 +253,15 @@ def _comparison(plan: Plan) -> str:
         rows.append(
             f"<tr{' class=plan' if line.is_plan else ''}><td>{_e(line.label)}</td><td>{batch}</td>"
             f"<td{peak_cls}>{mark}{fmt_bytes(line.peak_bytes)}</td>"
-            f"<td{est}>{mark}{fmt_ms(line.step_ms)}</td>"
+            f"<td{time_est}>{time_mark}{fmt_ms(line.step_ms)}</td>"
             f"<td>{line.largest_batch if line.largest_batch is not None else '—'}</td>"
-            f"<td{est}>{mark}{fmt_rate(line.samples_per_s)}</td>"
+            f"<td{time_est}>{time_mark}{fmt_rate(line.samples_per_s)}</td>"
             f"<td>{'measured' if line.measured else 'estimated'}</td></tr>"
         )
     table = _table(
         ["Config", "Batch", "Peak", "Step", "Largest batch", "Samples/s", "Source"], rows
     )
-    return table + (
-        '<p class="note">~ and grey italics: estimated, not run on the device. A peak in red '
-        "is over the budget.</p>"
-    )
+    return table + f'<p class="note">{_e(comparison_note(plan, "~ (grey italics)"))}</p>'
 
 
 def _predicted_phases(lines: list[facts.PredictedPhases]) -> str:
