@@ -78,7 +78,24 @@ def render_plan_html(
                 _predicted_phases(facts.predicted_phases(plan)),
             )
         )
-    data: dict = {"budget_bytes": a.budget_bytes, "phase_colors": PHASE_COLORS}
+    data: dict = {
+        "budget_bytes": a.budget_bytes,
+        "phase_colors": PHASE_COLORS,
+        "comparison": [
+            line.model_dump(
+                include={
+                    "label",
+                    "peak_bytes",
+                    "samples_per_s",
+                    "measured",
+                    "time_measured",
+                    "is_plan",
+                    "over_budget",
+                }
+            )
+            for line in facts.comparison(plan)
+        ],
+    }
     if profile is not None:
         b = max(profile.batch_sizes)
         series = series or facts.series_from_phases(profile, b, a.precision)
@@ -261,7 +278,14 @@ def _comparison(plan: Plan) -> str:
     table = _table(
         ["Config", "Batch", "Peak", "Step", "Largest batch", "Samples/s", "Source"], rows
     )
-    return table + f'<p class="note">{_e(comparison_note(plan, "~ (grey italics)"))}</p>'
+    chart = (
+        '<svg id="comparison-chart" class="chart" role="img" aria-label="peak and samples/s '
+        'of each configuration"></svg>'
+    )
+    return (
+        chart + table + f'<p class="note">{_e(comparison_note(plan, "~ (grey italics)"))} '
+        "In the chart, pale bars are estimated.</p>"
+    )
 
 
 def _predicted_phases(lines: list[facts.PredictedPhases]) -> str:
