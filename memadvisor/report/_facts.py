@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memadvisor.report._mfu import LanguageModelRate, language_model_rate
 from memadvisor.report._parts import changes, others, parts, plan_strategies
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import Plan, Row, StageOutcome
@@ -89,6 +90,9 @@ class Answer(_Model):
     measured: bool = Field(description="True when step time and rate come from the device.")
     times_rank: bool = Field(
         True, description="The device's times rank configurations (a card); else the estimate's."
+    )
+    lm: LanguageModelRate | None = Field(
+        None, description="A language model's tokens/s and MFU; None for other inputs."
     )
     baseline_samples_per_s: float | None = None
     baseline_batch_size: int | None = None
@@ -302,6 +306,7 @@ def answer(plan: Plan) -> Answer:
         samples_per_s=rate,
         measured=measured,
         times_rank=ranks,
+        lm=language_model_rate(plan, rate, steps[-1] if steps else FULL, ranks),
         baseline_samples_per_s=base_rate,
         baseline_batch_size=base.candidate.batch_size if base is not None else None,
         baseline_measured=base_measured,

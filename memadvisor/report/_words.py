@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memadvisor.report._facts import Answer, Consumer, times_rank
+from memadvisor.report._mfu import LanguageModelRate
 from memadvisor.schema.plan import Plan, StageOutcome
 from memadvisor.schema.profile import Profile
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
@@ -85,6 +86,8 @@ def answer_rows(a: Answer) -> list[tuple[str, str]]:
         ("Peak", _peak(a)),
         ("Throughput", _throughput(a)),
     ]
+    if a.lm is not None:
+        rows.append(("Tokens", _tokens(a, a.lm)))
     rows += [(stage.label, _stage(a, stage)) for stage in a.stages]
     if a.other_choices:
         rows.append(("Also", ", ".join(f"{k}: {v}" for k, v in a.other_choices.items())))
@@ -141,6 +144,20 @@ def comparison_note(plan: Plan, mark: str = "~") -> str:
             f"{mark} was measured. {red}"
         )
     return f"{mark} estimated (not run on the device); other numbers measured. {red}"
+
+
+def _tokens(a: Answer, lm: LanguageModelRate) -> str:
+    """A language model's tokens/s and MFU, with the formula and the peak it is over."""
+    how = "measured" if a.measured else "estimated"
+    words = f"{fmt_rate(lm.tokens_per_s)} tokens/s ({how}; {lm.tokens_per_sample} a sample)"
+    if lm.mfu is not None:
+        return words + (
+            f" · MFU {lm.mfu:.1%} = 6 × {lm.parameters / 1e6:,.1f}M parameters × tokens/s ÷ "
+            f"the {lm.peak_name} datasheet peak, {lm.peak_tflops:,.0f} TFLOP/s"
+        )
+    if not a.times_rank:
+        return words + " · no MFU: this device has no datasheet peak and its times rank nothing"
+    return words + f" · no MFU: {a.device_name} is not in memadvisor's datasheet table"
 
 
 def _throughput(a: Answer) -> str:
