@@ -171,3 +171,15 @@ def test_a_scalar_loss_model_trains_as_printed(plan: Plan) -> None:
     cpu_plan = _plan_for(plan, job, device="cpu", precision="fp32")
     names = _run(adoption_snippet(cpu_plan), job, cpu_plan)
     assert names["i"] == ACCUMULATION * STEPS - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cnn", "hf_gpt2"])
+def test_the_printed_card_loop_trains_two_steps_on_cuda(name: str, plan: Plan) -> None:
+    """A card's plan: the printed loop moves the model and each batch to the card itself
+    (the dataset stays on the CPU) and trains 2 steps there in bf16."""
+    job = _job(name)
+    card_plan = _plan_for(plan, job, device="cuda", precision="bf16")
+    names = _run(adoption_snippet(card_plan), job, card_plan)
+    assert names["i"] == ACCUMULATION * STEPS - 1
+    assert next(names["model"].parameters()).device.type == "cuda"
