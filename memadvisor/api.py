@@ -27,7 +27,7 @@ from memadvisor.planner import plan_workload
 from memadvisor.profiler import profile_workload
 from memadvisor.profiler._blocks import BlockSpec
 from memadvisor.profiler._progress import ProgressArg
-from memadvisor.schema.config import PlanConfig, gib_to_bytes
+from memadvisor.schema.config import PlanConfig, device_kind, gib_to_bytes
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import registered_names
@@ -47,6 +47,8 @@ PYTHON_NAMES = {
     "margin_fraction": "margin_fraction",
     "world_size": "world_size",
     "parallel": "parallel",
+    "device": "device",
+    "max_batch": "max_batch",
 }
 _SET_BY_NAME = {"budget_bytes", "objective", "effective_batch", "device"}
 
@@ -70,7 +72,8 @@ def plan_config(
         objective: throughput, largest_batch or effective_batch; None: effective_batch
             when ``effective_batch`` is given, else throughput.
         effective_batch: the batch the user trains with.
-        device: auto, cuda or simulated.
+        device: a name of :data:`~memadvisor.schema.config.DEVICE_NAMES`: auto, cuda (or
+            gpu), cpu (or simulated), estimate.
         options: any other PlanConfig field (``margin_fraction``, ``verify_steps``...), or
             a registered strategy's name with its setting (``compile="off"``).
         names: how the caller spells each field in messages (the CLI: ``--budget-gb``).
@@ -90,7 +93,14 @@ def plan_config(
             f"{said['budget_gb']} must be a positive number of GiB up to {MAX_BUDGET_GIB} "
             f"(1 PiB), e.g. 8, but got {budget_gb=}."
         )
+    kind = device_kind(device, said["device"])
     fields, strategy_options = _split_options(dict(options or {}))
+    max_batch = fields.get("max_batch", 1)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise BadInputError(
+            f"{said['max_batch']} must be a whole number of samples, at least 1, but got "
+            f"{max_batch=}."
+        )
     margin = fields.get("margin_fraction", 0.08)
     if isinstance(margin, (int, float)) and not 0.0 <= margin < 0.5:
         raise BadInputError(
@@ -129,7 +139,7 @@ def plan_config(
             budget_bytes=gib_to_bytes(budget_gb),
             objective=objective,
             effective_batch=effective_batch,
-            device=device,
+            device=kind,
             **fields,
         )
     except ValidationError as e:
@@ -197,11 +207,13 @@ def plan(
             reused; its state is not touched); default AdamW.
         make_batch: ``make_batch(b)`` for batches whose dim 0 is not the batch.
         forward_fn: ``forward_fn(model, batch)`` for models not called the usual way.
-        device: ``"auto"`` (CUDA when available, else the CPU simulated device), ``"cuda"``,
-            ``"simulated"``, ``"estimate"`` (no device: the model copied to fake tensors and
-            planned for a CUDA card from the estimate alone; a model built under
+        device: ``"auto"`` (CUDA when available, else the CPU simulated device), ``"cuda"``
+            (or ``"gpu"``), ``"cpu"`` (or ``"simulated"``: CPU tensors whose bytes are tracked
+            against the budget), ``"estimate"`` (no device: the model copied to fake tensors
+            and planned for a CUDA card from the estimate alone; a model built under
             ``torch.device("meta")`` costs no memory), or a
-            :class:`~memadvisor.device.Device`.
+            :class:`~memadvisor.device.Device`. The same names as ``profile()`` and the
+            CLI's ``--device``.
         progress: show progress on stderr.
         measure_comparison: also run the hand configurations (Baseline, +Checkpointing,
             +AMP, +Both) on the device for the report; by default only where that is cheap
@@ -298,7 +310,9 @@ def profile(
         forward_fn: ``forward_fn(model, batch)`` when the model is not called as the
             workload rules say.
         blocks: which modules are blocks (names, globs, class names or types); detected if None.
-        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        device: the names :func:`plan` takes: ``"auto"``, ``"cuda"`` (or ``"gpu"``),
+            ``"cpu"`` (or ``"simulated"``: CPU tensors, their bytes tracked), ``"estimate"``
+            (the model copied to fake tensors: shapes and bytes, no memory, no times).
         precisions: subset of fp32/bf16/fp16; default fp32 and, where supported, bf16.
         batch_sizes: the two batch sizes to measure; default ``(n, 2n)`` for a sample of n.
         progress: ``progress(description, done, total)`` or a rich ``Progress``.
@@ -317,10 +331,21 @@ def profile(
         make_batch=make_batch,
         forward_fn=forward_fn,
     )
+    kind = device_kind(device)
+    if kind == "estimate":
+        from memadvisor.device.fake import fake_workload, profile_fake
+
+        return profile_fake(
+            fake_workload(workload),
+            blocks=blocks,
+            precisions=precisions,
+            batch_sizes=batch_sizes,
+            progress=progress,
+        )
     return profile_workload(
         workload,
         blocks=blocks,
-        device=device,
+        device={"simulated": "cpu"}.get(kind, kind),
         precisions=precisions,
         batch_sizes=batch_sizes,
         progress=progress,

@@ -9,6 +9,7 @@ construction. Each strategy rewrites in place (or returns a module whose paramet
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,25 +17,30 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
+from memadvisor.schema.plan import Plan
 from memadvisor.strategy import Strategy, apply_candidate, chosen_strategies
 
 if TYPE_CHECKING:
     from memadvisor.schema.candidate import Candidate
-    from memadvisor.schema.plan import Plan
     from memadvisor.workload import Workload
 
 __all__ = ["apply_plan", "run_checks"]
 
 
-def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan | str | os.PathLike[str]) -> nn.Module:
     """Rewrite ``model`` in place to ``plan``'s pick, the same rewrite ``optimize()`` makes.
 
     The plan is reachable afterwards as ``model.memadvisor_plan``.
 
     Example::
 
-        plan = memadvisor.Plan.model_validate_json(Path("plan.json").read_text())
-        model = memadvisor.apply_plan(model, plan)
+        model = memadvisor.apply_plan(model, "plan.json")  # memadvisor plan ... --json
+        model = memadvisor.apply_plan(model, plan)  # what memadvisor.plan() returned
+
+    Args:
+        model: the model to rewrite.
+        plan: a :class:`~memadvisor.schema.plan.Plan`, or the path (``str`` or
+            ``pathlib.Path``) of one saved as JSON (read with ``Plan.load``).
 
     All or nothing: the model is checked against the plan (its fingerprint: class,
     parameter names and shapes) and every choice against the model before anything changes.
@@ -45,11 +51,20 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     switches it off.
 
     Raises:
-        BadInputError: the plan was made for another model, uses a strategy that is not
-            installed, or names blocks this model does not have.
+        BadInputError: ``plan`` is neither a Plan nor a path to one, the file is not a plan
+            this version reads, the plan was made for another model, uses a strategy that is
+            not installed, or names blocks this model does not have.
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    elif not isinstance(plan, Plan):
+        raise BadInputError(
+            f"plan must be a memadvisor Plan or the path of one saved as JSON (str or "
+            f"pathlib.Path), but got {type(plan).__name__}: {plan!r:.80}. Pass what "
+            "memadvisor.plan() returned, or the file `memadvisor plan ... --json` wrote."
+        )
     fingerprint = plan.model_fingerprint
     difference = fingerprint.difference(model) if fingerprint is not None else None
     if difference is not None:

@@ -151,15 +151,23 @@ class Precision(Strategy):
                 ),
             )
         how = "estimated" if plan.device_kind == "estimate" else "measured"
+        profile = plan.profile
+        form = profile.call_form if profile is not None else None
+        if form is not None and form.loss != "loss_fn":  # the model's own loss, in its forward
+            notes = [f"# The model's own loss runs inside forward, under autocast, as {how}."]
+        else:
+            notes = [
+                f"# The plan {how} your loss_fn on this output as it comes; upcast",
+                "# (output.float()) only if your loss_fn did, or its memory was not planned.",
+            ]
         loop = LoopLines(
-            forward_comment=f"{precision}: autocast runs inside forward",
-            forward_notes=[
-                f"# The plan {how} your loss_fn on these logits as they come; upcast",
-                "# (logits.float()) only if your loss_fn did, or its memory was not planned.",
-            ],
+            forward_comment=f"{precision}: autocast runs inside forward", forward_notes=notes
         )
         if precision == "fp16":
-            loop.setup = ['scaler = torch.amp.GradScaler("cuda")  # fp16 needs one; bf16 does not']
+            device = "cpu" if profile is not None and profile.device.kind == "cpu" else "cuda"
+            loop.setup = [
+                f'scaler = torch.amp.GradScaler("{device}")  # fp16 needs one; bf16 does not'
+            ]
             loop.backward = "scaler.scale(loss).backward()"
             loop.step = "scaler.step(optimizer); scaler.update()"
         return ReportPart(

@@ -139,6 +139,51 @@ def test_apply_plan_from_json_gives_the_same_rewrite_as_apply_candidate() -> Non
     assert list(by_plan.state_dict()) == list(_net().state_dict())
 
 
+def _plan() -> Plan:
+    return Plan(
+        model_name="Net",
+        config=PlanConfig(budget_bytes=2**30),
+        device_kind="simulated",
+        device_name="cpu",
+        candidate=CANDIDATE,
+        estimate=Estimate(
+            peak_bytes=1, peak_phase="backward", breakdown={}, step_ms=1.0, samples_per_s=1.0
+        ),
+        profile=_profile(),
+    )
+
+
+@pytest.mark.parametrize("as_path", [str, Path])
+def test_apply_plan_takes_the_path_of_a_saved_plan(tmp_path: Path, as_path) -> None:
+    """apply_plan(model, path) as a str or a Path: the same rewrite as the Plan itself, and
+    Plan.load reads back the plan to_json wrote."""
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    assert Plan.load(as_path(path)) == plan
+    by_path = memadvisor.apply_plan(_net(), as_path(path))
+    assert _rewrites(by_path) == _rewrites(memadvisor.apply_plan(_net(), plan))
+    assert by_path.memadvisor_plan == plan
+
+
+@pytest.mark.parametrize("bad", [{"candidate": {}}, 3, None, b"plan.json"])
+def test_apply_plan_refuses_what_is_neither_a_plan_nor_a_path(bad) -> None:
+    """A dict, a number, None, bytes: a BadInputError naming the type and what to pass (it
+    was a raw AttributeError)."""
+    with pytest.raises(BadInputError, match=f"but got {type(bad).__name__}.*memadvisor.plan"):
+        memadvisor.apply_plan(_net(), bad)
+
+
+def test_plan_load_names_a_missing_file_and_a_file_that_is_not_a_plan(tmp_path: Path) -> None:
+    """A missing file: BadInputError with the path; a JSON file that is no plan: one that
+    says which field is wrong."""
+    with pytest.raises(BadInputError, match="Cannot read a plan from .*nope.json"):
+        Plan.load(tmp_path / "nope.json")
+    (tmp_path / "other.json").write_text('{"model_name": "Net"}')
+    with pytest.raises(BadInputError, match="other.json' is not a plan this memadvisor reads"):
+        memadvisor.apply_plan(_net(), tmp_path / "other.json")
+
+
 def test_apply_candidate_is_idempotent_and_skips_neutral_choices() -> None:
     model = apply_candidate(_net(), CANDIDATE)
     once = _rewrites(model)

@@ -25,6 +25,7 @@ PACKAGES = ("memadvisor", "strategies")
 FLOORS: list[tuple[str, ...]] = [
     (
         "memadvisor._version",
+        "memadvisor._log",
         "memadvisor._torch_private",
         "memadvisor.errors",
         "memadvisor.files",

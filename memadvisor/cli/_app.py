@@ -78,6 +78,8 @@ class DeviceOption(str, Enum):
 
     auto = "auto"
     cuda = "cuda"
+    gpu = "gpu"
+    cpu = "cpu"
     simulated = "simulated"
     estimate = "estimate"
 
@@ -90,10 +92,17 @@ TARGET_HELP = (
 DEBUG_HELP = "Show the traceback of an error."
 QUIET_HELP = "No progress bars and no full report: only the one-line answer and errors."
 DEVICE_HELP = (
-    "cuda: the real card, the budget emulated with a memory fraction; simulated: CPU tensors "
-    "whose bytes are tracked against the budget; auto: cuda when there is one; estimate: no "
-    "device at all, the model built as fake tensors (no memory, any size) and planned for a "
-    "CUDA card from the estimate alone."
+    "cuda (or gpu): the real card, the budget emulated with a memory fraction; cpu (or "
+    "simulated): CPU tensors whose bytes are tracked against the budget; auto: cuda when there "
+    "is one, else cpu; estimate: no device at all, the model built as fake tensors (no memory, "
+    "any size) and planned for a CUDA card from the estimate alone. The same names as "
+    "memadvisor.plan(device=...)."
+)
+PROFILE_DEVICE_HELP = (
+    "cuda (or gpu): the real card; cpu (or simulated): CPU tensors whose bytes are tracked as "
+    "they are allocated; auto: cuda when there is one, else cpu; estimate: no device at all, "
+    "the model built as fake tensors (no memory, any size): bytes, no times. The same names as "
+    "memadvisor.profile(device=...)."
 )
 
 
@@ -155,22 +164,26 @@ def _print_error(message: str) -> None:
 
 
 def resolve_device(device: DeviceOption) -> str:
-    """``cuda``, ``simulated`` or ``estimate``: where this machine can run what was asked.
+    """``cuda``, ``simulated`` or ``estimate``: where this machine can run what was asked
+    (the names of :data:`memadvisor.schema.config.DEVICE_NAMES`, aliases resolved).
 
     Raises:
         BadInputError: ``cuda`` was asked for on a machine without a CUDA device.
     """
     import torch
 
+    from memadvisor.schema.config import device_kind
+
+    kind = device_kind(device.value, "--device")
     has_cuda = torch.cuda.is_available()
-    if device is DeviceOption.cuda and not has_cuda:
+    if kind == "cuda" and not has_cuda:
         raise BadInputError(
-            "--device cuda, but torch sees no CUDA device here; use --device simulated (or "
-            "auto) to run on the CPU simulated device."
+            f"--device {device.value}, but torch sees no CUDA device here; use --device cpu "
+            "(or auto) to run on the CPU simulated device."
         )
-    if device is DeviceOption.auto:
-        return "cuda" if has_cuda else DeviceOption.simulated.value
-    return device.value
+    if kind == "auto":
+        return "cuda" if has_cuda else "simulated"
+    return kind
 
 
 def announce_device(kind: str, *, quiet: bool) -> None:
@@ -184,8 +197,8 @@ def announce_device(kind: str, *, quiet: bool) -> None:
         )
     if kind == DeviceOption.simulated.value and not quiet:
         err_console.print(
-            "No GPU in use: running on the CPU simulated device (tensor bytes tracked against "
-            "the budget).",
+            "No GPU in use: running on the CPU simulated device (tensor bytes tracked as they "
+            "are allocated).",
             highlight=False,
             soft_wrap=True,
         )

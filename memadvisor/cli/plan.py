@@ -41,6 +41,8 @@ FLAGS = {
     "margin_fraction": "--margin",
     "world_size": "--world-size",
     "parallel": "--parallel",
+    "device": "--device",
+    "max_batch": "--max-batch",
 }
 
 
@@ -75,7 +77,7 @@ EPILOG = """[bold]Examples[/]
   memadvisor plan examples/llama.py:build_7b --budget-gb 160 --device estimate --json plan.json
 
 A saved plan applies to a fresh model with
-memadvisor.apply_plan(model, Plan.model_validate_json(open("plan.json").read())).
+memadvisor.apply_plan(model, "plan.json") (or Plan.load("plan.json")).
 
 Exit codes: 0 ok, 2 bad input, 3 nothing fits the budget, 4 planning failed, 1 a bug.
 """
@@ -109,6 +111,15 @@ def plan(
         typer.Option("--effective-batch", help="The batch you train with, kept by accumulation."),
     ] = None,
     device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--max-batch",
+            help="The largest batch the plan may pick (e.g. your dataset's length). Default: "
+            "65536.",
+            show_default=False,
+        ),
+    ] = None,
     margin: Annotated[
         float | None,
         typer.Option(
@@ -167,7 +178,9 @@ def plan(
     strategies on the estimate, confirms the batch by OOM probes on the device, verifies the
     pick over sustained steps, and prints the plan with advice you can adopt by hand.
     """
-    config = _config(budget_gb, objective, effective_batch, margin, device, world_size, parallel)
+    config = _config(
+        budget_gb, objective, effective_batch, margin, device, world_size, parallel, max_batch
+    )
     config = config.model_copy(update={"checks": checks.value})
     check_output_paths(json=json_path, html=html_path)
     from memadvisor.device.fake import load_fake_target
@@ -212,6 +225,7 @@ def _config(
     device: DeviceOption,
     world_size: int = 1,
     parallel: ParallelOption = ParallelOption.none,
+    max_batch: int | None = None,
 ) -> PlanConfig:
     """The PlanConfig the options describe, built and checked by ``memadvisor.api``.
 
@@ -221,6 +235,8 @@ def _config(
     from memadvisor.api import plan_config  # torch and the planner: only when a plan is made
 
     options: dict[str, object] = {"world_size": world_size, "parallel": parallel.value}
+    if max_batch is not None:
+        options["max_batch"] = max_batch
     if margin is not None:
         # Given, the margin is the user's for the pick too; else the runs size it.
         options["margin_fraction"] = margin

@@ -20,7 +20,7 @@ from rich.progress import (
 
 from memadvisor.cli._app import (
     DEBUG_HELP,
-    DEVICE_HELP,
+    PROFILE_DEVICE_HELP,
     QUIET_HELP,
     TARGET_HELP,
     DeviceOption,
@@ -53,7 +53,9 @@ Exit codes: 0 ok, 2 bad input, 4 profiling failed, 1 a bug.
 @handle_errors
 def profile(
     target: Annotated[str, typer.Argument(metavar="TARGET", help=TARGET_HELP, show_default=False)],
-    device: Annotated[DeviceOption, typer.Option("--device", help=DEVICE_HELP)] = DeviceOption.auto,
+    device: Annotated[
+        DeviceOption, typer.Option("--device", help=PROFILE_DEVICE_HELP)
+    ] = DeviceOption.auto,
     blocks: Annotated[
         list[str] | None,
         typer.Option(

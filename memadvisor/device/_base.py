@@ -22,7 +22,8 @@ class Device(ABC):
 
     What the planner asks of a device besides ``run`` is declared here with a default, so a
     device (a test's, a third party's) overrides only what differs from it:
-    :attr:`runs_cost_more_than_steps`, :attr:`step_times_rank`, :attr:`fresh_processes`,
+    :attr:`runs_cost_more_than_steps`, :attr:`step_times_rank`, :attr:`steady_memory`,
+    :attr:`fresh_processes`,
     :attr:`notes`, :meth:`close` and :meth:`free_bytes`.
     """
 
@@ -36,6 +37,12 @@ class Device(ABC):
     #: slowed by its tracking and fake tensors take no time. Default False: the planner then
     #: ranks the confirmed batches by the estimate's step time.
     step_times_rank: bool = False
+    #: Whether a run's memory repeats exactly from its second step on: no allocator cache
+    #: and no fragmentation (the simulated device meters tensor bytes), so steps past a
+    #: probe's show nothing new and the pick is verified over ``run_steps`` steps, not
+    #: ``verify_steps`` (unless the user set those). Default False: a card's allocator can
+    #: fail a later step that an earlier one passed.
+    steady_memory: bool = False
     #: Whether every run starts in a process of its own. Default True; a device that runs in
     #: the planner's process says False (a compiled variant cannot be measured there).
     fresh_processes: bool = True

@@ -105,6 +105,7 @@ class SimulatedDevice(Device):
     """
 
     kind: ClassVar[Literal["simulated", "fake"]] = "simulated"
+    steady_memory = True  # tensor bytes, no allocator: step 2 on repeats step 2
 
     def __init__(
         self,

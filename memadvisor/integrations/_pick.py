@@ -3,13 +3,40 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any
 
 from torch import nn
 
 from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Plan
 
-__all__ = ["Pick", "apply_blocks", "pick_of"]
+__all__ = ["Pick", "apply_blocks", "pick_of", "plan_options"]
+
+logger = logging.getLogger(__name__)
+
+
+def plan_options(options: dict[str, Any], dataset: Any) -> dict[str, Any]:
+    """An integration's :func:`memadvisor.plan` options: no progress bars unless asked
+    (the ``memadvisor`` logger carries the lines; the framework owns the terminal), and the
+    batch capped at the dataset's length, as Lightning's batch-size finder caps it: a batch
+    larger than the data is one step an epoch, or none with ``drop_last``.
+
+    A dataset without ``len()`` (an iterable one) is not capped; a ``max_batch`` you passed
+    below its length is kept.
+    """
+    out = dict(options)
+    out.setdefault("progress", False)
+    try:
+        length = len(dataset)
+    except TypeError:  # an IterableDataset, or no dataset at all
+        return out
+    limit = out.get("max_batch", PlanConfig.model_fields["max_batch"].default)
+    if 0 < length < limit:
+        out["max_batch"] = length
+        logger.info("batch capped at the dataset's length, %d samples", length)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

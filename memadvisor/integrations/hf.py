@@ -31,7 +31,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.integrations import require
-from memadvisor.integrations._pick import apply_blocks, pick_of
+from memadvisor.integrations._pick import apply_blocks, pick_of, plan_options
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -77,7 +77,9 @@ def plan_trainer(
         time_dataloader: also time the Trainer's training DataLoader against the planned step
             (``plan.data_loading``; ``dataloader_num_workers`` and ``dataloader_pin_memory``
             are the arguments it advises on).
-        **plan_kwargs: any other :func:`memadvisor.plan` argument.
+        **plan_kwargs: any other :func:`memadvisor.plan` argument. ``progress`` defaults to
+            False here (the ``memadvisor`` logger carries the notes and stage lines), and
+            ``max_batch`` to the training dataset's length.
 
     Raises:
         BadInputError: transformers is not installed, the trainer has no training data, or
@@ -113,7 +115,7 @@ def plan_trainer(
         budget_gb=budget_gb,
         optimizer=TrainerOptimizer(cls, kwargs),
         dataloader=loader if time_dataloader else None,
-        **plan_kwargs,
+        **plan_options(plan_kwargs, trainer.train_dataset),
     )
 
 

@@ -92,7 +92,10 @@ def _callback_class() -> type:
                 for information, and may not fit your batch).
             effective_batch: the batch you train with, reached by accumulation (the
                 ``effective_batch`` objective).
-            **plan_kwargs: any other :func:`memadvisor.plan` argument.
+            **plan_kwargs: any other :func:`memadvisor.plan` argument. ``progress`` defaults
+                to False here (the ``memadvisor`` logger carries the notes and stage lines),
+                and ``max_batch`` to the training dataset's length, as ``BatchSizeFinder``
+                caps it.
 
         Attributes:
             plan: the plan made at fit start (None before).
@@ -128,15 +131,15 @@ def _callback_class() -> type:
             if trainer._accelerator_connector.is_distributed:
                 return
             from memadvisor import api
-            from memadvisor.integrations._pick import apply_blocks, pick_of
+            from memadvisor.integrations._pick import apply_blocks, pick_of, plan_options
 
             yours = type(trainer.precision_plugin) is not Precision
             flag = trainer._accelerator_connector._precision_flag if yours else "32-true"
             autocast = _AUTOCAST.get(flag) if yours else None
             device_type = trainer.strategy.root_device.type
-            batch = self._sample_batch(trainer, pl_module)
+            batch, dataset = self._sample_batch(trainer, pl_module)
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
-            options = dict(self.plan_kwargs)
+            options = plan_options(self.plan_kwargs, dataset)
             if yours:
                 # Your precision runs: plan that step, and nothing else for precision.
                 options["strategies"] = [
@@ -187,7 +190,7 @@ def _callback_class() -> type:
         def _sample_batch(self, trainer: Any, pl_module: Any) -> Any:
             source = trainer.datamodule if trainer.datamodule is not None else pl_module
             loader = source.train_dataloader()
-            return next(iter(loader))
+            return next(iter(loader)), getattr(loader, "dataset", None)
 
         def _precision(
             self, trainer: Any, precision: str, yours: bool, flag: str, device_type: str,

@@ -27,7 +27,7 @@ from memadvisor.device.fake import FakeWorkload, fake_workload, profile_fake
 from memadvisor.errors import BadInputError
 from memadvisor.estimate import estimate
 from memadvisor.planner._pick import advice_for, with_records
-from memadvisor.planner._progress import Progress
+from memadvisor.planner._progress import Progress, log_pick
 from memadvisor.planner._rows import comparison_rows
 from memadvisor.planner._search import ranked_or_infeasible
 from memadvisor.planner._space import SearchSpace
@@ -136,7 +136,8 @@ def plan_estimated(
     )  # every row estimated; ESTIMATED_NOTE says so
     cannot_know = _cannot_know(time_model, profile.flops)
     notes = [ESTIMATED_NOTE, *cannot_know, *_batch_notes(config, pick, best.largest_batch)]
-    return Plan(
+    ui.log_notes(notes)
+    plan = Plan(
         model_name=profile.model_name,
         model_fingerprint=ModelFingerprint.of(fake.model),  # names and shapes, as the real's
         config=config,
@@ -151,6 +152,8 @@ def plan_estimated(
         profile=profile,
         basis=EstimateBasis(time_model=time_model, cannot_know=cannot_know),
     )
+    log_pick(plan)
+    return plan
 
 
 def _cannot_know(time_model: StepTimeModel, flops: StepFlops | None) -> list[str]:

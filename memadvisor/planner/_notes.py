@@ -63,7 +63,11 @@ def pick_notes(config: PlanConfig, pick: Candidate, best: Confirmed) -> list[str
 
 
 def runs_note(
-    runs: Sequence[Probe], best: Confirmed, verified: Measurement, config: PlanConfig
+    runs: Sequence[Probe],
+    best: Confirmed,
+    verified: Measurement,
+    config: PlanConfig,
+    steady_memory: bool = False,
 ) -> str:
     """The batch search of the pick's choices in runs, and what verified the pick.
 
@@ -85,6 +89,12 @@ def runs_note(
             f"{found.lowest_failure}, which ran out, as the edge moves between fresh processes"
         )
     if not any(r.stage == "verify" for r in runs):
+        if steady_memory and verified.steps < config.verify_steps:
+            return (
+                f"{text}; the pick's own {verified.steps}-step run from a clean state is its "
+                "verification: this device's tracked bytes repeat from the second step on "
+                "(no allocator cache), so longer runs show nothing more."
+            )
         return (
             f"{text}; the pick's own {verified.steps}-step run from a clean state (at least "
             f"verify_steps={config.verify_steps}) is its verification."

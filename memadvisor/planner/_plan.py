@@ -45,8 +45,8 @@ from memadvisor.planner._notes import (
     tie_note,
 )
 from memadvisor.planner._pick import advice_for, with_records
-from memadvisor.planner._prober import Confirmed, Prober
-from memadvisor.planner._progress import Progress, stage_totals
+from memadvisor.planner._prober import Confirmed, Prober, verify_steps
+from memadvisor.planner._progress import Progress, log_pick, stage_totals
 from memadvisor.planner._rerank import best_on_device, timed_candidates
 from memadvisor.planner._rows import comparison_rows, measure_configuration, rows_are_cheap
 from memadvisor.planner._search import ranked_or_infeasible
@@ -199,12 +199,13 @@ def plan_workload(
             tie = tie_note(prober.tie, best.candidate)
             if tie is not None:
                 notes.append(tie)
-            notes.append(runs_note(prober.probes, best, verified, config))
+            notes.append(runs_note(prober.probes, best, verified, config, device.steady_memory))
             with ui.stage("checks", total=None):
                 checks = screened + run_checks(workload, pick, chosen, done=screened)
             notes += prober.notes + device.notes + row_notes
             notes = fallbacks_first(notes)
-            return Plan(
+            ui.log_notes(notes)
+            result = Plan(
                 model_name=profile.model_name,
                 model_fingerprint=ModelFingerprint.of(workload.model),
                 config=config,
@@ -223,6 +224,8 @@ def plan_workload(
                 stages=stages,
                 profile=profile,
             )
+            log_pick(result)
+            return result
         finally:
             if owned is not None:
                 owned.close()
@@ -233,13 +236,14 @@ def plan_workload(
 def _verified(prober: Prober, best: Confirmed, ui: Progress) -> tuple[Candidate, Measurement]:
     """The pick after its sustained run from a clean state, stepped down while it fails.
 
-    A run of the pick that already took ``verify_steps`` steps from a clean state (on a card
-    every probe does) is that run: no device run repeats it.
+    A run of the pick that already took the verifying steps from a clean state (on a card
+    every probe does; on the simulated device, whose memory repeats from the second step,
+    a probe's steps are the verifying steps) is that run: no device run repeats it.
 
     Raises:
         InfeasibleBudgetError: it failed even at batch 1.
     """
-    steps = prober.config.verify_steps
+    steps = verify_steps(prober.device, prober.config)
     with ui.stage("verify", total=None) as bar:
         prober.bar = bar
         pick, verified = prober.stepping_down(best.candidate, steps, "verify")

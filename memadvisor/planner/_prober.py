@@ -25,7 +25,7 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
-__all__ = ["HEADROOM_FRACTION", "Confirmed", "Prober", "Run", "Tie", "run_steps"]
+__all__ = ["HEADROOM_FRACTION", "Confirmed", "Prober", "Run", "Tie", "run_steps", "verify_steps"]
 
 # The measured margin: how far below the edge the pick stays, as a share of the budget in
 # measured bytes per sample: below the lowest batch that ran out, that many bytes' worth of
@@ -267,3 +267,12 @@ def run_steps(device: Device, config: PlanConfig) -> int:
     if device.runs_cost_more_than_steps:
         steps = max(steps, config.verify_steps)
     return steps
+
+
+def verify_steps(device: Device, config: PlanConfig) -> int:
+    """Steps of the pick's verifying run: ``config.verify_steps``, except on a device whose
+    memory repeats from the second step (``Device.steady_memory``), where a probe's steps
+    show all there is, unless the user set ``verify_steps`` themselves."""
+    if device.steady_memory and "verify_steps" not in config.model_fields_set:
+        return run_steps(device, config)
+    return config.verify_steps

@@ -1,9 +1,12 @@
 """What the planner shows while it works: one rich progress bar per stage, and notes.
 
 ``Progress(enabled=False)`` shows nothing (tests, library use that wants silence); the
-planner calls the same methods either way. Each stage's wall time is kept either way
-(:attr:`Progress.stage_log`; a plan's part of it becomes ``Plan.stage_wall_ms``), so a plan
-says where its time went whether or not anyone watched the bars.
+planner calls the same methods either way. Enabled or not, every note, every stage's start
+and end (with its wall time) and each bar's description go to the ``memadvisor`` logger
+(:mod:`memadvisor._log`), where an application that configures logging sees them. Each
+stage's wall time is kept either way (:attr:`Progress.stage_log`; a plan's part of it
+becomes ``Plan.stage_wall_ms``), so a plan says where its time went whether or not anyone
+watched the bars.
 """
 
 from __future__ import annotations
@@ -22,7 +25,26 @@ from rich.progress import (
 )
 from rich.progress import Progress as _RichProgress
 
-__all__ = ["Progress", "Stage", "stage_totals"]
+from memadvisor._log import logger, plain
+from memadvisor.schema.plan import Plan
+from memadvisor.units import fmt_ms
+
+__all__ = ["Progress", "Stage", "log_pick", "stage_totals"]
+
+
+def log_pick(plan: Plan) -> None:
+    """The plan's pick in one INFO line of the ``memadvisor`` logger."""
+    cand = plan.candidate
+    choices = ", ".join(f"{k}={v}" for k, v in cand.choices.items() if v not in (None, [], "off"))
+    logger.info(
+        "plan for %s on %s: batch %d x %d accumulation, %s; planning took %s",
+        plan.model_name,
+        plan.device_name,
+        cand.batch_size,
+        cand.accumulation_steps,
+        choices or "no strategy",
+        fmt_ms(plan.plan_wall_ms),
+    )
 
 
 def stage_totals(log: list[tuple[str, float]]) -> dict[str, float]:
@@ -38,19 +60,27 @@ class Stage:
 
     def __init__(self, bar: _RichProgress | None, task: int | None) -> None:
         self._bar, self._task = bar, task
+        self._said = ""  # the last description logged: a bar redrawn with it logs nothing
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None and self._task is not None:
             self._bar.advance(self._task, n)
 
     def describe(self, text: str) -> None:
+        self._log(text)
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, description=text)
 
     def report(self, description: str, done: int, total: int) -> None:
         """Set the bar outright: ``progress(description, done, total)`` callbacks land here."""
+        self._log(f"{description} ({done}/{total})")
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, description=description, completed=done, total=total)
+
+    def _log(self, text: str) -> None:
+        if text != self._said:
+            self._said = text
+            logger.debug("%s", plain(text))
 
 
 class Progress:
@@ -62,11 +92,23 @@ class Progress:
         self._bar: _RichProgress | None = None
         # (stage name, wall ms) of every stage block that ended, in order.
         self.stage_log: list[tuple[str, float]] = []
+        self._noted: set[str] = set()
 
     def note(self, text: str) -> None:
-        """One line the user should see (e.g. that the plan is for the simulated device)."""
+        """One line the user should see (e.g. that the plan is for the simulated device);
+        logged at INFO whether or not the console shows it."""
+        self._noted.add(text)
+        logger.info("%s", plain(text))
         if self.enabled:
             self.console.print(text, highlight=False, soft_wrap=True)
+
+    def log_notes(self, notes: list[str]) -> None:
+        """Log at INFO each of a plan's notes that :meth:`note` has not: the log then holds
+        every note the plan carries (the console shows them in the report)."""
+        for text in notes:
+            if text not in self._noted:
+                self._noted.add(text)
+                logger.info("%s", plain(text))
 
     @contextlib.contextmanager
     def stage(self, description: str, total: int | None = None) -> Iterator[Stage]:
@@ -76,11 +118,14 @@ class Progress:
         raises.
         """
         started = time.perf_counter()
+        logger.info("%s ...", description)
         try:
             with self._bar_for(description, total) as stage:
                 yield stage
         finally:
-            self.stage_log.append((description, (time.perf_counter() - started) * 1e3))
+            wall_ms = (time.perf_counter() - started) * 1e3
+            self.stage_log.append((description, wall_ms))
+            logger.info("%s took %s", description, fmt_ms(wall_ms))
 
     @property
     def stage_wall_ms(self) -> dict[str, float]:

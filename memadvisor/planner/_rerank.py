@@ -3,7 +3,9 @@
 The estimate's best ``rerank_top`` candidates (those within :data:`RERANK_FLOOR` of the
 best) and, where measured times rank, each choice of a *guarded* strategy with everything
 else plain (Baseline and +AMP: ``Strategy.guarded``), run once at the estimate's largest
-batch under the usable budget. That run is both the candidate's fit probe and its timing.
+batch under the usable budget. Where the device's times do not rank (the simulated CPU
+device), they run in the estimate's order only until one fits: the estimate ranks there.
+That run is both the candidate's fit probe and its timing.
 The device's best alone then finishes its batch search (``Prober.confirm``).
 
 Known limitations:
@@ -120,12 +122,12 @@ def best_on_device(
     measured_times = device.step_times_rank
     with ui.stage("probes", total=None) as bar:
         prober.bar = bar
-        first = {s.choices_json: _timing(prober, s, _start(prober, s)) for s in timed}
+        first = _first_runs(prober, timed, measured_times)
         best = _device_best(prober, timed, first, measured_times)
         twice_out: set[str] = set()  # groups whose retry ran out too
         for s in timed:  # the estimate's order
-            if first[s.choices_json] is not None:
-                continue
+            if first.get(s.choices_json, "not run") is not None:
+                continue  # it fitted, or was not run (the estimate ranks it below one that fitted)
             group = _guarded_key(space, s)
             below = safe_below(_start(prober, s), space.config.margin_fraction)
             if below < 1 or group in twice_out:
@@ -162,6 +164,13 @@ def best_on_device(
             f"The {fitted} best candidates were re-ranked at the batches the "
             f"{device.kind} device confirmed, by the estimate's step time: this device's own "
             "times do not rank (CPU times, slowed by tracking)."
+        )
+    skipped = len(timed) - len(first)
+    if not measured_times and skipped > 0:
+        notes.append(
+            f"Ranked by the estimate's step time: the {device.kind} device's own times do not "
+            "rank (CPU times, slowed by tracking), so it confirmed the batch of the estimate's "
+            f"best candidate that fitted and did not run {skipped} ranked below it."
         )
     return winner
 
@@ -201,6 +210,42 @@ def alternatives_notes(
             "their communication): " + "; ".join(parts) + ". The fastest that fitted decided."
         )
     return notes
+
+
+def _first_runs(
+    prober: Prober, timed: Sequence[Scored], measured_times: bool
+) -> dict[str, _Timing | None]:
+    """Each candidate's run at its estimated largest batch: every one where the device's
+    times rank; else in the estimate's order until one fits.
+
+    Where times do not rank, the first that fits at its estimated batch is the estimate's
+    best there: a candidate after it is ranked below it at its own estimated batch, which
+    its device run could only confirm or lower. Running it would cost steps of the largest
+    batch and change nothing, unless it could tie the one that fitted (within
+    :data:`TIE_FRACTION`, by the estimate) with fewer strategies turned on, which the tie
+    rule would take: those still run. The others read as not run (the retry in
+    :func:`best_on_device` skips them).
+    """
+    first: dict[str, _Timing | None] = {}
+    fitted: Scored | None = None
+    for s in timed:
+        if fitted is not None and not _could_tie(prober.space, s, fitted):
+            continue
+        first[s.choices_json] = _timing(prober, s, _start(prober, s))
+        if not measured_times and fitted is None and first[s.choices_json] is not None:
+            fitted = s
+    return first
+
+
+def _could_tie(space: SearchSpace, scored: Scored, fitted: Scored) -> bool:
+    """Whether ``scored`` could take the tie rule from ``fitted``: fewer strategies, and an
+    estimated rate within the tie (batch, for largest_batch) of the one that fitted."""
+    if scored.active >= fitted.active:
+        return False
+    if space.config.objective == "largest_batch":
+        return scored.candidate.batch_size >= fitted.candidate.batch_size
+    floor = (1.0 - TIE_FRACTION) * fitted.estimate.samples_per_s
+    return scored.estimate.samples_per_s >= floor
 
 
 @dataclass

@@ -86,7 +86,7 @@ from memadvisor.schema.profile import (
     StepFlops,
     StepProfile,
 )
-from memadvisor.workload import Workload, train_step
+from memadvisor.workload import Workload, tensor_leaves, train_step
 
 __all__ = ["autocast_workload", "profile_workload"]
 
@@ -300,6 +300,7 @@ class _Pass:
             fixed_overhead_bytes=self._fixed_overhead(memory_fp32),
             fragmentation_ratio=self._fragmentation(memory_fp32),
             flops=self.flops,
+            tokens_per_sample=_tokens_per_sample(wl.sample_batch),
             call_form=self.call_form,
         )
 
@@ -634,3 +635,14 @@ class _Pass:
         allocated = max((a + ws for a, _ in mem.phases.values()), default=0)
         reserved = max(((r or 0) + ws for _, r in mem.phases.values()), default=0)
         return reserved / allocated if allocated > 0 else None
+
+
+def _tokens_per_sample(batch: Any) -> int | None:
+    """Tokens per sample when the batch's first tensor is integer ids of shape (batch,
+    tokens), as a language model takes them; None for any other input."""
+    first = next(iter(tensor_leaves(batch)), None)
+    if first is None or first.ndim != 2 or first.dtype.is_floating_point or first.is_complex():
+        return None
+    if first.dtype == torch.bool:
+        return None
+    return int(first.shape[1])

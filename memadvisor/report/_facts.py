@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memadvisor.report._mfu import LanguageModelRate, language_model_rate
 from memadvisor.report._parts import changes, others, parts, plan_strategies
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import Plan, Row, StageOutcome
@@ -87,6 +88,12 @@ class Answer(_Model):
     step_ms: float
     samples_per_s: float
     measured: bool = Field(description="True when step time and rate come from the device.")
+    times_rank: bool = Field(
+        True, description="The device's times rank configurations (a card); else the estimate's."
+    )
+    lm: LanguageModelRate | None = Field(
+        None, description="A language model's tokens/s and MFU; None for other inputs."
+    )
     baseline_samples_per_s: float | None = None
     baseline_batch_size: int | None = None
     baseline_measured: bool = False
@@ -127,6 +134,11 @@ class ComparisonLine(_Model):
     samples_per_s: float
     largest_batch: int | None
     measured: bool
+    time_measured: bool = Field(
+        False,
+        description="Step and samples/s come from the device: measured on a device whose "
+        "times rank (a card); else the estimate's, which ranks (the simulated CPU device).",
+    )
     over_budget: bool
     is_plan: bool
 
@@ -212,8 +224,9 @@ def _baseline(rows: Sequence[Row]) -> Row | None:
     return rows[0] if rows else None
 
 
-def _rate(row: Row) -> tuple[float, bool]:
-    if row.measured is not None:
+def _rate(row: Row, ranks: bool = True) -> tuple[float, bool]:
+    """A row's samples/s and whether measured: the device's where its times rank."""
+    if row.measured is not None and ranks:
         return row.measured.samples_per_s, True
     return row.estimate.samples_per_s, False
 
@@ -242,7 +255,7 @@ def _speedup(
     """
     if base is None:
         return None, None
-    if base.measured is not None and measured_rate is not None:
+    if base.measured is not None and measured_rate is not None and times_rank(plan):
         if base.measured.samples_per_s <= 0:
             return None, None
         return measured_rate / base.measured.samples_per_s, "measured"
@@ -255,10 +268,14 @@ def answer(plan: Plan) -> Answer:
     """The answer a person reads first."""
     cand, est, ver = plan.candidate, plan.estimate, plan.verified
     profile = plan.profile
-    measured = ver is not None
-    rate = ver.samples_per_s if ver is not None else est.samples_per_s
+    # Where the device's times rank nothing the estimate's rate is the answer's, and no
+    # ratio of two measured rates is shown: it would be noise (CPU times, slowed by tracking).
+    ranks = times_rank(plan)
+    timed = ver if ranks else None
+    measured = timed is not None
+    rate = timed.samples_per_s if timed is not None else est.samples_per_s
     base = _baseline(plan.comparison)
-    base_rate, base_measured = _rate(base) if base is not None else (None, False)
+    base_rate, base_measured = _rate(base, ranks) if base is not None else (None, False)
     speedup, basis = _speedup(plan, base, rate if measured else None)
     strategies = plan_strategies(plan)
     found = parts(plan, strategies)
@@ -285,9 +302,11 @@ def answer(plan: Plan) -> Answer:
         verified_peak_bytes=ver.peak_bytes if ver is not None else None,
         verified_reserved_peak_bytes=ver.reserved_peak_bytes if ver is not None else None,
         verified_steps=ver.steps if ver is not None else None,
-        step_ms=ver.step_ms if ver is not None else est.step_ms,
+        step_ms=timed.step_ms if timed is not None else est.step_ms,
         samples_per_s=rate,
         measured=measured,
+        times_rank=ranks,
+        lm=language_model_rate(plan, rate, steps[-1] if steps else FULL, ranks),
         baseline_samples_per_s=base_rate,
         baseline_batch_size=base.candidate.batch_size if base is not None else None,
         baseline_measured=base_measured,
@@ -304,8 +323,10 @@ def answer(plan: Plan) -> Answer:
 def comparison(plan: Plan) -> list[ComparisonLine]:
     """The plan's comparison rows, with the pick itself last if the planner left it out."""
     budget = plan.config.budget_bytes
+    ranks = times_rank(plan)
     lines = [
-        _line(row, budget, is_plan=row.label.strip().lower() == "plan") for row in plan.comparison
+        _line(row, budget, is_plan=row.label.strip().lower() == "plan", ranks=ranks)
+        for row in plan.comparison
     ]
     if not any(line.is_plan for line in lines):
         pick = Row(
@@ -315,12 +336,20 @@ def comparison(plan: Plan) -> list[ComparisonLine]:
             largest_batch=None,
             measured=plan.verified,
         )
-        lines.append(_line(pick, budget, is_plan=True))
+        lines.append(_line(pick, budget, is_plan=True, ranks=ranks))
     return lines
 
 
-def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
+def times_rank(plan: Plan) -> bool:
+    """Whether the plan's device times rank configurations: a card's do. The simulated CPU
+    device's are CPU times slowed by its tracking, and fake tensors take none: there the
+    estimate ranks, and the report shows its times (marked), never a measured ratio."""
+    return plan.device_kind == "cuda"
+
+
+def _line(row: Row, budget_bytes: int, *, is_plan: bool, ranks: bool = True) -> ComparisonLine:
     m = row.measured
+    timed = m if ranks else None
     peak = m.peak_bytes if m is not None else row.estimate.peak_bytes
     # The budget caps what the allocator reserves, not only what tensors hold.
     held = m.limit_bytes if m is not None else peak
@@ -330,10 +359,11 @@ def _line(row: Row, budget_bytes: int, *, is_plan: bool) -> ComparisonLine:
         accumulation_steps=row.candidate.accumulation_steps,
         peak_bytes=peak,
         estimated_peak_bytes=row.estimate.peak_bytes,
-        step_ms=m.step_ms if m is not None else row.estimate.step_ms,
-        samples_per_s=m.samples_per_s if m is not None else row.estimate.samples_per_s,
+        step_ms=timed.step_ms if timed is not None else row.estimate.step_ms,
+        samples_per_s=timed.samples_per_s if timed is not None else row.estimate.samples_per_s,
         largest_batch=row.largest_batch,
         measured=m is not None,
+        time_measured=timed is not None,
         over_budget=held > budget_bytes,
         is_plan=is_plan,
     )

@@ -199,6 +199,50 @@ SCRIPT = r"""
     });
   }
 
+  // The comparison: each configuration's peak against the budget, and its samples/s.
+  // Estimated values are drawn pale (and their numbers marked ~), as in the table.
+  function drawComparison(svg, rows, budget) {
+    var W = 960, row = 26, T = 34, L = 130, gap = 40, R = 86;
+    var panel = (W - L - gap - 2 * R) / 2;
+    var H = T + rows.length * row + 10;
+    svg.setAttribute("viewBox", "0 0 " + W + " " + H);
+    var x1 = L, x2 = L + panel + R + gap;
+    el("text", { x: x1, y: 18, "font-size": 13, "font-weight": 600 }, svg, "Peak memory");
+    el("text", { x: x2, y: 18, "font-size": 13, "font-weight": 600 }, svg, "Samples/s");
+    var maxPeak = budget || 0, maxRate = 0;
+    rows.forEach(function (r) {
+      maxPeak = Math.max(maxPeak, r.peak_bytes); maxRate = Math.max(maxRate, r.samples_per_s);
+    });
+    if (maxPeak <= 0) { maxPeak = 1; }
+    if (maxRate <= 0) { maxRate = 1; }
+    rows.forEach(function (r, i) {
+      var yy = T + i * row;
+      el("text", { x: L - 8, y: yy + 15, "text-anchor": "end", "font-size": 12,
+                   "font-weight": r.is_plan ? 700 : 400 }, svg, r.label);
+      var wp = Math.max(1, r.peak_bytes / maxPeak * panel);
+      el("rect", { x: x1, y: yy + 4, width: wp, height: row - 9, "class": "bar peak",
+                   fill: r.over_budget ? "#c0392b" : (r.is_plan ? "#1f8a4c" : "#2f6fdd"),
+                   "fill-opacity": r.measured ? 1 : 0.45 }, svg);
+      el("text", { x: x1 + wp + 5, y: yy + 15, "font-size": 11, fill: "#5d6678" }, svg,
+         (r.measured ? "" : "~") + fmtBytes(r.peak_bytes));
+      var wr = Math.max(1, r.samples_per_s / maxRate * panel);
+      el("rect", { x: x2, y: yy + 4, width: wr, height: row - 9, "class": "bar rate",
+                   fill: r.is_plan ? "#1f8a4c" : "#2f6fdd",
+                   "fill-opacity": r.time_measured ? 1 : 0.45 }, svg);
+      el("text", { x: x2 + wr + 5, y: yy + 15, "font-size": 11, fill: "#5d6678" }, svg,
+         (r.time_measured ? "" : "~") + r.samples_per_s.toFixed(r.samples_per_s < 100 ? 1 : 0));
+    });
+    if (budget) {
+      var xb = x1 + budget / maxPeak * panel;
+      el("line", { x1: xb, x2: xb, y1: T - 6, y2: H - 6, stroke: "#c0392b",
+                   "stroke-width": 1.5, "stroke-dasharray": "6 4", "class": "budget" }, svg);
+      el("text", { x: xb, y: T - 9, "text-anchor": "end", "font-size": 11, fill: "#c0392b" },
+         svg, "budget");
+    }
+  }
+  var cmp = document.getElementById("comparison-chart");
+  if (cmp && data.comparison) { drawComparison(cmp, data.comparison, data.budget_bytes); }
+
   var memory = document.getElementById("memory-chart");
   if (memory && data.series) { drawMemory(memory, data.series, data.budget_bytes); }
 
@@ -220,7 +264,7 @@ SCRIPT = r"""
     drawBars(rec, blocks, function (c) { return c.forward_ms; },
       function (c) { return fmtMs(c.forward_ms) + (hasSpread(c) ? " median" : ""); },
       function (c) { return [c.checkpointed ? "#17a2b8" : "#9aa7bd"]; },
-      "Recompute cost: block forward, median of identical blocks (ms)",
+      "Recompute cost per block (ms)",
       function (c) { return hasSpread(c) ? [c.forward_ms_low, c.forward_ms_high] : null; });
   }
   document.body.setAttribute("data-drawn", "yes");

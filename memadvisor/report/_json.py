@@ -11,7 +11,7 @@ __all__ = ["write_plan_json"]
 
 
 def write_plan_json(plan: Plan, path: str | Path) -> Path:
-    """Write ``plan`` to ``path``; ``Plan.model_validate_json(path.read_text())`` reads it back.
+    """Write ``plan`` to ``path``; ``Plan.load(path)`` reads it back.
 
     Written whole or not at all, never through a device, a FIFO or another user's symlink
     (:mod:`memadvisor.files`).

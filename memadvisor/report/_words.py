@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from memadvisor.report._facts import Answer, Consumer
-from memadvisor.schema.plan import StageOutcome
+from memadvisor.report._facts import Answer, Consumer, times_rank
+from memadvisor.report._mfu import LanguageModelRate
+from memadvisor.schema.plan import Plan, StageOutcome
 from memadvisor.schema.profile import Profile
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 
 __all__ = [
+    "comparison_note",
     "OPS_NOTE",
     "OWNERS_NOTE",
     "answer_rows",
@@ -84,6 +86,8 @@ def answer_rows(a: Answer) -> list[tuple[str, str]]:
         ("Peak", _peak(a)),
         ("Throughput", _throughput(a)),
     ]
+    if a.lm is not None:
+        rows.append(("Tokens", _tokens(a, a.lm)))
     rows += [(stage.label, _stage(a, stage)) for stage in a.stages]
     if a.other_choices:
         rows.append(("Also", ", ".join(f"{k}: {v}" for k, v in a.other_choices.items())))
@@ -127,6 +131,35 @@ def _peak(a: Answer) -> str:
     return words + f" over {a.verified_steps} steps"
 
 
+def comparison_note(plan: Plan, mark: str = "~") -> str:
+    """What the comparison's marks mean for this plan: which numbers ran on the device, and
+    which rank (the estimate's, where the device's times do not)."""
+    red = "A peak in red is over the budget."
+    if plan.device_kind == "estimate":
+        return f"{mark} estimated: nothing ran on a device (--device estimate). {red}"
+    if not times_rank(plan):
+        return (
+            f"{mark} estimated. Step and Samples/s are the estimate's on every row, and rank "
+            f"them: this device's times do not (CPU times, slowed by tracking). A peak without "
+            f"{mark} was measured. {red}"
+        )
+    return f"{mark} estimated (not run on the device); other numbers measured. {red}"
+
+
+def _tokens(a: Answer, lm: LanguageModelRate) -> str:
+    """A language model's tokens/s and MFU, with the formula and the peak it is over."""
+    how = "measured" if a.measured else "estimated"
+    words = f"{fmt_rate(lm.tokens_per_s)} tokens/s ({how}; {lm.tokens_per_sample} a sample)"
+    if lm.mfu is not None:
+        return words + (
+            f" · MFU {lm.mfu:.1%} = 6 × {lm.parameters / 1e6:,.1f}M parameters × tokens/s ÷ "
+            f"the {lm.peak_name} datasheet peak, {lm.peak_tflops:,.0f} TFLOP/s"
+        )
+    if not a.times_rank:
+        return words + " · no MFU: this device has no datasheet peak and its times rank nothing"
+    return words + f" · no MFU: {a.device_name} is not in memadvisor's datasheet table"
+
+
 def _throughput(a: Answer) -> str:
     how = "measured" if a.measured else "estimated"
     words = f"{fmt_rate(a.samples_per_s)} samples/s ({how}), {fmt_ms(a.step_ms)} per step"
@@ -139,10 +172,16 @@ def _throughput(a: Answer) -> str:
             f"(fp32 at batch {a.baseline_batch_size}, both measured)"
         )
     elif a.speedup is not None:
-        # The baseline only estimated: the ratio is estimate over estimate, and says so.
+        # The baseline only estimated, or the device's times rank nothing: the ratio is
+        # estimate over estimate, and says so.
+        why = (
+            "the baseline was not run"
+            if a.times_rank
+            else "this device's times do not rank, the estimate's do"
+        )
         words += (
             f" · by the estimate {fmt_ratio(a.speedup)} the baseline's (fp32 at batch "
-            f"{a.baseline_batch_size}; both sides estimated, the baseline was not run)"
+            f"{a.baseline_batch_size}; both sides estimated: {why})"
         )
     return words
 

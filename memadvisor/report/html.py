@@ -14,12 +14,14 @@ from pathlib import Path
 from memadvisor.files import write_text_atomic
 from memadvisor.profiler import OpAllocation
 from memadvisor.report import _facts as facts
+from memadvisor.report._adopt import adoption_snippet
 from memadvisor.report._html_assets import CSS, SCRIPT
 from memadvisor.report._planned_step import PlannedStep
 from memadvisor.report._words import (
     OPS_NOTE,
     OWNERS_NOTE,
     answer_rows,
+    comparison_note,
     device_title,
     fragmentation,
     kind_words,
@@ -76,7 +78,24 @@ def render_plan_html(
                 _predicted_phases(facts.predicted_phases(plan)),
             )
         )
-    data: dict = {"budget_bytes": a.budget_bytes, "phase_colors": PHASE_COLORS}
+    data: dict = {
+        "budget_bytes": a.budget_bytes,
+        "phase_colors": PHASE_COLORS,
+        "comparison": [
+            line.model_dump(
+                include={
+                    "label",
+                    "peak_bytes",
+                    "samples_per_s",
+                    "measured",
+                    "time_measured",
+                    "is_plan",
+                    "over_budget",
+                }
+            )
+            for line in facts.comparison(plan)
+        ],
+    }
     if profile is not None:
         b = max(profile.batch_sizes)
         series = series or facts.series_from_phases(profile, b, a.precision)
@@ -110,6 +129,15 @@ def render_plan_html(
     if ops:
         parts.append(_ops_section(ops, f"at batch {a.batch_size}, {a.precision}"))
     parts.append(_section("advice", "Recommendations", _advice(plan)))
+    parts.append(
+        _section(
+            "adopt",
+            "Train with it in your own loop",
+            f"<pre><code>{_e(adoption_snippet(plan))}</code></pre>",
+            "Runs as printed once model, plan and dataset (and loss_fn or forward_fn where "
+            "you planned with one) are defined.",
+        )
+    )
     if plan.data_loading is not None:
         parts.append(_loading(plan.data_loading))
     if plan.checks:
@@ -229,6 +257,8 @@ def _comparison(plan: Plan) -> str:
     for line in facts.comparison(plan):
         est = "" if line.measured else ' class="est"'
         mark = "" if line.measured else "~"
+        time_est = "" if line.time_measured else ' class="est"'
+        time_mark = "" if line.time_measured else "~"
         batch = str(line.batch_size) + (
             f"×{line.accumulation_steps}" if line.accumulation_steps > 1 else ""
         )
@@ -236,17 +266,21 @@ def _comparison(plan: Plan) -> str:
         rows.append(
             f"<tr{' class=plan' if line.is_plan else ''}><td>{_e(line.label)}</td><td>{batch}</td>"
             f"<td{peak_cls}>{mark}{fmt_bytes(line.peak_bytes)}</td>"
-            f"<td{est}>{mark}{fmt_ms(line.step_ms)}</td>"
+            f"<td{time_est}>{time_mark}{fmt_ms(line.step_ms)}</td>"
             f"<td>{line.largest_batch if line.largest_batch is not None else '—'}</td>"
-            f"<td{est}>{mark}{fmt_rate(line.samples_per_s)}</td>"
+            f"<td{time_est}>{time_mark}{fmt_rate(line.samples_per_s)}</td>"
             f"<td>{'measured' if line.measured else 'estimated'}</td></tr>"
         )
     table = _table(
         ["Config", "Batch", "Peak", "Step", "Largest batch", "Samples/s", "Source"], rows
     )
-    return table + (
-        '<p class="note">~ and grey italics: estimated, not run on the device. A peak in red '
-        "is over the budget.</p>"
+    chart = (
+        '<svg id="comparison-chart" class="chart" role="img" aria-label="peak and samples/s '
+        'of each configuration"></svg>'
+    )
+    return (
+        chart + table + f'<p class="note">{_e(comparison_note(plan, "~ (grey italics)"))} '
+        "In the chart, pale bars are estimated.</p>"
     )
 
 

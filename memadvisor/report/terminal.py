@@ -21,6 +21,7 @@ from memadvisor.report._words import (
     OWNERS_NOTE,
     answer_rows,
     choices_lead,
+    comparison_note,
     device_title,
     fragmentation,
     kind_words,
@@ -45,16 +46,7 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
     ans = facts.answer(plan)
     console.print(_answer_panel(ans))
     estimated_only = plan.device_kind == "estimate"
-    _section(
-        console,
-        "Configurations compared",
-        _comparison_table(plan),
-        f"{_ESTIMATED} estimated: nothing ran on a device (--device estimate). "
-        "A peak in red is over the budget."
-        if estimated_only
-        else f"{_ESTIMATED} estimated (not run on the device); other numbers measured. "
-        "A peak in red is over the budget.",
-    )
+    _section(console, "Configurations compared", _comparison_table(plan), comparison_note(plan))
     if estimated_only:
         _section(
             console,
@@ -248,6 +240,7 @@ def _comparison_table(plan: Plan) -> Table:
     rows: list[list[Cell]] = []
     for line in facts.comparison(plan):
         mark = "" if line.measured else _ESTIMATED
+        time_mark = "" if line.time_measured else _ESTIMATED
         batch = str(line.batch_size)
         if line.accumulation_steps > 1:
             batch += f"×{line.accumulation_steps}"
@@ -257,9 +250,9 @@ def _comparison_table(plan: Plan) -> Table:
                 Text(line.label, style="bold green" if line.is_plan else ""),
                 batch,
                 peak,
-                mark + fmt_ms(line.step_ms),
+                time_mark + fmt_ms(line.step_ms),
                 str(line.largest_batch) if line.largest_batch is not None else "—",
-                mark + fmt_rate(line.samples_per_s),
+                time_mark + fmt_rate(line.samples_per_s),
             ]
         )
     return _table(columns, rows)

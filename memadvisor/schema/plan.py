@@ -12,11 +12,13 @@ from pydantic import (
     Field,
     JsonValue,
     PrivateAttr,
+    ValidationError,
     field_validator,
     model_validator,
 )
 from torch import nn
 
+from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import PlanConfig
@@ -259,9 +261,41 @@ class Plan(_Model):
         """Print the terminal report ``memadvisor plan`` prints (to stdout by default)."""
         _views().print(self, console)
 
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by :meth:`to_json` or ``memadvisor plan --json``.
+
+        Example::
+
+            plan = memadvisor.Plan.load("plan.json")
+            model = memadvisor.apply_plan(model, plan)  # or apply_plan(model, "plan.json")
+
+        Raises:
+            BadInputError: the file cannot be read, or is not a plan this version reads
+                (another schema version, a non-finite number, not a plan at all).
+        """
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise BadInputError(
+                f"Cannot read a plan from {str(path)!r}: {e.strerror}. Pass the file "
+                "`memadvisor plan ... --json plan.json` (or plan.to_json) wrote."
+            ) from e
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "the file"
+            raise BadInputError(
+                f"{str(path)!r} is not a plan this memadvisor reads: {where}: {first['msg']} "
+                f"({e.error_count()} problem(s)). Make the plan again with `memadvisor plan "
+                "... --json`."
+            ) from e
+
     def to_json(self, path: str | Path) -> Path:
-        """Write the plan as ``memadvisor plan --json`` does; ``Plan.model_validate_json``
-        reads it back and ``memadvisor.apply_plan`` applies it.
+        """Write the plan as ``memadvisor plan --json`` does; :meth:`Plan.load` reads it
+        back and ``memadvisor.apply_plan`` applies it.
 
         Raises:
             BadInputError: the file cannot be written.

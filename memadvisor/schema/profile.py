@@ -330,6 +330,12 @@ class Profile(_Model):
         description="Fake tensors: the step's matmul FLOPs, counted in the warm-up step where "
         "no time can be measured; None elsewhere.",
     )
+    tokens_per_sample: int | None = Field(
+        None,
+        description="Token ids per sample when the batch's first tensor is integer ids of "
+        "shape (batch, tokens), as a language model takes them: the report's tokens/s and "
+        "MFU read it; None for other inputs.",
+    )
     call_form: CallForm | None = Field(
         None,
         description="How the step calls the model and finds the loss, for advice written in "

@@ -49,7 +49,9 @@ def test_plan_gpt_example_prints_the_answer_and_writes_a_plan_apply_plan_loads(
     assert out.index("Configurations compared") < out.index("Where the memory goes")
     assert f"{fmt_bytes(plan.config.budget_bytes)} (" in out
     assert f"verified {fmt_bytes(plan.verified.peak_bytes)}" in out
-    assert fmt_rate(plan.verified.samples_per_s) in out
+    # On the simulated device the estimate's rate is the answer's (its CPU times rank nothing).
+    rate = plan.verified if plan.device_kind == "cuda" else plan.estimate
+    assert fmt_rate(rate.samples_per_s) in out
     assert plan.verified.peak_bytes <= plan.config.budget_bytes
     # The loss over the vocabulary is not a block, and the report names it.
     assert "<loss> *" in out
@@ -291,7 +293,38 @@ def test_plan_bad_option_is_bad_input(cli, factory, args: list[str], message: st
 def test_plan_device_cuda_without_a_gpu_is_bad_input(cli, factory) -> None:
     result = cli("plan", factory("mlp"), "--budget-gb", "1", "--device", "cuda")
     assert result.exit_code == 2
-    assert "--device simulated" in _one_error_line(result)
+    assert "--device cpu" in _one_error_line(result)
+
+
+@pytest.mark.parametrize("bad", [["--max-batch", "0"], ["--max-batch", "-3"]])
+def test_plan_max_batch_below_1_is_bad_input(cli, factory, bad: list[str]) -> None:
+    result = cli("plan", factory("mlp"), "--budget-gb", "1", *bad)
+    assert result.exit_code == 2
+    assert "--max-batch must be a whole number of samples, at least 1" in _one_error_line(result)
+
+
+def test_plan_help_names_max_batch_and_every_device_name(cli) -> None:
+    """--max-batch is offered; --device lists the same names as plan(device=...)."""
+    from memadvisor.schema.config import DEVICE_NAMES
+
+    text = cli("plan", "--help").stdout
+    assert "--max-batch" in text
+    for name in DEVICE_NAMES:
+        assert name in text
+
+
+def test_plan_max_batch_caps_the_pick(cli, factory, tmp_path) -> None:
+    """--max-batch 3 on a budget that holds far more: the pick is at most 3, and the plan's
+    config records the cap; --device cpu is the simulated device."""
+    json_path = tmp_path / "plan.json"
+    result = cli(
+        "plan", factory("mlp"), "--budget-gb", "1", "--max-batch", "3", "--device", "cpu",
+        "--json", str(json_path), "--quiet",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    plan = Plan.load(json_path)
+    assert plan.config.max_batch == 3 and plan.candidate.batch_size <= 3
+    assert plan.device_kind == "simulated"
 
 
 def test_plan_unknown_objective_is_a_usage_error(cli, factory) -> None:

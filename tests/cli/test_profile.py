@@ -93,6 +93,17 @@ def test_profile_blocks_that_match_nothing_is_bad_input(cli, factory) -> None:
     assert "no_such_layer" in _one_error_line(result)
 
 
+def test_profile_help_speaks_of_no_budget(cli) -> None:
+    """profile takes no budget: its --device help does not mention one, and lists the same
+    device names as plan."""
+    from memadvisor.schema.config import DEVICE_NAMES
+
+    text = cli("profile", "--help").stdout
+    assert "budget" not in text.lower()
+    for name in DEVICE_NAMES:
+        assert name in text
+
+
 def test_profile_help_ends_with_examples(cli) -> None:
     result = cli("profile", "--help")
     assert result.exit_code == 0

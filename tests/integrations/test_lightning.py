@@ -49,20 +49,22 @@ class Net(pl.LightningModule):
 
 
 class Data(pl.LightningDataModule):
-    def __init__(self, batch_size: int = 2) -> None:
+    def __init__(self, batch_size: int = 2, samples: int = 256) -> None:
         super().__init__()
         self.batch_size = batch_size
+        self.samples = samples
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        ds = TensorDataset(torch.randn(256, WIDTH, generator=g), torch.randint(0, 4, (256,)))
+        n = self.samples
+        ds = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randint(0, 4, (n,)))
         return DataLoader(ds, batch_size=self.batch_size)
 
 
-def _fit(callback, **trainer_kwargs):
+def _fit(callback, data=None, **trainer_kwargs):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    data, model = Data(), Net()
+    data, model = data or Data(), Net()
     trainer = pl.Trainer(
         max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
@@ -95,6 +97,28 @@ def test_the_pick_is_applied_at_fit_start_batch_precision_accumulation() -> None
     assert decided["precision"][1] == "plan"
     # The plan ran the module's own training_step with the Trainer's optimizer.
     assert plan.profile.call_form.batch == "custom"
+
+
+def test_the_batch_is_capped_at_the_datasets_length_and_no_bars_are_drawn(
+    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture
+) -> None:
+    """A 24-sample dataset and a budget that holds far more: the plan's largest batch is the
+    dataset's length (as Lightning's BatchSizeFinder caps it), and planning draws nothing on
+    the terminal by default; its stage lines and notes go to the memadvisor logger."""
+    import logging
+
+    from memadvisor.integrations.lightning import MemadvisorCallback
+
+    fast = {k: v for k, v in FAST.items() if k not in ("progress", "max_batch")}
+    callback = MemadvisorCallback(budget_gb=0.05, **fast)
+    with caplog.at_level(logging.INFO, logger="memadvisor"):
+        _fit(callback, data=Data(samples=24))
+    assert callback.plan.config.max_batch == 24
+    assert 1 <= callback.plan.candidate.batch_size <= 24
+    assert "verify" not in capfd.readouterr().err  # no rich stage bar on the terminal
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("memadvisor")]
+    assert any(m.startswith("verify took") for m in logged)
+    assert any(m.startswith("plan for Net") for m in logged)
 
 
 def test_your_explicit_precision_wins_and_the_plan_is_made_with_it() -> None:

@@ -21,7 +21,7 @@ def test_the_loop_has_the_plans_batch_and_accumulation_and_parses(plan: Plan) ->
     code = adoption_snippet(_with(plan, cand))
     ast.parse(code)
     assert "batch_size=12" in code and "/ 6" in code and "% 6 == 0" in code
-    assert "bf16: autocast runs inside forward" in code and "logits.float()" in code
+    assert "bf16: autocast runs inside forward" in code and "output.float()" in code
     assert "GradScaler" not in code and "drop_last" not in code
 
 

@@ -149,6 +149,18 @@ def test_page_holds_the_plans_numbers_as_text(plan: Plan) -> None:
         assert text in page, text
 
 
+def test_page_has_the_adoption_code_the_terminal_prints(plan: Plan) -> None:
+    """The "Train with it in your own loop" section is in the page, the same code as the
+    terminal's, escaped."""
+    import html
+
+    from memadvisor.report._adopt import adoption_snippet
+
+    page = render_plan_html(plan)
+    assert 'id="adopt"' in page and "Train with it in your own loop" in page
+    assert html.escape(adoption_snippet(plan), quote=True) in page
+
+
 def test_embedded_data_cannot_close_its_script_tag(plan: Plan) -> None:
     evil = "</script><script>alert(1)</script>"
     page = render_plan_html(plan.model_copy(update={"model_name": evil, "notes": [evil]}))
@@ -182,6 +194,43 @@ def test_chromium_draws_the_plan_page_with_its_numbers(plan: Plan, tmp_path: Pat
         "transformer.h.3",
     ):
         assert text in dom, text
+
+
+# Run after the page's own script: each SVG text drawn past its chart's viewBox (a title cut
+# off at the panel's edge) is listed in the body's data-clipped attribute.
+_CLIPPED_PROBE = """<script>
+(function () {
+  var out = [];
+  document.querySelectorAll("svg.chart").forEach(function (svg) {
+    var box = svg.viewBox.baseVal;
+    svg.querySelectorAll("text").forEach(function (t) {
+      var b = t.getBBox();
+      if (b.x < box.x - 0.5 || b.x + b.width > box.x + box.width + 0.5) {
+        out.push(svg.id + ": " + t.textContent);
+      }
+    });
+  });
+  document.body.setAttribute("data-clipped", out.join(" | ") || "none");
+})();
+</script></body>"""
+
+
+@pytest.mark.usefixtures("chromium")
+def test_chromium_draws_every_chart_and_no_text_runs_off_one(plan: Plan, tmp_path: Path) -> None:
+    """The comparison chart has a peak bar and a samples/s bar per configuration (the Plan
+    row included), the other charts are drawn, and no text of any chart (titles, labels)
+    runs past its chart's edge: the recompute chart's title was cut off in every report."""
+    page_text = render_plan_html(plan).replace("</body>", _CLIPPED_PROBE)
+    page = tmp_path / "plan.html"
+    page.write_text(page_text, encoding="utf-8")
+    dom = _dom(tmp_path, page)
+    rows = len(plan.comparison) + (0 if any(r.label == "Plan" for r in plan.comparison) else 1)
+    assert dom.count('class="bar peak"') == rows and dom.count('class="bar rate"') == rows
+    for chart in ("comparison-chart", "memory-chart", "activation-bars", "recompute-bars"):
+        drawn = re.search(rf'<svg id="{chart}"[^>]*viewBox="0 0 \d+', dom)
+        assert drawn, f"{chart} was not drawn"
+    clipped = re.search(r'data-clipped="([^"]*)"', dom)
+    assert clipped and clipped.group(1) == "none", clipped.group(1) if clipped else dom[:200]
 
 
 @pytest.mark.usefixtures("chromium")

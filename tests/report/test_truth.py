@@ -61,6 +61,35 @@ def test_an_estimated_baseline_is_set_against_the_plans_estimate_not_its_measure
     assert "both sides estimated" in text
 
 
+def test_where_device_times_rank_nothing_the_estimate_ranks_every_row_and_the_headline(
+    plan: Plan,
+) -> None:
+    """The same measured plan, made on the simulated CPU device: the headline's rate and
+    ratio are the estimate's (no measured ratio, which would be noise there), every row's
+    Step and Samples/s are the estimate's and marked so, and the measured peaks stay."""
+    from memadvisor.report._facts import comparison
+
+    simulated = plan.model_copy(update={"device_kind": "simulated", "device_name": "cpu"})
+    a = answer(simulated)
+    assert not a.measured and a.speedup_basis == "estimated"
+    assert a.samples_per_s == plan.estimate.samples_per_s
+    assert a.speedup == pytest.approx(
+        plan.estimate.samples_per_s / plan.comparison[0].estimate.samples_per_s
+    )
+    lines = comparison(simulated)
+    assert len(lines) == len(simulated.comparison) + 1  # and the pick's own row, last
+    for line, row in zip(lines, simulated.comparison, strict=False):
+        assert not line.time_measured
+        assert line.samples_per_s == row.estimate.samples_per_s
+        assert line.measured == (row.measured is not None)  # its peak: measured where it ran
+    text = _render(print_plan, simulated, 140)
+    assert "both measured" not in text and "this device's times do not rank" in text
+    assert "Step and Samples/s are the estimate's on every row" in text
+    assert not lines[-1].time_measured and lines[-1].samples_per_s == plan.estimate.samples_per_s
+    page = render_plan_html(simulated)
+    assert "Step and Samples/s are the estimate&#x27;s on every row" in page
+
+
 def test_a_measured_baseline_is_set_against_the_plans_measurement(plan: Plan) -> None:
     a = answer(plan)
     assert a.speedup_basis == "measured"

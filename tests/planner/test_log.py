@@ -1,0 +1,44 @@
+"""The memadvisor logger carries what the planner shows: each note (markup stripped) and
+each stage's start and end, whether or not the rich bars are drawn; and nothing reaches the
+terminal through it unless the application configures logging."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from memadvisor.planner._progress import Progress
+
+
+def test_notes_and_stages_are_logged_with_the_bars_off(caplog: pytest.LogCaptureFixture) -> None:
+    ui = Progress(enabled=False)
+    with caplog.at_level(logging.DEBUG, logger="memadvisor"):
+        ui.note("[dim]planning on the simulated device[/]")
+        with ui.stage("probes", total=3) as bar:
+            bar.describe("probing batch 8")
+            bar.describe("probing batch 8")  # the same words again: logged once
+        ui.log_notes(["[dim]planning on the simulated device[/]", "a step-down"])
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "memadvisor"]
+    assert lines[0] == ("INFO", "planning on the simulated device")
+    assert lines[1] == ("INFO", "probes ...")
+    assert lines[2] == ("DEBUG", "probing batch 8")
+    assert lines[3][0] == "INFO" and lines[3][1].startswith("probes took ")
+    assert lines[4:] == [("INFO", "a step-down")]  # the note already logged is not repeated
+
+
+def test_the_logger_is_silent_until_the_application_configures_logging() -> None:
+    """A library adds only a NullHandler: an INFO note prints nothing on its own."""
+    code = (
+        "from memadvisor.planner._progress import Progress\n"
+        "Progress(enabled=False).note('a note')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "" and "a note" not in done.stderr
+    configured = "import logging; logging.basicConfig(level=logging.INFO)\n" + code
+    done = subprocess.run(
+        [sys.executable, "-c", configured], capture_output=True, text=True, timeout=120
+    )
+    assert "INFO:memadvisor:a note" in done.stderr
