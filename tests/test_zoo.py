@@ -7,10 +7,12 @@ AdamW steps of the applied model give the plain model's loss and every gradient 
 step, and its buffers and weights after, bit for bit in fp32.
 
 The budget is derived from the model's own profile (fp32, the one precision these plans may
-pick): the estimated peak of a batch of ``BATCH`` with every block checkpointed, plus the
-planner's margin. Without checkpointing that batch does not fit, so the largest batch the
-plan finds needs it. Planning is a real plan, kept small: no precision strategy (fp32 only,
-so that exactness is the question), short probe and verify runs.
+pick): the planner's estimate for a batch with every block checkpointed, plus its margin, at
+the smallest batch of ``BATCHES`` where that is ``SHRINK`` times less than without. Without
+checkpointing that batch does not fit, so the largest batch the plan finds needs it.
+Planning is a real plan, kept small: no precision strategy (fp32 only, so that exactness is
+the question), short probe and verify runs. A checkpointed block must also recompute: a
+layer inside it runs twice as often as in the plain model.
 
 Run alone: ``python -m pytest -m zoo``. Where transformers or torchvision is missing an entry
 skips, unless ``MEMADVISOR_REQUIRE_ZOO=1`` (CI sets it): then it fails.
@@ -141,8 +143,37 @@ def _unequal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
     }
 
 
-def _without_cache(batch: Any) -> Any:
-    return {**batch, "use_cache": False}
+def _a_layer_inside(block: nn.Module) -> str:
+    """The name (within ``block``) of its first module that holds parameters of its own."""
+    return next(
+        name
+        for name, m in block.named_modules()
+        if name and any(True for _ in m.parameters(recurse=False))
+    )
+
+
+def _calls(module: nn.Module) -> list[int]:
+    """A counter of ``module``'s forward calls from now on (a one-item list). A pre-hook: a
+    recompute stops early once backward has what it needs, before later modules return."""
+    count = [0]
+
+    def hook(*_: Any) -> None:
+        count[0] += 1
+
+    module.register_forward_pre_hook(hook)
+    return count
+
+
+def _without_cache_in(model: nn.Module, blocks: list[str]) -> nn.Module:
+    """``model`` whose ``blocks`` run without a KV cache they are given, as memadvisor's
+    checkpointed blocks do, but with no recompute: checkpointing alone, compared."""
+
+    def drop(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return checkpointing._without_mutable_cache(module, args, kwargs)
+
+    for name in blocks:
+        model.get_submodule(name).register_forward_pre_hook(drop, with_kwargs=True)
+    return model
 
 
 def _assert_equal(name: str, expected: list, got: list) -> None:
@@ -185,10 +216,11 @@ def _params() -> list:
 def test_a_zoo_model_plans_checkpoints_and_trains_exactly_as_the_plain_model(
     entry: zoo.ZooEntry,
 ) -> None:
-    """A layer given a KV cache runs without it when checkpointed, as HF's own gradient
-    checkpointing does (the recompute would append to it twice), and says so: there the
-    plain model is trained without its cache for the bit-for-bit comparison, and with it
-    within float rounding (a cached key is a copy: its matmuls round differently)."""
+    """A checkpointed layer given a KV cache runs without it, as HF's own gradient
+    checkpointing does (the recompute would append to it twice), and says so. The plain
+    model is compared bit for bit with those layers running without the cache too (and no
+    recompute): checkpointing alone; and, where a cache was dropped, with its cache
+    everywhere within float rounding (a cached key is a copy: its matmuls round otherwise)."""
     _require(entry)
     built = entry.build()
     plain = copy.deepcopy(built.model)
@@ -201,22 +233,28 @@ def test_a_zoo_model_plans_checkpoints_and_trains_exactly_as_the_plain_model(
     assert checkpointed, f"{entry.name}: the plan checkpoints nothing ({plan.candidate})"
 
     tuned = memadvisor.apply_plan(built.model, plan)
+    reference = _without_cache_in(copy.deepcopy(plain), checkpointed)
+    inner = f"{checkpointed[0]}.{_a_layer_inside(tuned.get_submodule(checkpointed[0]))}"
+    tuned_calls = _calls(tuned.get_submodule(inner))
+    plain_calls = _calls(reference.get_submodule(inner))
     checkpointing._warned.clear()  # each entry's layers say it afresh
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         got = _train(tuned, built.sample_batch, built.loss_fn)
-    cache_dropped = any("KV cache" in str(w.message) for w in said)
-    reference = copy.deepcopy(plain)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        batch = _without_cache(built.sample_batch) if cache_dropped else built.sample_batch
-        expected = _train(reference, batch, built.loss_fn)
-        if cache_dropped:
+        expected = _train(reference, built.sample_batch, built.loss_fn)
+    if any("KV cache" in str(w.message) for w in said):
+        # The plain model with its cache rounds differently (a cached key is a copy).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             cached = _train(plain, built.sample_batch, built.loss_fn)
-            for (_, grads_a), (_, grads_b) in zip(cached, got, strict=True):
-                for n, g in grads_a.items():
-                    torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=1e-6, msg=n)
+        for (_, grads_a), (_, grads_b) in zip(cached, got, strict=True):
+            for n, g in grads_a.items():
+                torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=1e-6, msg=n)
     _assert_equal(entry.name, expected, got)
+    assert tuned_calls[0] == 2 * plain_calls[0] > 0, (
+        f"{entry.name}: {inner} ran {tuned_calls[0]} times, the plain model's "
+        f"{plain_calls[0]}: no recompute"
+    )
     state_a, state_b = reference.state_dict(), tuned.state_dict()
     assert list(state_a) == list(state_b)
     differ = [k for k in state_a if not torch.equal(state_a[k], state_b[k])]
