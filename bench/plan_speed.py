@@ -14,6 +14,8 @@ the JSON lines, so the before/after table is made from measurements, not copied.
     python bench/plan_speed.py --models gpt,gpt2 --label after       # ~1 min a model
     python bench/plan_speed.py --models cnn,resnet18 --compile off
     python bench/plan_speed.py --table bench/results/plan_speed.jsonl
+    python bench/plan_speed.py --models cnn --budget-gb 0.25 --device estimate --compile off \
+        --json /tmp/smoke.jsonl                                      # the CPU smoke (CI)
 
 Models: gpt, cnn, llama (examples/); gpt2 (examples/gpt.py at GPT-2 small's size, 124M);
 resnet18, convnext_tiny (torchvision); bert, llama_small (transformers): the GPU bench's
@@ -45,12 +47,14 @@ STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
 # -- the child: one plan, as the CLI makes it -----------------------------------------------
 
 
-def _child(target: str, budget_gib: float, compile_policy: str, out: Path) -> None:
+def _child(target: str, budget_gib: float, compile_policy: str, out: Path, device: str) -> None:
     from memadvisor.planner import plan_workload
     from memadvisor.schema.config import PlanConfig
     from memadvisor.target import load_target
 
-    config = PlanConfig(budget_bytes=int(budget_gib * 2**30), options={"compile": compile_policy})
+    config = PlanConfig(
+        budget_bytes=int(budget_gib * 2**30), device=device, options={"compile": compile_policy}
+    )
     workload = load_target(target)
     plan = plan_workload(workload, config, target=target, progress=True)
     out.write_text(plan.model_dump_json())
@@ -83,7 +87,12 @@ def _pick(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_one(
-    model: str, budget_gib: float, compile_policy: str, label: str, warm_cache: bool
+    model: str,
+    budget_gib: float,
+    compile_policy: str,
+    label: str,
+    warm_cache: bool,
+    device: str = "cuda",
 ) -> dict[str, Any]:
     """Plan ``model`` in a fresh process; its JSON record (``error`` set when it failed)."""
     with tempfile.TemporaryDirectory(prefix="plan-speed-") as tmp:
@@ -102,6 +111,8 @@ def plan_one(
             compile_policy,
             "--out",
             str(out),
+            "--device",
+            device,
         ]
         started = time.perf_counter()
         done = subprocess.run(cmd, env=env, cwd=ROOT)
@@ -208,11 +219,17 @@ def main() -> None:
     parser.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--table", type=Path, help="print the table of these JSON lines; no runs")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "simulated", "estimate"),
+        help="cuda: the bench; estimate or simulated: a CPU smoke of its plumbing",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.budget_gb, args.compile, args.out)
+        _child(args.child, args.budget_gb, args.compile, args.out, args.device)
         return
     if args.table:
         records = [json.loads(line) for line in args.table.read_text().splitlines() if line]
@@ -220,7 +237,7 @@ def main() -> None:
         return
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("plan_speed times plans on a GPU; torch.cuda.is_available() is False here.")
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in MODELS]
@@ -229,7 +246,9 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     records = []
     for model in names:
-        record = plan_one(model, args.budget_gb, args.compile, args.label, args.warm_cache)
+        record = plan_one(
+            model, args.budget_gb, args.compile, args.label, args.warm_cache, args.device
+        )
         print(json.dumps(record), flush=True)
         with args.json.open("a") as f:
             f.write(json.dumps(record) + "\n")

@@ -7,6 +7,7 @@ builds it at a 2048-token context:
 
     memadvisor plan examples/llama.py:build --budget-gb 2
     memadvisor plan examples/llama.py:build_7b --budget-gb 160 --device estimate
+    memadvisor plan examples/llama.py:build_1b --budget-gb 12 --world-size 2 --parallel fsdp2
     python -c "from examples.llama import build; from memadvisor.device.fake import fake_workload; \
         fake_workload(lambda: build(preset='7b'))"
 """
@@ -44,6 +45,18 @@ PRESETS = {
         n_kv_heads=32,
         ffn_dim=11008,
         max_seq_len=4096,
+    ),
+    # TinyLlama-1.1B's shape: 22 layers of 2048, 32 query heads over 4 key/value heads.
+    # 1.10B parameters: 17.6 GB of fp32 weights, gradients and AdamW state (16 bytes each),
+    # more than a 12 GiB card holds before any activation: the model FSDP2 is for.
+    "1b": LlamaConfig(
+        vocab_size=32000,
+        dim=2048,
+        n_layers=22,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=5632,
+        max_seq_len=2048,
     ),
 }
 
@@ -162,7 +175,8 @@ def build(batch_size: int = 2, seq_len: int | None = None, preset: str = "tiny",
     Args:
         batch_size: rows of the sample batch.
         seq_len: tokens per row; default the config's ``max_seq_len``.
-        preset: ``"tiny"`` (CPU-sized) or ``"7b"`` (Llama-2-7B's shape; for fake tensors).
+        preset: ``"tiny"`` (CPU-sized), ``"1b"`` (TinyLlama-1.1B's shape) or ``"7b"``
+            (Llama-2-7B's shape; for fake tensors).
         overrides: config fields to change, e.g. ``n_layers=2``.
     """
     cfg = replace(PRESETS[preset], **overrides)
@@ -181,3 +195,13 @@ def build_7b(batch_size: int = 1, seq_len: int = 2048):
     """Llama-2-7B's shape at a 2048-token context: for ``--device estimate`` (fake tensors);
     built for real it takes 27 GB of weights."""
     return build(batch_size=batch_size, seq_len=seq_len, preset="7b")
+
+
+def build_1b(batch_size: int = 2, seq_len: int = 1024):
+    """TinyLlama-1.1B's shape at a 1024-token context: the model one 12 GiB card cannot
+    train (its weights, gradients and AdamW state take 17.6 GB) and FSDP2 over 2 can.
+
+    Built for real it takes 4.4 GB of weights; ``--device estimate`` plans it as fake
+    tensors. The sample batch of 2 has the profile measured at batches 2 and 4, near the
+    per-rank picks (5 to 13 at 12 GiB a rank): the estimate extrapolates less."""
+    return build(batch_size=batch_size, seq_len=seq_len, preset="1b")

@@ -83,7 +83,8 @@ def build(
     seq_len = seq_len or cfg.max_seq_len
     torch.manual_seed(0)
     # Built in base_dtype rather than cast after (as HF's torch_dtype= does): the weights
-    # are never fp32, and Module.to() cannot swap fake tensors' storages.
+    # are never fp32, so a real 7B base never needs its 27 GB fp32 copy. (A factory that
+    # casts with model.to(base_dtype) plans too, under --device estimate as well.)
     default = torch.get_default_dtype()
     torch.set_default_dtype(base_dtype)
     try:

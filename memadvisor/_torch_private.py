@@ -8,6 +8,7 @@ other modules import from here, never from ``torch._*`` directly.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "dynamo_counters",
     "fake_copy",
     "fake_mode_active",
+    "fake_module_conversion",
     "fake_tensor_mode",
     "flop_formulas",
     "inductor_backend",
@@ -158,6 +160,74 @@ def fake_copy(obj: Any, mode: Any) -> Any:
         raise _missing("torch._subclasses.fake_tensor.FakeCopyMode", e) from e
     with FakeCopyMode(mode):
         return copy.deepcopy(obj)
+
+
+class _FakeSwap:
+    """Wraps ``torch.utils.swap_tensors`` while any :func:`fake_module_conversion` is open."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.original: Any = None
+        self.lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self.original = original = torch.utils.swap_tensors
+
+                def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+                    _forget_fake_memo(t1)
+                    _forget_fake_memo(t2)
+                    original(t1, t2)
+
+                torch.utils.swap_tensors = swap_tensors
+            self.depth += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                torch.utils.swap_tensors = self.original
+                self.original = None
+
+
+_FAKE_SWAP = _FakeSwap()
+
+
+def _forget_fake_memo(tensor: Any) -> None:
+    """Drop ``tensor`` from its FakeTensorMode's conversion memo, a cache
+    (``fake_tensor_converter.meta_converter.tensor_memo``, a ``WeakValueDictionary``) whose
+    weak reference to it is the only one; a tensor not in one is left alone."""
+    if not isinstance(tensor, torch.Tensor) or not is_fake(tensor):
+        return
+    try:
+        memo = tensor.fake_mode.fake_tensor_converter.meta_converter.tensor_memo
+    except AttributeError:  # pragma: no cover - moved in a future torch: swap as torch does
+        return
+    for key in [k for k, v in list(memo.items()) if v is tensor]:
+        memo.pop(key, None)
+
+
+@contextmanager
+def fake_module_conversion() -> Iterator[None]:
+    """Let ``nn.Module.to(dtype)`` / ``.to(device)`` convert fake parameters.
+
+    ``Module._apply`` swaps a fake parameter with its converted copy
+    (``torch.utils.swap_tensors``), which refuses any tensor with a weak reference; every
+    fake tensor an op makes is held weakly by its mode's conversion memo (``Parameter()``
+    makes one through ``detach``), so the swap always fails ("_apply(): Couldn't swap
+    Embedding.weight"; pytorch/pytorch#148977, #170781). Inside this context the swap first
+    drops both tensors from that memo (a cache: a miss only makes a new fake), then swaps
+    as torch does; any other weak reference still refuses the swap.
+
+    Patches the ``torch.utils.swap_tensors`` attribute while open (nested and threaded uses
+    share one patch); torch's own function is back when the last one closes.
+    """
+    _FAKE_SWAP.enter()
+    try:
+        yield
+    finally:
+        _FAKE_SWAP.exit()
 
 
 def record_memory_history(enabled: bool, *, max_entries: int = 100_000) -> None:

@@ -39,6 +39,11 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     All or nothing: the model is checked against the plan (its fingerprint: class,
     parameter names and shapes) and every choice against the model before anything changes.
 
+    One choice reaches beyond the model: a plan that picked ``tf32`` switches fp32 matmuls to
+    TF32 for the whole process (``torch.set_float32_matmul_precision("high")``, a
+    process-wide setting, not the model's); ``torch.set_float32_matmul_precision("highest")``
+    switches it off.
+
     Raises:
         BadInputError: the plan was made for another model, uses a strategy that is not
             installed, or names blocks this model does not have.

@@ -12,7 +12,11 @@ anything else unchanged.
 
 from __future__ import annotations
 
+import sysconfig
+import traceback
+from collections.abc import Collection
 from pathlib import Path
+from types import CodeType
 
 import torch
 
@@ -22,8 +26,10 @@ __all__ = [
     "MemadvisorError",
     "PlanningError",
     "SimulatedOutOfMemoryError",
+    "UserCodeError",
     "is_oom",
     "is_our_bug",
+    "user_code_frame",
 ]
 
 # memadvisor and its built-in strategies, installed side by side (pyproject.toml).
@@ -42,6 +48,19 @@ class BadInputError(MemadvisorError, ValueError):
     """The model, batch, loss, target or an option is not usable as given."""
 
     exit_code = 2
+
+
+class UserCodeError(BadInputError):
+    """Code the user gave raised (the model's forward or backward, ``loss_fn``,
+    ``make_batch``, the optimizer factory): theirs to fix, not a bug in memadvisor.
+
+    The message names what raised, the exception, the user's line, and what to check; the
+    original exception is the ``__cause__`` (``--debug`` prints both tracebacks).
+    """
+
+    def __init__(self, message: str, *, frame: traceback.FrameSummary | None = None) -> None:
+        super().__init__(message)
+        self.frame = frame
 
 
 class InfeasibleBudgetError(MemadvisorError):
@@ -65,6 +84,9 @@ class InfeasibleBudgetError(MemadvisorError):
         self.advice = advice
         # How the caller passes a budget: Python's keyword by default; the CLI sets its flag.
         self.option = "budget_gb="
+        # The fewest FSDP2 ranks whose per-rank estimate fits (None: none up to 64, or no
+        # strategy plans ranks); the advice names it too.
+        self.sharded_world_size: int | None = None
 
     def __str__(self) -> str:
         if self.minimum_gib is None:
@@ -124,6 +146,54 @@ def is_oom(error: BaseException) -> bool:
         message = str(error.args[0])
         return any(m in message for m in _OOM_MESSAGES)
     return False
+
+
+# torch's own files and the standard library's: code that runs the user's, not code they wrote.
+_LIBRARY_CODE = tuple(
+    {
+        f"{Path(torch.__file__).resolve().parent}/",
+        *(f"{Path(sysconfig.get_paths()[k]).resolve()}/" for k in ("stdlib", "platstdlib")),
+    }
+)
+
+
+def _resolved(filename: str) -> str:
+    return filename if filename.startswith("<") else str(Path(filename).resolve())
+
+
+def user_code_frame(
+    error: BaseException, calls: Collection[CodeType]
+) -> traceback.FrameSummary | None:
+    """The line that makes ``error`` the user's code's, or None when it is not theirs.
+
+    Walking ``error``'s traceback from the innermost frame out, past torch's and the standard
+    library's frames, the first frame decides: one of the user's files (their model, their
+    loss, a library model such as transformers') makes it theirs, and is returned; a
+    memadvisor frame whose code is in ``calls`` (the line that called the user's callable,
+    e.g. ``Workload.forward``) makes it theirs too: torch alone ran below it (an
+    ``nn.Linear`` of their model, ``F.cross_entropy`` passed as the loss), and the innermost
+    frame is returned. Any other memadvisor frame makes it ours, as do :func:`is_our_bug`,
+    an error raised on purpose (:class:`MemadvisorError`) and running out of memory: None.
+    The exception's type plays no part.
+    """
+    if isinstance(error, MemadvisorError) or is_oom(error) or is_our_bug(error):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    tbs = []
+    tb = error.__traceback__
+    while tb is not None:
+        tbs.append(tb)
+        tb = tb.tb_next
+    for summary, tb in zip(reversed(frames), reversed(tbs), strict=True):
+        filename = _resolved(summary.filename)
+        if filename.startswith(_LIBRARY_CODE) or filename.startswith("<frozen"):
+            continue
+        if not filename.startswith(_OUR_CODE):
+            return summary
+        if tb.tb_frame.f_code in calls:
+            return frames[-1]
+        return None
+    return None
 
 
 def _raised_in_our_code(error: BaseException) -> bool:

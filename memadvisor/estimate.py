@@ -260,6 +260,7 @@ class StepModel:
         "backward_block_bytes",
         "backward_head_bytes",
         "extra_ms",
+        "held_share",
         "forward_ms",
         "backward_ms",
         "optimizer_ms",
@@ -275,6 +276,7 @@ class StepModel:
         self.backward_block_bytes: list[int] | None = None
         self.backward_head_bytes = 0
         self.extra_ms = 0.0
+        self.held_share = 1.0  # of the weights, gradients and optimizer state (the breakdown)
         self.use_precision("fp32")
 
     # -- verbs strategies use ---------------------------------------------------------------
@@ -324,6 +326,13 @@ class StepModel:
         current = self.backward_block_bytes or [0] * len(per_block)
         self.backward_block_bytes = [a + int(b) for a, b in zip(current, per_block, strict=True)]
         self.backward_head_bytes += int(head)
+
+    def hold_share(self, share: float) -> None:
+        """This process holds ``share`` of the weights, gradients and optimizer state (FSDP2's
+        1/world_size): the breakdown counts that share as theirs and what the strategy's
+        ``add_bytes`` edits add beyond it (the gathered units) as temporaries. The peak
+        itself is the edits' alone."""
+        self.held_share = min(1.0, max(0.0, share))
 
     def add_ms(self, ms: float) -> None:
         """Extra time per micro-batch."""
@@ -489,6 +498,10 @@ class StepModel:
         samples = b * self.accumulation_steps
         held_activations = 0 if best_phase == "optimizer" else activations - offloaded
         held_grad_bytes = grads if best_phase == "optimizer" else held_grads
+        share = self.held_share
+        if share < 1.0:  # a rank's shards (buffers are not sharded)
+            weights = int(p.param_bytes * share) + p.buffer_bytes
+            state, held_grad_bytes = int(state * share), int(held_grad_bytes * share)
         known = weights + state + held_grad_bytes + held_activations
         return Estimate(
             peak_bytes=peak,

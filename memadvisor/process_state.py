@@ -2,8 +2,9 @@
 
 The caller's weights, gradients and optimizer state are never written (every stage runs on
 copies); this guards what lives in the process rather than in the model: the torch, CUDA,
-Python and NumPy random generators (dropout, ``randn`` in a probe draw from them), and each
-submodule's train/eval flag (profilers and strategies may call ``eval()``). Restored in a
+Python and NumPy random generators (dropout, ``randn`` in a probe draw from them), each
+submodule's train/eval flag (profilers and strategies may call ``eval()``), and the fp32
+matmul precision (TF32 is process-wide). Restored in a
 ``finally``, as Lightning's batch-size finder restores its trainer. The profiler's passes
 and the whole plan both use :func:`rng_restored`; the plan adds the flags
 (:func:`preserved_state`).
@@ -60,8 +61,10 @@ def rng_restored(*, uses_cuda: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Run the block, then restore RNG states and every submodule's training flag."""
+    """Run the block, then restore RNG states, every submodule's training flag and the
+    process's fp32 matmul precision (a TF32 candidate applied in this process sets it)."""
     modes = [(m, m.training) for m in model.modules()]
+    matmul = torch.get_float32_matmul_precision()
     # Reading CUDA's generators initialises CUDA: planning on a card does that anyway.
     with rng_restored(uses_cuda=torch.cuda.is_available()):
         try:
@@ -69,3 +72,4 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
         finally:
             for m, training in modes:
                 m.training = training  # the flag alone: train() would recurse and run user hooks
+            torch.set_float32_matmul_precision(matmul)

@@ -208,6 +208,12 @@ class Strategy(ABC):
     #: choices, everything else plain, beside the estimate's best.
     guarded: ClassVar[bool] = False
 
+    #: True when what tells this strategy's choices apart is time the estimate does not
+    #: price (communication: DDP against FSDP2, resharding after forward or not): where step
+    #: times rank, the planner times the estimate's best candidate of each choice, and the
+    #: device's times decide.
+    measured_alternatives: ClassVar[bool] = False
+
     def record(self, pick: Candidate, config: PlanConfig) -> JsonValue | None:
         """A choice that records the planner's ``pick`` for this strategy's advice; None: none.
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from memadvisor.errors import BadInputError, is_oom, is_our_bug
+from memadvisor.errors import BadInputError, UserCodeError, user_code_frame
 from memadvisor.schema.call import CallForm
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "Phase",
     "Workload",
     "batch_size_of",
+    "compact_batch",
     "resize_batch",
     "tensor_leaves",
     "train_step",
@@ -89,6 +90,37 @@ def batch_size_of(batch: Any) -> int:
         f"sample_batch holds no tensor with a batch dimension (got {type(batch).__name__}); "
         "pass a tensor, a tuple/list or dict of tensors, or make_batch(b)."
     )
+
+
+def _owns_its_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds no more than ``t`` itself (a view of a larger one does not)."""
+    if t.device.type == "meta" or t.layout is not torch.strided:
+        return True  # no storage to count, or not one storage (sparse, nested)
+    return t.untyped_storage().nbytes() <= t.numel() * t.element_size()
+
+
+def compact_batch(batch: Any) -> Any:
+    """``batch`` with every tensor that is a view into a larger storage copied to a compact
+    tensor of its own (contiguous); every other leaf, and the containers' types, unchanged.
+
+    A batch sliced from a dataset tensor, ``(X[:16], Y[:16])``, keeps all of ``X`` alive
+    through its storage: counted by storage, as memory is, it would weigh the whole dataset.
+    """
+    if isinstance(batch, torch.Tensor):
+        if _owns_its_bytes(batch):
+            return batch
+        return batch.clone(memory_format=torch.contiguous_format)
+    if isinstance(batch, Mapping):
+        items = {k: compact_batch(v) for k, v in batch.items()}
+        if all(items[k] is v for k, v in batch.items()):
+            return batch  # nothing copied: keep the caller's own object
+        return _rebuild_mapping(batch, items)
+    if isinstance(batch, (tuple, list)):
+        values = [compact_batch(v) for v in batch]
+        if all(a is b for a, b in zip(values, batch, strict=True)):
+            return batch
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)
+    return batch
 
 
 def _rebuild_mapping(original: Mapping, items: dict[str, Any]) -> Mapping:
@@ -168,6 +200,14 @@ class Workload:
             raise BadInputError(
                 f"model must be a torch.nn.Module, but got {type(self.model).__name__}."
             )
+        for name in ("loss_fn", "make_batch", "forward_fn"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise BadInputError(
+                    f"{name} must be a function {_SIGNATURES[name]} or None, but got "
+                    f"{name}={value!r} ({type(value).__name__})."
+                )
+        self.sample_batch = compact_batch(self.sample_batch)
         if self.make_batch is not None:
             self.sample_batch_size = (
                 batch_size_of(self.sample_batch) if _has_tensor(self.sample_batch) else 1
@@ -187,7 +227,18 @@ class Workload:
         if self.make_batch is not None:
             if size <= 0:
                 raise BadInputError(f"A batch size must be positive, but got {size=}.")
-            batch = self.make_batch(size)
+            try:
+                made = self.make_batch(size)
+            except Exception as e:
+                error = _users_error(
+                    e,
+                    f"make_batch({size})",
+                    f"Make it return a batch of {size} samples as the model takes it.",
+                )
+                if error is None:
+                    raise
+                raise error from e
+            batch = compact_batch(made)
         else:
             batch = resize_batch(self.sample_batch, size, self.sample_batch_size)
         return batch if device is None else _move(batch, torch.device(device))
@@ -255,7 +306,18 @@ class Workload:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise BadInputError("The model has no trainable parameters: nothing to train.")
-        return factory(params)
+        try:
+            return factory(params)
+        except Exception as e:
+            error = _users_error(
+                e,
+                "The optimizer factory",
+                "It is called as optimizer(params) with the trainable parameters, e.g. "
+                "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3).",
+            )
+            if error is None:
+                raise
+            raise error from e
 
     @property
     def device(self) -> torch.device:
@@ -325,13 +387,27 @@ def build_workload(
     )
 
 
+# What each callable a user may pass is called with (for the message that rejects another).
+_SIGNATURES = {
+    "loss_fn": "loss_fn(output, batch) returning a scalar tensor",
+    "make_batch": "make_batch(b) returning a batch of b samples",
+    "forward_fn": "forward_fn(model, batch) returning the output",
+}
+
+
 def _has_tensor(batch: Any) -> bool:
     return any(t.dim() >= 1 for t in tensor_leaves(batch))
 
 
 def _describe(x: Any) -> str:
+    """``a tensor of shape (8, 4)``, ``a tuple of tensors of shapes (8, 8), (8,)``, or the
+    type's name."""
     if isinstance(x, torch.Tensor):
-        return f"tensor of shape {tuple(x.shape)}"
+        return f"a tensor of shape {tuple(x.shape)}"
+    shapes = [tuple(t.shape) for t in tensor_leaves(x)] if x is not None else []
+    if shapes and isinstance(x, (Mapping, tuple, list)):
+        listed = ", ".join(str(s) for s in shapes[:4]) + (", ..." if len(shapes) > 4 else "")
+        return f"a {type(x).__name__} of tensors of shapes {listed}"
     return type(x).__name__
 
 
@@ -356,50 +432,141 @@ def train_step(
         synchronise a CUDA step and is impossible under FakeTensorMode).
 
     Raises:
-        BadInputError: the model rejects the batch (a TypeError, RuntimeError, ValueError,
-            IndexError or KeyError raised by the model or torch, not by memadvisor's own
-            code), or no loss can be found.
+        UserCodeError: the user's code raised (the model's forward or backward, ``loss_fn``,
+            the optimizer's step), whatever the exception's type: the message names the
+            model, the block and the user's line that raised it
+            (:func:`~memadvisor.errors.user_code_frame` decides from the traceback). What
+            memadvisor's own code raised keeps its type and traceback.
+        BadInputError: no loss can be found.
     """
     notify = on_phase or (lambda _phase: None)
     loss_value = torch.zeros(())
-    for _ in range(accumulation_steps):
-        notify("forward")
-        try:
+    phase: Phase = "forward"
+    output: Any = None
+    try:
+        for _ in range(accumulation_steps):
+            phase = "forward"
+            notify("forward")
             output = workload.forward(model, batch)
-        except torch.OutOfMemoryError:
+            phase = "loss"
+            notify("loss")
+            loss = workload.loss(output, batch)
+            output = None
+            if accumulation_steps > 1:
+                loss = loss / accumulation_steps
+            phase = "backward"
+            notify("backward")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            loss_value = loss.detach()
+            del loss
+        phase = "optimizer"
+        notify("optimizer")
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    except Exception as e:
+        error = _step_error(e, phase, workload, model, output, batch)
+        if error is None:
             raise
-        except (TypeError, RuntimeError, ValueError, IndexError, KeyError) as e:
-            # The model (or torch under it) refusing the batch is the user's to fix; the
-            # same kinds raised by our own wrappers and hooks are our bugs and keep theirs.
-            if _is_oom_text(e) or is_our_bug(e):
-                raise
-            raise BadInputError(
-                f"The model rejected the batch: {type(e).__name__}: {e}. Check that "
-                "sample_batch is what the model takes (or pass forward_fn / make_batch)."
-            ) from e
-        notify("loss")
-        loss = workload.loss(output, batch)
-        del output
-        if accumulation_steps > 1:
-            loss = loss / accumulation_steps
-        notify("backward")
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_value = loss.detach()
-        del loss
-    notify("optimizer")
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
+        raise error from e
     notify("zero_grad")
     optimizer.zero_grad(set_to_none=True)
     notify("end")
     return loss_value
 
 
-def _is_oom_text(e: BaseException) -> bool:
-    # The one OOM decision lives in memadvisor.device.is_oom; this guard only keeps an OOM
-    # raised as a plain RuntimeError (cuDNN, cuBLAS) from being reported as bad input.
+# The memadvisor lines that call the user's code: an error whose innermost frames are torch's
+# up to one of these was raised by torch running the user's model, loss or optimizer factory.
+# Not train_step's own backward() and optimizer.step(): a torch-only error there (a
+# checkpoint's recompute, the autograd engine) may come from a strategy, so only a frame of
+# the user's (a custom autograd Function, a hook) makes it theirs.
+_CALLS_USER_CODE = frozenset(
+    {
+        Workload.forward.__code__,
+        Workload.loss.__code__,
+        Workload.batch.__code__,
+        Workload.make_optimizer.__code__,
+    }
+)
 
-    return is_oom(e)
+
+def _users_error(
+    e: BaseException,
+    what: str,
+    advice: str,
+    *,
+    model: nn.Module | None = None,
+    verb: str = "raised",
+) -> UserCodeError | None:
+    """The :class:`UserCodeError` saying that ``what`` raised ``e``, or None when ``e`` is not
+    the user's code's (memadvisor's bug, an error on purpose, out of memory)."""
+    frame = user_code_frame(e, _CALLS_USER_CODE)
+    if frame is None:
+        return None
+    block = _raising_module(e, model) if model is not None else None
+    where = f" in {block}" if block else ""
+    line = f": {frame.line.strip()}" if frame.line else ""
+    return UserCodeError(
+        f"{what} {verb} {type(e).__name__}{where}: {e} (at {frame.filename}:{frame.lineno}, "
+        f"in {frame.name}{line}). {advice}",
+        frame=frame,
+    )
+
+
+def _step_error(
+    e: BaseException, phase: Phase, workload: Workload, model: nn.Module, output: Any, batch: Any
+) -> UserCodeError | None:
+    model_name = f"the model ({type(model).__name__})"
+    if phase == "forward":
+        advice = (
+            "Check forward_fn(model, batch) and the batch it is given."
+            if workload.forward_fn is not None
+            else "Check that sample_batch is what the model takes (or pass forward_fn / "
+            "make_batch)."
+        )
+        return _users_error(
+            e,
+            f"The model ({type(model).__name__})",
+            advice,
+            model=model,
+            verb="rejected the batch:",
+        )
+    if phase == "loss":
+        return _users_error(
+            e,
+            "loss_fn",
+            f"It is called as loss_fn(output, batch), here with the output of {model_name}, "
+            f"{_describe(output)}, and the batch, {_describe(batch)}: make it return a scalar "
+            "tensor for these.",
+        )
+    if phase == "backward":
+        return _users_error(
+            e,
+            f"The backward pass of {model_name}",
+            "Check the model's custom autograd Functions and hooks, and in-place ops on "
+            "tensors saved for backward.",
+            model=model,
+        )
+    return _users_error(
+        e, "The optimizer step", "Check the optimizer (optimizer=) and its parameter groups."
+    )
+
+
+def _raising_module(e: BaseException, model: nn.Module) -> str | None:
+    """``block 'blocks.2.fc' (Linear)``: the innermost module of ``model`` whose code is on
+    ``e``'s traceback (the block that raised); None when no frame belongs to one."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found: nn.Module | None = None
+    tb = e.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_locals.get("self")
+        if isinstance(module, nn.Module) and id(module) in names:
+            found = module
+        tb = tb.tb_next
+    if found is None:
+        return None
+    if not names[id(found)]:
+        return f"its own forward ({type(found).__name__})"
+    return f"block '{names[id(found)]}' ({type(found).__name__})"

@@ -245,10 +245,7 @@ def _pick_words(candidate: Candidate) -> str:
     parsed = _parse(candidate.choices.get(COMPILE))
     if parsed is None:
         return ""
-    words = f"torch.compile ({parsed.mode} mode"
-    if parsed.activation_memory_budget is not None:
-        words += f", activation memory budget {parsed.activation_memory_budget:g}"
-    return words + ")"
+    return f"torch.compile ({parsed.words()})"
 
 
 # -- which variants -----------------------------------------------------------------------
@@ -526,9 +523,7 @@ def _label(choices: dict[str, JsonValue]) -> str:
     parsed = _parse(choices.get(COMPILE))
     if parsed is None:
         return "eager"
-    words = f"{parsed.mode} mode"
-    if parsed.activation_memory_budget is not None:
-        words += f", activation memory budget {parsed.activation_memory_budget:g}"
+    words = parsed.words()
     blocks = choices.get(CHECKPOINTING)
     if isinstance(blocks, list) and blocks:
         words += f", {len(blocks)} blocks checkpointed"

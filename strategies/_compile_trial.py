@@ -29,6 +29,7 @@ from strategies import _forward
 from strategies._compiled_forward import (
     CompileChoice,
     CompiledForward,
+    compile_targets,
     new_compiled_function,
     parse_choice,
 )
@@ -103,9 +104,7 @@ def _label(choice: JsonValue) -> str:
     parsed = parse_choice(choice)
     if parsed is None:
         return "off"
-    if parsed.activation_memory_budget is None:
-        return f"(mode {parsed.mode})"
-    return f"(mode {parsed.mode}, activation memory budget {parsed.activation_memory_budget:g})"
+    return f"({parsed.words()})"
 
 
 class _FreshCompiledForward(CompiledForward):
@@ -116,9 +115,13 @@ class _FreshCompiledForward(CompiledForward):
     frames after a graph break), the first step shows no compile time and no graph counts.
     """
 
-    def __init__(self, module: nn.Module, inner: Any, choice: CompileChoice) -> None:
+    def __init__(
+        self, module: nn.Module, inner: Any, choice: CompileChoice, fn: Any = None
+    ) -> None:
         super().__init__(module, inner, choice.mode, choice.activation_memory_budget)
-        self.fn = new_compiled_function(type(module), choice, own_backend=True)
+        # Regional: the blocks of one class share one fresh function, as they share one
+        # compiled code object in the user's model.
+        self.fn = fn or new_compiled_function(type(module), choice, own_backend=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(self.module, *args, **kwargs)
@@ -151,7 +154,12 @@ def _train(
     """
     model = apply_candidate(copy.deepcopy(workload.model).to(device), candidate)
     if compiled is not None:
-        _forward.install(model, _FreshCompiledForward, choice=compiled)
+        fresh: dict[type, Any] = {}
+        for module in compile_targets(model, compiled):
+            cls = type(module)
+            if cls not in fresh:
+                fresh[cls] = new_compiled_function(cls, compiled, own_backend=True)
+            _forward.install(module, _FreshCompiledForward, choice=compiled, fn=fresh[cls])
     optimizer = workload.make_optimizer(model)
     scaler = grad_scaler_for(str(candidate.choices.get("precision", "fp32")), device.type)
     params = [p for p in model.parameters() if p.requires_grad]

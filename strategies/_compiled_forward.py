@@ -36,9 +36,11 @@ __all__ = [
     "MODES",
     "CompileChoice",
     "CompiledForward",
+    "compile_targets",
     "compiled_call",
     "new_compiled_function",
     "parse_choice",
+    "repeated_blocks",
 ]
 
 Mode = Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"]
@@ -61,11 +63,65 @@ class CompileChoice(BaseModel):
         "it likes, 0: recompute all it can). None leaves torch's setting alone.",
     )
 
+    regional: bool = Field(
+        False,
+        description="Compile each instance of the model's repeated block (see "
+        "repeated_blocks) instead of the whole model: one compiled code object serves every "
+        "instance, so the cold compile is about as many times shorter as there are layers "
+        "(docs/design.md, 'What a compile costs, by form'); the rest of the model (embeddings, "
+        "head) runs eager. A model with no repeated block is compiled whole.",
+    )
+
     def to_json(self) -> JsonValue:
-        """The plan's JSON for this choice: the mode alone when there is no budget."""
-        if self.activation_memory_budget is None:
+        """The plan's JSON for this choice: the mode alone when nothing else is set."""
+        if self.activation_memory_budget is None and not self.regional:
             return self.mode
-        return {"mode": self.mode, "activation_memory_budget": self.activation_memory_budget}
+        out: dict[str, JsonValue] = {"mode": self.mode}
+        if self.activation_memory_budget is not None:
+            out["activation_memory_budget"] = self.activation_memory_budget
+        if self.regional:
+            out["regional"] = True
+        return out
+
+    def words(self) -> str:
+        """``'default mode, each repeated block, activation memory budget 0.5'``."""
+        text = f"{self.mode} mode"
+        if self.regional:
+            text += ", each repeated block"
+        if self.activation_memory_budget is not None:
+            text += f", activation memory budget {self.activation_memory_budget:g}"
+        return text
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The instances of ``model``'s repeated block, named: the children of its largest
+    ``nn.ModuleList`` (or ``nn.Sequential``) of at least two modules that are all of one class
+    (a transformer's layers); the first such container in module order wins a tie. Empty when
+    there is none (a CNN of differing stages, a single layer).
+
+    Known limitations:
+        * Blocks of one class in two containers (an encoder's and a decoder's layers of the
+          same class) count per container: only the larger is compiled regionally.
+    """
+    best: list[tuple[str, nn.Module]] = []
+    for prefix, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+            continue
+        children = list(container.named_children())
+        if len({type(m) for _, m in children}) != 1 or len(children) <= len(best):
+            continue
+        best = [(f"{prefix}.{name}" if prefix else name, m) for name, m in children]
+    return best
+
+
+def compile_targets(model: nn.Module, choice: CompileChoice) -> list[nn.Module]:
+    """The modules ``choice`` compiles in ``model``: the repeated blocks when regional (and
+    the model has them), else the model itself."""
+    if choice.regional:
+        blocks = repeated_blocks(model)
+        if blocks:
+            return [m for _, m in blocks]
+    return [model]
 
 
 def parse_choice(choice: JsonValue) -> CompileChoice | None:
@@ -79,7 +135,7 @@ def parse_choice(choice: JsonValue) -> CompileChoice | None:
     """
     if choice in (None, False, "off"):
         return None
-    example = '"default" or {"mode": "default", "activation_memory_budget": 0.5}'
+    example = '"default" or {"mode": "default", "activation_memory_budget": 0.5, "regional": true}'
     try:
         if isinstance(choice, str):
             return CompileChoice(mode=choice)

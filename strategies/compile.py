@@ -74,7 +74,13 @@ from strategies._compile_trial import (
     CompileResult,
     try_compile,
 )
-from strategies._compiled_forward import MODES, CompileChoice, CompiledForward, parse_choice
+from strategies._compiled_forward import (
+    MODES,
+    CompileChoice,
+    CompiledForward,
+    compile_targets,
+    parse_choice,
+)
 from strategies._format import loss_line
 
 if TYPE_CHECKING:
@@ -161,15 +167,18 @@ class Compile(Strategy):
             BadInputError: ``choice`` is not a compile choice.
         """
         parsed = parse_choice(choice)
+        # Another form of compile may be installed (whole model vs each block): off first.
+        for module in model.modules():
+            _forward.remove(module, CompiledForward)
         if parsed is None:
-            _forward.remove(model, CompiledForward)
             return model
-        _forward.install(
-            model,
-            CompiledForward,
-            mode=parsed.mode,
-            activation_memory_budget=parsed.activation_memory_budget,
-        )
+        for module in compile_targets(model, parsed):
+            _forward.install(
+                module,
+                CompiledForward,
+                mode=parsed.mode,
+                activation_memory_budget=parsed.activation_memory_budget,
+            )
         return model
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
@@ -192,6 +201,7 @@ class Compile(Strategy):
             self.results.get(parsed),
             self.gains.get(parsed),
             form=profile.call_form if profile is not None else None,
+            blocks=_repeated_container(profile) if profile is not None else None,
         )
 
     def plan_scope(
@@ -291,17 +301,27 @@ def advice(
     gain: DeviceGain | None = None,
     *,
     form: CallForm | None = None,
+    blocks: str | None = None,
 ) -> Advice:
     """The advice for ``choice``, quoting ``result`` (a trial at some batch) and ``gain`` (the
     planner's measurement against eager) when given."""
     budget = choice.activation_memory_budget
     title = "torch.compile" + (f" ({choice.mode} mode)" if choice.mode != "default" else "")
+    if choice.regional:
+        title += ", each repeated block"
     sentence = (
         "Compile the model with torch.compile: inductor fuses its operations into fewer, "
         "larger kernels, which speeds up the step; the first step compiles (once per process "
         "and input shape). Train through the compiled module and save the original's "
         "state_dict, whose keys stay as they are."
     )
+    if choice.regional:
+        sentence += (
+            " Compile each instance of the repeated block (the transformer's layers) rather "
+            "than the whole model: one compiled code object serves every layer, so the first "
+            "step compiles about as many times faster as there are layers; the embeddings and "
+            "the head stay eager."
+        )
     if budget is not None:
         title += f", activation memory budget {budget:g}"
         sentence += (
@@ -333,12 +353,24 @@ def advice(
         strategy=STRATEGY_NAME,
         title=title,
         sentence=sentence,
-        snippet=_snippet(choice, form),
+        snippet=_snippet(choice, form, blocks),
         effect=effect,
     )
 
 
-def _snippet(choice: CompileChoice, form: CallForm | None = None) -> str:
+def _repeated_container(profile: Profile) -> str | None:
+    """The name of the container most of the profile's blocks sit in (``"model.layers"`` for
+    blocks ``model.layers.0`` ...), for the regional snippet; None when blocks are not numbered
+    children of one container."""
+    parents = [
+        b.name.rpartition(".")[0] for b in profile.blocks if b.name.rpartition(".")[2].isdigit()
+    ]
+    if not parents:
+        return None
+    return max(set(parents), key=parents.count)
+
+
+def _snippet(choice: CompileChoice, form: CallForm | None = None, blocks: str | None = None) -> str:
     lines = ["import torch", ""]
     budget = choice.activation_memory_budget
     if budget is not None:
@@ -350,6 +382,23 @@ def _snippet(choice: CompileChoice, form: CallForm | None = None) -> str:
             f"torch._functorch.config.activation_memory_budget = {budget:g}",
         ]
     mode = f', mode="{choice.mode}"' if choice.mode != "default" else ""
+    if choice.regional:
+        lines += [
+            "# Each layer compiled in place (state_dict keys unchanged); one compile serves all.",
+            f"for block in model.get_submodule({blocks!r}):"
+            if blocks
+            else "for block in model.layers:  # your model's repeated blocks (its nn.ModuleList)",
+            f"    block.compile({mode.removeprefix(', ')})",
+            "",
+            loss_line(form, model="model"),
+            "loss.backward()",
+            "optimizer.step()",
+            "optimizer.zero_grad(set_to_none=True)",
+            "",
+            "# A last, smaller batch compiles once more (dynamic shapes):",
+            "# DataLoader(drop_last=True) keeps every step at the compiled shape.",
+        ]
+        return "\n".join(lines) + "\n"
     lines += [
         f"compiled = torch.compile(model{mode})  # shares model's parameters; compiles on 1st call",
         "",

@@ -2,8 +2,11 @@
 
 Not searched like the others: the user says how many ranks and how they share the model
 (``PlanConfig.world_size`` and ``parallel``); this strategy turns the single-card estimate
-into the estimate *per rank* at the per-rank batch, and weighs FSDP2's one free choice,
-``reshard_after_forward``.
+into the estimate *per rank* at the per-rank batch, and offers FSDP2's one free choice,
+``reshard_after_forward``, both ways (and, with ``parallel="auto"``, DDP beside them).
+What tells these apart where all fit is communication time, which the estimate does not
+price: the strategy is ``measured_alternatives``, so on a device whose times rank the
+planner times the estimate's best candidate of each choice and the fastest wins.
 
 A choice is ``{"kind": "ddp" | "fsdp2", "world_size": N, "units": [block names],
 "reshard_after_forward": bool}`` (``units`` and the reshard flag for FSDP2 only); the
@@ -50,7 +53,7 @@ from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
-from memadvisor.schema.advice import Advice
+from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.strategy import Strategy
 from strategies._format import mib, names_text
 
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
 
 __all__ = ["ALL_GATHER_BYTES_PER_MS", "Parallel", "parse_choice", "wrap_for_rank"]
@@ -104,18 +108,23 @@ class Parallel(Strategy):
 
     name = "parallel"
     effect_order = 90  # after precision (the dtype of the gathered units) and checkpointing
+    # DDP against FSDP2, and resharding after forward or not, differ in communication, which
+    # the estimate does not price (but one all-gather): the device's step times decide.
+    measured_alternatives = True
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if config.parallel == "none":
             return [None]
-        base: dict[str, JsonValue] = {"kind": config.parallel, "world_size": config.world_size}
-        if config.parallel == "ddp":
-            return [base]
+        n = config.world_size
+        ddp: list[JsonValue] = [{"kind": "ddp", "world_size": n}]
         units: list[JsonValue] = [b.name for b in profile.blocks]
-        return [
-            {**base, "units": units, "reshard_after_forward": True},
-            {**base, "units": units, "reshard_after_forward": False},
+        fsdp2: list[JsonValue] = [
+            {"kind": "fsdp2", "world_size": n, "units": units, "reshard_after_forward": r}
+            for r in (True, False)
         ]
+        if config.parallel == "ddp":
+            return ddp
+        return fsdp2 if config.parallel == "fsdp2" else ddp + fsdp2
 
     def is_neutral(self, choice: JsonValue) -> bool:
         return choice is None
@@ -131,9 +140,31 @@ class Parallel(Strategy):
         its units in that dtype)."""
         choice = pick.choices.get(self.name)
         precision = pick.choices.get("precision")
-        if not isinstance(choice, dict) or precision in (None, "fp32"):
+        if not isinstance(choice, dict) or _low_precision(precision) is None:  # fp32, tf32
             return None
         return {**choice, "param_dtype": precision}
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
+        """The answer's "Ranks" row: how the ranks share the model, and that the batch and
+        every peak of the plan are one rank's."""
+        if choice is None:
+            return None
+        c = parse_choice(choice)
+        n = c["world_size"]
+        if c["kind"] == "ddp":
+            how, brief = f"DDP over {n} ranks (a full replica each)", f"DDP x{n}"
+        else:
+            kept = (
+                "units resharded after forward"
+                if c["reshard_after_forward"]
+                else "units kept gathered from forward to backward"
+            )
+            how, brief = f"FSDP2 over {n} ranks, {len(c['units'])} {kept}", f"FSDP2 x{n}"
+        return ReportPart(
+            label="Ranks",
+            words=f"{how}; the batch and the peaks are per rank, each rank a card of the budget",
+            brief=brief,
+        )
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         c = parse_choice(choice)
@@ -171,6 +202,7 @@ class Parallel(Strategy):
         units = c["units"]
         static = profile.param_bytes + profile.optimizer_state_bytes
         reshard = c["reshard_after_forward"]
+        how = "resharded after forward" if reshard else "kept gathered after forward"
         low = _low_precision(c["param_dtype"])
         kept = (
             "resharded after forward (gathered again in backward: less memory)"
@@ -184,7 +216,7 @@ class Parallel(Strategy):
         )
         return Advice(
             strategy=self.name,
-            title=f"FSDP2 over {n} ranks, {len(units)} units",
+            title=f"FSDP2 over {n} ranks, {len(units)} units {how}",
             sentence=(
                 f"Shard the weights, gradients and optimizer state over {n} ranks with "
                 f"fully_shard on each block ({names_text(units)}) and then on the root; each "
@@ -204,6 +236,7 @@ def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None
     """FSDP2's per-rank bytes as edits of the single card's walk (the module docstring)."""
     n = c["world_size"]
     shard = 1.0 - 1.0 / n
+    model.hold_share(1.0 / n)  # the breakdown's weights, gradients and state: a rank's
     reshard = c["reshard_after_forward"]
     low = _low_precision(model.precision)
     ratio = 0.5 if low else 1.0  # the gathered units' dtype against fp32 weights

@@ -1,25 +1,29 @@
-"""Mixed precision: run the forward under bf16 (or fp16) autocast.
+"""Mixed precision: run the forward under bf16 (or fp16) autocast, or fp32 matmuls in TF32.
 
-Choices are ``"fp32"`` (off) and the one low precision the profiled device supports: bf16
-where it can, else fp16 (which needs a ``GradScaler`` in the training loop: a model cannot
-carry one, so the advice shows it and :func:`grad_scaler_for` makes one for our own steps).
-Neither is offered on a device that lacks it.
+Choices are ``"fp32"`` (off), the one low precision the profiled device supports (bf16 where
+it can, else fp16, which needs a ``GradScaler`` in the training loop: a model cannot carry
+one, so the advice shows it and :func:`grad_scaler_for` makes one for our own steps), and
+``"tf32"`` on a card whose matmuls have it (compute capability 8.0 and up): fp32 everywhere,
+but fp32 matmuls round their inputs to TF32's 10-bit mantissa (cuDNN's convolutions already
+do by default: ``torch.backends.cudnn.allow_tf32``). None is offered on a device that lacks
+it; the CPU has no TF32.
 
-Applying it installs :class:`AutocastForward` on the model's root module. Weights, gradients
-and optimizer state stay fp32; outputs come back in whatever dtype autocast produced.
+Applying bf16/fp16 installs :class:`AutocastForward` on the model's root module. Weights,
+gradients and optimizer state stay fp32; outputs come back in whatever dtype autocast
+produced. Applying tf32 installs :class:`TF32Matmuls`, which switches TF32 on for the whole
+process (``torch.set_float32_matmul_precision("high")``: a process-wide setting, not the
+model's) when installed and when a saved model is loaded; ``"highest"`` switches it off.
 
-:func:`check_numerics` trains copies of the model a few steps in fp32 and in the low
-precision from the same start and compares the loss curves. It decides: before the search,
-:meth:`Precision.screen` checks the low precision the device offers, and one that fails is
-not offered (fp16 with a GradScaler instead where the device has it and it passes, else
-fp32), unless the config says ``checks="report"``.
+:func:`check_numerics` (``strategies/_numerics.py``) trains copies of the model a few steps
+in fp32, in fp32 perturbed by the low precision's rounding (fp32's own spread), and in the
+low precision, and fails the low precision only where it is worse than that spread. It
+decides: before the search, :meth:`Precision.screen` checks what the device offers, and one
+that fails is not offered (fp16 with a GradScaler instead of bf16 where the device has it
+and it passes, else fp32), unless the config says ``checks="report"``.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +33,12 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
-from memadvisor.schema.precision import AUTOCAST_DTYPES, FULL, PRECISIONS
+from memadvisor.schema.precision import FULL, PRECISIONS
 from memadvisor.strategy import Strategy
-from memadvisor.workload import train_step
 from strategies import _forward
+from strategies._autocast import AutocastForward, grad_scaler_for
 from strategies._format import how_known, loss_line, mib
+from strategies._numerics import NUMERICS_MAX_BATCH, ROUNDING, check_numerics
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -43,94 +48,74 @@ if TYPE_CHECKING:
     from memadvisor.workload import Workload
 
 __all__ = [
+    "CHOICES",
+    "NUMERICS_MAX_BATCH",
+    "ROUNDING",
+    "TF32_OFF",
+    "TF32_ON",
     "AutocastForward",
     "Precision",
+    "TF32Matmuls",
     "check_numerics",
     "grad_scaler_for",
     "precision_of",
 ]
 
-
-# What check_numerics calls safe: the low-precision loss curve within 5% of fp32's (of the
-# fp32 loss's size) at every step, allowing the curve to run one step ahead or behind where
-# it falls steeply. bf16 keeps 8 bits of mantissa (~0.4% per value): a curve that parts by
-# ten times that has lost something fp32 learns.
-LOSS_TOLERANCE = 0.05
-# 16 steps at 8 samples: long enough for a curve to part (drift grows with the steps it
-# compounds over), short enough to cost 2 x 16 small steps. Where steps are slow (a large
-# model on the CPU) the fp32 run stops once it has taken NUMERICS_TIME_S and at least
-# NUMERICS_MIN_STEPS, and the low-precision run takes as many steps.
-NUMERICS_STEPS = 16
-NUMERICS_MIN_STEPS = 4
-NUMERICS_MAX_BATCH = 8
-NUMERICS_TIME_S = 5.0
-
-
-def _loss_drift(low: list[float], ref: list[float]) -> float:
-    """How far the low-precision loss curve strays from fp32's, as a share of fp32's largest
-    loss: at each step, the distance from the low loss to the range fp32's curve spans over
-    that step and its two neighbours, the largest over the steps.
-
-    Why the neighbours: a few samples trained for a few steps are memorised, and the loss
-    can fall by a tenth of its size in a step (a ViT on an H200: 6.9 to 0.12 in 16 steps).
-    Where it falls that steeply, a curve that runs a fraction of a step ahead differs from
-    fp32's by more than 5% at that step while training the same; a curve that has *parted*
-    from fp32's stays outside the neighbours' range too.
-    """
-    scale = max(abs(x) for x in ref) or 1.0
-    worst = 0.0
-    for t, value in enumerate(low):
-        near = ref[max(t - 1, 0) : t + 2]
-        below, above = min(near), max(near)
-        gap = below - value if value < below else value - above if value > above else 0.0
-        worst = max(worst, gap)
-    return worst / scale
+#: Every choice this strategy takes: the profile's precisions and fp32 with TF32 matmuls.
+CHOICES: tuple[str, ...] = (*PRECISIONS, "tf32")
+#: How TF32 is switched on and off: one process-wide setting (every fp32 matmul after it).
+TF32_ON = 'torch.set_float32_matmul_precision("high")'
+TF32_OFF = 'torch.set_float32_matmul_precision("highest")'
 
 
 def _check_choice(choice: JsonValue) -> str:
-    if choice not in PRECISIONS:
-        raise BadInputError(f"A precision choice is one of {PRECISIONS}, but got {choice=}.")
+    if choice not in CHOICES:
+        raise BadInputError(f"A precision choice is one of {CHOICES}, but got {choice=}.")
     return str(choice)
 
 
-def _device_type(module: nn.Module) -> str:
-    for t in module.parameters():
-        return t.device.type
-    for t in module.buffers():
-        return t.device.type
-    return "cpu"
+class TF32Matmuls(_forward.ForwardWrapper):
+    """Marks a model planned in fp32 with TF32 matmuls, and switches TF32 on for the process.
 
-
-class AutocastForward(_forward.ForwardWrapper):
-    """The module's forward under ``torch.autocast`` on the device its parameters are on.
-
-    The device is read at each call, so the model can be moved after applying.
+    TF32 is not the model's: it is one process-wide setting that every fp32 matmul after it
+    reads, ``torch.set_float32_matmul_precision("high")``. Installing
+    this wrapper sets it, and so does loading a saved model that carries it (``__setstate__``),
+    so a model trains as planned wherever it goes; removing it (applying 'fp32') restores
+    the setting it found. ``torch.set_float32_matmul_precision("highest")`` switches it off
+    for the process at any time; the forward itself does not set it again.
     """
 
-    def __init__(self, module: nn.Module, inner: Any, precision: str = "bf16") -> None:
+    def __init__(self, module: nn.Module, inner: Any) -> None:
         super().__init__(module, inner)
-        self.precision = precision
+        self.found = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(_device_type(self.module), dtype=AUTOCAST_DTYPES[self.precision]):
-            return self.call_inner(*args, **kwargs)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        torch.set_float32_matmul_precision("high")
+
+    def restore(self) -> None:
+        """Put back the process-wide setting this wrapper found when installed."""
+        torch.set_float32_matmul_precision(self.found)
 
 
 def precision_of(model: nn.Module) -> str:
     """The precision applied to ``model`` by this strategy: 'fp32' when none."""
+    if _forward.find_wrapper(model, TF32Matmuls) is not None:
+        return "tf32"
     wrapper = _forward.find_wrapper(model, AutocastForward)
     return wrapper.precision if wrapper is not None else "fp32"
 
 
-def grad_scaler_for(precision: str, device_type: str) -> torch.amp.GradScaler | None:
-    """A fresh GradScaler for fp16 (whose small gradients underflow without one), else None."""
-    if precision != "fp16":
-        return None
-    return torch.amp.GradScaler(device_type)
+def _remove_tf32(model: nn.Module) -> None:
+    wrapper = _forward.find_wrapper(model, TF32Matmuls)
+    if wrapper is not None:
+        wrapper.restore()
+        _forward.remove(model, TF32Matmuls)
 
 
 class Precision(Strategy):
-    """bf16 / fp16 autocast of the forward."""
+    """bf16 / fp16 autocast of the forward, or TF32 matmuls in fp32."""
 
     name = "precision"
     # First: use_precision() reads a different measured step and resets the activation
@@ -154,6 +139,16 @@ class Precision(Strategy):
         if precision == FULL:
             return ReportPart(
                 label="Precision", words=f"{FULL} (no autocast)", brief=FULL, step_precision=FULL
+            )
+        if precision == "tf32":
+            return ReportPart(
+                label="Precision",
+                words=f"fp32 with TF32 matmuls (process-wide: {TF32_ON}; off: {TF32_OFF})",
+                brief="tf32",
+                step_precision=FULL,
+                loop=LoopLines(
+                    setup=[f"{TF32_ON}  # TF32 matmuls, process-wide; apply_plan sets it too"]
+                ),
             )
         how = "estimated" if plan.device_kind == "estimate" else "measured"
         loop = LoopLines(
@@ -186,17 +181,17 @@ class Precision(Strategy):
 
     def _low(self, profile: Profile) -> list[str]:
         """The low precisions the device runs, preferred first: bf16 needs no GradScaler."""
-        supported = {"bf16": profile.device.bf16_supported, "fp16": profile.device.fp16_supported}
-        return [p for p in ("bf16", "fp16") if supported[p]]
+        return [p for p in ("bf16", "fp16") if _supported(profile, p)]
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         offered = [p for p in self._low(profile) if p not in self.rejected]
-        return ["fp32", offered[0]] if offered else ["fp32"]
+        tf32 = _supported(profile, "tf32") and "tf32" not in self.rejected
+        return ["fp32", *(["tf32"] if tf32 else []), *offered[:1]]
 
     def screen(self, workload: Workload, profile: Profile, config: PlanConfig) -> list[Check]:
-        """Check the low precision :meth:`choices` would offer; when it fails (and
-        ``config.checks`` is 'decide') it is not offered, and the next one the device runs
-        (fp16, with a GradScaler) is checked in its place."""
+        """Check what :meth:`choices` would offer; what fails (when ``config.checks`` is
+        'decide') is not offered: for a failed bf16 the next precision the device runs (fp16,
+        with a GradScaler) is checked in its place; TF32 is checked on its own."""
         self.rejected = set()
         checks: list[Check] = []
         for precision in self._low(profile):
@@ -205,25 +200,37 @@ class Precision(Strategy):
             if check.passed or config.checks == "report":
                 break
             self.rejected.add(precision)
+        if _supported(profile, "tf32"):
+            check = check_numerics(workload, "tf32", device=_check_device())
+            checks.append(check)
+            if not check.passed and config.checks != "report":
+                self.rejected.add("tf32")
         return checks
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         precision = _check_choice(choice)
-        if precision != "fp32":
+        # TF32 keeps fp32's memory; its speed is the card's to measure (the planner times
+        # each precision on the device: guarded).
+        if precision not in ("fp32", "tf32"):
             model.use_precision(precision)
 
     def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        """Run ``model``'s forward under autocast; 'fp32' takes a previous one off.
+        """Run ``model``'s forward under autocast, or switch TF32 on (process-wide: see
+        :class:`TF32Matmuls`); 'fp32' takes either off.
 
         Raises:
             BadInputError: ``choice`` is not a precision, or the profile's device lacks it.
         """
         self.validate(model, choice, profile)
         precision = _check_choice(choice)
-        if precision == "fp32":
+        if precision in ("fp32", "tf32"):
             _forward.remove(model, AutocastForward)
-            return model
-        _forward.install(model, AutocastForward, precision=precision)
+        if precision != "tf32":
+            _remove_tf32(model)
+        if precision == "tf32":
+            _forward.install(model, TF32Matmuls)
+        elif precision != "fp32":
+            _forward.install(model, AutocastForward, precision=precision)
         return model
 
     def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
@@ -231,11 +238,7 @@ class Precision(Strategy):
         precision = _check_choice(choice)
         if precision == "fp32" or profile is None or profile.device.kind == "fake":
             return
-        supported = {
-            "bf16": profile.device.bf16_supported,
-            "fp16": profile.device.fp16_supported,
-        }[precision]
-        if not supported:
+        if not _supported(profile, precision):
             raise BadInputError(
                 f"{precision} is not supported on {profile.device.name}, the device this "
                 f"plan was profiled on; but got {choice=}. Plan again on your device."
@@ -245,6 +248,8 @@ class Precision(Strategy):
         precision = _check_choice(choice)
         if precision == "fp32":
             return None
+        if precision == "tf32":
+            return _tf32_advice(self.name)
         device_type = "cpu" if profile.device.kind == "cpu" else "cuda"
         dtype = "torch.bfloat16" if precision == "bf16" else "torch.float16"
         sentence = (
@@ -272,6 +277,37 @@ class Precision(Strategy):
         # On the card when there is one (the user's model may sit on the CPU): CPU autocast
         # is not the card's numerics, and it is many times slower (docs/design.md, plan speed).
         return check_numerics(workload, precision, device=_check_device())
+
+
+def _supported(profile: Profile, precision: str) -> bool:
+    device = profile.device
+    return {
+        "fp32": True,
+        "bf16": device.bf16_supported,
+        "fp16": device.fp16_supported,
+        "tf32": device.tf32_supported,
+    }[precision]
+
+
+def _tf32_advice(strategy: str) -> Advice:
+    return Advice(
+        strategy=strategy,
+        title="TF32 matmuls",
+        sentence=(
+            "Keep fp32 and let matmuls round their inputs to TF32 (10-bit mantissa, fp32's "
+            "range) on the card's tensor cores, as cuDNN's convolutions already do by default: "
+            "weights, activations, "
+            "gradients and optimizer state stay fp32. It is a process-wide setting, not the "
+            f"model's: apply_plan switches it on for the whole process ({TF32_ON}); "
+            f"{TF32_OFF} switches it off."
+        ),
+        snippet=(
+            f"{TF32_ON}  # process-wide: every fp32 matmul from here on\n"
+            "# ... train as usual: no autocast, no GradScaler ...\n"
+            f"{TF32_OFF}  # off again (the default)\n"
+        ),
+        effect="same memory as fp32; its speed is measured on the card",
+    )
 
 
 def _effect_text(profile: Profile, precision: str) -> str:
@@ -314,162 +350,6 @@ optimizer.zero_grad(set_to_none=True)
 """
 
 
-# -- numerics check ----------------------------------------------------------------------
-
-
 def _check_device() -> torch.device | None:
     """Where :meth:`Precision.check` trains its copies: CUDA when available, else the model's."""
     return torch.device("cuda") if torch.cuda.is_available() else None
-
-
-def _train_copy(
-    workload: Workload,
-    precision: str,
-    steps: int,
-    seed: int,
-    batch_size: int,
-    time_s: float | None = None,
-    device: torch.device | None = None,
-) -> tuple[list[float], torch.Tensor]:
-    """Train a copy of the workload's model ``steps`` steps on one batch of ``batch_size``.
-
-    With ``time_s``, stop early once that long has passed and :data:`NUMERICS_MIN_STEPS`
-    steps are done. The copy goes to ``device`` (default: where the model is).
-
-    Returns:
-        Each step's loss, and the first step's gradients (unscaled, fp32, flattened, on the
-        CPU). A step whose loss is not finite ends the run: nothing after it means anything.
-    """
-    device = device if device is not None else workload.device
-    model = copy.deepcopy(workload.model).to(device)
-    if precision != "fp32":
-        _forward.install(model, AutocastForward, precision=precision)
-    scaler = grad_scaler_for(precision, device.type)
-    optimizer = workload.make_optimizer(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    batch = workload.batch(batch_size, device=device)
-    first_grads: list[torch.Tensor] = []
-
-    def record_grads(phase: str) -> None:
-        # "optimizer" is announced after backward, before the step: the gradients are whole.
-        if phase != "optimizer" or first_grads:
-            return
-        scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        flat = [
-            p.grad.detach().double().flatten().cpu() / scale for p in params if p.grad is not None
-        ]
-        first_grads.append(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64))
-
-    losses: list[float] = []
-    cuda = [device.index or 0] if device.type == "cuda" else []
-    # The same seed for both runs (dropout draws alike), and the caller's RNG untouched.
-    started = time.perf_counter()
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(seed)
-        for _ in range(steps):
-            loss = train_step(
-                workload, model, optimizer, batch, scaler=scaler, on_phase=record_grads
-            )
-            losses.append(float(loss.float()))
-            if not math.isfinite(losses[-1]):
-                break
-            late = time_s is not None and time.perf_counter() - started > time_s
-            if late and len(losses) >= NUMERICS_MIN_STEPS:
-                break
-    return losses, first_grads[0]
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine similarity in float64, within [-1, 1] (float rounding put it at 1.0003)."""
-    if a.numel() == 0:
-        return 1.0
-    na, nb = float(a.norm()), float(b.norm())
-    if na == 0.0 or nb == 0.0:
-        return 1.0 if na == nb else 0.0
-    return max(-1.0, min(1.0, float(a @ b) / (na * nb)))
-
-
-def check_numerics(
-    workload: Workload,
-    precision: str,
-    steps: int = NUMERICS_STEPS,
-    seed: int = 0,
-    batch_size: int | None = None,
-    time_s: float | None = NUMERICS_TIME_S,
-    device: torch.device | str | None = None,
-) -> Check:
-    """Whether training in ``precision`` follows fp32's: ``steps`` steps of each from the
-    same weights, batch and seed, their loss curves compared.
-
-    What it takes to call a precision safe: no inf or nan (fp16 without its scaler, an
-    overflow in bf16), and losses within :data:`LOSS_TOLERANCE` of fp32's at every step,
-    relative to the fp32 loss's size. A training curve is what a person cares about; one
-    step's relative gradient error on a random initialisation mostly measures gradients
-    near zero (it read 97% "off" on a ResNet-18 that trains identically in bf16), so the
-    first step's gradient cosine is reported but decides nothing.
-
-    Its cost is bounded: ``2 x steps`` training steps at no more than
-    :data:`NUMERICS_MAX_BATCH` samples, fewer steps (at least :data:`NUMERICS_MIN_STEPS`)
-    where the fp32 run passes ``time_s``; on copies of the workload's model on ``device``
-    (default: where the model is; the user's model, optimizer and RNG are untouched). Its
-    wall time is in the metrics.
-
-    Raises:
-        BadInputError: ``precision`` is not 'bf16' or 'fp16', or ``steps`` < 1.
-    """
-    if precision not in AUTOCAST_DTYPES:
-        raise BadInputError(f"Numerics are checked for 'bf16' or 'fp16', but got {precision=}.")
-    if steps < 1:
-        raise BadInputError(f"The numerics check needs at least one step, but got {steps=}.")
-    b = batch_size or min(workload.sample_batch_size, NUMERICS_MAX_BATCH)
-    started = time.perf_counter()
-    where = torch.device(device) if device is not None else None
-    ref, ref_grads = _train_copy(workload, "fp32", steps, seed, b, time_s, where)
-    ref_finite = math.isfinite(ref[-1])
-    steps = len(ref)  # fewer than asked where steps are slow: the low run takes as many
-    low, low_grads = _train_copy(workload, precision, steps, seed, b, None, where)
-    wall_ms = (time.perf_counter() - started) * 1e3
-    low_finite = (
-        len(low) == steps and math.isfinite(low[-1]) and bool(torch.isfinite(low_grads).all())
-    )
-    where = f"{precision} vs fp32 over {steps} training steps from the same weights on {b} samples"
-    metrics = {"steps": float(steps), "batch_size": float(b), "wall_ms": wall_ms}
-    if not ref_finite:
-        return Check(
-            strategy=Precision.name,
-            choice=precision,
-            summary=f"{where}: fp32 itself reached inf/nan, so the comparison says nothing.",
-            passed=True,
-            metrics=metrics,
-        )
-    if not low_finite:
-        return Check(
-            strategy=Precision.name,
-            choice=precision,
-            summary=f"{where}: {precision} reached inf/nan (at step {len(low)}), fp32 did not.",
-            passed=False,
-            metrics={**metrics, "finite_steps": float(len(low) - 1)},
-        )
-    drift = _loss_drift(low, ref)
-    cosine = _cosine(low_grads, ref_grads)
-    passed = drift <= LOSS_TOLERANCE
-    summary = (
-        f"{where}: the losses differ by at most {drift:.2%} of the fp32 loss (limit "
-        f"{LOSS_TOLERANCE:.0%}), fp32 {ref[0]:.4g} -> {ref[-1]:.4g}, {precision} "
-        f"{low[0]:.4g} -> {low[-1]:.4g}; first-step gradient cosine {cosine:.4f}"
-    )
-    return Check(
-        strategy=Precision.name,
-        choice=precision,
-        summary=summary + ".",
-        passed=passed,
-        metrics={
-            **metrics,
-            "loss_drift_max": drift,
-            "grad_cosine_first": cosine,
-            "loss_fp32_first": ref[0],
-            "loss_fp32_last": ref[-1],
-            f"loss_{precision}_first": low[0],
-            f"loss_{precision}_last": low[-1],
-        },
-    )

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.errors import BadInputError, is_our_bug
+from memadvisor.errors import BadInputError, UserCodeError, is_our_bug
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
 from strategies.precision import AutocastForward
@@ -72,7 +72,8 @@ def test_a_compile_trial_failing_in_our_code_is_a_bug_not_does_not_compile(monke
     from strategies import _compile_trial
 
     class Broken(_forward.ForwardWrapper):
-        def __init__(self, module, inner, choice=None) -> None:
+        def __init__(self, module, inner, choice=None, **options) -> None:  # noqa: ANN003
+            # Whatever else the trial passes (main's regional form adds fn=) is ignored.
             super().__init__(module, 1)  # our call_inner then calls 1(...): a TypeError
 
     monkeypatch.setattr(_compile_trial, "_FreshCompiledForward", Broken)
@@ -80,3 +81,111 @@ def test_a_compile_trial_failing_in_our_code_is_a_bug_not_does_not_compile(monke
     workload = Workload(model=model, sample_batch=torch.randn(2, 4), loss_fn=lambda o, b: o.sum())
     with pytest.raises(TypeError, match="not callable"):
         _compile_trial.try_compile(workload, "default", steps=2)
+
+
+class _Divides(nn.Module):
+    """A block whose forward raises in the user's own Python (not torch, not memadvisor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 / 0)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = _Divides()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def _step(model: nn.Module, loss_fn, **workload) -> None:  # noqa: ANN001
+    w = Workload(model=model, sample_batch=torch.randn(2, 4), loss_fn=loss_fn, **workload)
+    train_step(w, model, torch.optim.SGD(model.parameters(), lr=0.1), w.batch(2))
+
+
+def _divide_by_nothing(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return out.sum() * (1 / len([]))
+
+
+def test_a_loss_fn_raising_any_exception_is_the_users_code_with_its_line_and_cause() -> None:
+    """Rule: whatever the type, an exception raised in the user's loss_fn is a UserCodeError
+    (exit 2) naming loss_fn, the user's line and the shapes it got, with the original as its
+    __cause__: not a raw ZeroDivisionError after profiling started."""
+    with pytest.raises(UserCodeError) as caught:
+        _step(nn.Linear(4, 4), _divide_by_nothing)
+    error = caught.value
+    assert isinstance(error.__cause__, ZeroDivisionError) and error.exit_code == 2
+    assert error.frame is not None and error.frame.filename == __file__
+    message = str(error)
+    assert message.startswith("loss_fn raised ZeroDivisionError: division by zero")
+    assert "return out.sum() * (1 / len([]))" in message and "a tensor of shape (2, 4)" in message
+
+
+def test_a_loss_fn_whose_shapes_do_not_match_is_the_users_code_though_torch_raised() -> None:
+    """Rule: torch raising inside the user's loss (a shape mismatch) is the user's: the
+    innermost frame outside torch is their loss_fn."""
+    with pytest.raises(UserCodeError, match=r"loss_fn raised RuntimeError") as caught:
+        _step(nn.Linear(4, 4), lambda out, batch: (out - batch[:, :3]).sum())
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert caught.value.frame.filename == __file__
+
+
+def test_a_model_raising_in_its_own_code_names_the_model_and_the_block() -> None:
+    """Rule: an exception the model's own code raises in forward (any type) names the model,
+    the block it raised in, and the user's line."""
+    with pytest.raises(UserCodeError) as caught:
+        _step(_TwoBlocks(), lambda out, batch: out.sum())
+    message = str(caught.value)
+    assert message.startswith("The model (_TwoBlocks) rejected the batch: ZeroDivisionError")
+    assert "in block 'second' (_Divides)" in message and "return x * (1 / 0)" in message
+
+
+class _BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        raise ValueError("the user's backward is wrong")
+
+
+def test_a_custom_backward_raising_is_the_users_but_a_torch_only_backward_error_is_not() -> None:
+    """Rule: in backward only a frame of the user's code (a custom autograd Function, a hook)
+    makes the error theirs; a torch-only error there (the autograd engine, a checkpoint's
+    recompute) may come from a strategy and keeps its type."""
+
+    class Custom(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _BadBackward.apply(super().forward(x))
+
+    with pytest.raises(UserCodeError, match=r"The backward pass of the model \(Custom\)"):
+        _step(Custom(4, 4), lambda out, batch: out.sum())
+
+    class InPlace(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.sigmoid(super().forward(x))
+            y.add_(1)  # sigmoid saved its output for backward
+            return y
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+        _step(InPlace(4, 4), lambda out, batch: out.sum())
+    assert not isinstance(caught.value, UserCodeError)
+
+
+def test_make_batch_and_the_optimizer_factory_raising_are_the_users_code() -> None:
+    """Rule: make_batch and the optimizer factory are the user's code too."""
+
+    def make_batch(b: int) -> torch.Tensor:
+        return torch.randn(b, 4)[b]  # index b of b rows: IndexError
+
+    w = Workload(model=nn.Linear(4, 4), sample_batch=torch.randn(2, 4), make_batch=make_batch)
+    with pytest.raises(UserCodeError, match=r"make_batch\(3\) raised IndexError"):
+        w.batch(3)
+    w = Workload(
+        model=nn.Linear(4, 4), sample_batch=torch.randn(2, 4), optimizer_factory=lambda p: 1 / 0
+    )
+    with pytest.raises(UserCodeError, match="The optimizer factory raised ZeroDivisionError"):
+        w.make_optimizer(w.model)

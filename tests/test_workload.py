@@ -166,3 +166,55 @@ def test_a_batch_of_0_rows_is_rejected_up_front() -> None:
     """Rule: an empty sample batch is bad input said in words, not a ZeroDivisionError later."""
     with pytest.raises(BadInputError, match="0 rows"):
         Workload(model=nn.Linear(4, 4), sample_batch=(torch.randn(0, 4), torch.zeros(0)))
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda x: x[:16],
+        lambda x: x[::2][:16],
+        lambda x: x[:, :3][:16],
+        lambda x: x.t().contiguous().t()[:16],
+    ],
+    ids=["rows", "strided rows", "columns", "column-major"],
+)
+def test_a_batch_sliced_from_a_dataset_tensor_owns_compact_copies_of_its_rows(view) -> None:
+    """Rule: the workload's sample batch holds no more bytes than its rows. A view into a
+    4096-row dataset tensor keeps the whole dataset's storage alive; counted by storage (as
+    the meter and a card do) it would weigh as the dataset, at the sample size only."""
+    data, labels = torch.randn(4096, 8), torch.arange(4096)
+    x, y = view(data), labels[:16]
+    w = Workload(nn.Linear(x.shape[1], 1), (x, y))
+    for batch in (w.sample_batch, w.batch(16)):
+        for t in batch:
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    assert torch.equal(w.sample_batch[0], x) and torch.equal(w.sample_batch[1], y)
+    assert w.sample_batch[0].is_contiguous()
+
+
+def test_a_batch_that_owns_its_bytes_is_kept_as_the_same_object() -> None:
+    """Rule: only views into larger storages are copied; a batch of its own tensors (and its
+    container) is the caller's object, unchanged."""
+    batch = {"x": torch.randn(4, 3), "y": torch.arange(4)}
+    w = Workload(nn.Linear(3, 1), batch)
+    assert w.sample_batch is batch
+
+
+def test_make_batch_slices_of_a_dataset_are_compacted_too() -> None:
+    """Rule: a batch make_batch returns as a view of a dataset tensor is counted as its own
+    rows, not as the dataset's storage."""
+    data = torch.randn(1000, 4)
+    w = Workload(nn.Linear(4, 1), data[:2], make_batch=lambda b: data[:b])
+    out = w.batch(5)
+    assert torch.equal(out, data[:5])
+    assert out.untyped_storage().nbytes() == 5 * 4 * 4
+
+
+@pytest.mark.parametrize("name", ["loss_fn", "make_batch", "forward_fn"])
+def test_a_callable_option_that_is_not_callable_is_refused_naming_the_value(name: str) -> None:
+    """Rule: loss_fn=3 is refused when the workload is built, naming the option, the value
+    and the call it must support; not a TypeError once profiling runs."""
+    with pytest.raises(
+        BadInputError, match=rf"{name} must be a function {name}\(.*{name}=3 \(int\)"
+    ):
+        Workload(nn.Linear(2, 1), torch.randn(2, 2), **{name: 3})

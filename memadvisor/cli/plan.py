@@ -53,6 +53,7 @@ class ParallelOption(str, Enum):
     none = "none"
     ddp = "ddp"
     fsdp2 = "fsdp2"
+    auto = "auto"
 
 
 class ObjectiveOption(str, Enum):
@@ -137,8 +138,9 @@ def plan(
         typer.Option(
             "--parallel",
             metavar="PARALLEL",
-            help="How the ranks share the model: ddp (a replica each) or fsdp2 (fully_shard "
-            "on the blocks); none for one card.",
+            help="How the ranks share the model: ddp (a replica each), fsdp2 (fully_shard "
+            "on the blocks), or auto (whichever measures fastest where both fit); none for "
+            "one card.",
         ),
     ] = ParallelOption.none,
     json_path: Annotated[

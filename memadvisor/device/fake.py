@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from memadvisor._torch_private import fake_copy, fake_tensor_mode, is_fake
+from memadvisor._torch_private import (
+    fake_copy,
+    fake_module_conversion,
+    fake_tensor_mode,
+    is_fake,
+)
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device.simulated import SimulatedDevice, tensor_leaves
 from memadvisor.errors import BadInputError
@@ -83,9 +88,10 @@ class FakeWorkload(Workload):
 
     @contextlib.contextmanager
     def fake(self) -> Iterator[None]:
-        """Enter this workload's fake mode (and CUDA's autocast policy when planning CUDA)."""
+        """Enter this workload's fake mode (and CUDA's autocast policy when planning CUDA);
+        ``Module.to`` converts fake parameters in it (:func:`fake_module_conversion`)."""
         policy = cuda_autocast_policy() if self.plan_for == "cuda" else contextlib.nullcontext()
-        with self.fake_mode, policy:
+        with self.fake_mode, fake_module_conversion(), policy:
             yield
 
     def fresh_model(self) -> nn.Module:
@@ -137,8 +143,12 @@ def fake_workload(
         model = _fake_cpu(fake_copy(real.model, mode), mode)
         sample_batch = fake_copy(real.sample_batch, mode)
     else:
-        with mode:
-            real = workload_from_result(source(), origin="the fake workload's factory")
+        # A factory may cast its model (model.to(torch.bfloat16), a LoRA base).
+        with mode, fake_module_conversion():
+            built = source()
+        # Outside the mode: the workload copies a sliced batch (its fake tensors copy in
+        # their own mode), and a tensor the factory made for real is refused below, by name.
+        real = workload_from_result(built, origin="the fake workload's factory")
         model, sample_batch = _fake_cpu(real.model, mode), real.sample_batch
     if not all(is_fake(t) for t in [*model.parameters(), *tensor_leaves(sample_batch)]):
         raise BadInputError(
@@ -228,7 +238,10 @@ class FakeDevice(SimulatedDevice):
                 f"FakeDevice runs FakeWorkloads (see fake_workload), but got "
                 f"{type(workload).__name__}; use SimulatedDevice for real tensors."
             )
-        return workload.fake_mode
+        stack = contextlib.ExitStack()
+        stack.enter_context(workload.fake_mode)
+        stack.enter_context(fake_module_conversion())  # a strategy may cast the model
+        return stack
 
     def _fresh_model(self, workload: Workload) -> nn.Module:
         return workload.fresh_model()  # a FakeWorkload: _context, which runs first, checked

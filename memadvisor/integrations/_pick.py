@@ -19,6 +19,7 @@ class Pick:
     batch_size: int
     accumulation_steps: int
     precision: str  # fp32, bf16 or fp16
+    tf32: bool  # fp32 with TF32 matmuls (a process-wide setting the framework switches)
     checkpointed: list[str]  # block names
     block_count: int | None  # blocks the profile found; None unknown
     compile_mode: str | None  # None: eager
@@ -49,6 +50,7 @@ def pick_of(plan: Plan) -> Pick:
         batch_size=cand.batch_size,
         accumulation_steps=cand.accumulation_steps,
         precision=said.precision,
+        tf32="tf32" in said.briefs,
         checkpointed=said.checkpointed,
         block_count=len(plan.profile.blocks) if plan.profile is not None else None,
         compile_mode=mode,

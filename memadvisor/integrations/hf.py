@@ -122,6 +122,7 @@ def training_arguments(plan: Plan, model: nn.Module | None = None) -> dict[str, 
     ``dataclasses.replace(args, **fields)`` or ``TrainingArguments(..., **fields)``.
 
     ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``bf16`` / ``fp16``,
+    ``tf32`` (only when the plan picked it: the Trainer switches it on process-wide),
     ``gradient_checkpointing`` (and its ``gradient_checkpointing_kwargs``), ``torch_compile``
     (and ``torch_compile_mode``); data-loader fields when ``plan.data_loading`` recommends
     them (``dataloader_num_workers``, ``dataloader_pin_memory``,
@@ -145,6 +146,8 @@ def training_arguments(plan: Plan, model: nn.Module | None = None) -> dict[str, 
         "gradient_checkpointing": False,
         "torch_compile": pick.compile_mode is not None,
     }
+    if pick.tf32:
+        fields["tf32"] = True
     if pick.compile_mode not in (None, "default"):
         fields["torch_compile_mode"] = pick.compile_mode
     if pick.all_blocks:

@@ -159,6 +159,17 @@ def _callback_class() -> type:
             pick = pick_of(plan)
             self.decisions = []
             self._precision(trainer, pick.precision, yours, flag, device_type, MixedPrecision)
+            if pick.tf32 and not yours:
+                import torch
+
+                # Process-wide, not the Trainer's: Lightning has no flag for it.
+                torch.set_float32_matmul_precision("high")
+                self._decide(
+                    "float32 matmul precision",
+                    'high (TF32, process-wide; torch.set_float32_matmul_precision("highest") '
+                    "switches it off)",
+                    "plan",
+                )
             self._batch(trainer, pl_module, pick.batch_size, lightning_hasattr, lightning_setattr,
                         is_overridden)  # fmt: skip
             self._accumulation(trainer, pick.accumulation_steps)

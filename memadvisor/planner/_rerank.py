@@ -29,7 +29,13 @@ from memadvisor.planner._progress import Progress
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.schema.candidate import Candidate, Measurement
 
-__all__ = ["RERANK_FLOOR", "TIE_FRACTION", "best_on_device", "timed_candidates"]
+__all__ = [
+    "RERANK_FLOOR",
+    "TIE_FRACTION",
+    "best_of_each_alternative",
+    "best_on_device",
+    "timed_candidates",
+]
 
 # Of the estimate's best rerank_top, those under this share of the best's estimated samples/s
 # (batch, for largest_batch) are not timed: the estimate's time errors seen on a card
@@ -67,10 +73,32 @@ def timed_candidates(space: SearchSpace, ranked: Sequence[Scored], guard: bool) 
             scored = space.score_choices(choices)
             if scored is not None:
                 chosen.append(scored)
+        chosen += best_of_each_alternative(space, ranked)
     out: dict[str, Scored] = {}
     for s in chosen:
         out.setdefault(s.choices_json, s)
     return sorted(out.values(), key=space.key)
+
+
+def best_of_each_alternative(space: SearchSpace, ranked: Sequence[Scored]) -> list[Scored]:
+    """For each strategy whose choices only the device tells apart
+    (``Strategy.measured_alternatives``), the estimate's best candidate of each of its
+    choices: the best ranked one with it, else the overall best with that choice swapped in
+    (None when it does not fit even batch 1)."""
+    out: list[Scored] = []
+    for strategy in space.strategies:
+        options = space.options.get(strategy.name, [])
+        if not strategy.measured_alternatives or len(options) < 2:
+            continue
+        for option in options:
+            best = next(
+                (s for s in ranked if s.candidate.choices.get(strategy.name) == option), None
+            )
+            if best is None:
+                best = space.score_choices({**ranked[0].candidate.choices, strategy.name: option})
+            if best is not None:
+                out.append(best)
+    return out
 
 
 def best_on_device(
@@ -126,6 +154,8 @@ def best_on_device(
             f"On the device not even batch 1 fitted for the {len(timed)} best configurations "
             "by the estimate.",
         )
+    if measured_times:
+        notes += alternatives_notes(space, timed, first)
     fitted = sum(m is not None for m in first.values())
     if not measured_times and fitted > 1:
         notes.append(
@@ -134,6 +164,43 @@ def best_on_device(
             "times do not rank (CPU times, slowed by tracking)."
         )
     return winner
+
+
+def alternatives_notes(
+    space: SearchSpace, timed: Sequence[Scored], first: dict[str, _Timing | None]
+) -> list[str]:
+    """For each ``measured_alternatives`` strategy, what the device measured of each of its
+    choices (the best timing run with it), in the strategy's words: the report shows them
+    side by side, as the pick was made from them."""
+    notes = []
+    for strategy in space.strategies:
+        if not strategy.measured_alternatives:
+            continue
+        seen: dict[str, tuple[str, _Timing | None]] = {}
+        for s in timed:
+            choice = s.candidate.choices.get(strategy.name)
+            advice = strategy.explain(choice, space.profile)
+            if advice is None:
+                continue
+            timing = first.get(s.choices_json)
+            kept = seen.get(advice.title)
+            rate = timing.measured.samples_per_s if timing is not None else -1.0
+            if kept is None or (kept[1].measured.samples_per_s if kept[1] else -1.0) < rate:
+                seen[advice.title] = (advice.title, timing)
+        if len(seen) < 2:
+            continue
+        parts = [
+            f"{title}: {timing.measured.samples_per_s:.4g} samples/s at batch "
+            f"{timing.candidate.batch_size} ({timing.measured.step_ms:.4g} ms a step)"
+            if timing is not None
+            else f"{title}: ran out at its estimated batch"
+            for title, timing in seen.values()
+        ]
+        notes.append(
+            f"Measured against each other ({strategy.name}: the estimate does not price "
+            "their communication): " + "; ".join(parts) + ". The fastest that fitted decided."
+        )
+    return notes
 
 
 @dataclass

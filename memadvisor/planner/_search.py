@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator
 
 import optuna
 
-from memadvisor.planner._budget import check_static_fits, infeasible
+from memadvisor.planner._budget import SHARD_COUNTS, ShardedFit, check_static_fits, infeasible
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._space import Scored, SearchSpace
 
-__all__ = ["ENUMERATE_UP_TO", "TPE_TRIALS", "ranked_or_infeasible", "search"]
+__all__ = ["ENUMERATE_UP_TO", "TPE_TRIALS", "ranked_or_infeasible", "search", "sharded_fit"]
 
 ENUMERATE_UP_TO = 1024  # ~1.2 s of Optuna bookkeeping plus ~0.7 ms of estimates each
 TPE_TRIALS = 256
@@ -115,14 +115,42 @@ def ranked_or_infeasible(space: SearchSpace, ui: Progress) -> list[Scored]:
             budget and what would shrink the static bytes.
     """
     profile, config = space.profile, space.config
-    check_static_fits(profile, config, space.cheapest_peak_bytes())
+    cheapest = space.cheapest_peak_bytes()
+    if profile.static_bytes > config.usable_bytes and not config.may_shard:
+        check_static_fits(profile, config, cheapest, sharded_fit(space))
     with ui.stage("search", total=None) as bar:
         ranked = search(space, config.seed, bar.advance)
     if not ranked:
         raise infeasible(
             profile,
             config,
-            space.cheapest_peak_bytes(),
+            cheapest,
             "By the estimate no configuration fits even batch 1.",
+            sharded_fit(space),
         )
     return ranked
+
+
+def sharded_fit(space: SearchSpace) -> ShardedFit | None:
+    """The fewest FSDP2 ranks (of :data:`SHARD_COUNTS`, more than the plan's own) whose
+    cheapest per-rank estimate at batch 1 fits the usable budget; None when none does, or
+    when no strategy of the space plans ranks (its choices do not change with them).
+
+    The space is asked as it is, with the world size and ``parallel`` changed: the answer is
+    the same per-rank estimate a plan at that world size searches.
+    """
+    profile, config, strategies = space.profile, space.config, space.strategies
+    alone = SearchSpace(
+        profile, strategies, config.model_copy(update=dict(world_size=1, parallel="none"))
+    )
+    own = config.world_size if config.may_shard else 1
+    for world_size in (n for n in SHARD_COUNTS if n > own):
+        # PlanConfig's fields by keyword: the planner spells no strategy's name.
+        update = dict(world_size=world_size, parallel="fsdp2")
+        sharded = SearchSpace(profile, strategies, config.model_copy(update=update))
+        if sharded.options == alone.options:
+            return None  # nothing here plans ranks
+        peak = sharded.cheapest_peak_bytes()
+        if peak <= config.usable_bytes:
+            return ShardedFit(world_size, peak)
+    return None

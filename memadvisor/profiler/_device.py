@@ -66,6 +66,7 @@ class Target:
             total_bytes=total,
             bf16_supported=self.supports("bf16"),
             fp16_supported=self.supports("fp16"),
+            tf32_supported=self.is_cuda and torch.cuda.get_device_capability(self.device) >= (8, 0),
             torch_version=torch.__version__,
         )
 
@@ -83,6 +84,25 @@ def _cpu_autocast_runs(dtype: torch.dtype) -> bool:
     return out.dtype == dtype
 
 
+def _refuse_meta(model: nn.Module) -> None:
+    """A model on the meta device has shapes but no values: it cannot run on real tensors.
+
+    Raises:
+        BadInputError: a parameter or buffer of ``model`` is on the meta device.
+    """
+    named = [*model.named_parameters(), *model.named_buffers()]
+    meta = [name for name, t in named if t.is_meta]
+    if not meta:
+        return
+    raise BadInputError(
+        f"The model ({type(model).__name__}) has {len(meta)} of its {len(named)} parameters "
+        f"and buffers on the meta device (the first: {meta[0]!r}): they have shapes but no "
+        "values, so it cannot train on a simulated or CUDA device. Plan it with "
+        "device='estimate' (--device estimate), which needs only the shapes, or materialize "
+        "it first: model.to_empty(device='cpu'), then load or initialize its weights."
+    )
+
+
 def resolve_target(model: nn.Module, device: str) -> Target:
     """The device to profile on.
 
@@ -91,7 +111,8 @@ def resolve_target(model: nn.Module, device: str) -> Target:
     training would run there), else the CPU.
 
     Raises:
-        BadInputError: ``device`` is not auto/cpu/cuda, or ``"cuda"`` without a CUDA device.
+        BadInputError: ``device`` is not auto/cpu/cuda, ``"cuda"`` without a CUDA device, or
+            real tensors are asked of a model on the meta device.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise BadInputError(f"device must be 'auto', 'cpu' or 'cuda', but got {device=}.")
@@ -101,6 +122,7 @@ def resolve_target(model: nn.Module, device: str) -> Target:
         if device == "auto":
             return Target(first.device if first is not None else torch.device("cpu"), True)
         return Target(torch.device(device), True)
+    _refuse_meta(model)
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise BadInputError(

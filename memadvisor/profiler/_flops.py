@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -59,13 +60,50 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = self.formulas.get(func.overloadpacket)
         if formula is not None and self.phase is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+            flops = _count(formula, func, args, kwargs, out)
             dtype = _dtype_name(args)
             self.phases[self.phase][dtype] += flops
             if self.phase == "forward":
                 for name in set(self.running):
                     self.modules[name][dtype] += flops
         return out
+
+
+def _count(formula: Any, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
+    """``formula``'s FLOPs for one call; for attention with fewer key/value heads than query
+    heads (grouped-query attention), counted as if the key/value heads were repeated.
+
+    torch 2.11's ``sdpa_flop_count`` asserts equal head counts, so a GQA model's profile
+    failed there (``examples/llama.py`` with ``n_kv_heads`` below ``n_heads``); 2.13 counts
+    it. The retry passes shape-only meta tensors, since the formulas read shapes alone.
+
+    Known limitations:
+        * A formula that fails for another reason still raises.
+    """
+    try:
+        return formula(*args, **kwargs, out_val=out)
+    except AssertionError:
+        expanded = _gqa_expanded(args)
+        if expanded is None:
+            raise
+        return formula(*expanded, **kwargs, out_val=out)
+
+
+def _gqa_expanded(args: Any) -> tuple[Any, ...] | None:
+    """``args`` with each 4-D tensor's head dimension (dim 1) raised to the largest among
+    them, as meta tensors; None when the heads already agree or do not divide."""
+    heads = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if not heads or len(set(heads)) == 1:
+        return None
+    most = max(heads)
+    if any(most % h for h in heads):
+        return None
+    return tuple(
+        torch.empty((a.shape[0], most, *a.shape[2:]), device="meta", dtype=a.dtype)
+        if isinstance(a, torch.Tensor) and a.dim() == 4
+        else a
+        for a in args
+    )
 
 
 def _dtype_name(args: Any) -> str:

@@ -12,8 +12,6 @@ __all__ = [
     "DeviceKind",
     "Objective",
     "Parallel",
-    "Parallel",
-    "Parallel",
     "PlanConfig",
     "gib_to_bytes",
     "samples_per_s",
@@ -23,9 +21,8 @@ GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count i
 
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
 DeviceKind = Literal["auto", "cuda", "simulated", "estimate"]
-Parallel = Literal["none", "ddp", "fsdp2"]
+Parallel = Literal["none", "ddp", "fsdp2", "auto"]
 ChecksPolicy = Literal["decide", "report"]
-Parallel = Literal["none", "ddp", "fsdp2"]
 
 
 # A step timed (or estimated) at 0 ms counts as one tick of this: samples/s stays a finite
@@ -140,14 +137,22 @@ class PlanConfig(BaseModel):
     parallel: Parallel = Field(
         "none",
         description="How the ranks share the model: ddp (a full replica each), fsdp2 "
-        "(torch.distributed.fsdp.fully_shard on the profile's blocks), or none (one card).",
+        "(torch.distributed.fsdp.fully_shard on the profile's blocks), auto (whichever of "
+        "the two, and of FSDP2's resharding after forward or not, measures fastest where "
+        "they fit), or none (one card).",
     )
+
+    @property
+    def may_shard(self) -> bool:
+        """Whether a rank may hold a shard of the weights, gradients and optimizer state
+        (FSDP2 is among the ways the ranks may share the model)."""
+        return self.parallel in ("fsdp2", "auto")
 
     @model_validator(mode="after")
     def _parallel_given(self) -> PlanConfig:
         if self.world_size > 1 and self.parallel == "none":
             raise ValueError(
-                "world_size > 1 needs parallel='ddp' or 'fsdp2' (how the ranks share the "
+                "world_size > 1 needs parallel='ddp', 'fsdp2' or 'auto' (how the ranks share the "
                 f"model), but got {self.world_size=} and {self.parallel=}."
             )
         return self

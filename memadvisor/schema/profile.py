@@ -89,6 +89,9 @@ class DeviceInfo(_Model):
     total_bytes: int | None = Field(None, description="The card's memory; None on the CPU.")
     bf16_supported: bool = False
     fp16_supported: bool = False
+    tf32_supported: bool = Field(
+        False, description="fp32 matmuls can run in TF32 (a card of compute capability 8.0+)."
+    )
     torch_version: str = ""
 
 

@@ -40,6 +40,17 @@ def llama() -> dict:
     return _example("llama").build(batch_size=2, seq_len=32, n_layers=2)
 
 
+def llama_lora_cast() -> dict:
+    """The usual LoRA setup written the usual way: examples/llama.py (2 layers, 32 tokens)
+    built in fp32, then cast with ``model.to(torch.bfloat16)``, frozen, and given fp32 rank-4
+    adapters (examples/llama_lora.py's add_lora). Under --device estimate the cast runs on
+    fake tensors."""
+    built = _example("llama").build(batch_size=2, seq_len=32, n_layers=2)
+    base = built["model"].to(torch.bfloat16)
+    built["model"] = _example("llama_lora").add_lora(base, rank=4)
+    return built
+
+
 def cnn() -> dict:
     """examples/cnn.py's SmallResNet at 8 channels and 2 bottlenecks, 16x16 images."""
     module = _example("cnn")
@@ -86,6 +97,35 @@ def mlp() -> dict:
     }
 
 
+def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(4096, WIDTH), torch.randint(0, 10, (4096,))
+
+
+def mlp_sliced() -> dict:
+    """``mlp`` with its sample batch sliced from 4096-row dataset tensors, (X[:16], Y[:16]),
+    as a user takes a sample from a dataset (docs/design.md, "A sample batch sliced from a
+    dataset")."""
+    x, y = _dataset()
+    return {"model": MLP(), "sample_batch": (x[:16], y[:16]), "loss_fn": _cross_entropy}
+
+
+def mlp_strided() -> dict:
+    """``mlp_sliced`` with every other row: (X[::2][:16], Y[::2][:16]), a strided view."""
+    x, y = _dataset()
+    return {"model": MLP(), "sample_batch": (x[::2][:16], y[::2][:16]), "loss_fn": _cross_entropy}
+
+
+def mlp_fresh16() -> dict:
+    """``mlp_sliced``'s 16 rows as tensors of their own: what the sliced batch should plan as."""
+    x, y = _dataset()
+    return {
+        "model": MLP(),
+        "sample_batch": (x[:16].clone(), y[:16].clone()),
+        "loss_fn": _cross_entropy,
+    }
+
+
 def _slow_cross_entropy(
     logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
@@ -127,6 +167,42 @@ def exits() -> dict:
     import sys
 
     sys.exit(7)
+
+
+def on_meta() -> dict:
+    """``mlp`` built under ``torch.device("meta")``: shapes, no values (for --device estimate)."""
+    with torch.device("meta"):
+        model = MLP()
+    return {**mlp(), "model": model}
+
+
+def _mse_against_labels(logits: torch.Tensor, batch: tuple) -> torch.Tensor:
+    return ((logits - batch[1]) ** 2).mean()  # (B, 10) against (B, 3): the user's mistake
+
+
+def loss_shapes() -> dict:
+    """``mlp`` whose loss_fn compares its (B, 10) logits with (B, 3) targets."""
+    torch.manual_seed(0)
+    return {
+        "model": MLP(),
+        "sample_batch": (torch.randn(8, WIDTH), torch.randn(8, 3)),
+        "loss_fn": _mse_against_labels,
+    }
+
+
+def _mean_over_no_samples(logits: torch.Tensor, batch: tuple) -> torch.Tensor:
+    samples = 0
+    return logits.sum() * (1 / samples)
+
+
+def loss_divides_by_zero() -> dict:
+    """``mlp`` whose loss_fn raises ZeroDivisionError in the user's own Python."""
+    return {**mlp(), "loss_fn": _mean_over_no_samples}
+
+
+def loss_not_callable() -> dict:
+    """``mlp`` with ``loss_fn=3``."""
+    return {**mlp(), "loss_fn": 3}
 
 
 def empty_batch() -> dict:

@@ -48,3 +48,33 @@ def test_plan_on_cuda_verifies_under_the_budget_and_reports_it(cli, factory, tmp
     assert f"verified {fmt_bytes(plan.verified.peak_bytes)} allocated" in result.stdout
     assert "simulated" not in result.stderr
     assert "One step of the plan" in html.read_text()
+
+
+def test_plan_on_cuda_of_a_model_on_the_meta_device_says_to_estimate_or_materialize_it(
+    cli, factory
+) -> None:
+    """Rule: as on the simulated device, a model built on meta exits 2 on a card, naming the
+    model and the two ways out (not "Cannot copy out of meta tensor", exit 1)."""
+    result = cli("plan", factory("on_meta"), "--budget-gb", "0.01", "--device", "cuda")
+    assert result.exit_code == 2, result.stderr
+    assert "The model (MLP)" in result.stderr and "--device estimate" in result.stderr
+
+
+def test_profile_on_cuda_of_a_sliced_sample_batch_is_the_profile_of_its_rows(factory) -> None:
+    """Rule: (X[:16], Y[:16]) of 4096-row tensors profiles on a card as the same 16 rows of
+    their own do: every phase's peak within 5% at batch 4096 (a CPU view reaches the card as
+    a compact copy, so this holds before and after issue 25's fix: it guards the card's path)."""
+    import memadvisor
+    from memadvisor.target import load_factory
+
+    peaks = {}
+    for name in ("mlp_fresh16", "mlp_sliced"):
+        job = load_factory(factory(name))()
+        profile = memadvisor.profile(
+            job["model"], job["sample_batch"], loss_fn=job["loss_fn"], device="cuda",
+            precisions=["fp32"],
+        )  # fmt: skip
+        peaks[name] = {p.phase: p.allocated.signed_at(4096) for p in profile.steps["fp32"].phases}
+    assert peaks["mlp_sliced"].keys() == peaks["mlp_fresh16"].keys()
+    for phase, fresh in peaks["mlp_fresh16"].items():
+        assert abs(peaks["mlp_sliced"][phase] - fresh) <= 0.05 * fresh, (phase, peaks)

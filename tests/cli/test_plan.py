@@ -105,6 +105,45 @@ def test_plan_a_batch_the_model_rejects_is_bad_input(cli, factory) -> None:
     assert "rejected the batch" in _one_error_line(result)
 
 
+def test_plan_a_model_on_the_meta_device_says_to_estimate_or_materialize_it(cli, factory) -> None:
+    """Rule: a model built on meta cannot train on the simulated device: exit 2 naming the
+    model and the two ways out, not exit 1 "Cannot copy out of meta tensor ... a bug"."""
+    result = cli("plan", factory("on_meta"), "--budget-gb", "0.01", "--device", "simulated")
+    assert result.exit_code == 2
+    error = _one_error_line(result)
+    assert "The model (MLP)" in error and "meta device" in error
+    assert "--device estimate" in error and "to_empty" in error
+
+
+@pytest.mark.parametrize(
+    ("name", "raised", "line"),
+    [
+        ("loss_shapes", "RuntimeError", "return ((logits - batch[1]) ** 2).mean()"),
+        ("loss_divides_by_zero", "ZeroDivisionError", "return logits.sum() * (1 / samples)"),
+    ],
+)
+def test_plan_a_loss_fn_that_raises_is_the_users_code_named_with_its_line(
+    cli, factory, name: str, raised: str, line: str
+) -> None:
+    """Rule: an exception from the user's loss_fn exits 2 naming loss_fn, the exception, the
+    user's own line and the shapes it was called with; never "a bug in memadvisor" (exit 1)
+    nor a raw traceback."""
+    result = cli("plan", factory(name), "--budget-gb", "0.01", "--device", "simulated")
+    assert result.exit_code == 2, result.stderr
+    error = _one_error_line(result)
+    assert f"loss_fn raised {raised}" in error and "factories.py:" in error and line in error
+    assert "the model (MLP)" in error and "a tensor of shape" in error
+    assert "bug in memadvisor" not in error
+
+
+def test_plan_a_loss_fn_that_is_not_callable_is_refused_at_once(cli, factory) -> None:
+    result = cli("plan", factory("loss_not_callable"), "--budget-gb", "0.01")
+    assert result.exit_code == 2
+    error = _one_error_line(result)
+    assert "loss_fn must be a function loss_fn(output, batch)" in error and "loss_fn=3" in error
+    assert "profiling" not in result.stderr
+
+
 def test_plan_writes_the_planners_plan_whole_and_prints_its_one_line(
     cli, factory, gpt_plan, monkeypatch, tmp_path
 ) -> None:

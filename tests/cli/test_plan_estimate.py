@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from memadvisor.schema.config import GIB
 from memadvisor.schema.plan import Plan
@@ -72,6 +73,31 @@ def test_profile_estimate_profiles_fake_tensors_and_refuses_a_recorded_timeline(
     assert "--timeline record a step of real tensors" in _error_line(refused)
 
 
+def test_a_factory_that_casts_its_model_to_bf16_plans_on_the_estimate_device(
+    cli, factory, tmp_path
+) -> None:
+    """Rule: the usual LoRA factory (build, ``model.to(torch.bfloat16)``, freeze, add fp32
+    adapters) plans under --device estimate with the weights it would have for real: a bf16
+    base, gradients and AdamW state for the adapters alone. It exited 2 with "raised
+    RuntimeError under fake tensors: _apply(): Couldn't swap Embedding.weight" (issue 25)."""
+    from memadvisor.target import load_factory
+
+    real = load_factory(factory("llama_lora_cast"))()["model"]
+    base = [p for p in real.parameters() if not p.requires_grad]
+    adapters = [p for p in real.parameters() if p.requires_grad]
+    assert {p.dtype for p in base} == {torch.bfloat16} and adapters
+    json_path = tmp_path / "plan.json"
+    result = cli(
+        "plan", factory("llama_lora_cast"), "--budget-gb", "0.25", "--device", "estimate",
+        "--json", str(json_path),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    profile = Plan.model_validate_json(json_path.read_text()).profile
+    assert profile.param_bytes == sum(p.numel() * p.element_size() for p in real.parameters())
+    assert profile.trainable_param_count == sum(p.numel() for p in adapters)
+    assert profile.grad_bytes == sum(p.numel() * p.element_size() for p in adapters)
+
+
 # -- the issue's acceptance: Llama-2-7B's shape at a 2048-token context ----------------------
 
 
@@ -116,3 +142,26 @@ def test_llama_7b_lora_plans_at_24_gib_with_optimizer_state_for_the_adapters_alo
     assert profile.grad_bytes == 4 * adapters
     assert profile.optimizer_state_bytes == 8 * adapters + 4 * 32 * 4 * 2  # + step counters
     assert plan.estimate.limit_bytes <= 24 * GIB
+
+
+@pytest.mark.slow
+def test_llama_1b_on_one_12_gib_card_exits_3_naming_fsdp2_over_2_ranks(cli) -> None:
+    result = cli("plan", f"{LLAMA}:build_1b", "--budget-gb", "12", "--device", "estimate")
+    assert result.exit_code == 3
+    error = _error_line(result)
+    assert "Sharded with FSDP2 over 2 ranks it fits" in error
+    assert "--world-size 2 --parallel fsdp2" in error
+
+
+@pytest.mark.slow
+def test_llama_1b_over_8_ranks_plans_a_per_rank_peak_under_the_budget(cli, tmp_path) -> None:
+    json_path = tmp_path / "plan.json"
+    result = cli(
+        "plan", f"{LLAMA}:build_1b", "--budget-gb", "12", "--device", "estimate",
+        "--world-size", "8", "--parallel", "fsdp2", "--json", str(json_path),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    plan = Plan.model_validate_json(json_path.read_text())
+    assert plan.candidate.choices["parallel"]["world_size"] == 8
+    assert plan.estimate.limit_bytes <= plan.config.usable_bytes < plan.profile.static_bytes
+    assert "FSDP2 over 8 ranks" in result.stdout and "per rank" in result.stdout

@@ -69,6 +69,34 @@ def test_a_factory_that_builds_outside_the_mode_is_refused() -> None:
         FakeDevice(2**30).run(workload_from_result(built), Candidate(batch_size=1), 1)
 
 
+def test_a_factory_that_casts_its_model_builds_under_fake_tensors_as_it_does_for_real() -> None:
+    """Rule: ``model.to(torch.bfloat16)`` in a factory (the usual LoRA base) converts fake
+    parameters as it converts real ones: same dtypes, same bytes, the frozen flags kept, and
+    torch's own swap_tensors back afterwards. torch's Module._apply swaps fake parameters,
+    which their mode's memo holds weakly: "_apply(): Couldn't swap Embedding.weight"."""
+    import torch
+    from torch import nn
+
+    swap = torch.utils.swap_tensors
+
+    def build():  # noqa: ANN202
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 16), nn.Linear(16, 64))
+        model.to(torch.bfloat16)
+        model[0].requires_grad_(False)
+        model[2].to(torch.float32)
+        return {"model": model, "sample_batch": torch.randint(0, 64, (2, 8)), "loss_fn": None}
+
+    real = workload_from_result(build())
+    fake = fake_workload(build)
+    assert torch.utils.swap_tensors is swap
+    pairs = list(zip(real.model.named_parameters(), fake.model.named_parameters(), strict=True))
+    for (name, r), (fake_name, f) in pairs:
+        assert name == fake_name and f.dtype == r.dtype and f.shape == r.shape, name
+        assert isinstance(f, nn.Parameter) and f.requires_grad == r.requires_grad, name
+    assert fake.param_bytes == sum(p.numel() * p.element_size() for p in real.model.parameters())
+
+
 @pytest.mark.slow
 def test_a_7b_llama_is_profiled_under_fake_tensors_using_no_memory() -> None:
     """Llama-2-7B's shape, sequence 2048: 25 GiB of weights and 50 GiB of AdamW state that

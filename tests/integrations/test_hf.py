@@ -32,6 +32,19 @@ def test_training_arguments_carry_the_batch_precision_and_accumulation(
     assert fields["torch_compile"] is False
 
 
+def test_a_tf32_pick_sets_the_trainers_tf32_and_fp32_leaves_it_to_the_user(
+    gpt_plan: Plan, four_blocks
+) -> None:
+    """TrainingArguments' tf32 is the Trainer's process-wide switch: set when the plan picked
+    TF32, absent otherwise (False would switch off a TF32 the user set)."""
+    assert "tf32" not in training_arguments(gpt_plan, model=four_blocks)
+    cand = gpt_plan.candidate.model_copy(
+        update={"choices": {**gpt_plan.candidate.choices, "precision": "tf32"}}
+    )
+    fields = training_arguments(gpt_plan.model_copy(update={"candidate": cand}), four_blocks)
+    assert fields["tf32"] is True and fields["bf16"] is False and fields["fp16"] is False
+
+
 def test_some_blocks_are_checkpointed_on_the_model_and_the_trainer_switch_stays_off(
     gpt_plan: Plan, four_blocks
 ) -> None:

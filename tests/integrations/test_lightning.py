@@ -108,6 +108,28 @@ def test_your_explicit_precision_wins_and_the_plan_is_made_with_it() -> None:
     assert "precision" not in callback.plan.candidate.choices  # not searched: yours runs
 
 
+def test_a_tf32_pick_switches_tf32_on_process_wide_and_says_so(monkeypatch) -> None:
+    """Lightning has no TF32 flag: a plan that picked it (faked here: the CPU has none) is
+    switched on process-wide by the callback, which logs how to switch it off."""
+    import dataclasses
+
+    from memadvisor.integrations import _pick
+    from memadvisor.integrations.lightning import MemadvisorCallback
+
+    real = _pick.pick_of
+    monkeypatch.setattr(_pick, "pick_of", lambda plan: dataclasses.replace(real(plan), tf32=True))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        callback = MemadvisorCallback(budget_gb=0.002, **FAST)
+        _fit(callback)
+        assert torch.get_float32_matmul_precision() == "high"
+        value, whose = _decisions(callback)["float32 matmul precision"]
+        assert "process-wide" in value and '"highest"' in value and whose == "plan"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def test_your_explicit_accumulation_wins() -> None:
     from memadvisor.integrations.lightning import MemadvisorCallback
 

@@ -36,3 +36,16 @@ def test_numpy_rng_is_restored() -> None:
         numpy.random.rand(5)
     after = numpy.random.get_state()
     assert before[0] == after[0] and (before[1] == after[1]).all() and before[2:] == after[2:]
+
+
+def test_the_fp32_matmul_precision_is_restored() -> None:
+    """A TF32 candidate applied in the planning process (a compile trial in a thread) sets
+    the process-wide matmul precision; the plan puts the caller's back."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        with preserved_state(nn.Linear(1, 1)):
+            torch.set_float32_matmul_precision("high")
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -87,3 +87,20 @@ def test_modelled_times_are_flops_at_the_model_s_rates() -> None:
     assert fp32.step_ms.at(3) == pytest.approx(
         3 * (fp32.forward_ms.per_sample_ms + fp32.backward_ms.per_sample_ms) + fp32.optimizer_ms
     )
+
+
+def test_grouped_query_attention_is_counted_where_torchs_formula_asserts_equal_heads() -> None:
+    """torch 2.11's sdpa formula asserts equal query and key/value heads, which failed the
+    profile of a GQA model (examples/llama.py at n_kv_heads < n_heads) on the card's torch:
+    the count retries with the key/value heads repeated, as the attention computes."""
+    from memadvisor.profiler import _flops
+
+    def strict(query, key, value, *args, out_val=None, **kwargs) -> int:
+        assert query.shape[1] == key.shape[1] == value.shape[1], "shapes are incompatible"
+        b, h, s_q, d = query.shape
+        return 4 * b * h * s_q * key.shape[2] * d
+
+    q, kv = torch.randn(2, 8, 5, 4), torch.randn(2, 2, 7, 4)
+    assert _flops._count(strict, None, (q, kv, kv), {}, None) == 4 * 2 * 8 * 5 * 7 * 4
+    with pytest.raises(AssertionError):  # heads that do not divide: not attention's shape
+        _flops._count(strict, None, (q, torch.randn(2, 3, 7, 4), kv), {}, None)

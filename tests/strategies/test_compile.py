@@ -375,3 +375,119 @@ def test_cuda_probe_process_applies_compile_by_entry_point(gpt_example, examples
     finally:
         device.close()
     assert measured.steps == 3 and measured.samples_per_s > 0 and measured.peak_bytes > 0
+
+
+# -- regional: each repeated block compiled, one graph for all ---------------------------------
+
+REGIONAL = {"mode": "default", "regional": True}
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    """An embedding, five identical layers in a ModuleList, a head: a transformer's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(16, 8), nn.Linear(8, 4)
+        self.layers = nn.ModuleList(_Layer() for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _counting_backend(monkeypatch) -> list[int]:
+    """Every graph compiled is counted (then run as captured); returns the list of counts."""
+    graphs: list[int] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    monkeypatch.setattr(
+        "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: backend
+    )
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_regional_choice_round_trips_and_finds_the_repeated_block() -> None:
+    """The JSON keeps "regional"; the repeated block is the largest one-class container."""
+    parsed = parse_choice(REGIONAL)
+    assert parsed is not None and parsed.regional and parsed.to_json() == REGIONAL
+    assert parse_choice("default").to_json() == "default"  # plans of before stay as they were
+    assert Compile(choices=[REGIONAL]).offered == [REGIONAL]
+    from strategies._compiled_forward import repeated_blocks
+
+    assert [name for name, _ in repeated_blocks(_Stack())] == [f"layers.{i}" for i in range(5)]
+    assert repeated_blocks(_mlp()) == []  # three modules of different classes
+
+
+def test_regional_compiles_one_graph_for_every_layer_and_trains_like_eager(monkeypatch) -> None:
+    """Five layers, one compiled graph (no compile per instance); the root is not compiled;
+    gradients equal eager's; state_dict keys unchanged; a model without repeated blocks is
+    compiled whole."""
+    graphs = _counting_backend(monkeypatch)
+    torch.manual_seed(0)
+    model = _Stack()
+    eager = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    Compile(choices=[REGIONAL]).apply(model, REGIONAL, None)
+    assert _forward.find_wrapper(model, CompiledForward) is None
+    assert all(_forward.find_wrapper(layer, CompiledForward) for layer in model.layers)
+    x = torch.randn(3, 16)
+    model(x).sum().backward()
+    eager(x).sum().backward()
+    assert len(graphs) == 1, graphs
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert list(model.state_dict()) == keys
+    # Switching form moves the wrapper; off takes every one off.
+    COMPILE.apply(model, "default", None)
+    assert _forward.find_wrapper(model, CompiledForward) is not None
+    assert not any(_forward.find_wrapper(layer, CompiledForward) for layer in model.layers)
+    COMPILE.apply(model, "off", None)
+    assert not any(_forward.find_wrapper(m, CompiledForward) for m in model.modules())
+    whole = _mlp()
+    COMPILE.apply(whole, REGIONAL, None)
+    assert _forward.find_wrapper(whole, CompiledForward) is not None
+
+
+def test_a_regional_trial_compiles_one_graph_for_the_layers(monkeypatch) -> None:
+    """The trial compiles as the user's model will: the layers share one fresh function, so
+    one graph (a function per instance would compile five)."""
+    graphs = _counting_backend(monkeypatch)
+    result = try_compile(_workload(_Stack()), REGIONAL, steps=2)
+    assert result.ok, result.summary
+    assert len(graphs) == 1, graphs
+    assert "each repeated block" in result.summary
+
+
+def test_regional_advice_names_the_models_container(profile_factory) -> None:
+    """The pasted snippet compiles the blocks of the container the profile's blocks sit in."""
+    profile = profile_factory([(10, 2, 1)] * 3)
+    advice = Compile(choices=[REGIONAL]).explain(REGIONAL, profile)
+    assert "each repeated block" in advice.title
+    assert "model.get_submodule('layers')" in advice.snippet and "block.compile(" in advice.snippet
+
+
+@pytest.mark.gpu
+def test_cuda_regional_trial_of_the_gpt_example_with_checkpointed_blocks(gpt_example) -> None:
+    """On CUDA with inductor: each GPT block compiled (checkpointed inside, bf16 autocast
+    outside) compiles and matches eager's loss."""
+    workload = _gpt_workload(gpt_example)
+    blocks = [f"h.{i}" for i in range(len(workload.model.h))]
+    candidate = Candidate(batch_size=8, choices={"precision": "bf16", "checkpointing": blocks})
+    result = try_compile(workload, REGIONAL, candidate=candidate, device="cuda")
+    assert result.ok, result.summary
+    assert result.loss_rel_diff < 0.02

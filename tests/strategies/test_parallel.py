@@ -86,7 +86,7 @@ def test_choices_follow_the_config(profile: Profile) -> None:
 
 
 def test_a_world_size_without_a_way_to_share_is_refused() -> None:
-    with pytest.raises(ValueError, match="parallel='ddp' or 'fsdp2'"):
+    with pytest.raises(ValueError, match="parallel='ddp', 'fsdp2' or 'auto'"):
         PlanConfig(budget_bytes=2**30, world_size=2)
 
 
@@ -127,3 +127,17 @@ def test_applying_in_one_process_leaves_the_model_as_it_was() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert Parallel().apply(model, {"kind": "ddp", "world_size": 2}, None) is model
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_fsdp2_breakdown_counts_a_rank_s_shards(profile: Profile) -> None:
+    # The report's "where the memory goes" reads the breakdown: under FSDP2 over 4 ranks a
+    # rank holds a quarter of the weights and optimizer state, and the breakdown adds up to
+    # the per-rank peak (the gathered units among the temporaries), never past it.
+    single = estimate(profile, Candidate(batch_size=1), STRATEGIES)
+    sharded = estimate(
+        profile, Candidate(batch_size=1, choices={"parallel": _fsdp2(profile, 4)}), STRATEGIES
+    )
+    quarter = profile.param_bytes // 4 + profile.buffer_bytes
+    assert sharded.breakdown["params"] == quarter < single.breakdown["params"]
+    assert sharded.breakdown["optimizer_state"] == profile.optimizer_state_bytes // 4
+    assert sum(sharded.breakdown.values()) <= sharded.peak_bytes

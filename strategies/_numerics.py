@@ -1,0 +1,419 @@
+"""The precision numerics check: is training in a lower precision worse than fp32 disagrees
+with itself?
+
+A few training steps from random weights on a few samples are chaotic: two fp32 runs whose
+weights differ in the last bit part within a dozen steps (an encoder-decoder LM on an H100:
+fp32 7.963 and 7.864 after 16 steps, bf16 7.754). A fixed percentage of such a curve says
+little, so the threshold is measured on the workload itself:
+
+* **A**, the reference: fp32 from the model's weights.
+* **B**, fp32's own spread: fp32 again, its forward and backward seeing each weight times
+  (1 + u z), z standard normal and fresh each step as rounding is, u the low precision's
+  unit roundoff (:data:`ROUNDING`: 2^-8 for bf16, 2^-11 for fp16 and TF32), while the
+  weights the optimizer updates stay exact, as autocast's fp32 master weights do. Same
+  seed as A (the same dropout masks).
+* **L**: the low precision from the same weights and seed.
+
+Where L fails against B, a fourth run **B'** (B with the next seed: another dropout draw)
+judges it again, and that verdict stands: on a card the low precision's dropout need not
+draw A's masks even from A's seed (fp32 attention takes another SDPA kernel than bf16, with
+its own random stream), so L may differ from A by a dropout draw, which B does not show. A
+model without dropout gets B's spread again from B', and the same verdict; one with
+dropout is judged at the resolution its dropout leaves.
+
+All runs take the same batch. L fails when it is
+worse than B is: inf/nan where fp32 is finite; a higher loss over the last steps beyond
+:data:`LOSS_SPREADS` times fp32's spread; a gradient norm that explodes beyond
+:data:`NORM_SPREADS` times fp32's; a first-step gradient that points elsewhere beyond
+:data:`DIRECTION_SPREADS` times fp32's own distance. A *lower* loss never fails: converging
+faster is not a numerics problem.
+
+Known limitations:
+    The spread is one perturbed run, so it is a sample, not a bound: the multipliers (and the
+    floors under them, a few roundoffs of the loss and gradient) leave room for its scatter;
+    docs/design.md has the ratios they were chosen from. The check trains for a few steps;
+    a precision that fails only after thousands (a slowly growing activation in fp16) is
+    not caught. Weight perturbation stands in for rounding everywhere; activations are not
+    perturbed, so a model whose activations alone lose their meaning in the low precision
+    fails it through the loss or the gradient, not through B. B holds one more copy of the
+    weights on the device while it steps (the exact ones, put back before the update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from memadvisor.errors import BadInputError
+from memadvisor.schema.advice import Check
+from memadvisor.workload import train_step
+from strategies import _forward
+from strategies._autocast import AutocastForward, grad_scaler_for
+
+if TYPE_CHECKING:
+    from memadvisor.workload import Workload
+
+__all__ = ["ROUNDING", "check_numerics", "tf32_matmuls"]
+
+#: Unit roundoff (half the spacing of the numbers just above 1) of each precision checked:
+#: bf16 keeps 8 significant bits, fp16 11, TF32's matmul inputs 11.
+ROUNDING: dict[str, float] = {"bf16": 2.0**-8, "fp16": 2.0**-11, "tf32": 2.0**-11}
+
+# How much worse than fp32's own spread a precision may be before it fails. The spread is
+# one sample (one perturbed run), and rounding everywhere is not the same perturbation as
+# noise on the weights, so the multipliers leave room: over 12 tiny architectures x 5 seeds
+# on the CPU (docs/design.md, "Precision check") bf16's gradient distance reached 1.2x fp32's
+# and fp16's 3.6x; no check came within 0.58 of its limit, and the planted failures that are
+# not inf/nan sit at 2.7x their limit and beyond.
+LOSS_SPREADS = 4.0
+DIRECTION_SPREADS = 6.0
+NORM_SPREADS = 4.0
+# Floors under the measured spreads, in roundoffs of the compared quantity: where fp32's
+# spread is ~0 (a convex model that does not amplify a perturbation), a difference of a few
+# roundoffs is the rounding itself, not a failure.
+LOSS_FLOOR_ROUNDOFFS = 4.0
+DIRECTION_FLOOR_ROUNDOFFS = 8.0
+
+# 8 steps at up to 8 samples: enough for a curve to show where it goes, cheap at 3 runs
+# (24 small steps). Where steps are slow (a model on the CPU) run A stops once its steps
+# after the first (which carries one-off costs: allocator, cuBLAS, autotuning) have taken
+# NUMERICS_TIME_S and at least NUMERICS_MIN_STEPS are done, and B and L take as many: the
+# check stays under 10% of a plan's wall time (docs/design.md, "Precision check").
+NUMERICS_STEPS = 8
+NUMERICS_MIN_STEPS = 4
+NUMERICS_MAX_BATCH = 8
+NUMERICS_TIME_S = 2.0
+# The last steps whose losses are compared: where training has gone, not the first step,
+# which starts from the same weights in every run.
+LOSS_WINDOW = 0.25
+# fp16's GradScaler starts at 2^16 and halves on each overflow: steps it skips find its
+# scale, they are not numerics. L runs up to this many extra steps to take as many as A;
+# a scaler that skips more (its scale below 2^-8) has not found a scale that works: the
+# gradients themselves overflow fp16.
+MAX_SKIPPED_STEPS = 24
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool = True) -> Iterator[None]:
+    """fp32 matmuls in TF32 (``torch.set_float32_matmul_precision("high")``) inside the
+    block, or in full fp32 (``"highest"``) with ``enabled=False``; the process's previous
+    setting restored after. A no-op on the CPU, whose matmuls have no TF32."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@dataclass
+class _Run:
+    """What one training run of the check recorded."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # each step's, unscaled
+    grads: list[torch.Tensor] = field(default_factory=list)  # the first step's, fp32, CPU
+    skipped: int = 0  # steps the GradScaler skipped (overflowed gradients)
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(v) for v in self.losses) and all(
+            math.isfinite(v) for v in self.grad_norms
+        )
+
+
+def _train(
+    workload: Workload,
+    precision: str,
+    steps: int,
+    *,
+    seed: int,
+    batch: Any,
+    device: torch.device,
+    jitter: float = 0.0,
+    scaler: bool = True,
+    time_s: float | None = None,
+) -> _Run:
+    """Train a copy of the workload's model ``steps`` optimizer steps in ``precision``
+    ('fp32', 'tf32', 'bf16' or 'fp16') on ``batch``, its dropout drawn from ``seed``.
+
+    ``jitter``: each step's forward and backward see the weights times (1 + jitter * z), z
+    standard normal and fresh each step; the optimizer updates the exact weights.
+    ``scaler``: fp16 trains with a GradScaler (as the plan's advice says); its skipped steps
+    are not counted. With ``time_s``, stop once the steps after the first have taken that
+    long and :data:`NUMERICS_MIN_STEPS` are done. A non-finite loss ends the run.
+    """
+    model = copy.deepcopy(workload.model).to(device)
+    if precision in ("bf16", "fp16"):
+        _forward.install(model, AutocastForward, precision=precision)
+    grad_scaler = grad_scaler_for(precision, device.type) if scaler else None
+    optimizer = workload.make_optimizer(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    run = _Run()
+    exact: list[torch.Tensor] = []
+    noise = torch.Generator(device=device).manual_seed(seed)
+
+    def on_phase(phase: str) -> None:
+        if phase == "forward" and jitter > 0.0:
+            with torch.no_grad():
+                exact[:] = [p.detach().clone() for p in params]
+                for p in params:
+                    z = torch.randn(p.shape, generator=noise, device=device, dtype=p.dtype)
+                    p.mul_(1.0 + jitter * z)
+        elif phase == "optimizer":  # after backward, before the step: the gradients are whole
+            with torch.no_grad():
+                # The exact weights back (none to put back without jitter).
+                for p, w in zip(params, exact, strict=False):
+                    p.copy_(w)
+                exact.clear()
+                _record_grads(run, params, grad_scaler)
+
+    started = time.perf_counter()
+    taken = 0
+    # fp32 is fp32 whatever the process has set: TF32 only in the TF32 run.
+    mode = tf32_matmuls(precision == "tf32")
+    with mode, torch.random.fork_rng(devices=_cuda(device)):  # the caller's RNG untouched
+        torch.manual_seed(seed)
+        while taken < steps and run.skipped <= MAX_SKIPPED_STEPS:
+            scale = grad_scaler.get_scale() if grad_scaler is not None else 1.0
+            loss = float(
+                train_step(
+                    workload, model, optimizer, batch, scaler=grad_scaler, on_phase=on_phase
+                ).float()
+            )
+            if grad_scaler is not None and grad_scaler.get_scale() < scale:
+                # Overflowed gradients: the scaler skipped the step and halved its scale.
+                run.skipped += 1
+                run.grad_norms.pop()
+                if run.grads and taken == 0:
+                    run.grads.clear()
+                if math.isfinite(loss):
+                    continue
+            run.losses.append(loss)
+            taken += 1
+            if not math.isfinite(loss):
+                break
+            if taken == 1:
+                started = time.perf_counter()  # the first step's one-off costs not counted
+            late = time_s is not None and time.perf_counter() - started > time_s
+            if late and taken >= NUMERICS_MIN_STEPS:
+                break
+    return run
+
+
+def _cuda(device: torch.device) -> list[int]:
+    """The CUDA devices whose RNG a run on ``device`` draws from (for ``fork_rng``)."""
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _record_grads(run: _Run, params: list[nn.Parameter], scaler) -> None:
+    scale = float(scaler.get_scale()) if scaler is not None else 1.0
+    grads = [p.grad.detach().float() / scale for p in params if p.grad is not None]
+    # One norm of the per-parameter norms: one device sync a step, not one a parameter.
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    run.grad_norms.append(norm)
+    if not run.grads:
+        run.grads.extend(g.cpu() for g in grads)
+
+
+def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over all parameters, in float64; 0 where both are zero."""
+
+    def sq(t: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+
+    diff = sum(sq(x - y) for x, y in zip(a, b, strict=True))
+    ref = sum(sq(y) for y in b)
+    if ref == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return math.sqrt(diff / ref)
+
+
+def _window(run: _Run, n: int) -> slice:
+    k = max(1, math.ceil(n * LOSS_WINDOW))
+    return slice(n - k, n)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+@dataclass
+class _Verdict:
+    passed: bool
+    why: str
+    metrics: dict[str, float]
+
+
+def _compare(precision: str, a: _Run, b: _Run, low: _Run) -> _Verdict:
+    """L against A, in units of B's distance from A."""
+    u = ROUNDING[precision]
+    n = len(a.losses)
+    w = _window(a, n)
+    ref = a.losses[w]
+    loss_spread = _mean([abs(x - y) for x, y in zip(b.losses[w], ref, strict=True)])
+    loss_gap = _mean([x - y for x, y in zip(low.losses[w], ref, strict=True)])
+    loss_floor = LOSS_FLOOR_ROUNDOFFS * u * _mean([abs(y) for y in ref])
+    loss_limit = LOSS_SPREADS * loss_spread + loss_floor
+
+    dir_spread = _distance(b.grads, a.grads)
+    dir_gap = _distance(low.grads, a.grads)
+    dir_limit = DIRECTION_SPREADS * dir_spread + DIRECTION_FLOOR_ROUNDOFFS * u
+
+    norm_a = max(a.grad_norms)
+    norm_spread = abs(math.log(max(b.grad_norms) / norm_a)) if norm_a > 0 else 0.0
+    norm_gap = math.log(max(low.grad_norms) / norm_a) if norm_a > 0 else 0.0
+    norm_limit = NORM_SPREADS * norm_spread + math.log(2.0)
+
+    metrics = {
+        "loss_spread_fp32": loss_spread,
+        "loss_gap": loss_gap,
+        "loss_limit": loss_limit,
+        "grad_distance_fp32": dir_spread,
+        "grad_distance": dir_gap,
+        "grad_distance_limit": dir_limit,
+        "grad_norm_log_ratio_fp32": norm_spread,
+        "grad_norm_log_ratio": norm_gap,
+        "grad_norm_log_limit": norm_limit,
+        "loss_fp32_first": a.losses[0],
+        "loss_fp32_last": a.losses[-1],
+        "loss_fp32_perturbed_last": b.losses[-1],
+        f"loss_{precision}_last": low.losses[-1],
+        "rounding": u,
+    }
+    failures = []
+    if loss_gap > loss_limit:
+        failures.append(
+            f"its loss over the last {w.stop - w.start} steps is {loss_gap:.4g} above fp32's, "
+            f"beyond the limit {loss_limit:.3g} (fp32's own spread {loss_spread:.3g})"
+        )
+    if norm_gap > norm_limit:
+        failures.append(
+            f"its gradient norm grows to {math.exp(norm_gap):.3g}x fp32's (limit "
+            f"{math.exp(norm_limit):.3g}x)"
+        )
+    if dir_gap > dir_limit:
+        failures.append(
+            f"its first gradient is {dir_gap:.3g} of fp32's norm away from fp32's, beyond "
+            f"the limit {dir_limit:.3g} (fp32's own distance {dir_spread:.3g})"
+        )
+    return _Verdict(not failures, "; ".join(failures), metrics)
+
+
+def check_numerics(
+    workload: Workload,
+    precision: str,
+    steps: int = NUMERICS_STEPS,
+    seed: int = 0,
+    batch_size: int | None = None,
+    time_s: float | None = NUMERICS_TIME_S,
+    device: torch.device | str | None = None,
+    scaler: bool = True,
+) -> Check:
+    """Whether training in ``precision`` ('bf16', 'fp16' or 'tf32') is worse than fp32 is
+    with itself: three runs of ``steps`` steps (fp32, fp32 perturbed by the precision's
+    rounding, the precision), a fourth (another dropout draw) where the third fails against
+    the second, compared as this module's docstring says.
+
+    ``scaler=False`` checks fp16 without a GradScaler (the plan's advice always has one;
+    this is for a loop that does not). The copies train on ``device`` (default: where the
+    model is); the user's model, optimizer and RNG are untouched. Its wall time is in the
+    metrics (``wall_ms``).
+
+    Raises:
+        BadInputError: ``precision`` is not one of :data:`ROUNDING`, or ``steps`` < 1.
+    """
+    if precision not in ROUNDING:
+        raise BadInputError(
+            f"Numerics are checked for one of {sorted(ROUNDING)}, but got {precision=}."
+        )
+    if steps < 1:
+        raise BadInputError(f"The numerics check needs at least one step, but got {steps=}.")
+    b = batch_size or min(workload.sample_batch_size, NUMERICS_MAX_BATCH)
+    where = torch.device(device) if device is not None else workload.device
+    started = time.perf_counter()
+    with torch.random.fork_rng(devices=_cuda(where)):  # a make_batch may draw: not from yours
+        batch = workload.batch(b, device=where)  # one batch for the three runs
+    common = {"batch": batch, "device": where}
+    a = _train(workload, "fp32", steps, seed=seed, time_s=time_s, **common)
+    steps = len(a.losses)  # fewer than asked where steps are slow: B and L take as many
+    low = _train(workload, precision, steps, seed=seed, scaler=scaler, **common)
+    comparable = a.finite and low.finite and len(low.losses) == steps
+    u = ROUNDING[precision]
+    verdict, draw = None, None
+    if comparable:
+        same = _train(workload, "fp32", steps, seed=seed, jitter=u, **common)
+        verdict = _compare(precision, a, same, low)
+        if not verdict.passed:
+            # L may differ from A by a dropout draw (on a card its kernels draw their own
+            # masks): judged again against fp32's spread over another draw. A model without
+            # dropout gets the same spread again, and the same verdict.
+            first = verdict.metrics
+            other = _train(workload, "fp32", steps, seed=seed + 1, jitter=u, **common)
+            verdict = _compare(precision, a, other, low)
+            draw = {
+                "loss_spread_fp32_same_draw": first["loss_spread_fp32"],
+                "grad_distance_fp32_same_draw": first["grad_distance_fp32"],
+            }
+    wall_ms = (time.perf_counter() - started) * 1e3
+    name = f"{precision} without a GradScaler" if precision == "fp16" and not scaler else precision
+    what = (
+        f"{name} vs fp32 over {steps} training steps from the same weights on {b} samples, "
+        f"against fp32 vs fp32 with weights perturbed by {u:.3g} ({precision}'s rounding)"
+        + (" and, as that failed it, another dropout draw" if draw else "")
+    )
+    metrics = {
+        "steps": float(steps),
+        "batch_size": float(b),
+        "wall_ms": wall_ms,
+        "spread_runs": 0.0 if verdict is None else 1.0 if draw is None else 2.0,
+    }
+    if low.skipped:
+        metrics["skipped_steps"] = float(low.skipped)
+
+    def check(passed: bool, summary: str, more: dict[str, float] | None = None) -> Check:
+        return Check(
+            strategy="precision",
+            choice=precision,
+            summary=summary,
+            passed=passed,
+            metrics={**metrics, **(more or {})},
+        )
+
+    if not a.finite:
+        return check(True, f"{what}: fp32 itself reached inf/nan, so the comparison says nothing.")
+    if not low.finite:
+        return check(
+            False,
+            f"{what}: {name} reached inf/nan (at step {len(low.losses)}), fp32 did not.",
+            {"finite_steps": float(len(low.losses) - 1)},
+        )
+    if len(low.losses) < steps:
+        return check(
+            False,
+            f"{what}: the GradScaler skipped {low.skipped} steps, its scale halved down to "
+            f"2^{16 - low.skipped} (the gradients overflow fp16 at every scale it tried).",
+        )
+    m = {**verdict.metrics, **(draw or {})}
+    summary = (
+        f"{what}: loss {m['loss_fp32_last']:.4g} in fp32, {m['loss_fp32_perturbed_last']:.4g} "
+        f"perturbed, {m[f'loss_{precision}_last']:.4g} in {name}; "
+    )
+    if verdict.passed:
+        summary += (
+            f"{name}'s loss gap {m['loss_gap']:.3g} is within {m['loss_limit']:.3g} (fp32's own "
+            f"spread {m['loss_spread_fp32']:.3g}) and its first gradient is "
+            f"{m['grad_distance']:.3g} away (fp32's own {m['grad_distance_fp32']:.3g})."
+        )
+    else:
+        summary += verdict.why + "."
+    return check(verdict.passed, summary, m)

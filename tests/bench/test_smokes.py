@@ -1,0 +1,134 @@
+"""Every bench/ script runs on the CPU: its smoke, or at least its imports, in a subprocess.
+
+Rule: a bench that rots (an API it calls moved, a config field it sets was renamed) fails
+here, not on the GPU machine. Each bench with a CPU path runs its smoke (simulated or
+estimate device, tiny sizes) and must exit 0 and write its JSON lines to a temporary folder
+(never bench/results/); a bench whose every path needs a card is imported (its module-level
+imports resolved, main() not run) until it gains a CPU path, and the table says so.
+
+``test_every_bench_is_listed`` keeps the table whole: a new bench without an entry fails.
+
+Cost: the smokes were written to take about 2 minutes together on an idle 2-core machine;
+each has its own time limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+OUT = "{out}"  # the JSON lines file in the test's temporary folder
+
+# name -> the smoke's arguments (OUT where its JSON lines go; None: prints only).
+SMOKES: dict[str, list[str]] = {
+    "multi_gpu": ["--smoke", "--json", OUT],
+    "estimate_speed": ["--blocks", "4", "--seconds", "0.2"],
+    "estimate_accuracy": [
+        "--device", "cpu", "--models", "cnn", "--precisions", "fp32", "--targets", "0.05",
+        "--steps", "1", "--json", OUT,
+    ],
+    "estimate_device": [
+        "--models", "llama_tiny", "--device", "simulated", "--steps", "2", "--budget-gib",
+        "0.05", "--json", OUT,
+    ],
+    "monitor_overhead": [
+        "--device", "cpu", "--models", "cnn", "--steps", "2", "--min-steps", "2", "--rounds",
+        "1", "--min-rounds", "1", "--warmup", "1", "--json", OUT,
+    ],
+    "fake_7b": ["--preset", "tiny", "--seq-len", "64"],
+    "plan_speed": [
+        "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
+        "--json", OUT,
+    ],
+}  # fmt: skip
+# Benches whose every path needs a card: imported only, for now (the reason each says).
+IMPORT_ONLY = {
+    "compile_cache": "times inductor's caches on a card",
+    "compile_regional": "its --smoke compiles with inductor on the CPU: minutes here",
+    "compile_vs_eager": "plans with compile weighed, which only a card measures",
+    "compiled_forward_gap": "CUDA events and compiled loops",
+    "gpu_facts": "compares the meter with the CUDA allocator",
+    "planner": "plans on a card against hand configurations",
+    "profile_check": "compares the profile with the CUDA allocator",
+    "strategies_effect": "its CPU path takes minutes (numerics curves)",
+    "user_path": "its CPU path takes minutes (several fresh processes)",
+}
+LIMIT_S = 150
+
+
+def _benches() -> list[str]:
+    return sorted(p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_"))
+
+
+def test_every_bench_is_listed() -> None:
+    listed = set(SMOKES) | set(IMPORT_ONLY)
+    assert set(_benches()) == listed, set(_benches()) ^ listed
+    assert not set(SMOKES) & set(IMPORT_ONLY)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_the_smoke_runs_and_writes_its_lines(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    args = [a.replace(OUT, str(out)) for a in SMOKES[name]]
+    results = ROOT / "bench" / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.glob("*")}
+    done = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), *args],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip(), "the smoke printed nothing (no table)"
+    if OUT in SMOKES[name]:
+        lines = [json.loads(line) for line in out.read_text().splitlines() if line]
+        assert lines, f"{name} wrote no JSON line to {out}"
+    after = {p: p.stat().st_mtime_ns for p in results.glob("*")}
+    assert after == before, "a smoke wrote into bench/results/"
+
+
+_IMPORT_EACH = """
+import json, runpy, sys, traceback
+sys.path.insert(0, sys.argv[1])
+failed = {}
+for path in sys.argv[2:]:
+    try:
+        runpy.run_path(path, run_name="bench_import_check")
+    except BaseException:
+        failed[path] = traceback.format_exc()[-2000:]
+print(json.dumps(failed))
+"""
+
+
+def test_every_card_only_bench_imports() -> None:
+    # One process for all of them: torch is imported once.
+    paths = [str(BENCH / f"{name}.py") for name in sorted(IMPORT_ONLY)]
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH, str(BENCH), *paths],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failed == {}, "\n".join(f"{k}:\n{v}" for k, v in failed.items())

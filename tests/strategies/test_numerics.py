@@ -1,0 +1,347 @@
+"""The precision numerics check (strategies/_numerics.py): a precision fails only where it is
+worse than fp32's own spread, never for converging faster; true failures (inf/nan, a loss
+that cannot follow, exploding gradients) fail; the verdict does not hang on a seed; TF32 is
+offered only where the device has it, switched on process-wide, and checked the same way."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from memadvisor.errors import BadInputError
+from memadvisor.profiler._device import Target
+from memadvisor.schema.config import PlanConfig
+from memadvisor.workload import Workload
+from strategies._numerics import _compare, _Run, check_numerics
+from strategies.precision import TF32_OFF, TF32_ON, Precision, TF32Matmuls, precision_of
+from tests.fixtures import precision_failures as planted
+from tests.fixtures import tiny_hf, zoo
+
+CONFIG = PlanConfig(budget_bytes=2**30)
+# The zoo (its torchvision entries skip where torchvision is missing) and transformers' own
+# CNN, ConvNeXt and Swin, so that a CNN and a hierarchical vision transformer run everywhere.
+ARCHITECTURES = [e.name for e in zoo.entries()] + list(tiny_hf.MODELS)
+FAMILIES = {
+    **{e.name: e.family for e in zoo.entries()},
+    **{name: kind for name, (kind, _) in tiny_hf.MODELS.items()},
+}
+
+
+@pytest.fixture(autouse=True)
+def _restore_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: threads cost more than they give, and on a shared machine many times
+    more (a Swin check 0.3 s on one thread, 12 s on all)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _built(name: str) -> Workload:
+    """The named architecture's workload; skips a zoo entry whose package is missing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name in tiny_hf.MODELS:
+            return Workload(**tiny_hf.MODELS[name][1]())
+        entry = zoo.by_name(name)
+        pytest.importorskip(entry.needs)
+        model, batch, loss_fn = entry.build()
+        return Workload(model=model, sample_batch=batch, loss_fn=loss_fn)
+
+
+def test_the_architectures_that_run_with_transformers_alone_cover_every_family() -> None:
+    """At least 8 architectures run without torchvision, and among them a decoder, an
+    encoder-decoder, an encoder, a CNN and a hierarchical vision transformer."""
+    here = [
+        n for n in ARCHITECTURES if n in tiny_hf.MODELS or zoo.by_name(n).needs == "transformers"
+    ]
+    assert len(here) >= 8
+    families = {FAMILIES[n] for n in here}
+    assert {
+        "decoder",
+        "encoder-decoder",
+        "encoder",
+        "CNN",
+        "hierarchical vision transformer",
+    } <= families
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_bf16_trains_every_architecture_and_is_not_refused(name: str) -> None:
+    """Rule: no false alarm. bf16 autocast on the CPU, from random weights, against fp32's
+    spread: each passes, and the report names the spread it compared with."""
+    check = check_numerics(_built(name), "bf16")
+    assert check.passed, check.summary
+    assert check.metrics["grad_distance_fp32"] > 0
+    assert "fp32's own spread" in check.summary
+
+
+# (factory, precision, GradScaler) -> fails. Each row is a model that does not train there.
+PLANTED = [
+    ("gradients_past_fp16", "fp16", False),  # fp16 without a scaler, gradients overflow
+    ("activations_past_fp16", "fp16", True),  # hidden activations ~1e5
+    ("activations_past_fp16", "fp16", False),
+    ("log_of_rounded_probability", "bf16", True),  # log(1 - p), p rounded to 1: nan
+    ("log_of_rounded_probability", "fp16", True),
+    ("offset", "bf16", True),  # features rounded away: gradients point elsewhere
+    ("offset", "fp16", True),
+    ("cancelling_variance", "bf16", True),  # E[x^2] - E[x]^2 in bf16: gradients explode
+    ("cancelling_variance", "fp16", True),
+]
+
+
+@pytest.mark.parametrize(("factory", "precision", "scaler"), PLANTED)
+def test_a_planted_failure_fails(factory: str, precision: str, scaler: bool) -> None:
+    check = check_numerics(Workload(**getattr(planted, factory)()), precision, scaler=scaler)
+    assert not check.passed, check.summary
+
+
+def test_each_planted_failure_fails_for_its_own_reason() -> None:
+    """Rule: inf/nan, a GradScaler that cannot find a scale, exploding gradient norms and
+    misdirected gradients are each caught by name, not by one catch-all."""
+    nan = check_numerics(Workload(**planted.log_of_rounded_probability()), "bf16")
+    assert "reached inf/nan" in nan.summary and "fp32 did not" in nan.summary
+    no_scaler = check_numerics(Workload(**planted.gradients_past_fp16()), "fp16", scaler=False)
+    assert "fp16 without a GradScaler reached inf/nan" in no_scaler.summary
+    exploding = check_numerics(Workload(**planted.cancelling_variance()), "bf16")
+    assert "gradient norm grows" in exploding.summary
+    assert exploding.metrics["grad_norm_log_ratio"] > exploding.metrics["grad_norm_log_limit"]
+    elsewhere = check_numerics(Workload(**planted.offset()), "bf16")
+    assert "first gradient is" in elsewhere.summary and "beyond the limit" in elsewhere.summary
+
+
+def test_what_a_scaler_rescues_and_what_bf16_trains_pass() -> None:
+    """Rule: the planted failures are failures of one precision, not of the check: bf16 (fp32's
+    range) trains activations past fp16's, and fp16 with its GradScaler trains gradients past
+    65504 once the scaler has found its scale (the skipped steps are not counted)."""
+    assert check_numerics(Workload(**planted.activations_past_fp16()), "bf16").passed
+    rescued = check_numerics(Workload(**planted.gradients_past_fp16()), "fp16")
+    assert rescued.passed and rescued.metrics["skipped_steps"] > 0
+
+
+def test_gradients_no_scale_brings_into_fp16s_range_fail_even_with_a_scaler() -> None:
+    """Rule: a GradScaler's skipped steps are its search for a scale, not a failure, up to
+    24 halvings (scale 2^-8); gradients that overflow fp16 even there fail."""
+    made = planted.gradients_past_fp16()
+    loss_fn = made["loss_fn"]
+    made["loss_fn"] = lambda out, batch: loss_fn(out, batch) * 1e7  # gradients ~1e12
+    check = check_numerics(Workload(**made), "fp16")
+    assert not check.passed and "the GradScaler skipped 25 steps" in check.summary
+
+
+@pytest.mark.parametrize(
+    ("factory", "expected"), [(lambda: _built("hf-resnet"), True), (planted.offset, False)]
+)
+def test_the_verdict_is_the_same_over_ten_runs_with_other_seeds(factory, expected) -> None:
+    """Rule: the verdict does not hang on the dropout draw or the perturbation: ten runs with
+    seeds 0..9 say the same."""
+    made = factory()
+    workload = made if isinstance(made, Workload) else Workload(**made)
+    verdicts = {check_numerics(workload, "bf16", seed=seed).passed for seed in range(10)}
+    assert verdicts == {expected}
+
+
+class _DropoutDrawsByDtype(nn.Module):
+    """An MLP with dropout whose masks depend on the precision, as a card's attention
+    kernels do (fp32 and bf16 take different SDPA kernels, each with its own random
+    stream): under autocast it draws one number more before its dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            torch.rand(1)
+        return self.down(nn.functional.dropout(torch.relu(self.up(x)), 0.3, self.training))
+
+
+def test_a_dropout_draw_the_low_precision_does_not_share_is_judged_against_another_draw() -> None:
+    """Rule: where L's dropout masks differ from fp32's (a card's kernels), L fails against
+    fp32's same-draw spread, and a second spread run with another draw judges it: it passes,
+    and the report says which spread it was. A model without dropout (offset) gets no
+    rescue from that second run."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    workload = Workload(
+        model=_DropoutDrawsByDtype(), sample_batch=(x, x[:, :1]), loss_fn=planted._mse
+    )
+    check = check_numerics(workload, "bf16")
+    assert check.passed and check.metrics["spread_runs"] == 2
+    assert check.metrics["grad_distance"] > check.metrics["grad_distance_fp32_same_draw"] * 6
+    assert "as that failed it, another dropout draw" in check.summary
+    offset = check_numerics(Workload(**planted.offset()), "bf16")
+    assert not offset.passed and offset.metrics["spread_runs"] == 2
+    plain = check_numerics(Workload(**planted.activations_past_fp16()), "bf16")
+    assert plain.passed and plain.metrics["spread_runs"] == 1
+
+
+def _run(losses: list[float], norm: float = 1.0, grad: float = 1.0) -> _Run:
+    return _Run(losses=losses, grad_norms=[norm] * len(losses), grads=[torch.tensor([grad, 1.0])])
+
+
+def test_a_lower_loss_never_fails_and_a_higher_one_beyond_the_spread_does() -> None:
+    """Rule: converging faster is not a numerics problem; only a higher loss counts, in units
+    of fp32's spread (here 0.01 over the last 2 of 8 steps)."""
+    fp32 = _run([5, 4, 3, 2, 1.5, 1.2, 1.0, 0.9])
+    perturbed = _run([5, 4, 3, 2, 1.5, 1.2, 1.01, 0.91])
+    faster = _run([5, 3, 2, 1, 0.5, 0.3, 0.2, 0.1])
+    slower = _run([5, 4.5, 4, 3.5, 3, 2.5, 2.0, 1.9])
+    assert _compare("bf16", fp32, perturbed, faster).passed
+    verdict = _compare("bf16", fp32, perturbed, slower)
+    assert not verdict.passed and "loss over the last 2 steps" in verdict.why
+    assert verdict.metrics["loss_spread_fp32"] == pytest.approx(0.01)
+
+
+def test_a_chaotic_fp32_widens_what_passes() -> None:
+    """Rule: the limit is measured. The same bf16 curve (0.2 above fp32 at the end) fails
+    where fp32 repeats itself and passes where fp32's own perturbed run ends 0.1 away."""
+    fp32 = _run([5, 4, 3, 2.0, 1.9, 1.8, 1.7, 1.6])
+    low = _run([5, 4, 3, 2.2, 2.1, 2.0, 1.9, 1.8])
+    calm = _run([5, 4, 3, 2.0, 1.9, 1.8, 1.7, 1.6])
+    chaotic = _run([5, 4, 3, 2.1, 1.8, 1.9, 1.8, 1.5])
+    assert not _compare("bf16", fp32, calm, low).passed
+    assert _compare("bf16", fp32, chaotic, low).passed
+
+
+def test_gradient_norms_that_explode_beyond_fp32s_fail() -> None:
+    fp32 = _run([2, 1], norm=1.0)
+    perturbed = _run([2, 1], norm=1.01)
+    assert _compare("bf16", fp32, perturbed, _run([2, 1], norm=1.5)).passed
+    verdict = _compare("bf16", fp32, perturbed, _run([2, 1], norm=10.0))
+    assert not verdict.passed and "gradient norm grows to 10x" in verdict.why
+
+
+def test_the_check_refuses_what_it_cannot_compare() -> None:
+    workload = Workload(**planted.offset())
+    with pytest.raises(BadInputError, match="tf32"):
+        check_numerics(workload, "fp32")
+    with pytest.raises(BadInputError, match="steps"):
+        check_numerics(workload, "bf16", steps=0)
+
+
+# -- TF32 ------------------------------------------------------------------------------------
+
+
+def _with_tf32(profile):
+    device = profile.device.model_copy(update={"tf32_supported": True})
+    return profile.model_copy(update={"device": device})
+
+
+def test_tf32_is_offered_only_where_the_device_has_it(profile_factory) -> None:
+    """Rule: the CPU has no TF32 (its profile says so, and it is not offered); a card that
+    has it (faked here) gets it beside fp32 and the autocast precision."""
+    assert Target(torch.device("cpu"), fake=False).info().tf32_supported is False
+    profile = profile_factory([(10, 2, 1)])
+    assert "tf32" not in Precision().choices(profile, CONFIG)
+    assert Precision().choices(_with_tf32(profile), CONFIG) == ["fp32", "tf32", "bf16"]
+    with pytest.raises(BadInputError, match="tf32 is not supported"):
+        Precision().apply(nn.Linear(2, 2), "tf32", profile)
+
+
+def test_applying_tf32_switches_it_on_process_wide_and_fp32_switches_it_back() -> None:
+    torch.set_float32_matmul_precision("highest")
+    model = nn.Linear(4, 4)
+    Precision().apply(model, "tf32", None)
+    assert torch.get_float32_matmul_precision() == "high" and precision_of(model) == "tf32"
+    assert model(torch.randn(2, 4)).dtype == torch.float32  # no autocast
+    Precision().apply(model, "bf16", None)  # one precision at a time
+    assert precision_of(model) == "bf16" and torch.get_float32_matmul_precision() == "highest"
+    Precision().apply(model, "tf32", None)
+    Precision().apply(model, "fp32", None)
+    assert precision_of(model) == "fp32" and torch.get_float32_matmul_precision() == "highest"
+
+
+def test_a_saved_tf32_model_switches_it_on_where_it_is_loaded() -> None:
+    model = Precision().apply(nn.Linear(4, 4), "tf32", None)
+    data = pickle.dumps(model)
+    torch.set_float32_matmul_precision("highest")  # a fresh process
+    loaded = pickle.loads(data)
+    assert precision_of(loaded) == "tf32" and torch.get_float32_matmul_precision() == "high"
+    assert isinstance(loaded.__dict__["forward"], TF32Matmuls)
+
+
+_SEEN: list[str] = []  # the matmul precision each forward of the copies ran under
+
+
+class _RecordsMatmulPrecision(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _SEEN.append(torch.get_float32_matmul_precision())
+        return super().forward(x)
+
+
+def test_the_tf32_check_trains_its_run_in_tf32_and_restores_the_setting() -> None:
+    """On the CPU TF32 changes nothing (so it passes); what is checked is the plumbing: the
+    low run sees 'high', the fp32 runs 'highest' even where the process had TF32 on, and the
+    caller's setting is back after."""
+    torch.set_float32_matmul_precision("high")
+    x = torch.randn(8, 4)
+    workload = Workload(
+        model=_RecordsMatmulPrecision(),
+        sample_batch=(x, x[:, :1]),
+        loss_fn=lambda out, batch: ((out - batch[1]) ** 2).mean(),
+    )
+    _SEEN.clear()
+    check = check_numerics(workload, "tf32", steps=2)
+    assert check.passed and check.choice == "tf32"
+    assert "perturbed by 0.000488" in check.summary  # TF32's rounding, 2^-11
+    assert _SEEN == ["highest"] * 2 + ["high"] * 2 + ["highest"] * 2  # A, L, B
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_tf32_is_screened_and_reported_as_process_wide(profile_factory) -> None:
+    profile = _with_tf32(profile_factory([(10, 2, 1)]))
+    strategy = Precision()
+    workload = Workload(**planted.activations_past_fp16())
+    checks = strategy.screen(workload, profile, CONFIG)
+    assert [c.choice for c in checks] == ["bf16", "tf32"] and all(c.passed for c in checks)
+    advice = strategy.explain("tf32", profile)
+    assert "process-wide" in advice.sentence and TF32_ON in advice.snippet
+    assert TF32_OFF in advice.snippet and TF32_OFF in advice.sentence
+
+
+def test_the_report_row_says_tf32_is_process_wide_and_how_to_switch_it_off() -> None:
+    part = Precision().describe("tf32", None)  # the plan is read only for autocast's words
+    assert part.brief == "tf32" and part.step_precision == "fp32"  # fp32's profiled step
+    assert "process-wide" in part.words and TF32_ON in part.words and TF32_OFF in part.words
+    assert any(TF32_ON in line for line in part.loop.setup)
+
+
+@pytest.mark.gpu
+def test_on_a_card_tf32_is_offered_checked_and_switched_on_process_wide() -> None:
+    """On a card of compute capability 8.0+: the profile says TF32, its check trains on the
+    card and passes a plain transformer, and the fp32 runs stay full fp32."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("TF32 needs compute capability 8.0+")
+    info = Target(torch.device("cuda"), fake=False).info()
+    assert info.tf32_supported
+    torch.set_float32_matmul_precision("highest")
+    workload = _built("llama")
+    for precision in ("tf32", "bf16"):
+        check = check_numerics(workload, precision, device="cuda")
+        assert check.passed, check.summary
+    assert torch.get_float32_matmul_precision() == "highest"
+    model = Precision().apply(nn.Linear(4, 4).cuda(), "tf32", None)
+    assert torch.get_float32_matmul_precision() == "high" and precision_of(model) == "tf32"
+
+
+@pytest.mark.gpu
+def test_on_a_card_the_planted_failures_fail() -> None:
+    for factory, precision, scaler in PLANTED:
+        workload = Workload(**getattr(planted, factory)())
+        check = check_numerics(workload, precision, device="cuda", scaler=scaler)
+        assert not check.passed, (factory, precision, check.summary)
