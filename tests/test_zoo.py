@@ -33,7 +33,6 @@ from torch import nn
 
 import memadvisor
 from memadvisor.api import plan_config
-from memadvisor.errors import InfeasibleBudgetError
 from memadvisor.estimate import estimate
 from memadvisor.planner import plan_workload
 from memadvisor.schema.candidate import Candidate
@@ -185,34 +184,7 @@ def _assert_equal(name: str, expected: list, got: list) -> None:
         assert not differ, f"{name} step {step}: gradients differ (largest |a - b|): {differ}"
 
 
-def _slices_weigh_their_dataset() -> bool:
-    """Whether a sample batch sliced from a dataset tensor still brings the whole tensor's
-    storage into the workload, where the profiler counts it at the sample's batch (issue 25,
-    item 3; fixed on branch i25a by compact copies)."""
-    dataset = torch.zeros(64, 4)
-    workload = build_workload(nn.Linear(4, 1), (dataset[:2],), loss_fn=lambda out, b: out.sum())
-    sample = workload.sample_batch[0]
-    return sample.untyped_storage().nbytes() > sample.numel() * sample.element_size()
-
-
-SLICED = pytest.mark.xfail(
-    _slices_weigh_their_dataset(),
-    reason="issue 25 item 3: the sliced sample batch weighs its whole dataset in the profile, "
-    "so the estimate falls as the batch grows and the budget sized at a batch of 8 or more "
-    "fits not even batch 1 by the estimate",
-    raises=InfeasibleBudgetError,
-    strict=True,
-)
-
-
-def _params() -> list:
-    return [
-        pytest.param(e, id=e.name, marks=[SLICED] if e.batch_kind == "sliced" else [])
-        for e in zoo.entries()
-    ]
-
-
-@pytest.mark.parametrize("entry", _params())
+@pytest.mark.parametrize("entry", zoo.entries(), ids=lambda e: e.name)
 def test_a_zoo_model_plans_checkpoints_and_trains_exactly_as_the_plain_model(
     entry: zoo.ZooEntry,
 ) -> None:
