@@ -37,6 +37,9 @@ __all__ = ["optimize", "plan", "plan_config", "profile"]
 
 
 #: How plan() names each PlanConfig field in its messages (the CLI passes its flags instead).
+# Past this a budget is a typo (1e308 used to overflow into OverflowError, exit 1).
+MAX_BUDGET_GIB = 2**20
+
 PYTHON_NAMES = {
     "budget_gb": "budget_gb",
     "objective": "objective",
@@ -80,9 +83,12 @@ def plan_config(
         raise BadInputError(
             f"{said['budget_gb']} must be a number of GiB, e.g. 8, but got {budget_gb=}."
         )
-    if not (math.isfinite(budget_gb) and gib_to_bytes(budget_gb) > 0):
+    if not (math.isfinite(budget_gb) and 0 < budget_gb <= MAX_BUDGET_GIB) or not (
+        gib_to_bytes(budget_gb) > 0
+    ):
         raise BadInputError(
-            f"{said['budget_gb']} must be a positive number of GiB, e.g. 8, but got {budget_gb=}."
+            f"{said['budget_gb']} must be a positive number of GiB up to {MAX_BUDGET_GIB} "
+            f"(1 PiB), e.g. 8, but got {budget_gb=}."
         )
     fields, strategy_options = _split_options(dict(options or {}))
     margin = fields.get("margin_fraction", 0.08)

@@ -219,6 +219,7 @@ class Workload:
                 "sample_batch has 0 rows (dim 0 of its first tensor is 0): pass a batch of at "
                 "least one sample, as the model takes it."
             )
+        _refuse_non_finite(self.sample_batch)
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -385,6 +386,39 @@ def build_workload(
         make_batch=make_batch,
         forward_fn=forward_fn,
     )
+
+
+def _refuse_non_finite(batch: Any) -> None:
+    """Refuse a sample batch that cannot train: a floating tensor holding NaN, or holding no
+    finite value at all (every element +-inf).
+
+    Such a batch makes every loss NaN; planned anyway, every probe "fits" and the plan reads
+    as a success. A few infinities among finite values stay allowed: an additive attention
+    mask uses -inf on purpose. Fake and meta tensors (``device='estimate'``) hold no values
+    and are not read.
+
+    Raises:
+        BadInputError: names the tensor's place in the batch and what to pass instead.
+    """
+    from memadvisor._torch_private import is_fake
+
+    for index, t in enumerate(tensor_leaves(batch)):
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        if t.is_meta or is_fake(t):
+            continue
+        finite = torch.isfinite(t)
+        if torch.isnan(t).any():
+            what = "NaN"
+        elif not finite.any():
+            what = "only infinite values"
+        else:
+            continue
+        raise BadInputError(
+            f"sample_batch's tensor #{index} (shape {tuple(t.shape)}, {t.dtype}) holds {what}: "
+            "every loss would be NaN and every probe would train on garbage; pass a batch of "
+            "real (finite) data, as the model trains on."
+        )
 
 
 # What each callable a user may pass is called with (for the message that rejects another).

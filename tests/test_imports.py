@@ -27,6 +27,7 @@ FLOORS: list[tuple[str, ...]] = [
         "memadvisor._version",
         "memadvisor._torch_private",
         "memadvisor.errors",
+        "memadvisor.files",
         "memadvisor.units",
         "memadvisor.schema",
     ),

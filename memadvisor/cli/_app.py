@@ -9,7 +9,6 @@ MemadvisorError); 1 anything unexpected, which is a bug in memadvisor or in the 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -201,19 +200,15 @@ def check_output_paths(**paths: Path | None) -> None:
     """Fail before the long work, not after it, when an output file cannot be written.
 
     Raises:
-        BadInputError: an output's folder does not exist, or the path is a folder.
+        BadInputError: an output's folder is missing, read-only or not writable, or the path
+            is not a regular file (a folder, a device, a FIFO, an unsafe symlink:
+            :mod:`memadvisor.files`).
     """
+    from memadvisor.files import check_writable
+
     for option, path in paths.items():
-        if path is None:
-            continue
-        flag = "--" + option.replace("_", "-")
-        if path.is_dir():
-            raise BadInputError(f"{flag} must name a file, but {str(path)!r} is a folder.")
-        if not path.parent.is_dir():
-            raise BadInputError(
-                f"{flag} {str(path)!r}: the folder {str(path.parent)!r} does not exist; "
-                "create it or write elsewhere."
-            )
+        if path is not None:
+            check_writable(path, "--" + option.replace("_", "-"))
 
 
 def write_text(path: Path, text: str, what: str, *, quiet: bool) -> None:
@@ -222,17 +217,12 @@ def write_text(path: Path, text: str, what: str, *, quiet: bool) -> None:
     Raises:
         BadInputError: the file cannot be written.
     """
+    from memadvisor.files import write_text_atomic
+
     raise_if_interrupted()  # a Ctrl-C that a library swallowed still leaves no output
-    # Whole or not at all: written beside the target, then renamed over it (atomic on one
-    # file system), so an interrupt or a full disk never leaves half a plan behind.
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
-    except OSError as e:
-        raise BadInputError(f"Cannot write {what} to {str(path)!r}: {e.strerror}.") from e
-    finally:
-        partial.unlink(missing_ok=True)
+    # Whole or not at all, through a temporary file no other user can name
+    # (memadvisor.files): an interrupt or a full disk never leaves half a file behind.
+    write_text_atomic(path, text, what)
     say_written(what, path, quiet=quiet)
 
 

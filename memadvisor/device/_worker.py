@@ -53,6 +53,9 @@ def _load_workload(request: dict[str, Any]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memadvisor.device._lifetime import die_with_parent
+
+    die_with_parent()  # SIGTERM or SIGKILL to the planner ends this run too
     args = sys.argv[1:] if argv is None else argv
     request = json.loads(Path(args[0]).read_text())
     for p in request.get("sys_path", []):

@@ -62,6 +62,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from memadvisor.device._lifetime import (
+    PARENT_PID_VARIABLE,
+    die_with_parent,
+    parent_is_gone,
+    probe_env,
+    python_command,
+)
+
 __all__ = [
     "ANSWER_MARKER",
     "ForkServer",
@@ -154,10 +162,11 @@ def _error_answer(e: BaseException) -> dict[str, Any]:
     }
 
 
-def _child(state: _State, run: dict[str, Any], answer_fd: int) -> None:
+def _child(state: _State, run: dict[str, Any], answer_fd: int, zygote_pid: int) -> None:
     """In the forked child: run, write the answer to ``answer_fd``, and exit without cleanup."""
     status = 1
     try:
+        die_with_parent(zygote_pid)  # a fork does not inherit the zygote's parent-death signal
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the requests are the zygote's to read
         os.close(state.answers.fileno())  # and the answers its to write
@@ -190,6 +199,7 @@ class _State:
     runner: Any
     context: RunContext
     answers: IO[str]
+    parent_pid: int | None = None  # the planner that started this zygote
 
 
 def _say(out: IO[str], answer: dict[str, Any]) -> None:
@@ -221,7 +231,14 @@ def _setup(setup: dict[str, Any], answers: IO[str]) -> _State | None:
     except Exception as e:  # noqa: BLE001 - e.g. a strategy that does not import
         _say(answers, _error_answer(e))
         return None
-    return _State(workload=workload, runner=runner, context=context, answers=answers)
+    parent = os.environ.get(PARENT_PID_VARIABLE)
+    return _State(
+        workload=workload,
+        runner=runner,
+        context=context,
+        answers=answers,
+        parent_pid=int(parent) if parent else None,
+    )
 
 
 def _context(setup: dict[str, Any], threads: int) -> tuple[RunContext, Any]:
@@ -275,12 +292,13 @@ def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
+    zygote_pid = os.getpid()
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
-        _child(state, run, write_fd)  # never returns
+        _child(state, run, write_fd, zygote_pid)  # never returns
     os.close(write_fd)
-    data, status = _collect(pid, read_fd)
+    data, status = _collect(pid, read_fd, state.parent_pid)
     os.close(read_fd)
     if data:
         with contextlib.suppress(ValueError):
@@ -301,8 +319,11 @@ def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _collect(pid: int, read_fd: int) -> tuple[bytes, int]:
+def _collect(pid: int, read_fd: int, parent_pid: int | None = None) -> tuple[bytes, int]:
     """The child's answer and its wait status.
+
+    The zygote's own parent (the planner) is looked for on every poll: where no parent-death
+    signal exists (macOS), a zygote whose planner died kills its child and exits here.
 
     Read while waiting: a long answer (a traceback) would fill the pipe and stall a child
     that is waited for first. Read until end-of-file or the child's exit, whichever is
@@ -319,6 +340,10 @@ def _collect(pid: int, read_fd: int) -> tuple[bytes, int]:
                     break
                 chunks.append(chunk)
                 continue
+            if parent_is_gone(parent_pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                os._exit(1)
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 os.set_blocking(read_fd, False)
@@ -331,6 +356,7 @@ def _collect(pid: int, read_fd: int) -> tuple[bytes, int]:
 
 
 def main() -> int:
+    die_with_parent()  # SIGTERM or SIGKILL to the planner ends this zygote and its child
     # The answers get stdout to themselves: whatever the model or a library prints (here or
     # in a child) goes to stderr instead.
     answers = os.fdopen(os.dup(1), "w")
@@ -379,12 +405,11 @@ class ForkServer:
         # inherits the zygote's. The owner compares this snapshot with os.environ to know
         # when the zygote is stale (e.g. a compile cache directory set after it started).
         self.parent_env = dict(os.environ)
-        self.env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(env or {})}
-        # ``-m memadvisor...`` must import this very package, whatever the working directory.
-        root = str(Path(__file__).resolve().parents[2])
-        paths = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        self.env["PYTHONPATH"] = os.pathsep.join([*paths, root] if root not in paths else paths)
+        # This very memadvisor, whatever the working directory, and this process's pid for
+        # the zygote to die with (memadvisor.device._lifetime).
+        self.env = probe_env({"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(env or {})})
         self.process: subprocess.Popen[bytes] | None = None
+        self._in_flight = False  # a run was sent and its answer has not come back
         self._buffer = b""
         self._next_id = 0
 
@@ -401,7 +426,8 @@ class ForkServer:
         """
         with self.stderr_path.open("ab") as stderr:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "memadvisor.device._zygote"],
+                # Not ``-m``: the working directory must not be first on its sys.path.
+                python_command("memadvisor.device._zygote"),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -426,17 +452,27 @@ class ForkServer:
             raise ZygoteDied("the zygote is not running")
         self._next_id += 1
         run_id = self._next_id
+        self._in_flight = True
         self._send({"run": {"id": run_id, "candidate": candidate, "steps": steps}})
         answer = self._answer(timeout_s)
+        self._in_flight = False
         if answer.get("id") != run_id:
             self.kill()
             raise ZygoteDied(f"answer for run {answer.get('id')} arrived for run {run_id}")
         return answer
 
     def close(self) -> None:
-        """Ask the zygote to exit; kill it (and any child) if it does not within a few seconds."""
+        """Ask the zygote to exit; kill it (and any child) if it does not within a few seconds.
+
+        A run still in flight (the answer was never read: a Ctrl-C, an error in the parent)
+        is killed at once: the zygote reads no request until its child ends, so asking it to
+        exit would wait the whole grace period.
+        """
         process = self.process
         if process is None:
+            return
+        if self._in_flight:
+            self.kill()
             return
         if process.poll() is None:
             with contextlib.suppress(OSError, ValueError):
@@ -457,6 +493,7 @@ class ForkServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        self._in_flight = False
         self._close_pipes()
 
     def stderr_tail(self, chars: int = 2000) -> str:

@@ -44,10 +44,8 @@ from __future__ import annotations
 import gc
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,6 +54,13 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from memadvisor.device._base import Device
+from memadvisor.device._lifetime import (
+    absolute_sys_path,
+    private_dir,
+    probe_env,
+    python_command,
+    remove_private_dir,
+)
 from memadvisor.device._train import RESULT_MARKER, train_candidate
 from memadvisor.device._zygote import ForkServer, ZygoteDied
 from memadvisor.errors import BadInputError, PlanningError
@@ -152,8 +157,10 @@ class CudaDevice(Device):
         if fresh_process:
             forks = fork_server and hasattr(os, "fork")
             self.mode = "fork_server" if forks else "fresh_process"
-        self._dir = Path(tempfile.mkdtemp(prefix="memadvisor-cuda-"))
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
+        # 0700, and removed however this process ends (a janitor process removes it if this
+        # one is killed): the saved workload is a pickle of the user's model and code.
+        self._dir = private_dir("memadvisor-cuda-")
+        self._finalizer = weakref.finalize(self, remove_private_dir, self._dir)
         self._workload_path: Path | None = None
         self._baseline_allocated: int | None = None
         self._zygote: ForkServer | None = None
@@ -201,6 +208,7 @@ class CudaDevice(Device):
         }
         try:
             save_workload(parts, path)
+            path.chmod(0o600)
         except Exception as e:  # noqa: BLE001 - any pickling failure means "cannot send it"
             self._fall_back(f"the workload cannot be sent to one ({type(e).__name__}: {e})")
             return
@@ -229,7 +237,8 @@ class CudaDevice(Device):
             "workload_path": str(self._workload_path) if self._workload_path else None,
             "profile_path": str(profile_path) if self.profile is not None else None,
             "strategies": self.strategy_names,
-            "sys_path": [p for p in sys.path if p],
+            # Appended after the child's own stdlib and site-packages, never before them.
+            "sys_path": absolute_sys_path(),
             "target_files": _target_files(),
         }
 
@@ -317,10 +326,15 @@ class CudaDevice(Device):
         request = {**self._setup(), "candidate": candidate.model_dump(mode="json"), "steps": steps}
         path = self._dir / "request.json"
         path.write_text(json.dumps(request))
-        cmd = [sys.executable, "-m", "memadvisor.device._worker", str(path)]
+        cmd = python_command("memadvisor.device._worker", str(path))
         try:
             done = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=self.timeout_s, cwd=os.getcwd()
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout_s,
+                cwd=os.getcwd(),
+                env=probe_env(),
             )
         except subprocess.TimeoutExpired as e:
             raise PlanningError(

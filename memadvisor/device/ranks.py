@@ -28,7 +28,6 @@ import copy
 import os
 import queue
 import statistics
-import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from memadvisor.device._base import Device
+from memadvisor.device._lifetime import die_with_parent, private_dir, remove_private_dir
 from memadvisor.errors import BadInputError, PlanningError, SimulatedOutOfMemoryError, is_oom
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -123,7 +123,9 @@ class Ranks(Device):
             )
         context = mp.get_context("fork" if self.backend == "simulated" else "spawn")
         answers: Any = context.Queue()
-        with tempfile.TemporaryDirectory(prefix="memadvisor-ranks-") as tmp:
+        # 0700, removed however this process ends (memadvisor.device._lifetime).
+        tmp = private_dir("memadvisor-ranks-")
+        try:
             store = os.path.join(tmp, "store")
             job = _Job(
                 workload=workload if self.backend == "simulated" else None,
@@ -138,7 +140,9 @@ class Ranks(Device):
                 profile=self.profile.model_dump() if self.profile is not None else None,
             )
             processes = [
-                context.Process(target=_rank_main, args=(rank, job, answers), daemon=True)
+                context.Process(
+                    target=_rank_main, args=(rank, job, answers, os.getpid()), daemon=True
+                )
                 for rank in range(self.world_size)
             ]
             for p in processes:
@@ -151,6 +155,8 @@ class Ranks(Device):
                         p.terminate()
                 for p in processes:
                     p.join(timeout=10)
+        finally:
+            remove_private_dir(tmp)
         return _measurement(results, candidate, steps, self.budget_bytes)
 
 
@@ -227,7 +233,8 @@ def _measurement(
 # -- in each rank -----------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, job: _Job, answers: Any) -> None:
+def _rank_main(rank: int, job: _Job, answers: Any, parent_pid: int | None = None) -> None:
+    die_with_parent(parent_pid)  # SIGTERM or SIGKILL to the planner ends the ranks too
     steps_done = [0]
     try:
         answer = _train_rank(rank, job, steps_done)

@@ -52,6 +52,7 @@ from memadvisor.planner._rows import comparison_rows, measure_configuration, row
 from memadvisor.planner._search import ranked_or_infeasible
 from memadvisor.planner._space import SearchSpace
 from memadvisor.planner._stage import refined_pick
+from memadvisor.planner._steady import with_times_that_rank
 from memadvisor.process_state import preserved_state
 from memadvisor.profiler._state import check_copyable
 from memadvisor.schema.advice import Check
@@ -139,6 +140,12 @@ def plan_workload(
             )
             if profile is None:
                 profile = _profile(workload, kind, ui)
+                if kind == "simulated" and device is None:
+                    # CPU times jitter past the gaps between candidates: rank by a model of
+                    # the step's FLOPs instead, so the same inputs give the same plan.
+                    profile, steady_note = with_times_that_rank(workload, profile)
+                    if steady_note is not None:
+                        notes.append(steady_note)
             screened: list[Check] = []
             if any(type(s).screen is not Strategy.screen for s in chosen):
                 # Before the search: a choice that fails its check is then not offered.

@@ -204,7 +204,9 @@ class MemoryStep:
             torch.cuda.empty_cache()
         params = [p for p in self.model.parameters()]
         meter = _StepMeter({id(p.untyped_storage()) for p in params})
-        self.walk = BackwardWalk(meter, self.n_blocks, self._current_block)
+        self.walk = BackwardWalk(
+            meter, self.n_blocks, self._current_block, storage_key=self._step_storage
+        )
         on_device = self._on_device
         meter.adopt(t for t in params if on_device(t))
         meter.adopt(t for t in self.model.buffers() if on_device(t))

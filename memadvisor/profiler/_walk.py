@@ -22,7 +22,7 @@ Known limitations:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -41,15 +41,27 @@ class BackwardWalk:
         meter: the step's meter; :meth:`on_live` must be one of its listeners.
         n_blocks: how many blocks the step has.
         current_block: the index of the block whose forward is running, -1 outside blocks.
+        storage_key: a tensor's storage identity, the one ``watch_output``'s ``made`` is keyed
+            by; None for a storage the step did not make. Not ``id(storage)`` alone: a dead
+            storage's id is reused by a later one, and an output then counted as kept or not
+            by where Python's allocator put its wrapper (the same step gave another profile
+            on each run).
     """
 
-    def __init__(self, meter: MemoryMeter, n_blocks: int, current_block: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        meter: MemoryMeter,
+        n_blocks: int,
+        current_block: Callable[[], int],
+        storage_key: Callable[[torch.Tensor], Hashable | None] | None = None,
+    ) -> None:
         self.meter = meter
         self.n_blocks = n_blocks
         self.current_block = current_block
+        self.storage_key = storage_key or (lambda t: id(t.untyped_storage()))
         self.forward = True
-        self.savers: dict[int, set[int]] = {}  # id(storage) -> blocks that saved it
-        self.outputs: list[dict[int, int]] = [{} for _ in range(n_blocks)]
+        self.savers: dict[Hashable, set[int]] = {}  # storage key -> blocks that saved it
+        self.outputs: list[dict[Hashable, int]] = [{} for _ in range(n_blocks)]
         self.end_of_forward: int | None = None
         self.window: list[int] | None = None  # [block, start, peak]
         self.start: list[int | None] = [None] * n_blocks
@@ -66,8 +78,9 @@ class BackwardWalk:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.forward and tensor.device.type != "meta":
-            key = id(tensor.untyped_storage())
-            self.savers.setdefault(key, set()).add(self.current_block())
+            key = self.storage_key(tensor)
+            if key is not None:
+                self.savers.setdefault(key, set()).add(self.current_block())
         return tensor  # the same tensor: saving it costs exactly what it costs without us
 
     def watch_output(self, block: int, outputs: Iterable[torch.Tensor], made: dict) -> None:
@@ -79,7 +92,7 @@ class BackwardWalk:
             made: ``{storage key: bytes}`` of the outputs the block itself made.
         """
         for key, nbytes in made.items():
-            self.outputs[block][key[0] if isinstance(key, tuple) else key] = nbytes
+            self.outputs[block][key] = nbytes
         for t in outputs:
             if t.requires_grad:
                 t.register_hook(self._opener(block))

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from memadvisor.errors import BadInputError
+from memadvisor.files import write_text_atomic
 from memadvisor.profiler import OpAllocation
 from memadvisor.report import _facts as facts
 from memadvisor.report._html_assets import CSS, SCRIPT
@@ -173,17 +173,13 @@ def render_profile_html(
 
 
 def write_html(page: str, path: str | Path) -> Path:
-    """Write a rendered page to ``path``.
+    """Write a rendered page to ``path``, whole or not at all (:mod:`memadvisor.files`).
 
     Raises:
-        BadInputError: the file cannot be written (no such folder, no permission).
+        BadInputError: the file cannot be written (no such folder, no permission, a
+            non-regular target); a file there before is left whole.
     """
-    path = Path(path)
-    try:
-        path.write_text(page, encoding="utf-8")
-    except OSError as e:
-        raise BadInputError(f"Cannot write the HTML report to {str(path)!r}: {e.strerror}.") from e
-    return path
+    return write_text_atomic(path, page, "the HTML report")
 
 
 # -- pieces -----------------------------------------------------------------------------------

@@ -208,3 +208,17 @@ def loss_not_callable() -> dict:
 def empty_batch() -> dict:
     """A sample batch with 0 rows."""
     return {"model": nn.Linear(4, 4), "sample_batch": torch.randn(0, 4), "loss_fn": _sum_loss}
+
+
+def nan_batch() -> dict:
+    """``mlp`` whose sample batch is all NaN: every loss would be NaN."""
+    built = mlp()
+    x, y = built["sample_batch"]
+    return {**built, "sample_batch": (torch.full_like(x, float("nan")), y)}
+
+
+def inf_batch() -> dict:
+    """``mlp`` whose sample batch is all +inf."""
+    built = mlp()
+    x, y = built["sample_batch"]
+    return {**built, "sample_batch": (torch.full_like(x, float("inf")), y)}

@@ -196,7 +196,7 @@ def test_plan_html_falls_back_to_phase_peaks_when_the_step_cannot_be_recorded(
 # -- bad input, refused before any work -------------------------------------------------------
 
 
-@pytest.mark.parametrize("budget", ["0", "-1", "nan", "1e-12"])
+@pytest.mark.parametrize("budget", ["0", "-1", "nan", "1e-12", "inf", "-inf", "1e308"])
 def test_plan_non_positive_budget_is_bad_input(cli, factory, budget: str) -> None:
     result = cli("plan", factory("mlp"), "--budget-gb", budget)
     assert result.exit_code == 2

@@ -19,6 +19,7 @@ from memadvisor.workload import train_step
 BUG_BATCH = 13  # raises a KeyError: an error that is not out-of-memory
 KILLED_BATCH = 666  # the child kills itself with SIGKILL before answering
 LINGERING_BATCH = 777  # the child leaves a forked process holding its answer pipe open
+SLOW_BATCH = 555  # the child says it started (its pid to $MEMADVISOR_TEST_STARTED), then sleeps
 OOM_FROM = 1000  # from here on the child runs out of memory after one step
 _touched = {"runs": 0}  # a module global each child changes: the next child must not see it
 
@@ -50,6 +51,10 @@ def run(workload, candidate, steps, context) -> Measurement:
         raise KeyError("the model's own bug")
     if batch_size == KILLED_BATCH:
         os.kill(os.getpid(), signal.SIGKILL)
+    if batch_size == SLOW_BATCH:
+        with open(os.environ["MEMADVISOR_TEST_STARTED"], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)  # a run that outlasts any test: only a kill ends it
     if batch_size == LINGERING_BATCH and os.fork() == 0:
         time.sleep(20)  # as a pool process the run left behind: holds every inherited fd
         os._exit(0)
