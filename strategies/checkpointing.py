@@ -132,12 +132,55 @@ class CheckpointedForward(_forward.ForwardWrapper):
         if not (self.module.training and torch.is_grad_enabled()):
             return self.call_inner(*args, **kwargs)
         args, kwargs = _without_mutable_cache(self.module, args, kwargs)
-        # Keyword arguments (attention masks, position ids) travel in a partial so none of
-        # their names can collide with checkpoint()'s own keywords.
-        run = functools.partial(self.call_inner, **kwargs) if kwargs else self.call_inner
+        if _holds_container((args, kwargs)):
+            run: Any = _ArgumentsAsCalled(self.call_inner, args, kwargs)
+        else:
+            # Keyword arguments (attention masks, position ids) travel in a partial so none
+            # of their names can collide with checkpoint()'s own keywords.
+            run = functools.partial(self.call_inner, **kwargs) if kwargs else self.call_inner
         if any(True for _ in self.module.buffers()):
             run = _BufferGuard(self, run)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def _holds_container(value: Any) -> bool:
+    """Whether ``value`` is or holds (within tuples) a list or dict a caller could change."""
+    if type(value) is tuple:
+        return any(_holds_container(v) for v in value)
+    return type(value) in (list, dict)
+
+
+def _copied_structure(value: Any) -> Any:
+    """``value`` with its lists, dicts and tuples copied; tensors and all else shared."""
+    if type(value) in (list, tuple):
+        return type(value)(_copied_structure(v) for v in value)
+    if type(value) is dict:
+        return {k: _copied_structure(v) for k, v in value.items()}
+    return value
+
+
+class _ArgumentsAsCalled:
+    """One checkpointed call's forward, whose recompute sees its arguments as forward did.
+
+    A caller may change a list or dict it passed once the block has returned: torchvision's
+    DenseNet appends each dense layer's output to the list of features that every layer is
+    given, so by backward the list holds more tensors than the layer concatenated, and the
+    recompute computed something else (a BatchNorm of the wrong width). The containers'
+    structure is copied at the call (the tensors in them are shared, not copied): the forward
+    gets the caller's own objects, every recompute a fresh copy of them as they were.
+    """
+
+    def __init__(self, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.call, self.kwargs = call, kwargs
+        self.as_called = _copied_structure((args, kwargs))
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            return self.call(*args, **self.kwargs)
+        args, kwargs = _copied_structure(self.as_called)
+        return self.call(*args, **kwargs)
 
 
 class _BufferGuard:

@@ -1,5 +1,6 @@
 """Shared test setup: the gpu marker skips without CUDA; examples load by path; a third
-party's strategy installs with its entry point as pip would leave it."""
+party's strategy installs with its entry point as pip would leave it; torchvision imports
+where its C++ ops cannot load."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.zoo import allow_torchvision_without_ops
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+
+# PyPI's torchvision (the README's test command installs it for tests/test_zoo.py) beside a
+# CPU torch cannot load its C++ ops, and its import, and transformers' with it, would fail.
+allow_torchvision_without_ops()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,8 @@
 """Which modules are the model's blocks: the repeated units a person would checkpoint.
 
-By default, the repeated units in ``ModuleList``/``Sequential`` containers: runs of two or
-more adjacent children of one type that hold parameters (transformer layers, ResNet
+By default, the repeated units in ``ModuleList``/``Sequential``/``ModuleDict`` containers
+(torchvision's DenseNet keeps its dense layers in a ``ModuleDict``): runs of two or more
+adjacent children of one type that hold parameters (transformer layers, ResNet
 bottlenecks). A run need not fill its container, so ``nn.Sequential(stem, *blocks, head)``
 gives its blocks as a container of blocks alone does. Runs of the same member type count
 together, so a ResNet's ``layer1`` ... ``layer4`` give all its bottlenecks, not only the
@@ -117,7 +118,7 @@ def _detect(model: nn.Module) -> list[str]:
     # beside a stem and a head): candidates for blocks.
     members_by_type: dict[type, list[str]] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
         prefix = f"{name}." if name else ""
         for run in _runs(list(module.named_children())):

@@ -59,6 +59,19 @@ def test_sibling_stages_of_one_block_type_count_together() -> None:
     ]
 
 
+class DenseStage(nn.ModuleDict):
+    """torchvision's _DenseBlock: a ModuleDict of layers that its forward runs in order."""
+
+    def __init__(self) -> None:
+        super().__init__({f"denselayer{i}": Unit() for i in (1, 2, 3)})
+
+
+def test_units_kept_in_a_module_dict_are_blocks() -> None:
+    """Rule: a ModuleDict is a container like the others (DenseNet had no blocks at all)."""
+    model = nn.Sequential(nn.Linear(2, 2), DenseStage(), nn.ReLU(), DenseStage())
+    assert find_blocks(model) == [f"{s}.denselayer{i}" for s in (1, 3) for i in (1, 2, 3)]
+
+
 def test_a_model_without_repeated_units_has_no_blocks() -> None:
     """Nothing repeats: no blocks (everything is profiled as outside owners)."""
     assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []

@@ -410,6 +410,48 @@ def test_any_mutated_buffer_changes_once_and_the_recompute_sees_what_forward_saw
         assert torch.equal(a.grad, b.grad), name
 
 
+class _DenseLayer(nn.Module):
+    """torchvision's _DenseLayer: it concatenates the list of every earlier output."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(channels, 2)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return torch.tanh(self.lin(torch.cat(features, 1)))
+
+
+class _DenseStage(nn.Module):
+    """torchvision's _DenseBlock: after each layer, its output joins the list it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_DenseLayer(2 + 2 * i) for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+def test_the_recompute_sees_a_list_argument_as_forward_did_though_the_caller_grew_it() -> None:
+    """Rule: a list (or dict) a block was given and its caller changed afterwards is
+    recomputed as it was at the call; the caller's own list still grows as it did."""
+    torch.manual_seed(0)
+    plain = _DenseStage()
+    wrapped = copy.deepcopy(plain)
+    CKPT.apply(wrapped, ["layers.0", "layers.1", "layers.2"], None)
+    x = torch.randn(3, 2)
+    outs = []
+    for model in (plain, wrapped):
+        outs.append(model(x))
+        outs[-1].pow(2).sum().backward()
+    assert outs[1].shape == (3, 8) and torch.equal(outs[0], outs[1])
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def test_a_checkpointed_batchnorm_trains_on_fake_tensors() -> None:
     """Rule: the buffer guard never reads values, which fake tensors (fake planning) lack."""
     from memadvisor._torch_private import fake_tensor_mode
