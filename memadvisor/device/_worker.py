@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from memadvisor.device._train import train_candidate
-    from memadvisor.errors import is_oom
+    from memadvisor.errors import BadInputError, is_oom
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.profile import Profile
 
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "status": "error",
                     "type": type(e).__name__,
+                    "bad_input": isinstance(e, BadInputError),
                     "message": str(e),
                     "traceback": traceback.format_exc(),
                 }
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "status": "error",
                 "type": type(e).__name__,
+                "bad_input": isinstance(e, BadInputError),
                 "message": str(e),
                 "traceback": traceback.format_exc(),
             }

@@ -143,7 +143,7 @@ def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) 
 
 
 def _error_answer(e: BaseException) -> dict[str, Any]:
-    from memadvisor.errors import is_oom
+    from memadvisor.errors import BadInputError, is_oom
 
     if isinstance(e, Unforkable) or _FORKED_AUTOGRAD in str(e):
         return {"status": "unforkable", "message": str(e)}
@@ -157,6 +157,7 @@ def _error_answer(e: BaseException) -> dict[str, Any]:
     return {
         "status": "error",
         "type": type(e).__name__,
+        "bad_input": isinstance(e, BadInputError),
         "message": str(e),
         "traceback": traceback.format_exc(),
     }

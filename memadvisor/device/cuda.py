@@ -423,7 +423,7 @@ def _measurement(
     if status == "unloadable":
         fall_back(f"a fresh process could not load the workload ({answer['message']})")
         return None
-    if answer.get("type") == "BadInputError":
+    if answer.get("bad_input"):  # BadInputError or a subclass (UserCodeError) in the child
         raise BadInputError(answer["message"])
     where = f"batch {candidate.batch_size}" if candidate is not None else "loading the workload"
     raise PlanningError(

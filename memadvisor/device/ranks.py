@@ -209,7 +209,7 @@ def _measurement(
             error: Exception = torch.OutOfMemoryError(f"rank {rank}: {failed['message']}")
             error.memadvisor_steps_completed = failed["steps_completed"]  # type: ignore[attr-defined]
             raise error
-        if failed.get("type") == "BadInputError":
+        if failed.get("bad_input"):  # BadInputError or a subclass (UserCodeError)
             raise BadInputError(f"rank {rank}: {failed['message']}")
         raise PlanningError(
             f"Rank {rank} failed at batch {candidate.batch_size} with {failed.get('type')}: "
@@ -249,6 +249,7 @@ def _rank_main(rank: int, job: _Job, answers: Any, parent_pid: int | None = None
             answer = {
                 "status": "error",
                 "type": type(e).__name__,
+                "bad_input": isinstance(e, BadInputError),
                 "message": str(e),
                 "traceback": traceback.format_exc(),
             }

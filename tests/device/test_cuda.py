@@ -345,3 +345,29 @@ def test_the_fork_server_path_of_cuda_device_on_the_cpu(monkeypatch, tmp_path: P
         assert device.notes == []
     finally:
         device.close()
+
+
+def test_a_childs_user_code_error_is_bad_input_in_the_parent_whatever_its_subclass() -> None:
+    """The child says whether its error was bad input (a UserCodeError is one): the parent
+    raises BadInputError (exit 2), not PlanningError, for every subclass; other errors stay
+    PlanningError. (Matching the type's name missed UserCodeError.)"""
+    from memadvisor.device._zygote import _error_answer
+    from memadvisor.device.cuda import _measurement
+    from memadvisor.errors import PlanningError, UserCodeError
+
+    def fall_back(reason: str) -> None:
+        raise AssertionError(reason)
+
+    candidate = Candidate(batch_size=8)
+    try:
+        raise UserCodeError("The model (Net) rejected the batch: shapes (8x17 and 16x4)")
+    except UserCodeError as e:
+        answer = _error_answer(e)
+    with pytest.raises(BadInputError, match="rejected the batch"):
+        _measurement(answer, candidate, fall_back)
+    try:
+        raise KeyError("ours")
+    except KeyError as e:
+        answer = _error_answer(e)
+    with pytest.raises(PlanningError, match="KeyError"):
+        _measurement(answer, candidate, fall_back)
