@@ -43,6 +43,8 @@ SMOKES: dict[str, list[str]] = {
         "1", "--min-rounds", "1", "--warmup", "1", "--json", OUT,
     ],
     "fake_7b": ["--preset", "tiny", "--seq-len", "64"],
+    "precision_check": ["--device", "cpu", "--tiny", "--models", "gpt2", "--out", OUT],
+    "probe_exit": ["--repeat", "1"],
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
         "--json", OUT,
@@ -59,6 +61,7 @@ IMPORT_ONLY = {
     "profile_check": "compares the profile with the CUDA allocator",
     "strategies_effect": "its CPU path takes minutes (numerics curves)",
     "user_path": "its CPU path takes minutes (several fresh processes)",
+    "zoo_picks": "plans every zoo model: tests/test_zoo.py runs the same plans",
 }
 LIMIT_S = 150
 

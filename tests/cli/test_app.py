@@ -122,7 +122,7 @@ def test_help_names_the_target_lists_choices_and_shows_flags_without_a_type(comm
     text = _help_in_a_real_process(command, columns=200)  # wide: a value list is not wrapped
     assert "TARGET" in text and "{target}" not in text
     assert "<bool>" not in text
-    assert "<auto|cuda|simulated|estimate>" in text
+    assert "<auto|cuda|gpu|cpu|simulated|estimate>" in text
     if command == "plan":
         assert "<throughput|largest_batch|effective_batch>" in text
 
