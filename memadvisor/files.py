@@ -14,12 +14,14 @@ Every file memadvisor writes for the user (the CLI's ``--json``/``--html``/..., 
 
 What the target may be: a new name, or an existing regular file. A symlink to a regular file
 is written through: the file it points to is replaced (atomically, in that file's folder) and
-the link stays. Anything else is refused with a :class:`BadInputError` that names the path:
-a device node (``/dev/stdout``), a FIFO, a socket, a folder, a dangling symlink, or a symlink
-owned by another user (in a shared folder that is how a plan would be redirected into a file
-of theirs, or of root's). :func:`check_writable` runs the same checks, and creates and
-removes a temporary file in the folder, so that the CLI refuses an output path before the
-plan is made rather than after.
+the link stays. A character device or a FIFO (``/dev/stdout``, a terminal, ``| jq`` through
+a named pipe) is written through too, never replaced: the bytes go to it directly, with no
+temporary file (a stream has no old content to keep whole). Anything else is refused with a
+:class:`BadInputError` that names the path: a block device, a socket, a folder, a dangling
+symlink, or a symlink owned by another user (in a shared folder that is how a plan would be
+redirected into a file of theirs, or of root's). :func:`check_writable` runs the same
+checks, and creates and removes a temporary file in the folder, so that the CLI refuses an
+output path before the plan is made rather than after.
 
 Known limitations:
     * ``fsync`` of the file, not of its folder: after a power cut the rename itself may be
@@ -41,44 +43,50 @@ from memadvisor.errors import BadInputError
 __all__ = ["check_writable", "write_text_atomic"]
 
 _KINDS = (
-    (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
     (stat.S_ISSOCK, "a socket"),
     (stat.S_ISDIR, "a folder"),
 )
-_INSTEAD = "pass the path of a regular file (a new name, or a file to replace)"
+_INSTEAD = (
+    "pass the path of a regular file (a new name, or a file to replace), a FIFO or a "
+    "character device such as /dev/stdout"
+)
+
+
+def _streams(mode: int) -> bool:
+    """Whether a file of this mode is written through (a character device, a FIFO)."""
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
 def _kind(mode: int) -> str | None:
-    """What a non-regular file is, in words; None for a regular file."""
+    """What a file memadvisor will not write is, in words; None for one it writes."""
+    if stat.S_ISREG(mode) or _streams(mode):
+        return None
     for test, words in _KINDS:
         if test(mode):
             return words
-    return None if stat.S_ISREG(mode) else "not a regular file"
+    return "not a regular file"
 
 
-def _target(path: Path, what: str) -> Path:
-    """The file to replace for ``path``: itself, or the regular file its symlink points to.
+def _target(path: Path, what: str) -> tuple[Path, bool]:
+    """The file to write for ``path`` and whether it is a stream written through: itself, the
+    regular file its symlink points to (replaced), or the device or FIFO it is or points to.
 
     Raises:
-        BadInputError: ``path`` is not a regular file, or a symlink that is not safe to
-            follow (dangling, owned by another user, pointing at anything but a regular file).
+        BadInputError: ``path`` is none of those, or a symlink that is not safe to follow
+            (dangling, owned by another user, pointing at anything else).
     """
     try:
         own = os.lstat(path)
     except FileNotFoundError:
-        return path
+        return path, False
     except OSError as e:
         raise BadInputError(f"Cannot write {what} to {str(path)!r}: {e.strerror}.") from e
     if not stat.S_ISLNK(own.st_mode):
         kind = _kind(own.st_mode)
         if kind is not None:
-            raise BadInputError(
-                f"Cannot write {what} to {str(path)!r}: it is {kind}, and memadvisor writes a "
-                f"file whole and replaces it; {_INSTEAD}."
-            )
-        return path
+            raise BadInputError(f"Cannot write {what} to {str(path)!r}: it is {kind}; {_INSTEAD}.")
+        return path, _streams(own.st_mode)
     if own.st_uid not in (os.geteuid(), 0):
         raise BadInputError(
             f"Cannot write {what} to {str(path)!r}: it is a symlink owned by another user "
@@ -86,7 +94,9 @@ def _target(path: Path, what: str) -> Path:
         )
     resolved = Path(os.path.realpath(path))
     try:
-        points_to = os.stat(resolved)
+        # Through the link itself: /dev/stdout -> /proc/self/fd/1 -> "pipe:[...]" has no
+        # path of its own to resolve to, but opening the link reaches the pipe.
+        points_to = os.stat(path)
     except FileNotFoundError:
         raise BadInputError(
             f"Cannot write {what} to {str(path)!r}: it is a symlink to {str(resolved)!r}, "
@@ -98,7 +108,9 @@ def _target(path: Path, what: str) -> Path:
             f"Cannot write {what} to {str(path)!r}: it is a symlink to {str(resolved)!r}, "
             f"which is {kind}; {_INSTEAD}."
         )
-    return resolved
+    if _streams(points_to.st_mode):
+        return path, True
+    return resolved, False
 
 
 def check_writable(path: str | Path, what: str) -> Path:
@@ -112,7 +124,13 @@ def check_writable(path: str | Path, what: str) -> Path:
         BadInputError: the folder is missing or not writable, or the target is refused.
     """
     path = Path(path)
-    target = _target(path, what)
+    target, stream = _target(path, what)
+    if stream:
+        if not os.access(target, os.W_OK):
+            raise BadInputError(
+                f"Cannot write {what} to {str(path)!r}: it is not writable by this user."
+            )
+        return target
     folder = target.parent
     if not folder.is_dir():
         raise BadInputError(
@@ -150,6 +168,19 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _write_through(target: Path, data: bytes, what: str) -> None:
+    """``data`` to a character device or FIFO as it is: opened for writing, never created,
+    truncated or replaced (O_NOCTTY: a terminal does not become this process's)."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NOCTTY)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise BadInputError(f"Cannot write {what} to {str(target)!r}: {e.strerror or e}.") from e
+
+
 def write_text_atomic(path: str | Path, text: str, what: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` whole or not at all (the module docstring's rules).
 
@@ -165,8 +196,11 @@ def write_text_atomic(path: str | Path, text: str, what: str) -> Path:
         BadInputError: the target is refused, or the write failed (the old file is whole).
     """
     path = Path(path)
-    target = _target(path, what)
+    target, stream = _target(path, what)
     data = text.encode("utf-8")
+    if stream:
+        _write_through(target, data, what)
+        return path
     try:
         fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     except OSError as e:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
+import socket
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,13 +77,17 @@ def test_the_new_file_has_the_mode_the_umask_gives(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("writer", ["cli", "files"])
-def test_a_fifo_is_refused_not_replaced(tmp_path: Path, writer: str) -> None:
-    """A FIFO (like a device node) is never replaced by a regular file: an error names the path
-    and what to pass instead, and the FIFO is still one."""
+def test_a_fifo_is_written_through_not_replaced(tmp_path: Path, writer: str) -> None:
+    """A FIFO (``--json`` into a reader's pipe) gets the bytes as they are and stays a FIFO:
+    no temporary file, nothing replaced."""
     fifo = tmp_path / "out.json"
     os.mkfifo(fifo)
-    with pytest.raises(BadInputError, match=r"FIFO.*pass the path of a regular file"):
-        _writers()[writer](fifo, "x")
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    _writers()[writer](fifo, "x")
+    reader.join(timeout=10)
+    assert got == [b"x"]
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no temporary left
 
@@ -97,14 +103,41 @@ def private_null_device(folder: Path) -> Path:
     return node
 
 
-def test_a_device_node_is_refused_before_and_at_the_write(tmp_path: Path) -> None:
-    """A character device is refused by the early check and by the write, and stays one."""
+def test_a_device_node_is_written_through_before_and_at_the_write(tmp_path: Path) -> None:
+    """A character device passes the early check, is written through, and stays one (before
+    this rule, as root, memadvisor replaced the node with a regular file)."""
     node = private_null_device(tmp_path)
-    with pytest.raises(BadInputError, match="character device"):
-        check_output_paths(html=node)
-    with pytest.raises(BadInputError, match="character device"):
-        write_text_atomic(node, "x", "the HTML report")
+    check_output_paths(html=node)
+    write_text_atomic(node, "x", "the HTML report")
     assert stat.S_ISCHR(os.lstat(node).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null"]
+
+
+def test_dev_stdout_through_its_links_is_written_through(tmp_path: Path) -> None:
+    """/dev/stdout -> /proc/self/fd/1 -> a pipe with no path: reached through the link."""
+    code = (
+        "from memadvisor.files import write_text_atomic; "
+        "write_text_atomic('/dev/stdout', 'plan', 'the plan')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "plan"
+
+
+def test_a_socket_or_a_folder_is_refused(tmp_path: Path) -> None:
+    """What is neither a file nor a stream is refused, naming what it is."""
+    with pytest.raises(BadInputError, match="a folder"):
+        write_text_atomic(tmp_path, "x", "the plan")
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(tmp_path / "s"))
+        with pytest.raises(BadInputError, match="a socket"):
+            write_text_atomic(tmp_path / "s", "x", "the plan")
+    finally:
+        sock.close()
 
 
 def test_a_symlink_to_a_regular_file_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
@@ -118,14 +151,14 @@ def test_a_symlink_to_a_regular_file_is_written_through_and_stays_a_link(tmp_pat
     assert link.is_symlink() and real.read_text() == "new"
 
 
-@pytest.mark.parametrize("make", ["dangling", "to_fifo"])
-def test_a_symlink_to_no_regular_file_is_refused(tmp_path: Path, make: str) -> None:
+@pytest.mark.parametrize("make", ["dangling", "to_folder"])
+def test_a_symlink_to_no_file_or_stream_is_refused(tmp_path: Path, make: str) -> None:
     link = tmp_path / "plan.json"
     if make == "dangling":
         link.symlink_to(tmp_path / "missing")
     else:
-        os.mkfifo(tmp_path / "fifo")
-        link.symlink_to(tmp_path / "fifo")
+        (tmp_path / "folder").mkdir()
+        link.symlink_to(tmp_path / "folder")
     with pytest.raises(BadInputError, match="symlink to"):
         write_text_atomic(link, "x", "the plan")
     assert link.is_symlink()
