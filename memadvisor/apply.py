@@ -66,7 +66,14 @@ def apply_plan(model: nn.Module, plan: Plan | str | os.PathLike[str]) -> nn.Modu
             "memadvisor.plan() returned, or the file `memadvisor plan ... --json` wrote."
         )
     fingerprint = plan.model_fingerprint
-    difference = fingerprint.difference(model) if fingerprint is not None else None
+    if fingerprint is None:
+        # Every plan memadvisor makes has one; a file without it would skip the model check.
+        raise BadInputError(
+            "This plan has no model_fingerprint, so nothing says it was made for this model; "
+            "every plan memadvisor makes has one. Make the plan again (memadvisor plan ... "
+            "--json plan.json, or memadvisor.plan())."
+        )
+    difference = fingerprint.difference(model)
     if difference is not None:
         raise BadInputError(
             f"This plan does not fit the model: {difference}. Apply a plan made for this model "

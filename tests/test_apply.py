@@ -17,7 +17,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.estimate import estimate
 from memadvisor.schema.candidate import Candidate, Estimate
 from memadvisor.schema.config import PlanConfig
-from memadvisor.schema.plan import Plan
+from memadvisor.schema.plan import ModelFingerprint, Plan
 from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
@@ -119,6 +119,7 @@ def test_apply_plan_from_json_gives_the_same_rewrite_as_apply_candidate() -> Non
             peak_bytes=1, peak_phase="backward", breakdown={}, step_ms=1.0, samples_per_s=1.0
         ),
         profile=_profile(),
+        model_fingerprint=ModelFingerprint.of(_net()),
     )
     loaded = Plan.model_validate_json(plan.model_dump_json())
     by_plan = memadvisor.apply_plan(_net(), loaded)
@@ -150,6 +151,7 @@ def _plan() -> Plan:
             peak_bytes=1, peak_phase="backward", breakdown={}, step_ms=1.0, samples_per_s=1.0
         ),
         profile=_profile(),
+        model_fingerprint=ModelFingerprint.of(_net()),
     )
 
 

@@ -283,7 +283,21 @@ class Plan(_Model):
                 "`memadvisor plan ... --json plan.json` (or plan.to_json) wrote."
             ) from e
         try:
-            return cls.model_validate_json(text)
+            # Strict: "3" is not schema_version 3 and true is not batch 1. A file cannot raise
+            # its own bounds: its batch stays within the default max_batch as well as its own.
+            plan = cls.model_validate_json(text, strict=True)
+            ceiling = min(plan.config.max_batch, PlanConfig.model_fields["max_batch"].default)
+            for field in ("batch_size", "accumulation_steps"):
+                value = getattr(plan.candidate, field)
+                if value > ceiling:
+                    raise BadInputError(
+                        f"{str(path)!r} is not a plan this memadvisor reads: candidate.{field} "
+                        f"is {value}, above {ceiling}, the largest batch memadvisor plans by "
+                        "default (a plan file cannot raise its own limit, which an edit could). "
+                        "If you planned past it on purpose (max_batch), read the file with "
+                        "Plan.model_validate_json(text) instead."
+                    )
+            return plan
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(x) for x in first["loc"]) or "the file"

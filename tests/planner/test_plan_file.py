@@ -149,3 +149,38 @@ def test_an_inference_choice_on_a_training_plan_is_refused() -> None:
     with pytest.raises(BadInputError, match="training"):
         memadvisor.apply_plan(model, _plan(inference="advice"))
     assert model.training and _forward.find_wrapper(model, _forward.ForwardWrapper) is None
+
+
+# -- a plan file read strictly (issue 29) ------------------------------------------------------
+
+
+def _edited_file(tmp_path, **changes) -> object:
+    """This file's plan saved as JSON with ``changes`` made (``a__b``: the field b of a)."""
+    data = json.loads(_plan().model_dump_json())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_plan_file_is_read_strictly_and_cannot_raise_its_own_bounds(tmp_path) -> None:
+    """ "3" is not schema_version 3, true is not batch 1, an edited max_batch does not let an
+    edited batch through, and a plan without a fingerprint is not applied."""
+    from memadvisor.apply import apply_plan
+
+    assert Plan.load(_edited_file(tmp_path)).candidate.batch_size == 4
+    version = json.loads(_plan().model_dump_json())["schema_version"]
+    with pytest.raises(BadInputError, match="schema_version"):
+        Plan.load(_edited_file(tmp_path, schema_version=str(version)))
+    with pytest.raises(BadInputError, match="batch_size"):
+        Plan.load(_edited_file(tmp_path, candidate__batch_size=True))
+    edited = _edited_file(tmp_path, config__max_batch=10**9, candidate__batch_size=10**8)
+    with pytest.raises(BadInputError, match="cannot raise its own limit"):
+        Plan.load(edited)
+    with pytest.raises(BadInputError, match="no model_fingerprint"):
+        apply_plan(Net(), _edited_file(tmp_path, model_fingerprint=None))
