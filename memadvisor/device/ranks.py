@@ -145,8 +145,7 @@ class Ranks(Device):
                 )
                 for rank in range(self.world_size)
             ]
-            for p in processes:
-                p.start()
+            start_isolated(processes)
             try:
                 results = _collect(answers, processes, self.world_size)
             finally:
@@ -158,6 +157,27 @@ class Ranks(Device):
         finally:
             remove_private_dir(tmp)
         return _measurement(results, candidate, steps, self.budget_bytes)
+
+
+def start_isolated(processes: Sequence[Any]) -> None:
+    """Start ``processes`` with ``PYTHONSAFEPATH=1`` in their environment, so a spawned
+    child's bootstrap (``python -c ...``) does not put the working directory first on
+    ``sys.path``: a ``selectors.py`` left there would run inside the rank. The parent's own
+    ``sys.path`` (the user's modules) still reaches the child through spawn's preparation.
+
+    Known limitations:
+        * Python 3.10 ignores the variable (it came in 3.11).
+    """
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        for p in processes:
+            p.start()
+    finally:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
 
 
 class _Job:

@@ -9,6 +9,7 @@ all-gather's buffers as a whole unit even where they do not meet the peak (conse
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -98,3 +99,23 @@ def test_a_rank_out_of_memory_fails_the_run_without_hanging(
 def test_a_candidate_without_a_parallel_choice_is_refused(workload: Workload) -> None:
     with pytest.raises(BadInputError, match="parallel"):
         Ranks(2**30, 2).run(workload, Candidate(batch_size=2), steps=1)
+
+
+def test_spawned_ranks_do_not_import_from_the_working_directory(tmp_path, monkeypatch) -> None:
+    """A CUDA rank is a spawned process whose bootstrap would put the working directory first
+    on sys.path: a planted ``selectors.py`` there must not run in it (issue 29)."""
+    import multiprocessing as mp
+
+    from memadvisor.device.ranks import start_isolated
+
+    marker = tmp_path / "planted-ran"
+    (tmp_path / "selectors.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom importlib import import_module\n"
+        "raise ImportError('planted')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    process = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    start_isolated([process])
+    process.join(timeout=60)
+    assert process.exitcode == 0 and not marker.exists()
+    assert "PYTHONSAFEPATH" not in os.environ or os.environ["PYTHONSAFEPATH"] != "1"
