@@ -40,7 +40,7 @@ from pathlib import Path
 
 from memadvisor.errors import BadInputError
 
-__all__ = ["check_writable", "write_text_atomic"]
+__all__ = ["check_writable", "write_bytes_atomic", "write_text_atomic"]
 
 _KINDS = (
     (stat.S_ISBLK, "a block device"),
@@ -182,11 +182,16 @@ def _write_through(target: Path, data: bytes, what: str) -> None:
 
 
 def write_text_atomic(path: str | Path, text: str, what: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` whole or not at all (the module docstring's rules).
+    """:func:`write_bytes_atomic` of ``text`` in UTF-8."""
+    return write_bytes_atomic(path, text.encode("utf-8"), what)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, what: str) -> Path:
+    """Write ``data`` to ``path`` whole or not at all (the module docstring's rules).
 
     Args:
         path: the file to write.
-        text: its new content.
+        data: its new content.
         what: the file in words, for messages ("the plan").
 
     Returns:
@@ -197,7 +202,6 @@ def write_text_atomic(path: str | Path, text: str, what: str) -> Path:
     """
     path = Path(path)
     target, stream = _target(path, what)
-    data = text.encode("utf-8")
     if stream:
         _write_through(target, data, what)
         return path

@@ -8,6 +8,7 @@ from typing import Literal
 
 from torch import nn
 
+from memadvisor.files import write_text_atomic
 from memadvisor.monitor._source import MeterSource, source_for
 from memadvisor.timeline import LayerStats, ModuleEventRecorder, Timeline
 
@@ -93,13 +94,13 @@ class Tracer:
     def save(self, path: str | Path) -> Path:
         """Write the timeline as JSON (``Timeline.model_validate_json`` reads it back)."""
         path = Path(path)
-        path.write_text(self.timeline().model_dump_json())
+        write_text_atomic(path, self.timeline().model_dump_json(), "the timeline")
         return path
 
     def save_speedscope(self, path: str | Path, weight: Literal["bytes", "ms"] = "bytes") -> Path:
         """Write a speedscope file (open it at https://www.speedscope.app)."""
         path = Path(path)
-        path.write_text(json.dumps(self.timeline().to_speedscope(weight)))
+        write_text_atomic(path, json.dumps(self.timeline().to_speedscope(weight)), "the profile")
         return path
 
 

@@ -17,6 +17,7 @@ import torch
 
 from memadvisor._torch_private import memory_snapshot, memory_snapshot_html, record_memory_history
 from memadvisor.errors import BadInputError
+from memadvisor.files import write_bytes_atomic, write_text_atomic
 from memadvisor.memory import MemoryMeter
 from memadvisor.process_state import rng_restored
 from memadvisor.profiler._device import Target, resolve_target
@@ -128,12 +129,11 @@ def write_memory_snapshot(
             record_memory_history(False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as f:
-        pickle.dump(snapshot, f)
+    write_bytes_atomic(path, pickle.dumps(snapshot), "the memory snapshot")
     if html_path is not None:
         html_path = Path(html_path)
         html_path.parent.mkdir(parents=True, exist_ok=True)
-        html_path.write_text(memory_snapshot_html(snapshot), encoding="utf-8")
+        write_text_atomic(html_path, memory_snapshot_html(snapshot), "the snapshot's page")
     return path
 
 

@@ -119,3 +119,18 @@ def test_cuda_trace_reads_reserved_fragmentation_and_allocations():
     stats = {(s.module, s.pass_): s for s in tr.layer_stats()}
     assert stats[("0", "forward")].allocations >= 1
     assert stats[("0", "forward")].net_allocated_bytes == 64 * 8 * 4
+
+
+def test_trace_files_go_through_the_one_safe_writer(tmp_path):
+    """save() and save_speedscope() write as the plan does (memadvisor/files.py): a folder is
+    refused with what to pass instead, and a failed write leaves no half file."""
+    from memadvisor.errors import BadInputError
+
+    model = _mlp()
+    with memadvisor.trace(model) as tr:
+        model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(BadInputError, match="a folder"):
+        tr.save(tmp_path)
+    with pytest.raises(BadInputError, match="a folder"):
+        tr.save_speedscope(tmp_path)
+    assert tr.save(tmp_path / "t.json").read_text().startswith("{")
