@@ -109,18 +109,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 def test_apply_plan_from_json_gives_the_same_rewrite_as_apply_candidate() -> None:
     """A plan saved as JSON and loaded back rewrites a model exactly as optimize() would."""
-    plan = Plan(
-        model_name="Net",
-        config=PlanConfig(budget_bytes=2**30),
-        device_kind="simulated",
-        device_name="cpu",
-        candidate=CANDIDATE,
-        estimate=Estimate(
-            peak_bytes=1, peak_phase="backward", breakdown={}, step_ms=1.0, samples_per_s=1.0
-        ),
-        profile=_profile(),
-        model_fingerprint=ModelFingerprint.of(_net()),
-    )
+    plan = _plan()
     loaded = Plan.model_validate_json(plan.model_dump_json())
     by_plan = memadvisor.apply_plan(_net(), loaded)
     by_candidate = apply_candidate(_net(), CANDIDATE, profile=_profile())
