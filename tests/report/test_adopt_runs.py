@@ -19,7 +19,7 @@ import torch
 from memadvisor.report._adopt import adoption_snippet
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.candidate import Candidate
-from memadvisor.schema.plan import Plan
+from memadvisor.schema.plan import ModelFingerprint, Plan
 from memadvisor.workload import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -77,7 +77,7 @@ def _plan_for(plan: Plan, job: dict[str, Any], *, device: str, precision: str) -
     return plan.model_copy(
         update={
             "device_kind": "simulated" if device == "cpu" else "cuda",
-            "model_fingerprint": None,
+            "model_fingerprint": ModelFingerprint.of(job["model"]),
             "profile": profile,
             "candidate": Candidate(
                 batch_size=BATCH,
