@@ -141,14 +141,4 @@ def llama_small() -> dict:
 def llama_1b(batch_size: int = 1, seq: int = 2048) -> dict:
     """examples/llama.py at TinyLlama-1.1B's shape: 22 layers of 2048, 32 query heads over 4
     key/value heads, a 5632-wide SwiGLU, vocab 32000; 1.10B parameters, 2048 tokens."""
-    return _example("llama").build(
-        batch_size=batch_size,
-        seq_len=seq,
-        vocab_size=32000,
-        dim=2048,
-        n_layers=22,
-        n_heads=32,
-        n_kv_heads=4,
-        ffn_dim=5632,
-        max_seq_len=seq,
-    )
+    return _example("llama").build(batch_size=batch_size, seq_len=seq, preset="1b", max_seq_len=seq)

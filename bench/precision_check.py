@@ -82,22 +82,11 @@ def gpt2_124m(samples: int) -> dict:
 
 
 def llama_160m(samples: int) -> dict:
-    """LlamaForCausalLM, 160M parameters: 8 layers of 1024 (GQA), vocab 32000, 1024 tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """LlamaForCausalLM, 160M parameters: 8 layers of 1024 (GQA), vocab 32000, 1024 tokens,
+    its cache on as shipped (``bench/_models.py``'s ``hf_llama``)."""
+    from _models import hf_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
-    )
-    model = LlamaForCausalLM(config)
-    ids = torch.randint(0, 32000, (samples, 1024))
-    return {"model": model, "sample_batch": {"input_ids": ids, "labels": ids.clone()}}
+    return hf_llama(samples, 1024, max_positions=2048, use_cache=True)
 
 
 def bert_base(samples: int) -> dict:
