@@ -174,20 +174,27 @@ class LayerProbe:
                 if key not in self._saved_seen:
                     self._saved_seen.add(key)
                     entry[1] += st.nbytes()
-                if key not in self._created:
+                if not self._tracks(st):
                     self._track(module, st)
         return t  # no copy: the hook only looks
 
     def _on_output(self, name: str, output: Any) -> None:
         if isinstance(output, torch.Tensor):
             st = output.untyped_storage()
-            if id(st) not in self._created and id(st) not in self._param_storages:
+            if id(st) not in self._param_storages and not self._tracks(st):
                 self._track(name, st)
             return
         for t in iter_tensors(output):
             st = t.untyped_storage()
-            if id(st) not in self._created and id(st) not in self._param_storages:
+            if id(st) not in self._param_storages and not self._tracks(st):
                 self._track(name, st)
+
+    def _tracks(self, st: torch.UntypedStorage) -> bool:
+        """Whether ``st`` itself is tracked. Keys are ids, and a storage freed earlier in the
+        iteration (a temporary) can hand its id to a new one: an entry whose storage has died
+        is not this storage, so the new one is tracked afresh under its own module."""
+        entry = self._created.get(id(st))
+        return entry is not None and entry[1]() is st
 
     def _track(self, module: str, st: torch.UntypedStorage) -> None:
         nbytes = st.nbytes()

@@ -355,6 +355,30 @@ def test_leak_is_flagged_where_the_loop_keeps_the_models_outputs():
     assert monitor.leak.suspects[0].module == "fc2"
 
 
+def test_a_storage_id_left_by_a_freed_temporary_is_tracked_afresh():
+    """Storages are keyed by id, and a temporary freed earlier in the iteration can hand its
+    id to a new output: that output is still tracked, under the layer that made it (CI met
+    this as a leak naming no layer)."""
+    import weakref
+
+    from memadvisor.monitor._probe import LayerProbe
+    from memadvisor.timeline import ModuleEventRecorder
+
+    model = Tiny()
+    probe = LayerProbe(model, ModuleEventRecorder(model, lambda: (0, None)))
+    out = torch.randn(2, 2)
+    st = out.untyped_storage()
+
+    class Gone:  # stands for the freed temporary's storage object: its weakref is dead
+        pass
+
+    dead = weakref.ref(Gone())
+    probe._created[id(st)] = ("fc1", dead, 64)  # what the temporary left under this id
+    probe._on_output("fc2", out)
+    result = ProbeResult(1, [], probe._created)
+    assert [(s.module, s.surviving_bytes) for s in result.survivors()] == [("fc2", st.nbytes())]
+
+
 def test_clean_loop_is_not_flagged():
     """The same loops without the kept references: never flagged."""
     torch.manual_seed(0)
