@@ -24,8 +24,10 @@ defaults that change nothing, so a strategy answers only what it has to say:
 
 Known limitations:
     * ``refine`` runs after the eager pick, once per measured-only strategy in registration
-      order; a variant is judged against the pick the previous stage returned, never in
-      combination with the other re-ranked candidates.
+      order; a variant is judged against the pick the previous stage returned. A stage may
+      measure variants of other eager combinations (``PickStage.score``, ``PickStage.run``:
+      compile searches the checkpointed set), but only its own strategy's choices: two
+      measured-only strategies are never searched together.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, ReportPart
-from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.plan import Probe, StageOutcome
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Confirmed",
+    "Estimated",
     "PickStage",
     "Refinement",
     "Strategy",
@@ -76,13 +79,23 @@ class Confirmed:
     measured: Measurement  # a run of exactly ``candidate``
 
 
+@dataclass(frozen=True)
+class Estimated:
+    """An eager combination as the estimate scores it: at the batch the objective takes."""
+
+    candidate: Candidate
+    estimate: Estimate  # at candidate's batch
+    largest_batch: int  # the estimate's largest micro-batch under the usable budget
+
+
 class PickStage(ABC):
     """What the planner lends a measured-only strategy after the eager pick.
 
-    The strategy sees the plan's inputs and the device's capabilities, and measures its
-    variants only through :meth:`confirm`, which runs the same batch search the eager pick
-    got (so a variant and the eager pick are judged by one rule). Every run is logged in the
-    plan's probes under the strategy's name.
+    The strategy sees the plan's inputs and the device's capabilities, the search space
+    (:attr:`options`, :meth:`score`), and measures its variants only through :meth:`run`
+    (one run) and :meth:`confirm`, which runs the same batch search the eager pick got (so a
+    variant and the eager pick are judged by one rule). Every run is logged in the plan's
+    probes under the strategy's name; a run already made is answered without the device.
     """
 
     config: PlanConfig
@@ -98,11 +111,51 @@ class PickStage(ABC):
     #: Bytes free on the device's card now (None: not a card): room for work in this process.
     free_bytes: int | None
 
+    #: Each strategy's choices in this plan's search, by name (a measured-only strategy's:
+    #: its neutral one alone).
+    options: dict[str, list[JsonValue]]
+
     @abstractmethod
-    def confirm(self, choices: dict[str, JsonValue], start_batch: int) -> Confirmed | None:
+    def confirm(
+        self,
+        choices: dict[str, JsonValue],
+        start_batch: int,
+        *,
+        like: Confirmed | None = None,
+        max_runs: int | None = None,
+    ) -> Confirmed | None:
         """``choices`` at the largest batch the device allows, searched from ``start_batch``
         (the eager pick's confirmed batch is a good start); None when not even batch 1 fits.
+
+        Args:
+            choices: the variant's choices.
+            start_batch: where the batch search starts.
+            like: a confirmed pick whose step this variant's is another form of (default: the
+                pick the stage refines): at its batch, a run that allocates no more than it
+                did is confirmed without searching its own edge.
+            max_runs: at most this many device runs; when they are spent, the largest batch
+                of ``choices`` that fitted within the limit is the answer. None: no bound.
         """
+
+    @abstractmethod
+    def run(self, choices: dict[str, JsonValue], batch: int) -> Measurement | None:
+        """One device run of ``choices`` at ``batch`` (None: it ran out of memory), logged;
+        a run already made of the same is answered without the device."""
+
+    @abstractmethod
+    def score(self, choices: dict[str, JsonValue]) -> Estimated | None:
+        """The estimate's view of ``choices`` (eager's, for a measured-only choice): the
+        largest batch under the usable budget; None when not even batch 1 fits."""
+
+    @abstractmethod
+    def held_bytes(self, measured: Measurement) -> int:
+        """The bytes of a run the batch search reads (with the measured margin the
+        allocated peak, else the reserved one)."""
+
+    @property
+    @abstractmethod
+    def limit_bytes(self) -> int:
+        """The most :meth:`held_bytes` may be for a run's batch to be a pick."""
 
     @property
     @abstractmethod
@@ -111,7 +164,8 @@ class PickStage(ABC):
 
     @abstractmethod
     def describe(self, text: str) -> None:
-        """Say on the progress line what the stage is doing now."""
+        """Say on the progress line what the stage is doing now; the device runs that follow
+        say their batch after it (``compiling candidate 2/4 (...): batch 8 running``)."""
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[None]:
