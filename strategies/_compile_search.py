@@ -20,7 +20,8 @@ therefore measures compiled variants of several eager combinations, not only of 
    scaled by what was measured).
 3. Pass 2: the candidates whose line says they could beat the eager pick, best first, one
    run more at the batch their line predicts, while the budget allows: a second point for
-   the line where it matters, and the batch search's start.
+   the line where it matters, and the batch search's start. Then, budget left, a candidate
+   whose only run ran out gets one at half that batch.
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
    from its predicted batch, then, where the search form is not the offered one, the offered
    form (the whole model compiled: 4-13% faster steady, ``docs/design.md``) is confirmed
@@ -252,6 +253,15 @@ def could_beat(objective: str, fit: StepFit | None, eager: Confirmed) -> bool:
     return fit.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
 
 
+def _worth_of(objective: str, v: Variant) -> tuple:
+    """What ``v``'s line predicts, as the objective ranks it."""
+    if v.fit is None:
+        return (0, 0.0)
+    if objective == "largest_batch":
+        return (v.fit.largest_batch, v.fit.samples_per_s)
+    return (v.fit.samples_per_s,)
+
+
 class Search:
     """The passes over the candidates, counting the stage's device runs and time."""
 
@@ -274,50 +284,45 @@ class Search:
         return in_time and self.runs_left > reserve
 
     def best(self, variants: Sequence[Variant]) -> Variant | None:
-        """The candidate whose line predicts the most (the objective's way); None when none
-        has a line."""
+        """The candidate whose line predicts the most (the objective's way), the first of
+        equals; None when none has a line."""
         objective = self.stage.config.objective
         fitted = [v for v in variants if v.fit is not None and v.fit.largest_batch >= 1]
         if not fitted:
             return None
-
-        def worth(v: Variant) -> tuple:
-            assert v.fit is not None
-            if objective == "largest_batch":
-                return (v.fit.largest_batch, v.fit.samples_per_s)
-            return (v.fit.samples_per_s,)
-
-        return max(fitted, key=worth)
+        return max(fitted, key=lambda v: _worth_of(objective, v))
 
     def measure(self, variants: Sequence[Variant]) -> Variant | None:
-        """Passes 1 and 2 (module docstring); the winner by its line when it could beat the
-        eager pick, else None."""
+        """Passes 1 and 2 (module docstring), then one retry at half the batch for candidates
+        whose only run ran out; the winner by its line when it could beat the eager pick, else
+        None. A retry comes last: a configuration that runs out of memory compiled where eager
+        fits is rarely the best one."""
         objective = self.stage.config.objective
         reserve = CONFIRM_RUNS + (
             FINAL_FORM_RUNS if any(v.final_choices != v.choices for v in variants) else 0
         )
         total = len(variants)
-        for i, v in enumerate(variants, 1):
-            if not (self.runs_left > 0 if i == 1 else self._may_run(reserve)):
+        number = {id(v): i for i, v in enumerate(variants, 1)}
+        for v in variants:
+            if not (self.runs_left > 0 if number[id(v)] == 1 else self._may_run(reserve)):
                 v.error = v.error or self._spent(reserve)
                 continue
-            fitted = self._run(v, v.start_batch, i, total)
-            if fitted is False and v.error is None and v.start_batch > 1 and self._may_run(reserve):
-                self._run(v, max(1, v.start_batch // 2), i, total)
-        order = sorted(
-            (v for v in variants if could_beat(objective, v.fit, self.eager)),
-            key=lambda v: -(v.fit.samples_per_s if v.fit else 0.0),
-        )
-        if objective == "largest_batch":
-            order.sort(key=lambda v: -(v.fit.largest_batch if v.fit else 0))
-        for v in order:
+            self._run(v, v.start_batch, number[id(v)], total)
+        promising = [v for v in variants if could_beat(objective, v.fit, self.eager)]
+        for v in sorted(promising, key=lambda v: _worth_of(objective, v), reverse=True):
             assert v.fit is not None
             batch = v.fit.largest_batch
             if v.fit.basis == "fitted" or batch in v.runs or v.error is not None:
                 continue
             if not self._may_run(reserve):
                 break
-            self._run(v, batch, variants.index(v) + 1, total)
+            self._run(v, batch, number[id(v)], total)
+        for v in variants:
+            if v.runs or v.lowest_failure is None or v.lowest_failure < 2 or v.error is not None:
+                continue
+            if not self._may_run(reserve):
+                break
+            self._run(v, v.lowest_failure // 2, number[id(v)], total)
         winner = self.best([v for v in variants if v.error is None or v.runs])
         if winner is None or not could_beat(objective, winner.fit, self.eager):
             return None

@@ -241,7 +241,9 @@ def compiled_pick(
         details=_details(search, settings, left_out, cache_report),
     )
     notes = [outcome.summary]
-    fit_note = _fit_note(best[0] if best is not None else None)
+    # The line that chose the pick's configuration: the searched form's (the offered form's
+    # confirmation has none of its own).
+    fit_note = _fit_note(records[variants.index(winner)] if picked and winner else None)
     if fit_note:
         notes.append(fit_note)
     if cache_report is not None:
