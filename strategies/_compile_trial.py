@@ -23,6 +23,7 @@ from torch import nn
 from memadvisor import _torch_private
 from memadvisor.errors import BadInputError, is_oom, is_our_bug
 from memadvisor.schema.candidate import Candidate
+from memadvisor.step import base_step, running
 from memadvisor.strategy import apply_candidate
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
@@ -152,7 +153,11 @@ def _train(
 
     ``run`` is filled in place so that what finished before an exception is kept.
     """
-    model = apply_candidate(copy.deepcopy(workload.model).to(device), candidate)
+    workload = running(
+        workload,
+        apply_candidate(base_step(workload, copy.deepcopy(workload.model).to(device)), candidate),
+    )
+    model = workload.model
     if compiled is not None:
         fresh: dict[type, Any] = {}
         for module in compile_targets(model, compiled):

@@ -54,6 +54,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies._format import mib, names_text
 
@@ -174,11 +175,11 @@ class Parallel(Strategy):
             return
         _fsdp2_effect(profile, c, model)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+    def apply(self, step: Step, choice: JsonValue) -> Step:
         """Nothing in this process: the wrap needs each rank's process group
         (:func:`wrap_for_rank` there; the advice shows the code)."""
         parse_choice(choice)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         if choice is None:

@@ -281,6 +281,7 @@ def _rank_main(rank: int, job: _Job, answers: Any, parent_pid: int | None = None
 
 
 def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
+    from memadvisor.step import base_step, running
     from memadvisor.strategy import apply_candidate, load_strategies
     from strategies.parallel import wrap_for_rank
 
@@ -310,7 +311,11 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
     model = copy.deepcopy(workload.model)
     for p in model.parameters():
         p.grad = None
-    model = apply_candidate(model.to(device), candidate, strategies, profile=profile)
+    run = running(
+        workload,
+        apply_candidate(base_step(workload, model.to(device), profile), candidate, strategies),
+    )
+    model = run.model
     precision = candidate.choices.get("precision")
     meter = MemoryMeter(None if cuda else job.budget_bytes, track_resizes=True)
     if cuda:
@@ -321,13 +326,13 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
     else:
         with meter:  # DDP's buckets and FSDP2's shards are made here
             model = wrap_for_rank(model, candidate.choices[PARALLEL], precision, None)
-    optimizer = workload.make_optimizer(model)
-    batch = workload.batch(candidate.batch_size, device)
+    optimizer = run.make_optimizer(model)
+    batch = run.batch(candidate.batch_size, device)
     times_ms: list[float] = []
     if cuda:
         for _ in range(job.steps):
             t0 = time.perf_counter()
-            train_step(workload, model, optimizer, batch, accumulation_steps=_acc(candidate))
+            train_step(run, model, optimizer, batch, accumulation_steps=_acc(candidate))
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)
             steps_done[0] += 1
@@ -342,7 +347,7 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
         with meter:
             for _ in range(job.steps):
                 t0 = time.perf_counter()
-                train_step(workload, model, optimizer, batch, accumulation_steps=_acc(candidate))
+                train_step(run, model, optimizer, batch, accumulation_steps=_acc(candidate))
                 times_ms.append((time.perf_counter() - t0) * 1e3)
                 steps_done[0] += 1
         peak, reserved = meter.peak_bytes, None

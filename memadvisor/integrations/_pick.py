@@ -90,10 +90,10 @@ def apply_blocks(model: nn.Module, plan: Plan) -> nn.Module:
     Precision, batch and compile are the framework's to set (its autocast, its loader); the
     rest of :func:`memadvisor.apply_plan` would do them a second time.
     """
-    from memadvisor.strategy import apply_candidate
+    from memadvisor.strategy import apply_to_model
 
     choice = plan.candidate.choice("checkpointing")
     if not choice:
         return model
     only = Candidate(batch_size=plan.candidate.batch_size, choices={"checkpointing": choice})
-    return apply_candidate(model, only, profile=plan.profile)
+    return apply_to_model(model, only, profile=plan.profile).model
