@@ -44,6 +44,7 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, ReportPart
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Probe, StageOutcome
 from memadvisor.step import Step, step_from_call_form
 
@@ -62,6 +63,9 @@ __all__ = [
     "Strategy",
     "apply_candidate",
     "apply_to_model",
+    "facts_of",
+    "wrap_ranks",
+    "WrapsRanks",
     "load_strategies",
     "registered_names",
 ]
@@ -176,6 +180,19 @@ class Strategy(ABC):
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """A sentence and a snippet a person can adopt; None when the choice is neutral."""
+
+    #: The :class:`~memadvisor.schema.facts.Facts` fields this strategy's choices may set
+    #: ({"autocast", "tf32"} for precision): what a layer can know of it before any choice,
+    #: e.g. an integration that leaves the precision to the user's framework.
+    states: ClassVar[frozenset[str]] = frozenset()
+
+    def facts(self, choice: JsonValue) -> Facts:
+        """What ``choice`` does to the step, for layers that must not read this strategy by
+        name (the devices, the integrations, other strategies): its autocast dtype, the
+        blocks it recomputes, whether it compiles, how ranks wrap the model, whether the loss
+        is computed another way. Default: no facts (a choice those layers need not know).
+        """
+        return Facts()
 
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Measure ``choice`` on copies of the user's workload (the user's model untouched).
@@ -329,6 +346,56 @@ def _chosen(
         )
     chosen = [(by_name[n], c) for n, c in candidate.choices.items() if not by_name[n].is_neutral(c)]
     return sorted(chosen, key=lambda sc: sc[0].effect_order)
+
+
+class WrapsRanks(ABC):
+    """Opt-in protocol: a strategy whose choice wraps the model in each rank's process.
+
+    The ranks (:mod:`memadvisor.device.ranks`) call :meth:`wrap_rank` in every rank after
+    the process group is up and the candidate's other choices are applied, and build the
+    optimizer over what it returns. They find such a strategy by ``isinstance``, never by
+    name, and learn from the candidate's :class:`~memadvisor.schema.facts.Facts` that it
+    runs on several ranks (``facts.parallel``).
+    """
+
+    @abstractmethod
+    def wrap_rank(self, step: Step, choice: JsonValue, facts: Facts, device_id: int | None) -> Step:
+        """``step`` with its model wrapped for this rank (``device_id``: the rank's CUDA
+        device index, None on the CPU); ``facts``: the whole candidate's, e.g. the autocast
+        dtype FSDP2 gathers its units in."""
+
+
+def wrap_ranks(
+    step: Step, candidate: Candidate, strategies: Sequence[Strategy] | None, device_id: int | None
+) -> Step:
+    """``step`` wrapped by every chosen strategy that wraps ranks (:class:`WrapsRanks`).
+
+    Raises:
+        BadInputError: no chosen strategy wraps ranks.
+    """
+    facts = facts_of(candidate, strategies)
+    wrappers = [(s, c) for s, c in _chosen(candidate, strategies) if isinstance(s, WrapsRanks)]
+    if not wrappers:
+        raise BadInputError(
+            "A run on several ranks needs a choice that wraps the model for each rank (a "
+            f"strategy implementing memadvisor.strategy.WrapsRanks), but got choices "
+            f"{sorted(candidate.choices)}."
+        )
+    for strategy, choice in wrappers:
+        step = strategy.wrap_rank(step, choice, facts, device_id)
+    return step
+
+
+def facts_of(candidate: Candidate, strategies: Sequence[Strategy] | None = None) -> Facts:
+    """The facts of every choice ``candidate`` makes, merged in effect order.
+
+    Raises:
+        BadInputError: the candidate names a strategy that is not registered or given.
+    """
+    facts = Facts()
+    for strategy, choice in _chosen(candidate, strategies):
+        facts = facts.merged(strategy.facts(choice))
+    return facts
 
 
 def chosen_strategies(

@@ -24,7 +24,7 @@ from memadvisor import _torch_private
 from memadvisor.errors import BadInputError, is_oom, is_our_bug
 from memadvisor.schema.candidate import Candidate
 from memadvisor.step import base_step, running
-from memadvisor.strategy import apply_candidate
+from memadvisor.strategy import apply_candidate, facts_of
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
 from strategies._compiled_forward import (
@@ -166,7 +166,7 @@ def _train(
                 fresh[cls] = new_compiled_function(cls, compiled, own_backend=True)
             _forward.install(module, _FreshCompiledForward, choice=compiled, fn=fresh[cls])
     optimizer = workload.make_optimizer(model)
-    scaler = grad_scaler_for(str(candidate.choices.get("precision", "fp32")), device.type)
+    scaler = grad_scaler_for(facts_of(candidate).autocast or "fp32", device.type)
     params = [p for p in model.parameters() if p.requires_grad]
     batch = workload.batch(candidate.batch_size, device=device)
 

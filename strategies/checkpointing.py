@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from memadvisor._torch_private import is_fake, tensor_version
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
+from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies import _forward
@@ -375,6 +376,11 @@ class ActivationCheckpointing(Strategy):
         for block in _blocks(model, _names(choice)):
             _forward.install(block, CheckpointedForward)
         return step
+
+    states = frozenset({"recomputed_blocks"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        return Facts(recomputed_blocks=_names(choice))
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         names = _names(choice)

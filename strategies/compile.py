@@ -63,6 +63,7 @@ from pydantic import JsonValue
 
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.call import CallForm
+from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
 from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
 from strategies import _forward
@@ -191,6 +192,12 @@ class Compile(Strategy):
                 loader_args=", drop_last=True", loader_comment="one shape: no second compile"
             )
         return part
+
+    states = frozenset({"compiled", "compile_mode"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        parsed = parse_choice(choice)
+        return Facts() if parsed is None else Facts(compiled=True, compile_mode=parsed.mode)
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """The advice; its effect quotes the trial :meth:`check` ran, when there was one."""

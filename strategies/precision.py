@@ -33,6 +33,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.precision import FULL, PRECISIONS
 from memadvisor.step import Step
 from memadvisor.strategy import Strategy
@@ -254,6 +255,14 @@ class Precision(Strategy):
                 f"{precision} is not supported on {profile.device.name}, the device this "
                 f"plan was profiled on; but got {choice=}. Plan again on your device."
             )
+
+    states = frozenset({"autocast", "tf32"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        precision = _check_choice(choice)
+        if precision == "tf32":
+            return Facts(tf32=True)
+        return Facts(autocast=precision) if precision in ("bf16", "fp16") else Facts()
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         precision = _check_choice(choice)
