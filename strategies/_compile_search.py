@@ -49,15 +49,14 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from memadvisor.errors import is_our_bug
-from memadvisor.schema.candidate import Measurement
+from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import StepFit
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Confirmed, PickStage
+from memadvisor.strategy import Confirmed, PickStage, Strategy, chosen_strategies
 from strategies._compile_model import EagerLines, fit_step
 from strategies._compiled_forward import CompileChoice, parse_choice
 
 __all__ = [
-    "CHECKPOINTING",
     "COMPILE",
     "MIN_SPEEDUP",
     "CompileSearch",
@@ -69,7 +68,6 @@ __all__ = [
 ]
 
 COMPILE = "compile"
-CHECKPOINTING = "checkpointing"
 # Two timed steps a side: gains of a percent or two are within their noise, and a compiled
 # model pays a compile in every process that trains it. Below this, eager is kept.
 MIN_SPEEDUP = 1.03
@@ -157,12 +155,12 @@ def search_variants(
     ``kept_share(choices, batch)`` gives a partitioner budget for the eager pick's
     checkpointing (:func:`strategies._compile_stage.kept_share`).
     """
-    profile = stage.profile
+    profile, strategies = stage.profile, stage.strategies
     parsed = [p for p in (parse_choice(c) for c in offered) if p is not None]
     plain = [p for p in parsed if p.activation_memory_budget is None]
     budgeted = [p for p in parsed if p.activation_memory_budget is not None]
     own = {name: c for name, c in eager.candidate.choices.items() if name != COMPILE}
-    blocks = own.get(CHECKPOINTING)
+    recomputing = _recomputing(own, strategies)
     # The device's correction of the estimate for the eager pick: the others' starts take it.
     own_scored = stage.score(own)
     scale = eager.found_batch / own_scored.largest_batch if own_scored else 1.0
@@ -171,19 +169,21 @@ def search_variants(
     for choice in plain:
         found.append((own, choice, eager.found_batch))
     others = []
-    if plain:
-        for option in _spread(stage.options.get(CHECKPOINTING, [])):
-            choices = {n: c for n, c in own.items() if n != CHECKPOINTING}
-            if option:
-                choices[CHECKPOINTING] = option
+    axis = _recompute_axis(stage)
+    if plain and axis is not None:
+        name, options = axis
+        for option in _spread(options):
+            choices = {n: c for n, c in own.items() if n != name}
+            if not _neutral(strategies, name, option):
+                choices[name] = option
             scored = stage.score(choices) if choices != own else None
             if scored is not None:
                 start = max(1, min(int(scored.largest_batch * scale), stage.config.max_batch))
                 others.append((_worth(stage.config.objective, scored), choices, start))
     others.sort(key=lambda item: item[0], reverse=True)
     found += [(choices, plain[0], start) for _, choices, start in others]
-    if blocks:
-        without = {n: c for n, c in own.items() if n != CHECKPOINTING}
+    if recomputing:
+        without = {n: c for n, c in own.items() if n not in recomputing}
         for choice in budgeted:
             share = kept_share(own, eager.found_batch)
             budget = choice.model_copy(update={"activation_memory_budget": share})
@@ -197,7 +197,7 @@ def search_variants(
         variant = Variant(
             choices={**choices, COMPILE: form.to_json()},
             final_choices={**choices, COMPILE: choice.to_json()},
-            label=label(choices, form, len(profile.blocks)),
+            label=label(choices, form, len(profile.blocks), strategies),
             start_batch=start,
             eager=EagerLines.of(profile, choices, stage.strategies, start),
         )
@@ -212,8 +212,31 @@ def search_variants(
     return variants, left_out
 
 
+def _recomputing(choices: dict[str, JsonValue], strategies: Sequence[Strategy]) -> set[str]:
+    """The strategies among ``choices`` that recompute blocks (their facts say so)."""
+    candidate = Candidate(batch_size=1, choices=choices)
+    chosen = chosen_strategies(candidate, strategies)
+    return {s.name for s, c in chosen if s.facts(c).recomputed_blocks}
+
+
+def _recompute_axis(stage: PickStage) -> tuple[str, list[JsonValue]] | None:
+    """The first strategy whose options in this plan recompute blocks (block checkpointing),
+    and those options; None when none does."""
+    for strategy in stage.strategies:
+        options = stage.options.get(strategy.name, [])
+        if any(strategy.facts(o).recomputed_blocks for o in options if o is not None):
+            return strategy.name, options
+    return None
+
+
+def _neutral(strategies: Sequence[Strategy], name: str, choice: JsonValue) -> bool:
+    strategy = next(s for s in strategies if s.name == name)
+    return choice is None or strategy.is_neutral(choice)
+
+
 def _spread(options: Sequence[JsonValue]) -> list[JsonValue]:
-    """Of checkpointing's options (none first, then ever more blocks): none, half, all."""
+    """Of a recompute strategy's options (none first, then ever more blocks, as block
+    checkpointing offers them): none, half, all."""
     if len(options) < 2:
         return []
     picks = [options[0], options[len(options) // 2], options[-1]]
@@ -230,11 +253,16 @@ def _worth(objective: str, scored) -> tuple:
     return (scored.estimate.samples_per_s,)
 
 
-def label(choices: dict[str, JsonValue], choice: CompileChoice, blocks: int) -> str:
+def label(
+    choices: dict[str, JsonValue],
+    choice: CompileChoice,
+    blocks: int,
+    strategies: Sequence[Strategy],
+) -> str:
     """``'checkpoint 12/24 blocks'``, ``'no checkpointing, partitioner budget 0.6'``: what
     sets a candidate apart, in a few words (its mode when not the default)."""
-    checkpointed = choices.get(CHECKPOINTING)
-    count = len(checkpointed) if isinstance(checkpointed, list) else 0
+    chosen = chosen_strategies(Candidate(batch_size=1, choices=choices), strategies)
+    count = sum(len(s.facts(c).recomputed_blocks) for s, c in chosen)
     words = [f"checkpoint {count}/{blocks} blocks" if count else "no checkpointing"]
     if choice.activation_memory_budget is not None:
         words.append(f"partitioner budget {choice.activation_memory_budget:g}")

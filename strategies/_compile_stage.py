@@ -62,12 +62,11 @@ from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Confirmed, PickStage, Refinement
+from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.workload import Workload
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
 from strategies._compile_search import (
-    CHECKPOINTING,
     COMPILE,
     FINAL_FORM_RUNS,
     MIN_SPEEDUP,
@@ -421,10 +420,9 @@ def kept_share(profile: Profile, choices: dict[str, JsonValue], batch_size: int)
     saved less the outputs something outside it saves (``output_kept``); the share is what
     is left of all saved activations, rounded up to a twentieth, between 0.05 and 0.95.
     """
-    precision = choices.get("precision")
-    step = profile.steps.get(precision if isinstance(precision, str) else "fp32")
-    step = step or profile.steps["fp32"]
-    names = _block_names(choices.get(CHECKPOINTING), profile)
+    facts = facts_of(Candidate(batch_size=batch_size, choices=choices))
+    step = profile.steps.get(facts.autocast or "fp32") or profile.steps["fp32"]
+    names = _block_names(facts.recomputed_blocks, profile)
     total = step.activation_total.at(batch_size)
     if total <= 0:
         return 1.0 - _BUDGET_STEP
@@ -671,8 +669,8 @@ def _label(choices: dict[str, JsonValue]) -> str:
     if parsed is None:
         return "eager"
     words = parsed.words()
-    blocks = choices.get(CHECKPOINTING)
-    if isinstance(blocks, list) and blocks:
+    blocks = facts_of(Candidate(batch_size=1, choices=choices)).recomputed_blocks
+    if blocks:
         words += f", {len(blocks)} blocks checkpointed"
     return words
 

@@ -17,6 +17,7 @@ from memadvisor.device import Device
 from memadvisor.estimate import StepModel
 from memadvisor.schema.advice import Advice
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
@@ -113,6 +114,10 @@ class FakeCheckpointing(Strategy):
     def effect(self, profile, choice, model: StepModel) -> None:
         index = {b.name: i for i, b in enumerate(profile.blocks)}
         model.checkpoint(index[n] for n in choice)  # type: ignore[union-attr]
+
+    def facts(self, choice) -> Facts:
+        """The blocks it recomputes, as the built-in checkpointing states them."""
+        return Facts(recomputed_blocks=list(choice or []))
 
     def apply(self, model: nn.Module, choice, profile) -> nn.Module:
         return model
