@@ -14,9 +14,10 @@ defaults that change nothing, so a strategy answers only what it has to say:
 * ``check``: measure a choice on copies of the user's workload (precision's numerics).
 * ``by_hand``: the choice a person would try first by hand, for the report's comparison rows.
 * ``record``: a choice that only records the planner's pick, for the advice (the batch).
-* ``refine``: for a ``measured_only`` strategy, a stage that measures variants of the eager
-  pick on the device through a :class:`PickStage` and returns the pick to verify
-  (torch.compile: the estimate cannot predict a compiled step, the device can).
+* ``refine``: for a ``measured_only`` strategy, a stage that measures its variants of the
+  eager pick (and of other eager combinations the search space holds) on the device through
+  a :class:`PickStage` and returns the pick to verify (torch.compile: the estimate cannot
+  predict a compiled step, the device can; it searches the checkpointed set under compile).
 * ``describe``, ``changes_step`` and ``installs``: how the report shows the choice (an
   answer row of its own or an "Also" entry, its phrase in the one-line answer, its lines in
   a plain training loop), whether it changes what the device runs, and what ``apply_plan``
@@ -311,7 +312,8 @@ class Strategy(ABC):
 
     def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
         """A measured stage after the eager pick: for a ``measured_only`` strategy, measure
-        variants of ``eager`` through ``stage`` and return the pick to verify.
+        variants of ``eager`` (or of other combinations: ``stage.options``, ``stage.score``)
+        through ``stage`` and return the pick to verify.
 
         Default: None, nothing to measure. The planner calls it for measured-only strategies
         only, after the device has chosen the eager pick and before verification.

@@ -19,7 +19,9 @@ winner's (``tests/planner/test_plan.py`` has the exact table).
 Known limitations:
     * Only the device's best candidate finishes its batch search; the others keep the batch
       their one timing run allowed.
-    * A measured stage refines the eager pick alone (``memadvisor.strategy``).
+    * A measured stage starts from the eager pick and varies only what its strategy chooses
+      (compile: the checkpointed set with it); precision and the rest stay the pick's
+      (``memadvisor.strategy``).
 """
 
 from __future__ import annotations
