@@ -376,6 +376,8 @@ class Search:
         """The offered form of ``winner`` from ``found``'s batch, judged against ``found``'s
         run (``PickStage.confirm``'s ``like``); (None, why) when it did not run."""
         batch = found.candidate.batch_size
+        if self.runs_left == 0:
+            return None, f"not run: the search's {self.settings.max_runs} device runs were spent"
         self.stage.describe(f"compile: the offered form at batch {batch} ({winner.label})")
         try:
             final = self.stage.confirm(

@@ -179,8 +179,10 @@ class ProberStage(PickStage):
         return tuple(self._prober.probes)
 
     def describe(self, text: str) -> None:
-        self._prober.doing = text
+        """The stage's progress line, and the words its device runs say their batch after
+        (only inside :meth:`progress`: no other stage's runs inherit them)."""
         if self._bar is not None:
+            self._prober.doing = text
             self._bar.describe(text)
 
     @contextlib.contextmanager
@@ -190,7 +192,7 @@ class ProberStage(PickStage):
             try:
                 yield
             finally:
-                self._prober.doing = ""
+                self._bar, self._prober.doing = None, ""
 
 
 def refined_pick(
