@@ -19,7 +19,7 @@ from memadvisor.estimate import estimate
 from memadvisor.schema.candidate import Candidate, Estimate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Measured, Strategy
 
 __all__ = [
     "Scored",
@@ -143,7 +143,7 @@ class SearchSpace:
         self.options: dict[str, list[JsonValue]] = {}
         for s in self.strategies:
             offered = list(s.choices(profile, config))
-            if s.measured_only:
+            if isinstance(s, Measured):
                 # The estimate cannot rank what it cannot predict (a compiled model's memory
                 # and time): such a strategy keeps its neutral choice here, and its other
                 # choices are only ever judged by measuring them on the device.

@@ -23,7 +23,7 @@ from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._space import Scored
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe, StageOutcome
-from memadvisor.strategy import PickStage, Strategy
+from memadvisor.strategy import Measured, PickStage, Strategy
 
 __all__ = ["ProberStage", "refined_pick"]
 
@@ -134,7 +134,7 @@ def refined_pick(
     their notes; each stage starts from the pick the previous one returned."""
     pick, outcomes, notes = eager, [], []
     for strategy in strategies:
-        if not strategy.measured_only:
+        if not isinstance(strategy, Measured):
             continue
         started = time.perf_counter()
         result = strategy.refine(ProberStage(prober, strategy.name, ui, pick), pick)

@@ -26,7 +26,7 @@ from memadvisor.schema.profile import (
     Profile,
     StepProfile,
 )
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import HandTried, Strategy, TimedEachChoice
 from memadvisor.workload import Workload
 
 MIB = 2**20
@@ -69,12 +69,11 @@ def make_profile(param_mib: float = 1.0) -> Profile:
     )
 
 
-class FakePrecision(Strategy):
+class FakePrecision(Strategy, TimedEachChoice, HandTried):
     """fp32 or bf16; its own hand row (+AMP) and guard, as the built-in precision has."""
 
     name = "precision"
     effect_order = 10
-    guarded = True
 
     def is_neutral(self, choice) -> bool:
         return choice in (None, "off", "fp32")
@@ -88,8 +87,8 @@ class FakePrecision(Strategy):
     def effect(self, profile, choice, model: StepModel) -> None:
         model.use_precision(str(choice))
 
-    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
-        return model
+    def apply(self, step, choice):
+        return step
 
     def explain(self, choice, profile) -> Advice | None:
         if choice == "fp32":
@@ -97,7 +96,7 @@ class FakePrecision(Strategy):
         return Advice(strategy=self.name, title=f"Train in {choice}", sentence="Use autocast.")
 
 
-class FakeCheckpointing(Strategy):
+class FakeCheckpointing(Strategy, HandTried):
     """Any prefix of the blocks; every block is its hand row (+Checkpointing)."""
 
     name = "checkpointing"
@@ -114,8 +113,8 @@ class FakeCheckpointing(Strategy):
         index = {b.name: i for i, b in enumerate(profile.blocks)}
         model.checkpoint(index[n] for n in choice)  # type: ignore[union-attr]
 
-    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
-        return model
+    def apply(self, step, choice):
+        return step
 
     def explain(self, choice, profile) -> Advice | None:
         if not choice:
