@@ -24,8 +24,8 @@ variant is kept only when it beats eager's measured throughput; :meth:`Compile.t
 Offered only for a profile measured on CUDA. Compiled memory and speed are not predicted by
 the eager profile (fusion removes intermediates, the partitioner chooses what to save):
 Compile is a :class:`~memadvisor.strategy.Measured` strategy and :meth:`Compile.effect`
-leaves the estimate as eager, so compiled candidates must be measured on the device. The simulated CPU device
-cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame at all
+leaves the estimate as eager, so compiled candidates must be measured on the device. The
+simulated CPU device cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame at all
 and the step runs eagerly (measured here on torch 2.13: no frame counted, the same peak
 bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
 
