@@ -25,9 +25,10 @@ Offered only for a profile measured on CUDA. Compiled memory and speed are not p
 the eager profile (fusion removes intermediates, the partitioner chooses what to save):
 Compile is a :class:`~memadvisor.strategy.Measured` strategy and :meth:`Compile.effect`
 leaves the estimate as eager, so compiled candidates must be measured on the device. The
-simulated CPU device cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame at all
-and the step runs eagerly (measured here on torch 2.13: no frame counted, the same peak
-bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
+simulated CPU device cannot measure them: with its ``TorchDispatchMode`` active dynamo
+attempts no frame at all and the step runs eagerly (measured here on torch 2.13: no frame
+counted, the same peak bytes and allocation count as eager), and a fake-tensor profile has
+no device to run on.
 
 Other modes, accepted as choices but not offered by default:
     * ``"max-autotune-no-cudagraphs"``: benchmarks matmul and kernel configurations while
