@@ -1,6 +1,6 @@
 """The compile strategy's measured stage: compiled configurations searched, kept when faster.
 
-The estimate cannot rank a compiled model: the compile strategy is ``measured_only``
+The estimate cannot rank a compiled model: the compile strategy is ``Measured``
 (fusion removes intermediates and the partitioner chooses what backward keeps, which the
 eager profile does not show), so the search ranks eager combinations only. Once the device
 has chosen the eager pick, the planner calls ``Compile.refine`` (:func:`compiled_pick`),

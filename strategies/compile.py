@@ -26,11 +26,12 @@ for :meth:`Compile.check` and :meth:`Compile.explain`.
 
 Offered only for a profile measured on CUDA. Compiled memory and speed are not predicted by
 the eager profile (fusion removes intermediates, the partitioner chooses what to save):
-:attr:`Compile.measured_only` is True and :meth:`Compile.effect` leaves the estimate as
-eager, so compiled candidates must be measured on the device. The simulated CPU device
-cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame at all
-and the step runs eagerly (measured here on torch 2.13: no frame counted, the same peak
-bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
+Compile is a :class:`~memadvisor.strategy.Measured` strategy and :meth:`Compile.effect`
+leaves the estimate as eager, so compiled candidates must be measured on the device. The
+simulated CPU device cannot measure them: with its ``TorchDispatchMode`` active dynamo
+attempts no frame at all and the step runs eagerly (measured here on torch 2.13: no frame
+counted, the same peak bytes and allocation count as eager), and a fake-tensor profile has
+no device to run on.
 
 Other modes, accepted as choices but not offered by default:
     * ``"max-autotune-no-cudagraphs"``: benchmarks matmul and kernel configurations while
@@ -68,7 +69,16 @@ from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
-from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
+from memadvisor.strategy import (
+    Checked,
+    Confirmed,
+    Described,
+    EffectOrder,
+    Measured,
+    PickStage,
+    Refinement,
+    Strategy,
+)
 from strategies import _forward
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
 from strategies._compile_search import CompileSearch
@@ -123,7 +133,7 @@ DEFAULT_CHOICES: tuple[JsonValue, ...] = (
 LOSS_TOLERANCE = 0.02
 
 
-class Compile(Strategy):
+class Compile(Strategy, Measured, Described, Checked):
     """Compile the model's forward with torch.compile (inductor).
 
     Args:
@@ -139,8 +149,7 @@ class Compile(Strategy):
     name = STRATEGY_NAME
     # After every strategy that wraps the forward (precision 0, checkpointing 50, offload
     # 60): compiling wraps what they installed, so they are compiled with the model.
-    effect_order = 80
-    measured_only = True
+    effect_order = EffectOrder.COMPILE
     installs = "compile"
 
     def __init__(
@@ -161,7 +170,7 @@ class Compile(Strategy):
         return ["off", *self.offered]
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
-        """Nothing: the estimate stays eager's (measured_only), for a valid choice.
+        """Nothing: the estimate stays eager's (a Measured strategy), for a valid choice.
 
         Eager is a fair bracket to start probing from: compiling kept the peak of the model
         measured, and a partitioner budget below 1 is meant to lower it (``docs/design.md``,

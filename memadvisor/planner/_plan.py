@@ -62,7 +62,7 @@ from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import ModelFingerprint, Plan, Row
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Strategy, load_strategies
+from memadvisor.strategy import Checked, Measured, Strategy, load_strategies
 from memadvisor.workload import Workload
 
 __all__ = ["measure_configuration", "plan_workload"]
@@ -149,10 +149,15 @@ def plan_workload(
                     if steady_note is not None:
                         notes.append(steady_note)
             screened: list[Check] = []
-            if any(type(s).screen is not Strategy.screen for s in chosen):
+            if any(isinstance(s, Checked) for s in chosen):
                 # Before the search: a choice that fails its check is then not offered.
                 with ui.stage("screening", total=None):
-                    screened = [c for s in chosen for c in s.screen(workload, profile, config)]
+                    screened = [
+                        c
+                        for s in chosen
+                        if isinstance(s, Checked)
+                        for c in s.screen(workload, profile, config)
+                    ]
             for note in screen_notes(screened, config):
                 notes.append(note)  # among the first lines: it decided what may be picked
                 ui.note(note)
@@ -162,6 +167,8 @@ def plan_workload(
             # What a strategy sets up for the whole plan, before the device starts processes
             # that inherit it (compile: one inductor cache that every probe compiles into).
             for s in chosen:
+                if not isinstance(s, Measured):
+                    continue
                 plan_scope = s.plan_scope(config, kind)
                 if plan_scope is not None:
                     scope.enter_context(plan_scope)

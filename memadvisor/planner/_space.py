@@ -19,7 +19,7 @@ from memadvisor.estimate import estimate
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Estimated, Strategy
+from memadvisor.strategy import Estimated, Measured, Strategy
 
 __all__ = [
     "Scored",
@@ -141,7 +141,7 @@ class SearchSpace:
         self.options: dict[str, list[JsonValue]] = {}
         for s in self.strategies:
             offered = list(s.choices(profile, config))
-            if s.measured_only:
+            if isinstance(s, Measured):
                 # The estimate cannot rank what it cannot predict (a compiled model's memory
                 # and time): such a strategy keeps its neutral choice here, and its other
                 # choices are only ever judged by measuring them on the device.

@@ -24,7 +24,7 @@ from memadvisor.planner._space import Scored
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe, StageOutcome
 from memadvisor.strategy import Confirmed as AnyConfirmed
-from memadvisor.strategy import Estimated, PickStage, Strategy
+from memadvisor.strategy import Estimated, Measured, PickStage, Strategy
 
 __all__ = ["ProberStage", "refined_pick"]
 
@@ -202,7 +202,7 @@ def refined_pick(
     their notes; each stage starts from the pick the previous one returned."""
     pick, outcomes, notes = eager, [], []
     for strategy in strategies:
-        if not strategy.measured_only:
+        if not isinstance(strategy, Measured):
             continue
         started = time.perf_counter()
         result = strategy.refine(ProberStage(prober, strategy.name, ui, pick), pick)

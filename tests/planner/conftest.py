@@ -27,7 +27,7 @@ from memadvisor.schema.profile import (
     Profile,
     StepProfile,
 )
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import HandTried, Strategy, TimedEachChoice
 from memadvisor.workload import Workload
 
 MIB = 2**20
@@ -70,12 +70,11 @@ def make_profile(param_mib: float = 1.0) -> Profile:
     )
 
 
-class FakePrecision(Strategy):
+class FakePrecision(Strategy, TimedEachChoice, HandTried):
     """fp32 or bf16; its own hand row (+AMP) and guard, as the built-in precision has."""
 
     name = "precision"
     effect_order = 10
-    guarded = True
 
     def is_neutral(self, choice) -> bool:
         return choice in (None, "off", "fp32")
@@ -89,8 +88,8 @@ class FakePrecision(Strategy):
     def effect(self, profile, choice, model: StepModel) -> None:
         model.use_precision(str(choice))
 
-    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
-        return model
+    def apply(self, step, choice):
+        return step
 
     def explain(self, choice, profile) -> Advice | None:
         if choice == "fp32":
@@ -98,7 +97,7 @@ class FakePrecision(Strategy):
         return Advice(strategy=self.name, title=f"Train in {choice}", sentence="Use autocast.")
 
 
-class FakeCheckpointing(Strategy):
+class FakeCheckpointing(Strategy, HandTried):
     """Any prefix of the blocks; every block is its hand row (+Checkpointing)."""
 
     name = "checkpointing"
@@ -119,8 +118,8 @@ class FakeCheckpointing(Strategy):
         """The blocks it recomputes, as the built-in checkpointing states them."""
         return Facts(recomputed_blocks=list(choice or []))
 
-    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
-        return model
+    def apply(self, step, choice):
+        return step
 
     def explain(self, choice, profile) -> Advice | None:
         if not choice:
