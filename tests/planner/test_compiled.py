@@ -388,8 +388,9 @@ def test_a_real_inductor_compile_is_tried_and_a_faster_variant_kept(
 def test_cuda_compiled_variant_is_trialled_measured_in_fresh_processes_and_judged(
     examples_dir,
 ) -> None:
-    """On a card: the gpt example's bf16 pick compiles in the trial, its compiled probes run
-    in fresh processes under the shared cache, and the verdict follows MIN_SPEEDUP."""
+    """On a card: the gpt example's bf16 pick compiles in the trial, the compiled candidates
+    run in fresh processes under the shared cache within the search's runs, and the verdict
+    follows MIN_SPEEDUP over the confirmed compiled configurations."""
     from memadvisor.device.cuda import CudaDevice
     from memadvisor.profiler import profile_workload
     from memadvisor.strategy import load_strategies
@@ -412,5 +413,9 @@ def test_cuda_compiled_variant_is_trialled_measured_in_fresh_processes_and_judge
     variant = outcome.variants[0]
     assert variant.measured is not None and variant.one_off_ms and variant.one_off_ms > 0
     assert all(p.fits or p.error for p in prober.probes if p.stage == "compile")
-    faster = variant.measured.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
-    assert outcome.picked == faster and (pick is not eager) == faster
+    assert outcome.picked == (pick is not eager)
+    confirmed = [v.measured for v in outcome.variants if v.confirmed and v.measured]
+    best = max((m.samples_per_s for m in confirmed), default=0.0)
+    assert outcome.picked == (best >= MIN_SPEEDUP * eager.measured.samples_per_s)
+    runs = [p for p in prober.probes if p.stage == "compile"]
+    assert len(runs) <= outcome.details["search"]["max_runs"]
