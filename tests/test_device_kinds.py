@@ -76,7 +76,8 @@ def kind_comparisons(source: str, where: str = "<code>") -> list[str]:
 
 
 def _sources() -> list[Path]:
-    return sorted(p for package in ("memadvisor", "strategies") for p in (ROOT / package).rglob("*.py"))
+    packages = ("memadvisor", "strategies")
+    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
 
 
 def test_the_scan_finds_the_comparisons_it_names() -> None:

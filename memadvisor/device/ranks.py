@@ -100,9 +100,7 @@ class Ranks(Device):
         # ranks are forked processes too, their memory metered but not steady (collectives).
         cuda = backend == "cuda"
         self.capabilities = (
-            card_capabilities(0)
-            if cuda
-            else SIMULATED.model_copy(update={"steady_memory": False})
+            card_capabilities(0) if cuda else SIMULATED.model_copy(update={"steady_memory": False})
         )
         self.world_size = world_size
         self.backend = backend

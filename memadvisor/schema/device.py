@@ -242,9 +242,7 @@ def device_kind(asked: object, said: str = "device") -> DeviceKind:
     return kind
 
 
-def resolved_kind(
-    kind: DeviceKind, *, refusal: str
-) -> Literal["cuda", "simulated", "estimate"]:
+def resolved_kind(kind: DeviceKind, *, refusal: str) -> Literal["cuda", "simulated", "estimate"]:
     """``kind`` with "auto" made the card when torch sees one, else the simulated device.
 
     Args:

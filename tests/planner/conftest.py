@@ -16,8 +16,8 @@ from torch import nn
 from memadvisor.device import Device
 from memadvisor.estimate import StepModel
 from memadvisor.schema.advice import Advice
-from memadvisor.schema.device import AutocastPolicy, DeviceCapabilities
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.device import AutocastPolicy, DeviceCapabilities
 from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
