@@ -17,12 +17,12 @@ import math
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
-from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.schema.call import CallForm
-from memadvisor.strategy import Strategy
+from memadvisor.step import Step
+from memadvisor.strategy import Described, EffectOrder, Recorded, Strategy
 from strategies._format import loop_header, loss_line
 
 if TYPE_CHECKING:
@@ -80,11 +80,11 @@ def _parse(choice: JsonValue) -> tuple[int, int, int] | None:
     return b, k, e
 
 
-class BatchSize(Strategy):
+class BatchSize(Strategy, Described, Recorded):
     """The micro-batch that fits and the accumulation that keeps the effective batch."""
 
     name = "batch_size"
-    effect_order = 10
+    effect_order = EffectOrder.BATCH
 
     def is_neutral(self, choice: JsonValue) -> bool:
         return choice in (None, "off")
@@ -122,10 +122,10 @@ class BatchSize(Strategy):
                 "build it with strategies.batch_size.choice_for(candidate)."
             )
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        """Returns ``model`` unchanged: the batch is the training loop's (see the advice)."""
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        """Returns ``step`` unchanged: the batch is the training loop's (see the advice)."""
         _parse(choice)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         parsed = _parse(choice)

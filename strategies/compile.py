@@ -13,22 +13,25 @@ Choices:
       ops inside the fused graph, where block checkpointing recomputes whole blocks.
 
 How the planner uses them (:meth:`Compile.refine`, ``strategies/_compile_stage.py``): after
-the device has chosen the eager pick, it tries each offered choice on that pick.
-``"default"`` keeps the pick's checkpointed blocks (compiled with the model); a choice with
-a budget replaces them, its budget set to the share of activations the pick keeps, so the
-device's measurements say which recompute is cheaper under compile. The faster compiled
-variant is kept only when it beats eager's measured throughput; :meth:`Compile.trial` and
-:attr:`Compile.gains` keep what was measured for :meth:`Compile.check` and
-:meth:`Compile.explain`.
+the device has chosen the eager pick, it searches compiled configurations: the pick's
+choices and the same with other checkpointed sets compiled with ``"default"``, and a choice
+with a budget in place of the pick's checkpointing (its budget set to the share of
+activations the pick keeps). A compiled step holds less than eager, so its best
+checkpointed set and batch are not eager's; each candidate's compiled memory is learned from
+a run or two (``strategies/_compile_model.py``), the best is confirmed by the device's batch
+search, all within :class:`~strategies._compile_search.CompileSearch`'s budget of runs
+(``strategies/_compile_search.py``). The compiled pick is kept only when it beats eager's
+measured throughput; :meth:`Compile.trial` and :attr:`Compile.gains` keep what was measured
+for :meth:`Compile.check` and :meth:`Compile.explain`.
 
 Offered only for a profile of a device that compiles (``can_compile``: a CUDA card).
 Compiled memory and speed are not predicted by the eager profile (fusion removes
-intermediates, the partitioner chooses what to save):
-:attr:`Compile.measured_only` is True and :meth:`Compile.effect` leaves the estimate as
-eager, so compiled candidates must be measured on the device. The simulated CPU device
-cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame at all
-and the step runs eagerly (measured here on torch 2.13: no frame counted, the same peak
-bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
+intermediates, the partitioner chooses what to save): Compile is a
+:class:`~memadvisor.strategy.Measured` strategy and :meth:`Compile.effect` leaves the
+estimate as eager, so compiled candidates must be measured on the device. The simulated CPU
+device cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame
+at all and the step runs eagerly (measured here on torch 2.13: no frame counted, the same
+peak bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
 
 Other modes, accepted as choices but not offered by default:
     * ``"max-autotune-no-cudagraphs"``: benchmarks matmul and kernel configurations while
@@ -61,13 +64,24 @@ from typing import TYPE_CHECKING
 
 import torch
 from pydantic import JsonValue
-from torch import nn
 
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.call import CallForm
-from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
+from memadvisor.schema.facts import Facts
+from memadvisor.step import Step
+from memadvisor.strategy import (
+    Checked,
+    Confirmed,
+    Described,
+    EffectOrder,
+    Measured,
+    PickStage,
+    Refinement,
+    Strategy,
+)
 from strategies import _forward
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
+from strategies._compile_search import CompileSearch
 from strategies._compile_stage import DeviceGain, compiled_pick
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
@@ -100,6 +114,7 @@ __all__ = [
     "Compile",
     "CompileChoice",
     "CompileResult",
+    "CompileSearch",
     "CompiledForward",
     "DeviceGain",
     "advice",
@@ -119,12 +134,14 @@ DEFAULT_CHOICES: tuple[JsonValue, ...] = (
 LOSS_TOLERANCE = 0.02
 
 
-class Compile(Strategy):
+class Compile(Strategy, Measured, Described, Checked):
     """Compile the model's forward with torch.compile (inductor).
 
     Args:
         choices: the compiled choices to offer (``"off"`` is always first); default
             :data:`DEFAULT_CHOICES`.
+        search: how far the planner's compile stage searches (candidates, device runs,
+            seconds, the regional form while searching); default :class:`CompileSearch`'s.
 
     Raises:
         BadInputError: a choice is not a compile choice.
@@ -133,11 +150,13 @@ class Compile(Strategy):
     name = STRATEGY_NAME
     # After every strategy that wraps the forward (precision 0, checkpointing 50, offload
     # 60): compiling wraps what they installed, so they are compiled with the model.
-    effect_order = 80
-    measured_only = True
+    effect_order = EffectOrder.COMPILE
     installs = "compile"
 
-    def __init__(self, choices: Sequence[JsonValue] | None = None) -> None:
+    def __init__(
+        self, choices: Sequence[JsonValue] | None = None, search: CompileSearch | None = None
+    ) -> None:
+        self.search = search if search is not None else CompileSearch()
         offered = DEFAULT_CHOICES if choices is None else tuple(choices)
         parsed = [parse_choice(c) for c in offered]
         # Normalised, so the same setting is always the same JSON in a plan.
@@ -152,7 +171,7 @@ class Compile(Strategy):
         return ["off", *self.offered]
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
-        """Nothing: the estimate stays eager's (measured_only), for a valid choice.
+        """Nothing: the estimate stays eager's (a Measured strategy), for a valid choice.
 
         Eager is a fair bracket to start probing from: compiling kept the peak of the model
         measured, and a partitioner budget below 1 is meant to lower it (``docs/design.md``,
@@ -160,7 +179,7 @@ class Compile(Strategy):
         """
         parse_choice(choice)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+    def apply(self, step: Step, choice: JsonValue) -> Step:
         """Compile ``model``'s forward in place ('off' takes a previous compile off).
 
         Lazy: nothing compiles until the first forward. Applying twice updates the settings.
@@ -168,12 +187,13 @@ class Compile(Strategy):
         Raises:
             BadInputError: ``choice`` is not a compile choice.
         """
+        model = step.model
         parsed = parse_choice(choice)
         # Another form of compile may be installed (whole model vs each block): off first.
         for module in model.modules():
             _forward.remove(module, CompiledForward)
         if parsed is None:
-            return model
+            return step
         for module in compile_targets(model, parsed):
             _forward.install(
                 module,
@@ -181,7 +201,7 @@ class Compile(Strategy):
                 mode=parsed.mode,
                 activation_memory_budget=parsed.activation_memory_budget,
             )
-        return model
+        return step
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
         """The choice under "Also" (the plan's measured stage has its own row), and a loader
@@ -192,6 +212,12 @@ class Compile(Strategy):
                 loader_args=", drop_last=True", loader_comment="one shape: no second compile"
             )
         return part
+
+    states = frozenset({"compiled", "compile_mode"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        parsed = parse_choice(choice)
+        return Facts() if parsed is None else Facts(compiled=True, compile_mode=parsed.mode)
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """The advice; its effect quotes the trial :meth:`check` ran, when there was one."""
@@ -226,9 +252,10 @@ class Compile(Strategy):
                 self._plan_cache = None
 
     def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
-        """Compiled variants of the eager pick, measured on the device, kept when faster
-        (:func:`strategies._compile_stage.compiled_pick`). The plan's ``options["compile"]``
-        says whether: ``"auto"`` (default: on CUDA), ``"off"`` or ``"on"``."""
+        """Compiled configurations searched on the device from the eager pick, kept when
+        faster (:func:`strategies._compile_stage.compiled_pick`). The plan's
+        ``options["compile"]`` says whether: ``"auto"`` (default: on CUDA), ``"off"`` or
+        ``"on"``."""
         return compiled_pick(stage, eager, self, cache=self._plan_cache)
 
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:

@@ -23,7 +23,8 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.advice import Advice, Check
-from memadvisor.strategy import Strategy
+from memadvisor.step import Step
+from memadvisor.strategy import Checked, Described, EffectOrder, Strategy
 from strategies import _forward
 from strategies._format import mib
 
@@ -99,11 +100,11 @@ def measure_inference(
     }
 
 
-class Inference(Strategy):
+class Inference(Strategy, Described, Checked):
     """eval() + inference_mode + chunked batches for a workload that never trains."""
 
     name = "inference"
-    effect_order = 95
+    effect_order = EffectOrder.INFERENCE
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         return ["advice"] if is_inference(profile) else ["off"]
@@ -117,9 +118,10 @@ class Inference(Strategy):
         """Nothing: an inference profile already measured a step without backward."""
         _check_choice(choice)
 
-    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+    def validate(self, step: Step, choice: JsonValue) -> None:
         """Raises ``BadInputError``: not a choice, or ``advice`` on a profile that trains
         (eval() and inference_mode would silently stop its training)."""
+        profile = step.profile
         if _check_choice(choice) == "off" or profile is None or is_inference(profile):
             return
         raise BadInputError(
@@ -128,14 +130,15 @@ class Inference(Strategy):
             "eval() and drop its gradients. Use a plan made for this workload."
         )
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        self.validate(model, choice, profile)
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        model = step.model
+        self.validate(step, choice)
         if _check_choice(choice) == "off":
             _forward.remove(model, InferenceForward)
-            return model
+            return step
         model.eval()
         _forward.install(model, InferenceForward)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         if _check_choice(choice) == "off":

@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
-from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice
-from memadvisor.strategy import Strategy
+from memadvisor.step import Step
+from memadvisor.strategy import Described, EffectOrder, Strategy
 from strategies._format import how_known, mib
 
 if TYPE_CHECKING:
@@ -63,11 +63,11 @@ def _check_choice(choice: JsonValue) -> str:
     return str(choice)
 
 
-class OptimizerHabits(Strategy):
+class OptimizerHabits(Strategy, Described):
     """Advice on the optimizer's own memory; changes neither the model nor the estimate."""
 
     name = "optimizer_habits"
-    effect_order = 90
+    effect_order = EffectOrder.OPTIMIZER
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if profile.optimizer_state_bytes == 0 and profile.grad_bytes == 0:
@@ -82,10 +82,10 @@ class OptimizerHabits(Strategy):
         """Nothing: the advice is what the training loop could do, not what the plan runs."""
         _check_choice(choice)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        """Returns ``model`` unchanged: the optimizer is the training loop's to build."""
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        """Returns ``step`` unchanged: the optimizer is the training loop's to build."""
         _check_choice(choice)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         if _check_choice(choice) == "off":
