@@ -160,14 +160,18 @@ class CudaDevice(Device):
         self._baseline_allocated: int | None = None
         self._zygote: ForkServer | None = None
         self._zygote_finalizer: weakref.finalize | None = None
+        self._card: DeviceCapabilities | None = None
 
     @property
     def capabilities(self) -> DeviceCapabilities:  # type: ignore[override]
         """The card's (:data:`~memadvisor.schema.device.CUDA_CARD`: its times rank, a run's
         fixed cost dwarfs its steps), its bytes free now, and fresh processes until runs fell
         back to this one (a workload that cannot be saved)."""
-        card = card_capabilities(self.index)
-        return card.model_copy(update={"fresh_processes": self.mode != "in_process"})
+        if self._card is None:  # what does not change: read once
+            self._card = card_capabilities(self.index)
+        free = int(torch.cuda.mem_get_info(self.index)[0])
+        fresh = self.mode != "in_process"
+        return self._card.model_copy(update={"free_bytes": free, "fresh_processes": fresh})
 
     def close(self) -> None:
         """Stop the zygote; remove the saved workload and requests."""
