@@ -408,9 +408,9 @@ class StepModel:
         else:
             eof, head, starts, peaks = self._derived_walk(weights + state)
         # Fixed costs (cuBLAS workspaces, rounding) come on top of tracked tensor bytes; a
-        # CUDA profile's phase peaks were read from the allocator and hold them already.
+        # card's phase peaks were read from its allocator and hold them already.
         overhead = p.fixed_overhead_bytes
-        phase_overhead = 0 if p.device.kind == "cuda" else overhead
+        phase_overhead = 0 if p.device.capabilities.memory == "allocator" else overhead
         phases = nums.phases
         forward_peak = phases["forward"] + phase_overhead if "forward" in phases else eof + overhead
         optimizer_peak = (

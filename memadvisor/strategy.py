@@ -63,6 +63,7 @@ from memadvisor.step import Step, step_from_call_form
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.device import DeviceCapabilities
     from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
@@ -130,18 +131,27 @@ class PickStage(ABC):
     profile: Profile
     workload: Workload
     strategies: Sequence[Strategy]
-    #: The device's kind (``"cuda"``, ``"simulated"``, ``"fake"``, ...).
-    device_kind: str
-    #: Whether the device's step times rank candidates (a card's do; a CPU meter's do not).
-    step_times_rank: bool
-    #: Whether every run starts in a fresh process (False: runs share the planner's).
-    fresh_processes: bool
-    #: Bytes free on the device's card now (None: not a card): room for work in this process.
-    free_bytes: int | None
-
+    #: What the device can do (read when the stage began): whether its times rank, whether
+    #: it compiles, where its tensors are. Never compare its kind: it is for display.
+    device: DeviceCapabilities
     #: Each strategy's choices in this plan's search, by name (a measured-only strategy's:
     #: its neutral one alone).
     options: dict[str, list[JsonValue]]
+
+    @property
+    def step_times_rank(self) -> bool:
+        """Whether the device's step times rank candidates (a card's do; a CPU meter's not)."""
+        return self.device.step_times_rank
+
+    @property
+    def fresh_processes(self) -> bool:
+        """Whether every run starts in a fresh process (False: runs share the planner's)."""
+        return self.device.fresh_processes
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Bytes free on the device's card (None: not a card): room for work in this process."""
+        return self.device.free_bytes
 
     @abstractmethod
     def confirm(
@@ -351,7 +361,7 @@ class Measured(ABC):
         once per measured strategy in registration order."""
 
     def plan_scope(
-        self, config: PlanConfig, device_kind: str
+        self, config: PlanConfig, device: DeviceCapabilities
     ) -> contextlib.AbstractContextManager | None:
         """An environment the whole plan runs in, entered before the device starts its
         processes so that they inherit it (compile: one inductor cache for every probe);

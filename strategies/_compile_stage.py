@@ -472,7 +472,7 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
     policy = policy_of(stage)
     if policy == "off":
         return ""
-    if policy == "auto" and stage.device_kind != "cuda":
+    if policy == "auto" and not stage.device.can_compile:
         return ""  # the simulated device runs a compiled step eagerly: nothing to measure
     if not any(_parse(c) is not None for c in strategy.offered):
         return ""
@@ -482,7 +482,7 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
         return f"Compiling was not weighed for {stage.config.parallel} ranks; planned eager."
     if not stage.step_times_rank:
         return (
-            f"compile='on' was asked, but the {stage.device_kind} device's step times cannot "
+            f"compile='on' was asked, but the {stage.device.kind} device's step times cannot "
             "tell a compiled step from an eager one (the simulated device runs a compiled step "
             "eagerly under its byte meter); planned eager. Plan on a CUDA device to weigh "
             "compiling."
@@ -544,7 +544,7 @@ def _trial(
                 workload,
                 choices[COMPILE],
                 candidate=Candidate(batch_size=batch, choices=others),
-                device="cuda" if stage.device_kind == "cuda" else None,
+                device=stage.device.tensor_device if stage.device.can_compile else None,
             )
             release_cached_memory()
             if not result.out_of_memory:

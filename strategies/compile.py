@@ -24,14 +24,14 @@ search, all within :class:`~strategies._compile_search.CompileSearch`'s budget o
 measured throughput; :meth:`Compile.trial` and :attr:`Compile.gains` keep what was measured
 for :meth:`Compile.check` and :meth:`Compile.explain`.
 
-Offered only for a profile measured on CUDA. Compiled memory and speed are not predicted by
-the eager profile (fusion removes intermediates, the partitioner chooses what to save):
-Compile is a :class:`~memadvisor.strategy.Measured` strategy and :meth:`Compile.effect`
-leaves the estimate as eager, so compiled candidates must be measured on the device. The
-simulated CPU device cannot measure them: with its ``TorchDispatchMode`` active dynamo
-attempts no frame at all and the step runs eagerly (measured here on torch 2.13: no frame
-counted, the same peak bytes and allocation count as eager), and a fake-tensor profile has
-no device to run on.
+Offered only for a profile of a device that compiles (``can_compile``: a CUDA card).
+Compiled memory and speed are not predicted by the eager profile (fusion removes
+intermediates, the partitioner chooses what to save): Compile is a
+:class:`~memadvisor.strategy.Measured` strategy and :meth:`Compile.effect` leaves the
+estimate as eager, so compiled candidates must be measured on the device. The simulated CPU
+device cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame
+at all and the step runs eagerly (measured here on torch 2.13: no frame counted, the same
+peak bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
 
 Other modes, accepted as choices but not offered by default:
     * ``"max-autotune-no-cudagraphs"``: benchmarks matmul and kernel configurations while
@@ -102,6 +102,7 @@ if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.device import DeviceCapabilities
     from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
@@ -165,7 +166,7 @@ class Compile(Strategy, Measured, Described, Checked):
         self._plan_cache: SharedCompileCache | None = None  # while a plan's scope is open
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
-        if profile.device.kind != "cuda":
+        if not profile.device.capabilities.can_compile:
             return ["off"]  # nothing here can measure a compiled step (module docstring)
         return ["off", *self.offered]
 
@@ -232,11 +233,12 @@ class Compile(Strategy, Measured, Described, Checked):
         )
 
     def plan_scope(
-        self, config: PlanConfig, device_kind: str
+        self, config: PlanConfig, device: DeviceCapabilities
     ) -> contextlib.AbstractContextManager | None:
-        """On a card, one inductor cache for the whole plan, set before the fork server starts:
-        its children compile into it, and the compiled probes need no fresh server for it."""
-        if device_kind != "cuda" or config.option(self.name, "auto") == "off":
+        """On a device that compiles, one inductor cache for the whole plan, set before the
+        fork server starts: its children compile into it, and the compiled probes need no
+        fresh server for it."""
+        if not device.can_compile or config.option(self.name, "auto") == "off":
             return None
         return self._whole_plan_cache()
 

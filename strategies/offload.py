@@ -86,7 +86,7 @@ class ActivationOffload(Strategy):
     effect_order = EffectOrder.OFFLOAD
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
-        if profile.device.kind != "cuda" or not profile.host_bandwidth_bytes_per_ms:
+        if not profile.device.capabilities.pinned_memory or not profile.host_bandwidth_bytes_per_ms:
             return ["off"]
         return ["off", "forward"]
 

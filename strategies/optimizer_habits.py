@@ -108,11 +108,11 @@ class OptimizerHabits(Strategy, Described):
                 f"the optimizer step held {mib(temporaries)} MiB of temporaries at batch {b} "
                 f"({how_known(profile)}; {where})"
             )
-        device = profile.device.kind
+        on_card = profile.device.capabilities.trains_on == "cuda"  # torch's fused kernels
         fused = (
             "On CUDA, fused=True runs the update in fused kernels: the fastest, with no "
             "parameter-sized lists of intermediates. "
-            if device in ("cuda", "fake")
+            if on_card
             else ""
         )
         return Advice(
@@ -124,13 +124,13 @@ class OptimizerHabits(Strategy, Described):
                 "during the step; foreach=False loops one tensor at a time: a lower optimizer "
                 "peak, a slower step. Pick it only when the optimizer step is the peak."
             ),
-            snippet=_snippet(device),
+            snippet=_snippet(on_card),
             effect="; ".join(parts),
         )
 
 
-def _snippet(device: str) -> str:
-    fused = "fused=True" if device in ("cuda", "fake") else "foreach=False"
+def _snippet(on_card: bool) -> str:
+    fused = "fused=True" if on_card else "foreach=False"
     return f"""\
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, {fused})
 ...

@@ -25,7 +25,7 @@ from memadvisor.cli._interrupt import (
     raise_if_interrupted,
     say_interrupted,
 )
-from memadvisor.errors import BadInputError, MemadvisorError
+from memadvisor.errors import MemadvisorError
 
 app = typer.Typer(
     name="memadvisor",
@@ -190,20 +190,13 @@ def resolve_device(device: DeviceOption) -> str:
     Raises:
         BadInputError: ``cuda`` was asked for on a machine without a CUDA device.
     """
-    import torch
+    from memadvisor.schema.device import device_kind, resolved_kind
 
-    from memadvisor.schema.config import device_kind
-
-    kind = device_kind(device.value, "--device")
-    has_cuda = torch.cuda.is_available()
-    if kind == "cuda" and not has_cuda:
-        raise BadInputError(
-            f"--device {device.value}, but torch sees no CUDA device here; use --device cpu "
-            "(or auto) to run on the CPU simulated device."
-        )
-    if kind == "auto":
-        return "cuda" if has_cuda else "simulated"
-    return kind
+    return resolved_kind(
+        device_kind(device.value, "--device"),
+        refusal=f"--device {device.value}, but torch sees no CUDA device here; use --device "
+        "cpu (or auto) to run on the CPU simulated device.",
+    )
 
 
 def announce_device(kind: str, *, quiet: bool) -> None:

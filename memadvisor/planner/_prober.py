@@ -309,15 +309,15 @@ def _key(candidate: Candidate) -> str:
 def run_steps(device: Device, config: PlanConfig) -> int:
     """Steps each probe and timing run takes on ``device``."""
     steps = max(config.probe_steps, config.timing_steps)
-    if device.runs_cost_more_than_steps:
+    if device.capabilities.runs_cost_more_than_steps:
         steps = max(steps, config.verify_steps)
     return steps
 
 
 def verify_steps(device: Device, config: PlanConfig) -> int:
     """Steps of the pick's verifying run: ``config.verify_steps``, except on a device whose
-    memory repeats from the second step (``Device.steady_memory``), where a probe's steps
-    show all there is, unless the user set ``verify_steps`` themselves."""
-    if device.steady_memory and "verify_steps" not in config.model_fields_set:
+    memory repeats from the second step (its capabilities' ``steady_memory``), where a
+    probe's steps show all there is, unless the user set ``verify_steps`` themselves."""
+    if device.capabilities.steady_memory and "verify_steps" not in config.model_fields_set:
         return run_steps(device, config)
     return config.verify_steps

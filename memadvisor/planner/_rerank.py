@@ -120,7 +120,8 @@ def best_on_device(
         InfeasibleBudgetError: not even batch 1 fitted for any of them.
     """
     space, device = prober.space, prober.device
-    measured_times = device.step_times_rank
+    measured_times = device.capabilities.step_times_rank
+    kind = device.capabilities.kind  # for display only
     with ui.stage("probes", total=None) as bar:
         prober.bar = bar
         first = _first_runs(prober, timed, measured_times)
@@ -163,13 +164,13 @@ def best_on_device(
     if not measured_times and fitted > 1:
         notes.append(
             f"The {fitted} best candidates were re-ranked at the batches the "
-            f"{device.kind} device confirmed, by the estimate's step time: this device's own "
+            f"{kind} device confirmed, by the estimate's step time: this device's own "
             "times do not rank (CPU times, slowed by tracking)."
         )
     skipped = len(timed) - len(first)
     if not measured_times and skipped > 0:
         notes.append(
-            f"Ranked by the estimate's step time: the {device.kind} device's own times do not "
+            f"Ranked by the estimate's step time: the {kind} device's own times do not "
             "rank (CPU times, slowed by tracking), so it confirmed the batch of the estimate's "
             f"best candidate that fitted and did not run {skipped} ranked below it."
         )

@@ -41,10 +41,7 @@ class ProberStage(PickStage):
         self.profile = prober.space.profile
         self.workload = prober.workload
         self.strategies = prober.space.strategies
-        self.device_kind = prober.device.kind
-        self.step_times_rank = prober.device.step_times_rank
-        self.fresh_processes = prober.device.fresh_processes
-        self.free_bytes = prober.device.free_bytes()
+        self.device = prober.device.capabilities
         self.options = prober.space.options
         self._bar: Stage | None = None
 

@@ -22,6 +22,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.device import DeviceCapabilities, capabilities_of_kind
 from memadvisor.schema.loader import LoaderAdvice
 from memadvisor.schema.profile import Profile, StepTimeModel
 
@@ -272,10 +273,16 @@ class Plan(_Model):
         "hand-built plans (nothing to check against).",
     )
     config: PlanConfig
-    device_kind: Literal["cuda", "simulated", "fake", "estimate"] = Field(
-        description="Where the pick was confirmed; estimate: nowhere (every figure estimated)."
+    device_kind: str = Field(
+        description="What the device the pick was confirmed on is called (capabilities.kind; "
+        "'estimate': nowhere, every figure estimated). For display: read capabilities."
     )
     device_name: str
+    capabilities: DeviceCapabilities = Field(
+        None,  # type: ignore[assignment]  # made from device_kind where a file has none
+        description="What that device can do: whether its times rank, how it measures "
+        "memory, what it trains on. A plan written without them gets its kind's.",
+    )
     candidate: Candidate = Field(description="The pick.")
     estimate: Estimate = Field(description="The estimate of the pick.")
     verified: Measurement | None = Field(None, description="The pick's sustained run.")
@@ -387,7 +394,7 @@ class Plan(_Model):
             BadInputError: the file cannot be written.
         """
         # An estimate plan's model may be fake or on the meta device: nothing to record.
-        recordable = record_step and self.device_kind != "estimate"
+        recordable = record_step and self.capabilities.measures_memory
         workload = self._workload if recordable else None
         return _views().write_html(self, path, workload)
 
@@ -403,6 +410,13 @@ class Plan(_Model):
 
     @model_validator(mode="after")
     def _finite_and_in_range(self) -> Plan:
+        if self.capabilities is None:  # a plan written before capabilities
+            self.capabilities = capabilities_of_kind(self.device_kind)
+        if self.capabilities.kind != self.device_kind:
+            raise ValueError(
+                f"device_kind is {self.device_kind!r} but capabilities.kind is "
+                f"{self.capabilities.kind!r}; one device says both"
+            )
         where = _non_finite(self, "")
         if where is not None:
             raise ValueError(f"{where} is not a finite number; a plan holds only finite ones")

@@ -17,6 +17,7 @@ from memadvisor.device import Device
 from memadvisor.estimate import StepModel
 from memadvisor.schema.advice import Advice
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.device import AutocastPolicy, DeviceCapabilities
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.profile import (
     BlockActivity,
@@ -135,8 +136,13 @@ class FakeDevice(Device):
     step overshoots near the limit on a card (docs/design.md, "Fitting near the limit").
     """
 
-    kind = "fake"
-    step_times_rank = True  # its times are a model of a card's: they rank candidates
+    # Its times are a model of a card's: they rank candidates. It autocasts as a card would.
+    capabilities = DeviceCapabilities(
+        kind="fake",
+        tensor_device="cpu",
+        step_times_rank=True,
+        autocast=AutocastPolicy(device_type="cpu", dtypes=("bf16", "fp16")),
+    )
 
     def __init__(
         self,
@@ -153,7 +159,10 @@ class FakeDevice(Device):
         super().__init__(budget_bytes=100 * MIB, name="fake")
         # True models a card: a run's fixed cost dwarfs its steps, so the planner's probes
         # take the verification's steps (memadvisor.planner._plan.run_steps).
-        self.runs_cost_more_than_steps = runs_cost_more_than_steps
+        if runs_cost_more_than_steps:
+            self.capabilities = type(self).capabilities.model_copy(
+                update={"runs_cost_more_than_steps": True}
+            )
         self.threshold = threshold
         self.sustained = sustained
         self.short_steps = short_steps

@@ -294,10 +294,11 @@ def test_compile_is_weighed_only_when_asked_and_measurable(
         assert notes == [] and not _compile_runs(prober)
 
     class Untimed(fake_device):
-        step_times_rank = False
+        capabilities = fake_device.capabilities.model_copy(update={"step_times_rank": False})
 
     class InProcess(fake_device):
-        fresh_processes = False  # as CudaDevice when its probes cannot run in fresh processes
+        # As CudaDevice when its probes cannot run in fresh processes.
+        capabilities = fake_device.capabilities.model_copy(update={"fresh_processes": False})
 
     prober, eager, _ = _setup(profile, strategies, Untimed(threshold=40), workload, {})
     notes = []
