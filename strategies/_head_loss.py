@@ -1,0 +1,276 @@
+"""Where memadvisor owns the loss, and the step that computes the head inside it.
+
+The chunked loss (:mod:`strategies._chunked_loss`) replaces two things at once: the
+model's last linear layer (the head) and the loss over its logits. That is only possible
+where memadvisor knows exactly what the loss is:
+
+* a Hugging Face causal LM computing its own loss from ``labels`` (a
+  ``transformers.PreTrainedModel`` whose ``loss_function`` is transformers'
+  ``ForCausalLMLoss`` and whose output embeddings are an ``nn.Linear``, called with a
+  mapping batch holding ``labels`` and no ``loss_fn``);
+* a ``loss_fn`` that is a :class:`memadvisor.losses.TokenCrossEntropy`, which names its
+  head and where the targets are.
+
+Anything else is a loss memadvisor cannot see into: it may read any logit, so all of them
+must be made. :func:`find_head_loss` says which case a workload is, or why it is neither;
+:func:`check_head_loss` then measures, on the sample batch, that the chunked loss equals
+the loss the user trains with (a head whose output is changed before the loss, by
+softcapping or a scale the recognition did not see, fails there).
+
+The rewritten step: :class:`HeadlessForward` runs the user's forward with the head's
+forward returning its input (:class:`SkippedHead`), and with ``labels`` taken out of a
+Hugging Face batch so that the model computes no loss of its own;
+:class:`ChunkedHeadLoss` computes the head and the loss from what came out, a chunk of
+tokens at a time.
+
+Known limitations:
+    * The head must be called once, on the states the model returns unchanged (no
+      softcapping, scaling or slicing after it): checked on the sample batch.
+    * A Hugging Face batch holding ``num_items_in_batch`` or ``shift_labels`` (the
+      Trainer's gradient-accumulation normalisation) is not recognised.
+    * The Hugging Face model's output carries the last hidden states where its logits
+      were (``output.logits``): code that reads the logits of the rewritten step's output
+      reads hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memadvisor.losses import TokenCrossEntropy
+from strategies import _forward
+from strategies._chunked_loss import chunked_cross_entropy
+
+__all__ = [
+    "ChunkedHeadLoss",
+    "HeadLoss",
+    "HeadOutput",
+    "HeadlessForward",
+    "SkippedHead",
+    "check_head_loss",
+    "find_head_loss",
+]
+
+#: Hugging Face config fields that change the logits after the head: the chunked loss,
+#: computed from the head's own output, would train another objective.
+POST_PROCESSING = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+#: Batch keys Hugging Face's causal-LM loss reads besides ``labels``.
+LOSS_KEYS = ("num_items_in_batch", "shift_labels")
+
+
+@dataclass(frozen=True)
+class HeadLoss:
+    """What the chunked loss needs to know of a workload's loss (all of it JSON-able)."""
+
+    head: str  # the head's qualified name in the model ("lm_head")
+    targets: int | str  # where the batch holds the targets: a tuple index or a mapping key
+    ignore_index: int = -100
+    shift: bool = False  # position t predicts targets[..., t+1] (Hugging Face's causal LMs)
+    labels_in_batch: bool = False  # Hugging Face: labels leave the batch before the forward
+    kind: str = "TokenCrossEntropy"  # what was recognised, for the report
+
+    def targets_of(self, batch: Any) -> torch.Tensor:
+        return batch[self.targets]
+
+
+def _transformers_causal_lm_loss() -> Callable | None:
+    """transformers' ForCausalLMLoss where transformers is imported (a model of it exists
+    only then), else None."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # a transformers without it (before 4.46): not recognised
+        return None
+    return ForCausalLMLoss
+
+
+def _hf_head_loss(model: nn.Module, batch: Any) -> HeadLoss | str:
+    """The Hugging Face causal LM's loss as a HeadLoss, or why it is not one."""
+    causal_lm_loss = _transformers_causal_lm_loss()
+    if causal_lm_loss is None:
+        return (
+            "the model computes its own loss and is not a Hugging Face causal LM: memadvisor "
+            "cannot see what that loss reads"
+        )
+    from transformers import PreTrainedModel, __version__
+
+    version = f"transformers {__version__}"
+    if not isinstance(model, PreTrainedModel):
+        return f"the model computes its own loss and is not a {version} PreTrainedModel"
+    if getattr(model, "loss_function", None) is not causal_lm_loss:
+        return f"{type(model).__name__}'s loss is not {version}'s ForCausalLMLoss"
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return (
+            f"{type(model).__name__}'s output embeddings are {type(head).__name__}, not nn.Linear"
+        )
+    config = getattr(model, "config", None)
+    for field in POST_PROCESSING:
+        value = getattr(config, field, None)
+        if value not in (None, 0, 0.0, 1, 1.0):
+            return (
+                f"{type(model).__name__} changes its logits after the head ({field}={value}): "
+                "the chunked loss would train another objective"
+            )
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
+        return "the batch holds no 'labels': the model computes no loss from them"
+    extra = [k for k in LOSS_KEYS if k in batch]
+    if extra:
+        return f"the batch holds {extra}, which Hugging Face's loss reads besides the labels"
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if not name:
+        return "the output embeddings are not a submodule of the model"
+    return HeadLoss(
+        head=name,
+        targets="labels",
+        shift=True,
+        labels_in_batch=True,
+        kind=f"{type(model).__name__}'s own loss ({version} ForCausalLMLoss)",
+    )
+
+
+def find_head_loss(
+    model: nn.Module, loss_fn: Any, sample_batch: Any, forward_fn: Any = None
+) -> HeadLoss | str:
+    """The loss a workload trains with, as a :class:`HeadLoss` when memadvisor owns it, or a
+    sentence saying why it does not (for the report: why the chunked loss is not offered).
+    """
+    if isinstance(loss_fn, TokenCrossEntropy):
+        try:
+            head = model.get_submodule(loss_fn.head)
+        except AttributeError:
+            return f"TokenCrossEntropy names head={loss_fn.head!r}, which the model does not have"
+        if not isinstance(head, nn.Linear):
+            return (
+                f"TokenCrossEntropy's head {loss_fn.head!r} is a {type(head).__name__}, not an "
+                "nn.Linear"
+            )
+        return HeadLoss(
+            head=loss_fn.head,
+            targets=loss_fn.targets,
+            ignore_index=loss_fn.ignore_index,
+            shift=loss_fn.shift,
+        )
+    if loss_fn is not None:
+        return (
+            f"loss_fn ({getattr(loss_fn, '__name__', type(loss_fn).__name__)}) is a function "
+            "memadvisor cannot see into: it may read every logit, so all of them are made. "
+            "For token cross-entropy pass loss_fn=memadvisor.TokenCrossEntropy(targets=..., "
+            "head=...), which computes the same loss and lets memadvisor chunk it"
+        )
+    if forward_fn is not None:
+        return "a forward_fn calls the model: memadvisor cannot take the labels out of its call"
+    return _hf_head_loss(model, sample_batch)
+
+
+class SkippedHead(_forward.ForwardWrapper):
+    """The head's forward, returning its input instead while ``skip`` is set.
+
+    Installed once on the head (parameter names and ``state_dict`` keys unchanged); only
+    :class:`HeadlessForward` sets ``skip``, for the duration of the step's forward, so the
+    model called any other way (evaluation, generation) computes its logits as before.
+    """
+
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        super().__init__(module, inner)
+        self.skip = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.skip:
+            return args[0] if args else next(iter(kwargs.values()))
+        return self.call_inner(*args, **kwargs)
+
+
+@dataclass
+class HeadOutput:
+    """What the rewritten forward returns: the states the head would read, the head itself
+    (so the loss uses the weights of the model that ran), and the model's own output."""
+
+    hidden: torch.Tensor  # (..., hidden)
+    head: nn.Linear
+    output: Any
+
+
+class HeadlessForward:
+    """``forward(model, batch)``: ``inner`` with the head skipped (and, for Hugging Face,
+    without ``labels``); returns a :class:`HeadOutput`."""
+
+    def __init__(self, inner: Callable[[nn.Module, Any], Any], spec: HeadLoss) -> None:
+        self.inner, self.spec = inner, spec
+
+    def __call__(self, model: nn.Module, batch: Any) -> HeadOutput:
+        head = model.get_submodule(self.spec.head)
+        wrapper = _forward.find_wrapper(head, SkippedHead) or _forward.install(head, SkippedHead)
+        if self.spec.labels_in_batch:
+            batch = {k: v for k, v in batch.items() if k != "labels"}
+        wrapper.skip = True
+        try:
+            output = self.inner(model, batch)
+        finally:
+            wrapper.skip = False
+        hidden = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if not isinstance(hidden, torch.Tensor) or hidden.shape[-1] != head.in_features:
+            raise ValueError(
+                f"With its head {self.spec.head!r} skipped the model returned "
+                f"{type(output).__name__}, not the head's input (..., {head.in_features}): the "
+                "model's output is not the head's output, so the loss cannot be chunked."
+            )
+        return HeadOutput(hidden=hidden, head=head, output=output)
+
+
+class ChunkedHeadLoss:
+    """``loss(output, batch)``: the head and the cross-entropy of a :class:`HeadOutput`, a
+    chunk of tokens at a time (:func:`~strategies._chunked_loss.chunked_cross_entropy`)."""
+
+    def __init__(self, spec: HeadLoss, chunks: int) -> None:
+        self.spec, self.chunks = spec, chunks
+
+    def __call__(self, output: HeadOutput, batch: Any) -> torch.Tensor:
+        head = output.head
+        return chunked_cross_entropy(
+            output.hidden,
+            head.weight,
+            head.bias,
+            self.spec.targets_of(batch),
+            chunks=self.chunks,
+            ignore_index=self.spec.ignore_index,
+            shift=self.spec.shift,
+        )
+
+
+def check_head_loss(
+    spec: HeadLoss,
+    model: nn.Module,
+    batch: Any,
+    forward: Callable[[nn.Module, Any], Any],
+    loss: Callable[[Any, Any], torch.Tensor],
+    chunks: int = 2,
+) -> tuple[float, float]:
+    """``(loss as the user trains it, the chunked loss)`` on ``batch``, without gradients,
+    each from the same RNG state (dropout draws the same masks); the RNG left as it was.
+
+    ``forward`` and ``loss`` are the user's step (the model's own loss for Hugging Face).
+    """
+    devices = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        want = loss(forward(model, batch), batch)
+        torch.manual_seed(0)
+        got = ChunkedHeadLoss(spec, chunks)(HeadlessForward(forward, spec)(model, batch), batch)
+    return float(want), float(got)
+
+
+def losses_agree(want: float, got: float) -> bool:
+    """Whether two losses are the same objective: equal within fp32 rounding of a sum of
+    chunks (relative 1e-4), NaN only where both are."""
+    if math.isnan(want) or math.isnan(got):
+        return math.isnan(want) and math.isnan(got)
+    return math.isclose(want, got, rel_tol=1e-4, abs_tol=1e-6)
