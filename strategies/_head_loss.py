@@ -35,6 +35,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -177,16 +178,24 @@ class SkippedHead(_forward.ForwardWrapper):
     Installed once on the head (parameter names and ``state_dict`` keys unchanged); only
     :class:`HeadlessForward` sets ``skip``, for the duration of the step's forward, so the
     model called any other way (evaluation, generation) computes its logits as before.
+    A skipped call notes the autocast the head would have run under (``autocast``), so
+    that the chunked loss runs the head's matmul in the precision the model's forward gave
+    it (bf16 on a card, not fp32: the loss itself runs outside the model's autocast).
     """
 
     def __init__(self, module: nn.Module, inner: Any) -> None:
         super().__init__(module, inner)
         self.skip = False
+        self.autocast: tuple[str, torch.dtype] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.skip:
-            return args[0] if args else next(iter(kwargs.values()))
-        return self.call_inner(*args, **kwargs)
+        if not self.skip:
+            return self.call_inner(*args, **kwargs)
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        device = hidden.device.type
+        on = torch.is_autocast_enabled(device)
+        self.autocast = (device, torch.get_autocast_dtype(device)) if on else None
+        return hidden
 
 
 @dataclass
@@ -197,6 +206,7 @@ class HeadOutput:
     hidden: torch.Tensor  # (..., hidden)
     head: nn.Linear
     output: Any
+    autocast: tuple[str, torch.dtype] | None = None  # (device type, dtype) the head ran under
 
 
 class HeadlessForward:
@@ -211,7 +221,7 @@ class HeadlessForward:
         wrapper = _forward.find_wrapper(head, SkippedHead) or _forward.install(head, SkippedHead)
         if self.spec.labels_in_batch:
             batch = {k: v for k, v in batch.items() if k != "labels"}
-        wrapper.skip = True
+        wrapper.skip, wrapper.autocast = True, None
         try:
             output = self.inner(model, batch)
         finally:
@@ -223,7 +233,7 @@ class HeadlessForward:
                 f"{type(output).__name__}, not the head's input (..., {head.in_features}): the "
                 "model's output is not the head's output, so the loss cannot be chunked."
             )
-        return HeadOutput(hidden=hidden, head=head, output=output)
+        return HeadOutput(hidden=hidden, head=head, output=output, autocast=wrapper.autocast)
 
 
 class ChunkedHeadLoss:
@@ -235,6 +245,15 @@ class ChunkedHeadLoss:
 
     def __call__(self, output: HeadOutput, batch: Any) -> torch.Tensor:
         head = output.head
+        if output.autocast is None:
+            precision: Any = contextlib.nullcontext()
+        else:
+            device, dtype = output.autocast
+            precision = torch.autocast(device, dtype=dtype)
+        with precision:
+            return self._loss(output, head, batch)
+
+    def _loss(self, output: HeadOutput, head: nn.Linear, batch: Any) -> torch.Tensor:
         return chunked_cross_entropy(
             output.hidden,
             head.weight,

@@ -1,0 +1,207 @@
+"""The loss-head strategy: the LM head and the cross-entropy computed a chunk of tokens at a time.
+
+A language model's logits are its step's largest tensors: at batch 8 x 1024 tokens and a
+32000-token vocabulary the fp32 logits are 1.1 GiB, the log-softmax saves as many again for
+backward, and the head's backward holds their gradients on top. Chunked
+(:mod:`strategies._chunked_loss`), one chunk's logits are alive at a time, in forward and
+in backward, for one more head matmul per step (each chunk's head is recomputed in
+backward).
+
+It rewrites the step, not the model: the model's forward runs with its head returning its
+input, and the loss computes the head from those hidden states (:mod:`strategies._head_loss`).
+So it is offered only where memadvisor owns the loss: a Hugging Face causal LM's own loss
+from ``labels``, or a ``loss_fn`` that is a :class:`memadvisor.TokenCrossEntropy`; and only
+after the chunked loss measured equal to the user's on the sample batch. Otherwise the plan
+says why it was not offered.
+
+Its choices: ``"off"``, or the number of chunks the tokens are cut into.
+
+Known limitations (the estimate's effect):
+    * The forward is assumed to peak at the loss, where the logits and their log-softmax
+      are both alive (true wherever the vocabulary makes the logits the step's largest
+      tensors); a model whose forward peaks inside a block has its forward peak estimated
+      low by what the loss held. The device's probes measure the truth.
+    * A chunk's transient is counted as 2 fp32 chunks of logits in forward (2.5 under
+      autocast) and 3 in the head's backward, beside the head's weight gradient; or, where
+      more, 3 weight gradients: each chunk's is added to the sum of the ones before, out of
+      place under the simulated device's meter (the sum, the chunk's and their new sum
+      alive at once; a card may add in place and hold one less). Under autocast the
+      head's low-precision weight copy is no longer saved from forward to backward: each
+      chunk's recompute makes its own, within the chunk's transient.
+    * The recomputed head is priced at the forward's time times the head's share of the
+      parameters: matmul time follows parameters for a dense LM, not for others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
+
+from memadvisor.errors import BadInputError
+from memadvisor.schema.advice import Advice, ReportPart
+from memadvisor.schema.profile import ModuleActivity, Profile, StepProfile
+from memadvisor.strategy import Strategy
+
+if TYPE_CHECKING:
+    from memadvisor.estimate import StepModel
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.plan import Plan
+
+__all__ = ["CHUNKS", "LossHead", "loss_activity"]
+
+#: The chunk counts offered: torchtune's default (8), and a finer one for long sequences.
+CHUNKS: tuple[int, ...] = (8, 32)
+#: A chunk's transients in fp32 logit-chunks, as the simulated device measured them on
+#: examples/gpt.py (tests/strategies/test_loss_head.py): forward, the logits and their
+#: log-softmax (under autocast a low-precision copy of the logits too); the head's backward,
+#: the saved log-softmax, its gradient and the logits' gradient.
+FORWARD_CHUNKS, FORWARD_CHUNKS_LOW, BACKWARD_CHUNKS = 2.0, 2.5, 3.0
+#: The ops whose saved output is the loss's copy of the logits.
+LOG_SOFTMAX = ("_log_softmax", "log_softmax")
+
+
+def loss_activity(step: StepProfile) -> ModuleActivity | None:
+    """The activity outside the blocks whose saved bytes the loss's log-softmax made (the
+    profiler's ``<loss>``, or ``<other>`` where the model computes its own loss); None
+    when the step has no such loss."""
+    found = [o for o in step.outside if any(op in LOG_SOFTMAX for op in o.made_by)]
+    return max(found, key=lambda o: o.activation.per_sample_bytes) if found else None
+
+
+def _chunks(choice: JsonValue) -> int:
+    """The chunk count of a choice; 0 for off.
+
+    Raises:
+        BadInputError: neither 'off' nor a positive chunk count.
+    """
+    if choice in (None, False, 0, "off"):
+        return 0
+    if isinstance(choice, bool) or not isinstance(choice, int) or choice < 1:
+        raise BadInputError(
+            f"A loss_head choice is 'off' or a number of chunks (a positive int), but got "
+            f"{choice=}. Example: 8."
+        )
+    return choice
+
+
+def _head_bytes(profile: Profile, head: str | None) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) of the module ``head`` (0, 0 when unknown)."""
+    row = next((r for r in profile.layers if r.name == head), None)
+    return (row.param_bytes, row.grad_bytes) if row is not None else (0, 0)
+
+
+class LossHead(Strategy):
+    """Chunked cross-entropy: the LM head and the loss, a chunk of tokens at a time."""
+
+    name = "loss_head"
+    # After precision (whose step it reads); it edits only the loss's moments.
+    effect_order = 60
+
+    def __init__(self) -> None:
+        # Set by screen(): whether this plan's workload has a loss memadvisor owns, and the
+        # sentence saying why not.
+        self.offered = False
+        self.why_not: str | None = None
+
+    def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
+        if not self.offered or loss_activity(profile.steps["fp32"]) is None:
+            return ["off"]
+        return ["off", *CHUNKS]
+
+    def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
+        """The loss's saved logits leave the end of forward; its peak at the loss and the
+        head's in backward become one chunk's transient (the module docstring's counts);
+        the head's forward is added once more."""
+        chunks = _chunks(choice)
+        fp32 = loss_activity(profile.steps["fp32"])
+        if not chunks or fp32 is None:
+            return
+        b = model.batch_size
+        logits = fp32.activation.at(b)  # the fp32 log-softmax output: one copy of the logits
+        chunk = math.ceil(logits / chunks)
+        saved = (loss_activity(model.step) or fp32).activation.at(b)
+        param_bytes, grad_bytes = _head_bytes(profile, fp32.after)
+        low = model.precision != "fp32"
+        nums = model.numbers
+        eof = nums.end_of_forward
+        at_loss = nums.phases.get("forward", eof) - eof  # the forward's top above its end
+        forward = int((FORWARD_CHUNKS_LOW if low else FORWARD_CHUNKS) * chunk)
+        model.add_bytes("forward", min(0, forward - at_loss - saved))
+        # A chunk's backward, or the moment its weight gradient joins the sum; beside them
+        # the hidden states' gradient, gathered from every chunk (the last block's output's
+        # size). Under autocast the head's weight copy no longer waits from forward.
+        head = max(int(BACKWARD_CHUNKS * chunk) + grad_bytes, 3 * grad_bytes)
+        head += nums.outputs[-1] if nums.outputs else 0
+        head -= param_bytes // 2 if low else 0
+        model.add_backward_bytes([0] * len(model.checkpointed), head=head - nums.head_peak - saved)
+        if profile.param_bytes:
+            model.add_ms(model.forward_ms * min(1.0, param_bytes / profile.param_bytes))
+
+    def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
+        chunks = _chunks(choice)
+        if not chunks:
+            return None
+        return ReportPart(
+            label="Loss",
+            words=f"chunked cross-entropy: the head and the loss in {chunks} chunks of tokens",
+            brief=f"loss in {chunks} chunks",
+        )
+
+    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str, JsonValue] | None:
+        """ "+Chunked loss": the coarsest chunking offered (what torchtune does by default)."""
+        counts = [c for c in options if isinstance(c, int) and not isinstance(c, bool) and c]
+        return ("+Chunked loss", min(counts)) if counts else None
+
+    def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
+        chunks = _chunks(choice)
+        fp32 = loss_activity(profile.steps["fp32"])
+        if not chunks:
+            return None
+        b = max(profile.batch_sizes)
+        logits = fp32.activation.at(b) if fp32 is not None else 0
+        return Advice(
+            strategy=self.name,
+            title=f"Compute the head and the loss in {chunks} chunks",
+            sentence=(
+                "Compute the LM head and the cross-entropy a chunk of tokens at a time, each "
+                "chunk checkpointed, so that one chunk's logits are alive at a time instead "
+                "of all of them (and their log-softmax, and their gradient). The loss and "
+                "the gradients are the same; the head's matmul runs once more, in backward."
+            ),
+            snippet=_snippet(chunks),
+            effect=(
+                f"estimated at batch {b}: the {logits / 2**20:.0f} MiB of fp32 logits and "
+                f"their copies leave the step, one chunk's {logits / chunks / 2**20:.1f} MiB "
+                "stays"
+            ),
+        )
+
+
+def _snippet(chunks: int) -> str:
+    return f"""\
+# With memadvisor: train with the step the plan made (model, head and loss rewritten).
+tuned = memadvisor.optimize(model, sample_batch, loss_fn=loss_fn, budget_gb=...)
+loss = tuned.memadvisor_step(batch)  # forward, chunked head + loss
+loss.backward()
+
+# By hand: run the model without its head, then the head and the loss in chunks.
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+def chunk_loss(h, weight, bias, t):
+    logits = F.linear(h, weight, bias).float()  # (chunk, vocab): one chunk alive at a time
+    return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
+
+def chunked_cross_entropy(hidden, head, targets, chunks={chunks}):
+    h, t = hidden.flatten(0, -2), targets.flatten()  # Hugging Face labels: shift them first
+    size = -(-h.shape[0] // chunks)
+    total = sum(
+        checkpoint(chunk_loss, hc, head.weight, head.bias, tc, use_reentrant=False)
+        for hc, tc in zip(h.split(size), t.split(size))
+    )
+    return total / (t != -100).sum()
+"""
