@@ -45,7 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from memadvisor.errors import BadInputError
 from memadvisor.losses import TokenCrossEntropy
+from memadvisor.step import Step
+from memadvisor.workload import Workload
 from strategies import _forward
 from strategies._chunked_loss import chunked_cross_entropy
 
@@ -57,6 +60,8 @@ __all__ = [
     "SkippedHead",
     "check_head_loss",
     "find_head_loss",
+    "losses_agree",
+    "users_parts",
 ]
 
 #: Hugging Face config fields that change the logits after the head: the chunked loss,
@@ -121,11 +126,12 @@ def _hf_head_loss(model: nn.Module, batch: Any) -> HeadLoss | str:
                 f"{type(model).__name__} changes its logits after the head ({field}={value}): "
                 "the chunked loss would train another objective"
             )
-    if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
-        return "the batch holds no 'labels': the model computes no loss from them"
-    extra = [k for k in LOSS_KEYS if k in batch]
-    if extra:
-        return f"the batch holds {extra}, which Hugging Face's loss reads besides the labels"
+    if batch is not None:
+        if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
+            return "the batch holds no 'labels': the model computes no loss from them"
+        extra = [k for k in LOSS_KEYS if k in batch]
+        if extra:
+            return f"the batch holds {extra}, which Hugging Face's loss reads besides the labels"
     name = next((n for n, m in model.named_modules() if m is head), None)
     if not name:
         return "the output embeddings are not a submodule of the model"
@@ -139,10 +145,13 @@ def _hf_head_loss(model: nn.Module, batch: Any) -> HeadLoss | str:
 
 
 def find_head_loss(
-    model: nn.Module, loss_fn: Any, sample_batch: Any, forward_fn: Any = None
+    model: nn.Module, loss_fn: Any, sample_batch: Any = None, forward_fn: Any = None
 ) -> HeadLoss | str:
     """The loss a workload trains with, as a :class:`HeadLoss` when memadvisor owns it, or a
     sentence saying why it does not (for the report: why the chunked loss is not offered).
+
+    ``sample_batch`` None (applying a plan, no batch at hand) skips what only a batch says
+    (whether a Hugging Face batch holds ``labels``).
     """
     if isinstance(loss_fn, TokenCrossEntropy):
         try:
@@ -170,6 +179,41 @@ def find_head_loss(
     if forward_fn is not None:
         return "a forward_fn calls the model: memadvisor cannot take the labels out of its call"
     return _hf_head_loss(model, sample_batch)
+
+
+def users_parts(step: Step) -> tuple[Any, Any] | None:
+    """``(loss_fn, forward_fn)`` the user's own step was built from (either None where the
+    workload's rule applies: the output's own loss, ``model(...)`` by the batch's type), or
+    None where ``step`` is not the user's step as built (another strategy replaced its loss,
+    or it was made some other way).
+
+    Reads the two ways a user's step is built: :func:`memadvisor.step.base_step` (the
+    workload's bound ``forward`` and ``loss``) and :func:`memadvisor.step.step_from_call_form`
+    (``apply_plan``: closures over ``loss_fn`` and ``forward_fn``).
+    """
+    if step.loss_changed_by:
+        return None
+    owner = getattr(step.loss, "__self__", None)
+    if isinstance(owner, Workload) and getattr(step.forward, "__self__", None) is owner:
+        return owner.loss_fn, owner.forward_fn
+    loss_cells, forward_cells = _cells(step.loss), _cells(step.forward)
+    if "loss_fn" in loss_cells and "forward_fn" in forward_cells:
+        return loss_cells["loss_fn"], forward_cells["forward_fn"]
+    return None
+
+
+def _cells(fn: Any) -> dict[str, Any]:
+    """A closure's free variables by name (empty for anything else)."""
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not closure:
+        return {}
+    cells = {}
+    for name, cell in zip(code.co_freevars, closure, strict=True):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+    return cells
 
 
 class SkippedHead(_forward.ForwardWrapper):
@@ -211,15 +255,35 @@ class HeadOutput:
 
 class HeadlessForward:
     """``forward(model, batch)``: ``inner`` with the head skipped (and, for Hugging Face,
-    without ``labels``); returns a :class:`HeadOutput`."""
+    without ``labels``); returns a :class:`HeadOutput`.
 
-    def __init__(self, inner: Callable[[nn.Module, Any], Any], spec: HeadLoss) -> None:
-        self.inner, self.spec = inner, spec
+    Holds the head module itself, found when the step was rewritten: a wrapper the ranks put
+    around the model (DDP's ``module.``) does not change which module it is. The head gets
+    its :class:`SkippedHead` then too (:meth:`install`).
+    """
+
+    def __init__(self, inner: Callable[[nn.Module, Any], Any], spec: HeadLoss, head: nn.Linear):
+        self.inner, self.spec, self.head = inner, spec, head
+
+    @classmethod
+    def install(
+        cls, inner: Callable[[nn.Module, Any], Any], spec: HeadLoss, model: nn.Module
+    ) -> HeadlessForward:
+        """The headless forward of ``model``, its head's :class:`SkippedHead` installed."""
+        head = model.get_submodule(spec.head)
+        _forward.install(head, SkippedHead)
+        return cls(inner, spec, head)
 
     def __call__(self, model: nn.Module, batch: Any) -> HeadOutput:
-        head = model.get_submodule(self.spec.head)
+        head = self.head
         wrapper = _forward.find_wrapper(head, SkippedHead) or _forward.install(head, SkippedHead)
         if self.spec.labels_in_batch:
+            if not isinstance(batch, Mapping) or "labels" not in batch:
+                raise BadInputError(
+                    "This step computes the causal-LM loss from the batch's 'labels' (the plan "
+                    f"chose the chunked loss), but got a {type(batch).__name__} without them: "
+                    "pass labels, as the batch the plan was made with did."
+                )
             batch = {k: v for k, v in batch.items() if k != "labels"}
         wrapper.skip, wrapper.autocast = True, None
         try:
@@ -274,16 +338,24 @@ def check_head_loss(
     chunks: int = 2,
 ) -> tuple[float, float]:
     """``(loss as the user trains it, the chunked loss)`` on ``batch``, without gradients,
-    each from the same RNG state (dropout draws the same masks); the RNG left as it was.
+    each from the same seed (dropout draws the same masks); the RNG and the model's head
+    left as they were.
 
     ``forward`` and ``loss`` are the user's step (the model's own loss for Hugging Face).
     """
     devices = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        want = loss(forward(model, batch), batch)
-        torch.manual_seed(0)
-        got = ChunkedHeadLoss(spec, chunks)(HeadlessForward(forward, spec)(model, batch), batch)
+    head = model.get_submodule(spec.head)
+    had_wrapper = _forward.find_wrapper(head, SkippedHead) is not None
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            want = loss(forward(model, batch), batch)
+            torch.manual_seed(0)
+            output = HeadlessForward.install(forward, spec, model)(model, batch)
+            got = ChunkedHeadLoss(spec, chunks)(output, batch)
+    finally:
+        if not had_wrapper:
+            _forward.remove(head, SkippedHead)
     return float(want), float(got)
 
 

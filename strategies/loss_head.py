@@ -41,14 +41,26 @@ from typing import TYPE_CHECKING
 from pydantic import JsonValue
 
 from memadvisor.errors import BadInputError
-from memadvisor.schema.advice import Advice, ReportPart
+from memadvisor.schema.advice import Advice, Check, ReportPart
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.profile import ModuleActivity, Profile, StepProfile
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
+from strategies._head_loss import (
+    ChunkedHeadLoss,
+    HeadlessForward,
+    HeadLoss,
+    check_head_loss,
+    find_head_loss,
+    losses_agree,
+    users_parts,
+)
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.config import PlanConfig
     from memadvisor.schema.plan import Plan
+    from memadvisor.workload import Workload
 
 __all__ = ["CHUNKS", "LossHead", "loss_activity"]
 
@@ -61,6 +73,11 @@ CHUNKS: tuple[int, ...] = (8, 32)
 FORWARD_CHUNKS, FORWARD_CHUNKS_LOW, BACKWARD_CHUNKS = 2.0, 2.5, 3.0
 #: The ops whose saved output is the loss's copy of the logits.
 LOG_SOFTMAX = ("_log_softmax", "log_softmax")
+#: The share of the step's saved activations the loss's must reach for the plan to say why
+#: the strategy was not offered (a classifier's 10-way loss is not worth a line).
+WORTH_SAYING = 0.1
+#: Rows of the sample batch the equality check runs on (a forward each way, no gradients).
+CHECK_ROWS = 2
 
 
 def loss_activity(step: StepProfile) -> ModuleActivity | None:
@@ -101,15 +118,83 @@ class LossHead(Strategy):
     effect_order = 60
 
     def __init__(self) -> None:
-        # Set by screen(): whether this plan's workload has a loss memadvisor owns, and the
-        # sentence saying why not.
+        # Set by screen(): whether this plan's workload has a loss memadvisor owns and the
+        # chunked loss measured equal to it.
         self.offered = False
-        self.why_not: str | None = None
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if not self.offered or loss_activity(profile.steps["fp32"]) is None:
             return ["off"]
         return ["off", *CHUNKS]
+
+    def screen(self, workload: Workload, profile: Profile, config: PlanConfig) -> list[Check]:
+        """Offer the chunked loss only where memadvisor owns the loss and, on the sample
+        batch, the chunked loss equals the user's. Where not, and the loss's logits are a
+        tenth or more of the step's saved activations, a failed check says why (the
+        checks='report' setting does not change this: another loss is another objective)."""
+        self.offered = False
+        if config.world_size > 1:
+            return self._not_offered(
+                profile, "the ranks' DDP or FSDP2 wrap is not planned with a rewritten loss"
+            )
+        spec = find_head_loss(
+            workload.model, workload.loss_fn, workload.sample_batch, workload.forward_fn
+        )
+        if isinstance(spec, str):
+            return self._not_offered(profile, spec)
+        batch = workload.batch(min(CHECK_ROWS, workload.sample_batch_size), workload.device)
+        try:
+            want, got = check_head_loss(
+                spec, workload.model, batch, workload.forward, workload.loss
+            )
+        except Exception as e:  # noqa: BLE001 - any failure of the rewritten step refuses it
+            return self._not_offered(
+                profile, f"the model did not run with its head skipped ({type(e).__name__}: {e})"
+            )
+        metrics = {"loss": want, "chunked_loss": got}
+        if not losses_agree(want, got):
+            return self._not_offered(
+                profile,
+                f"on the sample batch the chunked loss is {got:.6g} and yours {want:.6g}: the "
+                f"model changes {spec.head}'s output before the loss",
+                metrics,
+            )
+        self.offered = True
+        return [
+            Check(
+                strategy=self.name,
+                summary=(
+                    f"the chunked loss of {spec.head} ({spec.kind}) equals yours on the sample "
+                    f"batch: {got:.6g} against {want:.6g}."
+                ),
+                passed=True,
+                metrics=metrics,
+            )
+        ]
+
+    def _not_offered(
+        self, profile: Profile, why: str, metrics: dict[str, float] | None = None
+    ) -> list[Check]:
+        """A failed check saying why, where the logits matter; else nothing."""
+        step = profile.steps["fp32"]
+        loss = loss_activity(step)
+        b = max(profile.batch_sizes)
+        total = step.activation_total.at(b)
+        if loss is None or loss.activation.at(b) < WORTH_SAYING * total:
+            return []
+        share = loss.activation.at(b) / total if total else 1.0
+        return [
+            Check(
+                strategy=self.name,
+                summary=(
+                    f"the chunked loss (the head and the loss a chunk of tokens at a time) "
+                    f"was not offered: {why}. The loss holds {share:.0%} of the step's "
+                    "saved activations."
+                ),
+                passed=False,
+                metrics=metrics or {},
+            )
+        ]
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         """The loss's saved logits leave the end of forward; its peak at the loss and the
@@ -139,6 +224,52 @@ class LossHead(Strategy):
         model.add_backward_bytes([0] * len(model.checkpointed), head=head - nums.head_peak - saved)
         if profile.param_bytes:
             model.add_ms(model.forward_ms * min(1.0, param_bytes / profile.param_bytes))
+
+    def _spec(self, step: Step) -> HeadLoss:
+        parts = users_parts(step)
+        if parts is None:
+            raise BadInputError(
+                "The chunked loss rewrites the user's own loss, but this step's loss was "
+                f"already replaced (by {list(step.loss_changed_by)}) or is not the user's. "
+                "Plan without one of them."
+            )
+        loss_fn, forward_fn = parts
+        # No batch here: whether a Hugging Face batch holds labels is the batch's to say.
+        spec = find_head_loss(step.model, loss_fn, None, forward_fn)
+        if isinstance(spec, str):
+            raise BadInputError(
+                f"The chunked loss (loss_head) cannot be applied: {spec}. Plan again without "
+                "it, or apply this plan to the model it was made for."
+            )
+        return spec
+
+    def validate(self, step: Step, choice: JsonValue) -> None:
+        """Raises ``BadInputError``: not a chunk count, or the step's loss is not one
+        memadvisor owns (:func:`strategies._head_loss.find_head_loss`)."""
+        if _chunks(choice):
+            self._spec(step)
+
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        """The step whose forward skips the head and whose loss computes it in chunks; the
+        model's parameters and ``state_dict`` keys unchanged (the head gets a forward
+        wrapper, active only inside the step's forward).
+
+        Raises:
+            BadInputError: as :meth:`validate`.
+        """
+        chunks = _chunks(choice)
+        if not chunks:
+            return step
+        spec = self._spec(step)
+        return step.replace(
+            forward=HeadlessForward.install(step.forward, spec, step.model),
+            loss=ChunkedHeadLoss(spec, chunks),
+            loss_changed_by=(*step.loss_changed_by, self.name),
+        )
+
+    def facts(self, choice: JsonValue) -> Facts:
+        """A chunked choice computes the loss another way: train with the step."""
+        return Facts(loss_changed=bool(_chunks(choice)))
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
         chunks = _chunks(choice)

@@ -52,7 +52,8 @@ def _assert_trains_alike(workload, spec: HeadLoss, chunks: int = 3) -> None:
     model = workload.model
     plain_loss, plain = _step_grads(model, workload.sample_batch, workload.forward, workload.loss)
     chunked = copy.deepcopy(model)
-    forward, loss = HeadlessForward(workload.forward, spec), ChunkedHeadLoss(spec, chunks)
+    forward = HeadlessForward.install(workload.forward, spec, chunked)
+    loss = ChunkedHeadLoss(spec, chunks)
     got_loss, got = _step_grads(chunked, workload.sample_batch, forward, loss)
     assert got_loss == pytest.approx(plain_loss, rel=1e-5), VERSION
     assert plain.keys() == got.keys()
@@ -89,7 +90,9 @@ def test_the_model_called_outside_the_step_still_makes_logits(gpt_example) -> No
     workload = _gpt(gpt_example, dropout=0.0)
     model, (tokens, _) = workload.model, workload.sample_batch
     before = model(tokens)
-    out = HeadlessForward(workload.forward, _spec(workload))(model, workload.sample_batch)
+    out = HeadlessForward.install(workload.forward, _spec(workload), model)(
+        model, workload.sample_batch
+    )
     assert out.hidden.shape == (*tokens.shape, model.lm_head.in_features)
     assert find_wrapper(model.lm_head, SkippedHead) is not None
     assert torch.equal(model(tokens), before)
