@@ -257,9 +257,10 @@ class HeadlessForward:
     """``forward(model, batch)``: ``inner`` with the head skipped (and, for Hugging Face,
     without ``labels``); returns a :class:`HeadOutput`.
 
-    Holds the head module itself, found when the step was rewritten: a wrapper the ranks put
-    around the model (DDP's ``module.``) does not change which module it is. The head gets
-    its :class:`SkippedHead` then too (:meth:`install`).
+    Finds the head by name in the model it is given, else uses the head module found when
+    the step was rewritten (a wrapper the ranks put around the model, DDP's ``module.``,
+    renames it). The head gets its :class:`SkippedHead` when the step is rewritten
+    (:meth:`install`), or on the first call.
     """
 
     def __init__(self, inner: Callable[[nn.Module, Any], Any], spec: HeadLoss, head: nn.Linear):
@@ -274,8 +275,17 @@ class HeadlessForward:
         _forward.install(head, SkippedHead)
         return cls(inner, spec, head)
 
+    def _head_of(self, model: nn.Module) -> nn.Linear:
+        """The head of the model being run: found by name (a deep copy of the model run
+        with this forward has its own), else the module held (the ranks' wrappers rename)."""
+        try:
+            head = model.get_submodule(self.spec.head)
+        except AttributeError:
+            return self.head
+        return head if isinstance(head, nn.Linear) else self.head
+
     def __call__(self, model: nn.Module, batch: Any) -> HeadOutput:
-        head = self.head
+        head = self._head_of(model)
         wrapper = _forward.find_wrapper(head, SkippedHead) or _forward.install(head, SkippedHead)
         if self.spec.labels_in_batch:
             if not isinstance(batch, Mapping) or "labels" not in batch:

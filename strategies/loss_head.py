@@ -23,9 +23,9 @@ Known limitations (the estimate's effect):
       low by what the loss held. The device's probes measure the truth.
     * A chunk's transient is counted as 2 fp32 chunks of logits in forward (2.5 under
       autocast) and 3 in the head's backward, beside the head's weight gradient; or, where
-      more, 3 weight gradients: each chunk's is added to the sum of the ones before, out of
-      place under the simulated device's meter (the sum, the chunk's and their new sum
-      alive at once; a card may add in place and hold one less). Under autocast the
+      more, 3 weight gradients (2 under autocast): each chunk's is added to the sum of the
+      ones before, out of place in fp32 as the simulated device measured it (the sum, the
+      chunk's and their new sum alive at once). Under autocast the
       head's low-precision weight copy is no longer saved from forward to backward: each
       chunk's recompute makes its own, within the chunk's transient.
     * The recomputed head is priced at the forward's time times the head's share of the
@@ -71,6 +71,10 @@ CHUNKS: tuple[int, ...] = (8, 32)
 #: log-softmax (under autocast a low-precision copy of the logits too); the head's backward,
 #: the saved log-softmax, its gradient and the logits' gradient.
 FORWARD_CHUNKS, FORWARD_CHUNKS_LOW, BACKWARD_CHUNKS = 2.0, 2.5, 3.0
+#: Copies of the head's weight gradient alive while a chunk's joins the sum, as measured
+#: there too: in fp32 autograd adds out of place (the sum, the chunk's, the new sum);
+#: under autocast the chunk's arrives as a fresh fp32 copy and is added in place.
+SUM_COPIES, SUM_COPIES_LOW = 3, 2
 #: The ops whose saved output is the loss's copy of the logits.
 LOG_SOFTMAX = ("_log_softmax", "log_softmax")
 #: The share of the step's saved activations the loss's must reach for the plan to say why
@@ -218,7 +222,8 @@ class LossHead(Strategy):
         # A chunk's backward, or the moment its weight gradient joins the sum; beside them
         # the hidden states' gradient, gathered from every chunk (the last block's output's
         # size). Under autocast the head's weight copy no longer waits from forward.
-        head = max(int(BACKWARD_CHUNKS * chunk) + grad_bytes, 3 * grad_bytes)
+        summing = (SUM_COPIES_LOW if low else SUM_COPIES) * grad_bytes
+        head = max(int(BACKWARD_CHUNKS * chunk) + grad_bytes, summing)
         head += nums.outputs[-1] if nums.outputs else 0
         head -= param_bytes // 2 if low else 0
         model.add_backward_bytes([0] * len(model.checkpointed), head=head - nums.head_peak - saved)

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 import memadvisor
@@ -36,7 +37,7 @@ needs_entry_point = pytest.mark.skipif(
 
 
 def _gpt(gpt_example, batch_size: int = 2, **overrides) -> Workload:
-    sizes = dict(block_size=32, n_layer=2, n_embd=64, vocab_size=4096) | overrides
+    sizes = dict(block_size=16, n_layer=2, n_embd=32, vocab_size=2048) | overrides
     built = gpt_example.build(batch_size=batch_size, **sizes)
     return build_workload(built["model"], built["sample_batch"], loss_fn=built["loss_fn"])
 
@@ -49,7 +50,8 @@ def _profiled(workload: Workload):
 
 @pytest.fixture(scope="module")
 def small_gpt(request) -> tuple[Workload, object]:
-    """examples/gpt.py narrowed (2 layers, 64 wide, a 4096-token vocabulary) and profiled."""
+    """examples/gpt.py narrowed (2 layers, 32 wide, 16 tokens, a 2048-token vocabulary) and
+    profiled."""
     from tests.strategies.conftest import load_example
 
     workload = _gpt(load_example("gpt"))
@@ -76,7 +78,7 @@ def test_a_function_loss_is_not_offered_and_the_plan_says_why(small_gpt) -> None
     opaque = Workload(
         model=workload.model,
         sample_batch=workload.sample_batch,
-        loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b[1].flatten()),
+        loss_fn=lambda out, b: F.cross_entropy(out.flatten(0, 1), b[1].flatten()),
     )
     strategy = LossHead()
     (check,) = strategy.screen(opaque, profile, CONFIG)
@@ -84,12 +86,15 @@ def test_a_function_loss_is_not_offered_and_the_plan_says_why(small_gpt) -> None
     assert strategy.choices(profile, CONFIG) == ["off"]
 
 
-def test_a_small_loss_is_not_offered_without_a_word(cnn_example) -> None:
+def test_a_small_loss_is_not_offered_without_a_word() -> None:
     """A classifier's 10-way loss is a sliver of its step: not offered, and no check is
     reported about it."""
-    built = cnn_example.build()
-    workload = build_workload(built["model"], built["sample_batch"], loss_fn=built["loss_fn"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    batch = (torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    workload = build_workload(model, batch, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
     profile = profile_workload(workload, device="cpu", precisions=["fp32"])
+    assert loss_activity(profile.steps["fp32"]) is not None  # a log-softmax loss, but small
     strategy = LossHead()
     assert strategy.screen(workload, profile, CONFIG) == []
     assert strategy.choices(profile, CONFIG) == ["off"]
@@ -148,6 +153,27 @@ def test_a_hugging_face_causal_lm_trains_with_its_own_loss(build) -> None:
     assert _train(chunked, workload.sample_batch) == pytest.approx(want, rel=1e-5), VERSION
 
 
+def test_a_hugging_face_model_is_offered_and_its_plan_file_step_rewritten() -> None:
+    """A tiny Llama computing its own loss: screened with a passed check; the step of a
+    plan file (its call form, no loss_fn: the model's own) is rewritten and gives the
+    model's own loss."""
+    from memadvisor.schema.call import CallForm
+
+    built = zoo.llama()
+    workload = build_workload(built.model, built.sample_batch)
+    profile = profile_workload(workload, device="cpu", precisions=["fp32"])
+    strategy = LossHead()
+    (check,) = strategy.screen(workload, profile, CONFIG)
+    assert check.passed, (VERSION, check.summary)
+    assert strategy.choices(profile, CONFIG) == ["off", *CHUNKS], VERSION
+    form = CallForm(batch="mapping", loss="output.loss")
+    step = strategy.apply(step_from_call_form(built.model, form, profile), 8)
+    with torch.no_grad():
+        want = built.model(**built.sample_batch).loss
+        got = step(built.sample_batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_plan_file_step_is_rewritten_with_the_loss_fn_given(gpt_example) -> None:
     """apply_plan's step for a plan file (its call form, the user's loss_fn passed again)
     is rewritten too; without the loss_fn it is refused, saying why."""
@@ -203,14 +229,14 @@ def test_the_simulated_peak_drops_by_at_least_the_logits_on_examples_gpt(gpt_exa
 
 @needs_entry_point
 def test_the_estimate_is_within_reach_of_the_simulated_measurement(small_gpt) -> None:
-    """Over chunks (off, 8, 32) x precision (fp32, bf16) x batch (2, 6) the estimated peak
+    """Over chunks (off, 8, 32) x precision (fp32, bf16) x batch (8, 16) the estimated peak
     is within 5% of the simulated device's, and it drops wherever the measurement does."""
     workload, profile = small_gpt
     strategies = load_strategies(["precision", "loss_head"])
     device = SimulatedDevice(2**40)
     table, worst = [], 0.0
     for precision in ("fp32", "bf16"):
-        for b in (2, 6):
+        for b in (8, 16):
             rows = []
             for chunks in ("off", *CHUNKS):
                 candidate = Candidate(
@@ -266,7 +292,7 @@ def test_optimize_picks_it_for_the_largest_batch_and_the_step_trains(gpt_example
         copy.deepcopy(workload.model),
         workload.sample_batch,
         loss_fn=workload.loss_fn,
-        budget_gb=0.06,
+        budget_gb=0.01,
         device="cpu",
         strategies=["loss_head", "batch_size"],
         objective="largest_batch",
