@@ -120,6 +120,8 @@ class LossHead(Strategy):
     name = "loss_head"
     # After precision (whose step it reads); it edits only the loss's moments.
     effect_order = 60
+    # A training framework that computes the loss itself cannot adopt it.
+    states = frozenset({"loss_changed"})
 
     def __init__(self) -> None:
         # Set by screen(): whether this plan's workload has a loss memadvisor owns and the
