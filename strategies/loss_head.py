@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import JsonValue
 
@@ -46,6 +46,7 @@ from memadvisor.schema.facts import Facts
 from memadvisor.schema.profile import ModuleActivity, Profile, StepProfile
 from memadvisor.step import Step
 from memadvisor.strategy import Strategy
+from memadvisor.units import fmt_bytes
 from strategies._head_loss import (
     ChunkedHeadLoss,
     HeadlessForward,
@@ -229,10 +230,17 @@ class LossHead(Strategy):
         head += nums.outputs[-1] if nums.outputs else 0
         head -= param_bytes // 2 if low else 0
         model.add_backward_bytes([0] * len(model.checkpointed), head=head - nums.head_peak - saved)
+        model.drop_activations(saved)
         if profile.param_bytes:
             model.add_ms(model.forward_ms * min(1.0, param_bytes / profile.param_bytes))
 
-    def _spec(self, step: Step) -> HeadLoss:
+    def _spec(self, step: Step) -> HeadLoss | None:
+        """What the step's loss is, as the chunked loss needs it; None where the plan was
+        made with a loss_fn the step was not given (a plan file applied without it).
+
+        Raises:
+            BadInputError: the step's loss is not one memadvisor owns.
+        """
         parts = users_parts(step)
         if parts is None:
             raise BadInputError(
@@ -241,6 +249,9 @@ class LossHead(Strategy):
                 "Plan without one of them."
             )
         loss_fn, forward_fn = parts
+        form = step.profile.call_form if step.profile is not None else None
+        if loss_fn is None and form is not None and form.loss == "loss_fn":
+            return None
         # No batch here: whether a Hugging Face batch holds labels is the batch's to say.
         spec = find_head_loss(step.model, loss_fn, None, forward_fn)
         if isinstance(spec, str):
@@ -261,6 +272,9 @@ class LossHead(Strategy):
         model's parameters and ``state_dict`` keys unchanged (the head gets a forward
         wrapper, active only inside the step's forward).
 
+        A plan file applied without the loss_fn it was made with (``apply_plan(model,
+        path)``) leaves the model as it is and gives a step that says to pass it.
+
         Raises:
             BadInputError: as :meth:`validate`.
         """
@@ -268,10 +282,13 @@ class LossHead(Strategy):
         if not chunks:
             return step
         spec = self._spec(step)
+        changed = (*step.loss_changed_by, self.name)
+        if spec is None:
+            return step.replace(forward=_needs_loss_fn, loss_changed_by=changed)
         return step.replace(
             forward=HeadlessForward.install(step.forward, spec, step.model),
             loss=ChunkedHeadLoss(spec, chunks),
-            loss_changed_by=(*step.loss_changed_by, self.name),
+            loss_changed_by=changed,
         )
 
     def facts(self, choice: JsonValue) -> Facts:
@@ -311,11 +328,20 @@ class LossHead(Strategy):
             ),
             snippet=_snippet(chunks),
             effect=(
-                f"estimated at batch {b}: the {logits / 2**20:.0f} MiB of fp32 logits and "
-                f"their copies leave the step, one chunk's {logits / chunks / 2**20:.1f} MiB "
-                "stays"
+                f"estimated at batch {b}: the {fmt_bytes(logits)} of fp32 logits, their "
+                "log-softmax and gradient leave the step; one chunk's "
+                f"{fmt_bytes(logits / chunks)} of each is alive at a time"
             ),
         )
+
+
+def _needs_loss_fn(model: Any, batch: Any) -> Any:
+    """The forward of a chunked step whose loss_fn is not known: says to pass it."""
+    raise BadInputError(
+        "This plan computes the head and the loss in chunks from your loss_fn (a "
+        "memadvisor.TokenCrossEntropy), which the plan file does not hold: pass it too, "
+        "apply_plan(model, plan, loss_fn=your_loss_fn)."
+    )
 
 
 def _snippet(chunks: int) -> str:
