@@ -190,6 +190,23 @@ def test_a_plan_file_step_is_rewritten_with_the_loss_fn_given(gpt_example) -> No
         LossHead().validate(step_from_call_form(model, form, None), 8)
 
 
+def test_a_plan_file_applied_without_its_loss_fn_gives_a_step_that_says_to_pass_it(
+    small_gpt,
+) -> None:
+    """A plan made with a loss_fn, applied from its file without one: applying succeeds and
+    leaves the model as it was, and calling the step says to pass the loss_fn."""
+    from strategies._forward import find_wrapper
+    from strategies._head_loss import SkippedHead
+
+    workload, profile = small_gpt
+    model = copy.deepcopy(workload.model)
+    step = LossHead().apply(step_from_call_form(model, profile.call_form, profile), 8)
+    assert step.loss_changed_by == ("loss_head",)
+    assert find_wrapper(model.lm_head, SkippedHead) is None
+    with pytest.raises(BadInputError, match=r"apply_plan\(model, plan, loss_fn="):
+        step(workload.sample_batch)
+
+
 def test_a_step_whose_loss_another_strategy_replaced_is_refused(gpt_example) -> None:
     """Rewriting a loss already rewritten would drop the first rewrite: refused."""
     workload = _gpt(gpt_example)
