@@ -22,7 +22,7 @@ from pydantic import JsonValue
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Described, EffectOrder, Strategy
 from strategies._format import how_known, mib
 
 if TYPE_CHECKING:
@@ -63,11 +63,11 @@ def _check_choice(choice: JsonValue) -> str:
     return str(choice)
 
 
-class OptimizerHabits(Strategy):
+class OptimizerHabits(Strategy, Described):
     """Advice on the optimizer's own memory; changes neither the model nor the estimate."""
 
     name = "optimizer_habits"
-    effect_order = 90
+    effect_order = EffectOrder.OPTIMIZER
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if profile.optimizer_state_bytes == 0 and profile.grad_bytes == 0:

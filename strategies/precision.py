@@ -36,7 +36,14 @@ from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.precision import FULL, PRECISIONS
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import (
+    Checked,
+    Described,
+    EffectOrder,
+    HandTried,
+    Strategy,
+    TimedEachChoice,
+)
 from strategies import _forward
 from strategies._autocast import AutocastForward, grad_scaler_for
 from strategies._format import how_known, loss_line, mib
@@ -116,17 +123,16 @@ def _remove_tf32(model: nn.Module) -> None:
         _forward.remove(model, TF32Matmuls)
 
 
-class Precision(Strategy):
+class Precision(Strategy, TimedEachChoice, Described, HandTried, Checked):
     """bf16 / fp16 autocast of the forward, or TF32 matmuls in fp32."""
 
     name = "precision"
     # First: use_precision() reads a different measured step and resets the activation
     # numbers every other strategy then edits.
-    effect_order = 0
+    effect_order = EffectOrder.PRECISION
     # The estimate's step times for autocast can be off by more than the gap between
     # candidates (docs/design.md, "Re-ranking on the device"): the planner times each
     # precision, everything else plain, beside the estimate's best.
-    guarded = True
     installs = "autocast"
 
     def is_neutral(self, choice: JsonValue) -> bool:

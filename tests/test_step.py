@@ -35,6 +35,12 @@ CALLS = []
 
 class HalvesLoss(Strategy):
     name = "toy_halves"
+    states = frozenset({"loss_changed"})
+
+    def facts(self, choice):
+        from memadvisor.schema.facts import Facts
+
+        return Facts(loss_changed=choice == "halves")
 
     def choices(self, profile, config):
         # toy_halves="always" (a strategy's own setting, by its name): the only choice.
@@ -211,3 +217,33 @@ def test_the_plain_step_of_a_call_form_follows_the_workload_rules() -> None:
     assert step.loss(scalar, x) == scalar
     with pytest.raises(BadInputError, match="loss_fn"):
         step.loss(torch.ones(4, 1), x)
+
+
+def test_the_reports_loop_trains_with_the_rewritten_step(toy_halves, tmp_path) -> None:
+    """The report's "train with it in your own loop" code for a plan whose loss changed
+    calls ``model.memadvisor_step(batch)`` (apply_plan given the user's loss_fn), and runs as
+    printed: the toy's loss is what the loop trains with."""
+    plan = memadvisor.plan(
+        _model(), _batch(), loss_fn=_loss_fn, budget_gb=0.05, device="cpu",
+        strategies=["toy_halves", "batch_size"], max_batch=16, toy_halves="always",
+    )  # fmt: skip
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    from memadvisor.report._adopt import adoption_snippet
+
+    code = adoption_snippet(memadvisor.Plan.load(path))
+    assert "loss = model.memadvisor_step(batch)" in code
+    assert "apply_plan(model, plan, loss_fn=loss_fn)" in code
+    x, y = _batch(48)
+    toy_halves.CALLS.clear()
+    exec(  # the printed code, as a user pastes it
+        code,
+        {
+            "model": _model(),
+            "plan": memadvisor.Plan.load(path),
+            "dataset": torch.utils.data.TensorDataset(x, y),
+            "loss_fn": _loss_fn,
+        },
+    )
+    b = plan.candidate.batch_size
+    assert toy_halves.CALLS and set(toy_halves.CALLS) <= {b, 48 % b}

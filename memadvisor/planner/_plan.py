@@ -19,7 +19,9 @@ winner's (``tests/planner/test_plan.py`` has the exact table).
 Known limitations:
     * Only the device's best candidate finishes its batch search; the others keep the batch
       their one timing run allowed.
-    * A measured stage refines the eager pick alone (``memadvisor.strategy``).
+    * A measured stage starts from the eager pick and varies only what its strategy chooses
+      (compile: the checkpointed set with it); precision and the rest stay the pick's
+      (``memadvisor.strategy``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import ModelFingerprint, Plan, Row
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Strategy, load_strategies
+from memadvisor.strategy import Checked, Measured, Strategy, load_strategies
 from memadvisor.workload import Workload
 
 __all__ = ["measure_configuration", "plan_workload"]
@@ -147,10 +149,15 @@ def plan_workload(
                     if steady_note is not None:
                         notes.append(steady_note)
             screened: list[Check] = []
-            if any(type(s).screen is not Strategy.screen for s in chosen):
+            if any(isinstance(s, Checked) for s in chosen):
                 # Before the search: a choice that fails its check is then not offered.
                 with ui.stage("screening", total=None):
-                    screened = [c for s in chosen for c in s.screen(workload, profile, config)]
+                    screened = [
+                        c
+                        for s in chosen
+                        if isinstance(s, Checked)
+                        for c in s.screen(workload, profile, config)
+                    ]
             for note in screen_notes(screened, config):
                 notes.append(note)  # among the first lines: it decided what may be picked
                 ui.note(note)
@@ -160,6 +167,8 @@ def plan_workload(
             # What a strategy sets up for the whole plan, before the device starts processes
             # that inherit it (compile: one inductor cache that every probe compiles into).
             for s in chosen:
+                if not isinstance(s, Measured):
+                    continue
                 plan_scope = s.plan_scope(config, kind)
                 if plan_scope is not None:
                     scope.enter_context(plan_scope)
