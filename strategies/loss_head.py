@@ -45,7 +45,7 @@ from memadvisor.schema.advice import Advice, Check, ReportPart
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.profile import ModuleActivity, Profile, StepProfile
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Checked, Described, EffectOrder, HandTried, Strategy
 from memadvisor.units import fmt_bytes
 from strategies._head_loss import (
     ChunkedHeadLoss,
@@ -115,12 +115,12 @@ def _head_bytes(profile: Profile, head: str | None) -> tuple[int, int]:
     return (row.param_bytes, row.grad_bytes) if row is not None else (0, 0)
 
 
-class LossHead(Strategy):
+class LossHead(Strategy, Checked, HandTried, Described):
     """Chunked cross-entropy: the LM head and the loss, a chunk of tokens at a time."""
 
     name = "loss_head"
-    # After precision (whose step it reads); it edits only the loss's moments.
-    effect_order = 60
+    # After precision (whose step it reads) and checkpointing; it edits the loss's moments.
+    effect_order = EffectOrder.LOSS
     # A training framework that computes the loss itself cannot adopt it.
     states = frozenset({"loss_changed"})
 
