@@ -149,6 +149,19 @@ class LossHead(Strategy, Checked, HandTried, Described):
         )
         if isinstance(spec, str):
             return self._not_offered(profile, spec)
+        if not _holds_values(workload):
+            self.offered = True
+            return [
+                Check(
+                    strategy=self.name,
+                    summary=(
+                        f"the chunked loss of {spec.head} ({spec.kind}) is offered as "
+                        "recognised, not measured equal: the model's tensors hold no values "
+                        "(fake or meta)."
+                    ),
+                    passed=True,
+                )
+            ]
         batch = workload.batch(min(CHECK_ROWS, workload.sample_batch_size), workload.device)
         try:
             want, got = check_head_loss(
@@ -333,6 +346,14 @@ class LossHead(Strategy, Checked, HandTried, Described):
                 f"{fmt_bytes(logits / chunks)} of each is alive at a time"
             ),
         )
+
+
+def _holds_values(workload: Workload) -> bool:
+    """Whether the model's parameters hold values (not fake or meta tensors: a plan for
+    ``device='estimate'``), so that its loss can be measured."""
+    from memadvisor._torch_private import is_fake
+
+    return not any(p.is_meta or is_fake(p) for p in workload.model.parameters())
 
 
 def _needs_loss_fn(model: Any, batch: Any) -> Any:

@@ -100,6 +100,21 @@ def test_a_small_loss_is_not_offered_without_a_word() -> None:
     assert strategy.choices(profile, CONFIG) == ["off"]
 
 
+def test_a_model_without_values_is_offered_as_recognised(small_gpt) -> None:
+    """Meta (or fake) tensors hold no values: the equality cannot be measured, so a
+    recognised loss is offered on recognition alone, and the check says so."""
+    workload, profile = small_gpt
+    meta = Workload(
+        model=copy.deepcopy(workload.model).to("meta"),
+        sample_batch=workload.sample_batch,
+        loss_fn=workload.loss_fn,
+    )
+    strategy = LossHead()
+    (check,) = strategy.screen(meta, profile, CONFIG)
+    assert check.passed and "not measured" in check.summary
+    assert strategy.choices(profile, CONFIG) == ["off", *CHUNKS]
+
+
 def test_several_ranks_are_not_offered_the_chunked_loss(small_gpt) -> None:
     """With DDP or FSDP2 ranks the rewritten loss is not planned: off only, and why."""
     workload, profile = small_gpt
