@@ -255,6 +255,7 @@ class StepModel:
         "block_forward_ms",
         "checkpointed",
         "outside_activation_bytes",
+        "dropped_activation_bytes",
         "offloaded_fraction",
         "extra_bytes",
         "backward_block_bytes",
@@ -272,6 +273,7 @@ class StepModel:
         self.accumulation_steps = accumulation_steps
         self.checkpointed: list[bool] = [False] * len(profile.blocks)
         self.offloaded_fraction = 0.0
+        self.dropped_activation_bytes = 0
         self.extra_bytes: dict[PeakPhase, int] = {"forward": 0, "backward": 0, "optimizer": 0}
         self.backward_block_bytes: list[int] | None = None
         self.backward_head_bytes = 0
@@ -333,6 +335,13 @@ class StepModel:
         ``add_bytes`` edits add beyond it (the gathered units) as temporaries. The peak
         itself is the edits' alone."""
         self.held_share = min(1.0, max(0.0, share))
+
+    def drop_activations(self, nbytes: int) -> None:
+        """Bytes the profiled step saved for backward that this one does not save at all (a
+        chunked loss's logits): out of the activations the breakdown holds and offload
+        moves. The peaks are the strategy's to move (``add_bytes``, ``add_backward_bytes``):
+        where they were saved decides which moments they leave."""
+        self.dropped_activation_bytes += max(0, int(nbytes))
 
     def add_ms(self, ms: float) -> None:
         """Extra time per micro-batch."""
@@ -399,7 +408,9 @@ class StepModel:
                 recompute_top[k] = top if top > 0 else 0
                 recompute_ms += ms[k]
         freed_total = sum(freed)
-        activations = max(0, nums.activation_total - freed_activations)
+        activations = max(
+            0, nums.activation_total - freed_activations - self.dropped_activation_bytes
+        )
         offload = self.offloaded_fraction
         offloaded = int(activations * offload)
 
