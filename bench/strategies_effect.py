@@ -32,7 +32,8 @@ from memadvisor.memory import MemoryMeter
 from memadvisor.profiler import profile_workload
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import apply_candidate, load_strategies
+from memadvisor.step import base_step, running
+from memadvisor.strategy import apply_candidate, facts_of, load_strategies
 from memadvisor.target import load_target
 from memadvisor.workload import Workload, tensor_leaves, train_step
 from strategies.checkpointing import ranked_blocks
@@ -54,13 +55,15 @@ def measure(
     optimizer_factory: Any = None,
 ) -> tuple[int, float]:
     """(peak bytes, median step ms) of ``candidate`` trained on a fresh copy of the model."""
-    model = copy.deepcopy(workload.model).to(device)
-    apply_candidate(model, candidate)
+    rewritten = apply_candidate(
+        base_step(workload, copy.deepcopy(workload.model).to(device)), candidate
+    )
+    workload = running(workload, rewritten)  # the step the candidate rewrote
+    model = workload.model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_factory(params) if optimizer_factory else workload.make_optimizer(model)
     batch = workload.batch(candidate.batch_size, device=device)
-    precision = str(candidate.choices.get("precision", "fp32"))
-    scaler = grad_scaler_for(precision, device.type)
+    scaler = grad_scaler_for(facts_of(candidate).autocast or "fp32", device.type)
 
     def step() -> None:
         train_step(

@@ -38,11 +38,28 @@ if TYPE_CHECKING:
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
-__all__ = ["ForwardFn", "LossFn", "Step", "base_step", "running", "step_from_call_form"]
+__all__ = [
+    "ForwardFn",
+    "LossFn",
+    "Step",
+    "UserParts",
+    "base_step",
+    "running",
+    "step_from_call_form",
+]
 
 ForwardFn = Callable[[nn.Module, Any], Any]
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class UserParts:
+    """The user's own functions a step was built from; None where the workload rules apply
+    (``model(...)`` by the batch's type, the output's own loss)."""
+
+    loss_fn: LossFn | None = None
+    forward_fn: ForwardFn | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,9 @@ class Step:
         loss_changed_by: the strategies that replaced the forward or the loss, in the order
             they did: non-empty means the user's own ``model(...)`` + ``loss_fn`` is no longer
             what the plan measured, and the report says to call the step instead.
+        user: the user's own ``loss_fn`` and ``forward_fn`` the step was built from (what a
+            strategy may recognise by type, e.g. a ``TokenCrossEntropy``); None for a step
+            made another way.
     """
 
     model: nn.Module
@@ -67,6 +87,7 @@ class Step:
     optimizer_factory: OptimizerFactory | None = None
     profile: Profile | None = None
     loss_changed_by: tuple[str, ...] = field(default=())
+    user: UserParts | None = None
 
     def replace(self, **changes: Any) -> Step:
         """A copy with ``changes`` (the dataclass is frozen: a rewrite makes a new step)."""
@@ -88,6 +109,7 @@ def base_step(
         loss=workload.loss,
         optimizer_factory=workload.optimizer_factory,
         profile=profile,
+        user=UserParts(loss_fn=workload.loss_fn, forward_fn=workload.forward_fn),
     )
 
 
@@ -159,4 +181,10 @@ def step_from_call_form(
             "apply_plan(model, plan, loss_fn=your_loss_fn)."
         )
 
-    return Step(model=model, forward=forward, loss=loss, profile=profile)
+    return Step(
+        model=model,
+        forward=forward,
+        loss=loss,
+        profile=profile,
+        user=UserParts(loss_fn=loss_fn, forward_fn=forward_fn),
+    )

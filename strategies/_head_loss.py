@@ -48,7 +48,6 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.losses import TokenCrossEntropy
 from memadvisor.step import Step
-from memadvisor.workload import Workload
 from strategies import _forward
 from strategies._chunked_loss import chunked_cross_entropy
 
@@ -185,35 +184,11 @@ def users_parts(step: Step) -> tuple[Any, Any] | None:
     """``(loss_fn, forward_fn)`` the user's own step was built from (either None where the
     workload's rule applies: the output's own loss, ``model(...)`` by the batch's type), or
     None where ``step`` is not the user's step as built (another strategy replaced its loss,
-    or it was made some other way).
-
-    Reads the two ways a user's step is built: :func:`memadvisor.step.base_step` (the
-    workload's bound ``forward`` and ``loss``) and :func:`memadvisor.step.step_from_call_form`
-    (``apply_plan``: closures over ``loss_fn`` and ``forward_fn``).
+    or it was made some other way): :attr:`memadvisor.step.Step.user`.
     """
-    if step.loss_changed_by:
+    if step.loss_changed_by or step.user is None:
         return None
-    owner = getattr(step.loss, "__self__", None)
-    if isinstance(owner, Workload) and getattr(step.forward, "__self__", None) is owner:
-        return owner.loss_fn, owner.forward_fn
-    loss_cells, forward_cells = _cells(step.loss), _cells(step.forward)
-    if "loss_fn" in loss_cells and "forward_fn" in forward_cells:
-        return loss_cells["loss_fn"], forward_cells["forward_fn"]
-    return None
-
-
-def _cells(fn: Any) -> dict[str, Any]:
-    """A closure's free variables by name (empty for anything else)."""
-    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-    if code is None or not closure:
-        return {}
-    cells = {}
-    for name, cell in zip(code.co_freevars, closure, strict=True):
-        try:
-            cells[name] = cell.cell_contents
-        except ValueError:  # a cell not filled yet
-            continue
-    return cells
+    return step.user.loss_fn, step.user.forward_fn
 
 
 class SkippedHead(_forward.ForwardWrapper):
