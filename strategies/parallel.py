@@ -240,15 +240,16 @@ def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None
     reshard = c["reshard_after_forward"]
     low = _low_precision(model.precision)
     ratio = 0.5 if low else 1.0  # the gathered units' dtype against fp32 weights
+    if low:
+        # The units are gathered in the low dtype: they replace autocast's weight copies,
+        # which the walk then drops wherever it held them (once, checkpointing or not).
+        model.drop_weight_copies()
     blocks = profile.blocks
     block_params = [b.param_bytes for b in blocks]
     root = max(0, profile.param_bytes - sum(block_params))
     units = [int(p * ratio) for p in block_params]
     root_unit = int(root * ratio)
     grads_per_param = profile.grad_bytes / profile.param_bytes if profile.param_bytes else 0.0
-    # Autocast's weight copies are the gathered units themselves under a MixedPrecisionPolicy.
-    casts = list(model.lines.cast) if low else [0] * len(blocks)
-    cast_total = model.step.cast_weight_bytes if low else 0
     held_grads = profile.grad_bytes * shard if model.accumulation_steps > 1 else 0.0
 
     # Everywhere: weights and optimizer state sharded (their bytes less the other ranks').
@@ -257,21 +258,18 @@ def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None
     gathered_all = sum(units)
     # Forward: the root and the unit being run (its all-gather buffer beside it), or all.
     in_forward = root_unit + (2 * largest if reshard else gathered_all + largest)
-    model.add_bytes("forward", in_forward - sharded - cast_total)
+    model.add_bytes("forward", in_forward - sharded)
     model.add_bytes("backward", -sharded)
-    count = len(blocks)
     per_block = []
-    for k in range(count):
+    for k in range(len(blocks)):
         # The unit being run and the one prefetched, or every unit not yet past backward.
         previous = units[k - 1] if k > 0 else 0
         gathered = units[k] + previous if reshard else sum(units[: k + 1])
         # Later blocks' gradients were reduce-scattered to a shard; this block's full ones are
         # copied into the reduce-scatter's input (one unit more).
         later_grads = sum(block_params[k + 1 :]) * grads_per_param
-        per_block.append(
-            root_unit + gathered + units[k] - int(later_grads * shard) - sum(casts[:k])
-        )
-    head = root_unit + (units[-1] if reshard and units else gathered_all) - cast_total
+        per_block.append(root_unit + gathered + units[k] - int(later_grads * shard))
+    head = root_unit + (units[-1] if reshard and units else gathered_all)
     model.add_backward_bytes(per_block, head)
     optimizer = model.numbers.phases.get("optimizer")
     if optimizer is None:
