@@ -21,6 +21,7 @@ from memadvisor.schema.candidate import Candidate, Estimate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy, load_strategies
 from memadvisor.workload import Workload, train_step
 
@@ -38,6 +39,7 @@ __all__ = [
     "PlanningError",
     "Profile",
     "SimulatedOutOfMemoryError",
+    "Step",
     "Strategy",
     "Workload",
     "apply_plan",

@@ -18,6 +18,7 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
 from memadvisor.schema.plan import Plan
+from memadvisor.step import ForwardFn, LossFn, Step, base_step, step_from_call_form
 from memadvisor.strategy import Strategy, apply_candidate, chosen_strategies
 
 if TYPE_CHECKING:
@@ -27,10 +28,19 @@ if TYPE_CHECKING:
 __all__ = ["apply_plan", "run_checks"]
 
 
-def apply_plan(model: nn.Module, plan: Plan | str | os.PathLike[str]) -> nn.Module:
+def apply_plan(
+    model: nn.Module,
+    plan: Plan | str | os.PathLike[str],
+    *,
+    loss_fn: LossFn | None = None,
+    forward_fn: ForwardFn | None = None,
+) -> nn.Module:
     """Rewrite ``model`` in place to ``plan``'s pick, the same rewrite ``optimize()`` makes.
 
-    The plan is reachable afterwards as ``model.memadvisor_plan``.
+    The plan is reachable afterwards as ``model.memadvisor_plan``, and the training step the
+    plan measured as ``model.memadvisor_step`` (a :class:`~memadvisor.step.Step`): where a
+    strategy changed how the loss is computed (``step.loss_changed_by``), train with
+    ``loss = model.memadvisor_step(batch)`` instead of your ``loss_fn(model(...), batch)``.
 
     Example::
 
@@ -41,6 +51,11 @@ def apply_plan(model: nn.Module, plan: Plan | str | os.PathLike[str]) -> nn.Modu
         model: the model to rewrite.
         plan: a :class:`~memadvisor.schema.plan.Plan`, or the path (``str`` or
             ``pathlib.Path``) of one saved as JSON (read with ``Plan.load``).
+        loss_fn: your ``loss_fn(output, batch)``, for ``model.memadvisor_step`` where the
+            plan was made with one and a strategy changed the step (a plan file does not
+            hold your code). Not needed when the plan came from ``memadvisor.plan()`` in
+            this process.
+        forward_fn: likewise, your ``forward_fn(model, batch)`` if the plan used one.
 
     All or nothing: the model is checked against the plan (its fingerprint: class,
     parameter names and shapes) and every choice against the model before anything changes.
@@ -79,10 +94,28 @@ def apply_plan(model: nn.Module, plan: Plan | str | os.PathLike[str]) -> nn.Modu
             f"This plan does not fit the model: {difference}. Apply a plan made for this model "
             "(memadvisor plan ... --json plan.json on the same factory)."
         )
-    model = apply_candidate(model, plan.candidate, None, plan.profile)
-    # Not an nn.Module attribute: a plain object in __dict__, kept out of state_dict.
+    step = apply_candidate(_users_step(model, plan, loss_fn, forward_fn), plan.candidate, None)
+    model = step.model
+    # Not nn.Module attributes: plain objects in __dict__, kept out of state_dict.
     object.__setattr__(model, "memadvisor_plan", plan)
+    object.__setattr__(model, "memadvisor_step", step)
     return model
+
+
+def _users_step(
+    model: nn.Module, plan: Plan, loss_fn: LossFn | None, forward_fn: ForwardFn | None
+) -> Step:
+    """The user's own step over ``model``: the workload's rules where the plan was made in
+    this process (``optimize()``, ``memadvisor.plan()``) and nothing else is given, else the
+    plan's call form with the functions given."""
+    workload = getattr(plan, "_workload", None)
+    if workload is not None and loss_fn is None and forward_fn is None:
+        return base_step(workload, model, plan.profile)
+    for name, fn in (("loss_fn", loss_fn), ("forward_fn", forward_fn)):
+        if fn is not None and not callable(fn):
+            raise BadInputError(f"{name} must be a function or None, but got {fn!r:.80}.")
+    call = plan.profile.call_form if plan.profile is not None else None
+    return step_from_call_form(model, call, plan.profile, loss_fn=loss_fn, forward_fn=forward_fn)
 
 
 def run_checks(

@@ -44,7 +44,9 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, ReportPart
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Probe, StageOutcome
+from memadvisor.step import Step, step_from_call_form
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -60,6 +62,10 @@ __all__ = [
     "Refinement",
     "Strategy",
     "apply_candidate",
+    "apply_to_model",
+    "facts_of",
+    "wrap_ranks",
+    "WrapsRanks",
     "load_strategies",
     "registered_names",
 ]
@@ -152,11 +158,18 @@ class Strategy(ABC):
         """Edit ``model`` to what ``choice`` does to memory and time (pure, no device)."""
 
     @abstractmethod
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        """Rewrite ``model`` for ``choice``; parameter names and state_dict keys unchanged."""
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        """Rewrite the training ``step`` for ``choice`` and return it.
 
-    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
-        """Raise ``BadInputError`` when :meth:`apply` would refuse ``choice`` for ``model``.
+        A module strategy rewrites ``step.model`` in place and returns ``step``; a strategy
+        that changes how the loss is computed returns ``step.replace(forward=..., loss=...,
+        loss_changed_by=step.loss_changed_by + (self.name,))``. Parameter names and
+        ``state_dict`` keys stay unchanged. ``step.profile`` is the profile the choice was
+        planned from (None where there is none).
+        """
+
+    def validate(self, step: Step, choice: JsonValue) -> None:
+        """Raise ``BadInputError`` when :meth:`apply` would refuse ``choice`` for ``step``.
 
         Called for every chosen strategy before any of them applies, so that a plan that does
         not fit the model rewrites none of it. Optional: the default accepts every choice
@@ -167,6 +180,19 @@ class Strategy(ABC):
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """A sentence and a snippet a person can adopt; None when the choice is neutral."""
+
+    #: The :class:`~memadvisor.schema.facts.Facts` fields this strategy's choices may set
+    #: ({"autocast", "tf32"} for precision): what a layer can know of it before any choice,
+    #: e.g. an integration that leaves the precision to the user's framework.
+    states: ClassVar[frozenset[str]] = frozenset()
+
+    def facts(self, choice: JsonValue) -> Facts:
+        """What ``choice`` does to the step, for layers that must not read this strategy by
+        name (the devices, the integrations, other strategies): its autocast dtype, the
+        blocks it recomputes, whether it compiles, how ranks wrap the model, whether the loss
+        is computed another way. Default: no facts (a choice those layers need not know).
+        """
+        return Facts()
 
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Measure ``choice`` on copies of the user's workload (the user's model untouched).
@@ -322,6 +348,56 @@ def _chosen(
     return sorted(chosen, key=lambda sc: sc[0].effect_order)
 
 
+class WrapsRanks(ABC):
+    """Opt-in protocol: a strategy whose choice wraps the model in each rank's process.
+
+    The ranks (:mod:`memadvisor.device.ranks`) call :meth:`wrap_rank` in every rank after
+    the process group is up and the candidate's other choices are applied, and build the
+    optimizer over what it returns. They find such a strategy by ``isinstance``, never by
+    name, and learn from the candidate's :class:`~memadvisor.schema.facts.Facts` that it
+    runs on several ranks (``facts.parallel``).
+    """
+
+    @abstractmethod
+    def wrap_rank(self, step: Step, choice: JsonValue, facts: Facts, device_id: int | None) -> Step:
+        """``step`` with its model wrapped for this rank (``device_id``: the rank's CUDA
+        device index, None on the CPU); ``facts``: the whole candidate's, e.g. the autocast
+        dtype FSDP2 gathers its units in."""
+
+
+def wrap_ranks(
+    step: Step, candidate: Candidate, strategies: Sequence[Strategy] | None, device_id: int | None
+) -> Step:
+    """``step`` wrapped by every chosen strategy that wraps ranks (:class:`WrapsRanks`).
+
+    Raises:
+        BadInputError: no chosen strategy wraps ranks.
+    """
+    facts = facts_of(candidate, strategies)
+    wrappers = [(s, c) for s, c in _chosen(candidate, strategies) if isinstance(s, WrapsRanks)]
+    if not wrappers:
+        raise BadInputError(
+            "A run on several ranks needs a choice that wraps the model for each rank (a "
+            f"strategy implementing memadvisor.strategy.WrapsRanks), but got choices "
+            f"{sorted(candidate.choices)}."
+        )
+    for strategy, choice in wrappers:
+        step = strategy.wrap_rank(step, choice, facts, device_id)
+    return step
+
+
+def facts_of(candidate: Candidate, strategies: Sequence[Strategy] | None = None) -> Facts:
+    """The facts of every choice ``candidate`` makes, merged in effect order.
+
+    Raises:
+        BadInputError: the candidate names a strategy that is not registered or given.
+    """
+    facts = Facts()
+    for strategy, choice in _chosen(candidate, strategies):
+        facts = facts.merged(strategy.facts(choice))
+    return facts
+
+
 def chosen_strategies(
     candidate: Candidate, strategies: Sequence[Strategy] | None = None
 ) -> list[tuple[Strategy, JsonValue]]:
@@ -330,45 +406,69 @@ def chosen_strategies(
 
 
 def apply_candidate(
-    model: nn.Module,
+    step: Step,
     candidate: Candidate,
     strategies: Sequence[Strategy] | None = None,
-    profile: Profile | None = None,
-) -> nn.Module:
-    """Rewrite ``model`` in place to ``candidate``'s choices and return it.
+) -> Step:
+    """Rewrite ``step`` to ``candidate``'s choices and return the rewritten step.
 
-    What the devices' probe models, a strategy's trial, ``optimize()`` and ``apply_plan``
-    all use, so they rewrite alike. Batch size and accumulation are not the model's to
-    carry: they are the training loop's. Neutral choices are skipped.
+    What the devices' probes, the ranks, a strategy's trial, ``optimize()`` and
+    ``apply_plan`` all use, so they run the same step. Module strategies rewrite
+    ``step.model`` in place; a strategy may also replace the step's forward and loss. Batch
+    size and accumulation are not the step's to carry: they are the training loop's.
+    Neutral choices are skipped.
 
     Args:
-        model: the user's model (or a copy a device trains).
+        step: the user's step (:func:`memadvisor.step.base_step`), or a copy's a device trains.
         candidate: the batch size and each strategy's choice.
         strategies: the strategies to apply with; None loads those the candidate names.
-        profile: the profile the candidate was planned from; strategies use it to check
-            the choice (e.g. a precision the device lacks).
 
     Raises:
-        BadInputError: a strategy is unknown, or a choice does not fit this model.
+        BadInputError: a strategy is unknown, or a choice does not fit this step's model.
     """
-    if not isinstance(model, nn.Module):
-        raise BadInputError(f"model must be a torch.nn.Module, but got {type(model).__name__}.")
+    if not isinstance(step, Step):
+        raise BadInputError(
+            f"apply_candidate takes a memadvisor.step.Step, but got {type(step).__name__}: "
+            "build one with memadvisor.step.base_step(workload, model)."
+        )
+    if not isinstance(step.model, nn.Module):
+        raise BadInputError(
+            f"model must be a torch.nn.Module, but got {type(step.model).__name__}."
+        )
     chosen = _chosen(candidate, strategies)
     # All or nothing: every choice is checked before any is applied, and what was applied
     # is taken back when a strategy still fails while applying.
     for strategy, choice in chosen:
-        strategy.validate(model, choice, profile)
-    before = _Rewrite(model)
+        strategy.validate(step, choice)
+    before = _Rewrite(step.model)
     try:
         for strategy, choice in chosen:
-            rewritten = strategy.apply(model, choice, profile)
-            if rewritten is not model:
-                _check_same_keys(model, rewritten, strategy.name)
-                model = rewritten
+            rewritten = strategy.apply(step, choice)
+            if not isinstance(rewritten, Step):
+                raise BadInputError(
+                    f"Strategy {strategy.name!r} returned {type(rewritten).__name__} from "
+                    "apply(); it must return the Step (fix the strategy's apply())."
+                )
+            if rewritten.model is not step.model:
+                _check_same_keys(step.model, rewritten.model, strategy.name)
+            step = rewritten
     except BaseException:
         before.restore()
         raise
-    return model
+    return step
+
+
+def apply_to_model(
+    model: nn.Module,
+    candidate: Candidate,
+    strategies: Sequence[Strategy] | None = None,
+    profile: Profile | None = None,
+) -> Step:
+    """:func:`apply_candidate` on the step of ``model`` called by the plain rules (a tensor,
+    a tuple's first item, a mapping's keywords; the output's own loss): for callers that have
+    no workload. Returns the rewritten step; its ``model`` is ``model``, rewritten in place
+    unless a strategy replaced it."""
+    return apply_candidate(step_from_call_form(model, None, profile), candidate, strategies)
 
 
 class _Rewrite:

@@ -61,7 +61,7 @@ from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Confirmed, PickStage, Refinement
+from memadvisor.strategy import Confirmed, PickStage, Refinement, chosen_strategies, facts_of
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.workload import Workload
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
@@ -107,7 +107,6 @@ __all__ = [
 ]
 
 COMPILE = "compile"
-CHECKPOINTING = "checkpointing"
 STAGE = COMPILE  # Probe.stage of the compiled variants' runs: the strategy's name
 #: The compile strategy's settings (``PlanConfig.options["compile"]``): auto weighs compiling
 #: on CUDA only, where a compiled step can be measured (each compiled candidate costs a
@@ -265,7 +264,7 @@ def compiled_variants(
     eager choices keep at ``batch_size`` (:func:`kept_share`), its mode stays as offered.
     """
     eager = {name: choice for name, choice in choices.items() if name != COMPILE}
-    blocks = eager.get(CHECKPOINTING)
+    recomputing = _recomputing(eager)
     out: list[dict[str, JsonValue]] = []
     seen: set[str] = set()
     for offer in offered:
@@ -274,10 +273,10 @@ def compiled_variants(
             continue
         if parsed.activation_memory_budget is None:
             variant = {**eager, COMPILE: parsed.to_json()}
-        elif blocks:
+        elif recomputing:
             budget = kept_share(profile, eager, batch_size)
             recompute = parsed.model_copy(update={"activation_memory_budget": budget})
-            without = {name: c for name, c in eager.items() if name != CHECKPOINTING}
+            without = {name: c for name, c in eager.items() if name not in recomputing}
             variant = {**without, COMPILE: recompute.to_json()}
         else:
             continue  # nothing is recomputed in the eager pick: no recompute to replace
@@ -288,6 +287,12 @@ def compiled_variants(
     return out
 
 
+def _recomputing(choices: dict[str, JsonValue]) -> set[str]:
+    """The strategies among ``choices`` that recompute blocks (their facts say so)."""
+    candidate = Candidate(batch_size=1, choices=choices)
+    return {s.name for s, c in chosen_strategies(candidate) if s.facts(c).recomputed_blocks}
+
+
 def kept_share(profile: Profile, choices: dict[str, JsonValue], batch_size: int) -> float:
     """The share of saved activations ``choices``' checkpointed blocks still keep, in twentieths.
 
@@ -295,10 +300,9 @@ def kept_share(profile: Profile, choices: dict[str, JsonValue], batch_size: int)
     saved less the outputs something outside it saves (``output_kept``); the share is what
     is left of all saved activations, rounded up to a twentieth, between 0.05 and 0.95.
     """
-    precision = choices.get("precision")
-    step = profile.steps.get(precision if isinstance(precision, str) else "fp32")
-    step = step or profile.steps["fp32"]
-    names = _block_names(choices.get(CHECKPOINTING), profile)
+    facts = facts_of(Candidate(batch_size=batch_size, choices=choices))
+    step = profile.steps.get(facts.autocast or "fp32") or profile.steps["fp32"]
+    names = _block_names(facts.recomputed_blocks, profile)
     total = step.activation_total.at(batch_size)
     if total <= 0:
         return 1.0 - _BUDGET_STEP
@@ -524,8 +528,8 @@ def _label(choices: dict[str, JsonValue]) -> str:
     if parsed is None:
         return "eager"
     words = parsed.words()
-    blocks = choices.get(CHECKPOINTING)
-    if isinstance(blocks, list) and blocks:
+    blocks = facts_of(Candidate(batch_size=1, choices=choices)).recomputed_blocks
+    if blocks:
         words += f", {len(blocks)} blocks checkpointed"
     return words
 

@@ -23,7 +23,8 @@ from torch import nn
 from memadvisor import _torch_private
 from memadvisor.errors import BadInputError, is_oom, is_our_bug
 from memadvisor.schema.candidate import Candidate
-from memadvisor.strategy import apply_candidate
+from memadvisor.step import base_step, running
+from memadvisor.strategy import apply_candidate, facts_of
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
 from strategies._compiled_forward import (
@@ -152,7 +153,11 @@ def _train(
 
     ``run`` is filled in place so that what finished before an exception is kept.
     """
-    model = apply_candidate(copy.deepcopy(workload.model).to(device), candidate)
+    workload = running(
+        workload,
+        apply_candidate(base_step(workload, copy.deepcopy(workload.model).to(device)), candidate),
+    )
+    model = workload.model
     if compiled is not None:
         fresh: dict[type, Any] = {}
         for module in compile_targets(model, compiled):
@@ -161,7 +166,7 @@ def _train(
                 fresh[cls] = new_compiled_function(cls, compiled, own_backend=True)
             _forward.install(module, _FreshCompiledForward, choice=compiled, fn=fresh[cls])
     optimizer = workload.make_optimizer(model)
-    scaler = grad_scaler_for(str(candidate.choices.get("precision", "fp32")), device.type)
+    scaler = grad_scaler_for(facts_of(candidate).autocast or "fp32", device.type)
     params = [p for p in model.parameters() if p.requires_grad]
     batch = workload.batch(candidate.batch_size, device=device)
 

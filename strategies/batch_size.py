@@ -17,11 +17,11 @@ import math
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
-from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.schema.call import CallForm
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies._format import loop_header, loss_line
 
@@ -122,10 +122,10 @@ class BatchSize(Strategy):
                 "build it with strategies.batch_size.choice_for(candidate)."
             )
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        """Returns ``model`` unchanged: the batch is the training loop's (see the advice)."""
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        """Returns ``step`` unchanged: the batch is the training loop's (see the advice)."""
         _parse(choice)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         parsed = _parse(choice)

@@ -40,6 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from memadvisor._torch_private import is_fake, tensor_version
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
+from memadvisor.schema.facts import Facts
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies import _forward
 from strategies._format import mib, names_text
@@ -359,19 +361,26 @@ class ActivationCheckpointing(Strategy):
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         model.checkpoint(_block_indices(profile, _names(choice)))
 
-    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+    def validate(self, step: Step, choice: JsonValue) -> None:
         """Raises ``BadInputError`` when a name is empty or not a submodule of ``model``."""
+        model = step.model
         _blocks(model, _names(choice))
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+    def apply(self, step: Step, choice: JsonValue) -> Step:
         """Wrap each named block; applying the same choice twice wraps nothing twice.
 
         Raises:
             BadInputError: a name is not a submodule of ``model``.
         """
+        model = step.model
         for block in _blocks(model, _names(choice)):
             _forward.install(block, CheckpointedForward)
-        return model
+        return step
+
+    states = frozenset({"recomputed_blocks"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        return Facts(recomputed_blocks=_names(choice))
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         names = _names(choice)

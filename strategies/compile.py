@@ -60,10 +60,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from pydantic import JsonValue
-from torch import nn
 
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.call import CallForm
+from memadvisor.schema.facts import Facts
+from memadvisor.step import Step
 from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
 from strategies import _forward
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
@@ -158,7 +159,7 @@ class Compile(Strategy):
         """
         parse_choice(choice)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+    def apply(self, step: Step, choice: JsonValue) -> Step:
         """Compile ``model``'s forward in place ('off' takes a previous compile off).
 
         Lazy: nothing compiles until the first forward. Applying twice updates the settings.
@@ -166,12 +167,13 @@ class Compile(Strategy):
         Raises:
             BadInputError: ``choice`` is not a compile choice.
         """
+        model = step.model
         parsed = parse_choice(choice)
         # Another form of compile may be installed (whole model vs each block): off first.
         for module in model.modules():
             _forward.remove(module, CompiledForward)
         if parsed is None:
-            return model
+            return step
         for module in compile_targets(model, parsed):
             _forward.install(
                 module,
@@ -179,7 +181,7 @@ class Compile(Strategy):
                 mode=parsed.mode,
                 activation_memory_budget=parsed.activation_memory_budget,
             )
-        return model
+        return step
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
         """The choice under "Also" (the plan's measured stage has its own row), and a loader
@@ -190,6 +192,12 @@ class Compile(Strategy):
                 loader_args=", drop_last=True", loader_comment="one shape: no second compile"
             )
         return part
+
+    states = frozenset({"compiled", "compile_mode"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        parsed = parse_choice(choice)
+        return Facts() if parsed is None else Facts(compiled=True, compile_mode=parsed.mode)
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """The advice; its effect quotes the trial :meth:`check` ran, when there was one."""

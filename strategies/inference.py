@@ -23,6 +23,7 @@ from torch import nn
 from memadvisor.errors import BadInputError
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.advice import Advice, Check
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies import _forward
 from strategies._format import mib
@@ -117,9 +118,10 @@ class Inference(Strategy):
         """Nothing: an inference profile already measured a step without backward."""
         _check_choice(choice)
 
-    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+    def validate(self, step: Step, choice: JsonValue) -> None:
         """Raises ``BadInputError``: not a choice, or ``advice`` on a profile that trains
         (eval() and inference_mode would silently stop its training)."""
+        profile = step.profile
         if _check_choice(choice) == "off" or profile is None or is_inference(profile):
             return
         raise BadInputError(
@@ -128,14 +130,15 @@ class Inference(Strategy):
             "eval() and drop its gradients. Use a plan made for this workload."
         )
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        self.validate(model, choice, profile)
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        model = step.model
+        self.validate(step, choice)
         if _check_choice(choice) == "off":
             _forward.remove(model, InferenceForward)
-            return model
+            return step
         model.eval()
         _forward.install(model, InferenceForward)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         if _check_choice(choice) == "off":

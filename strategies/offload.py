@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import JsonValue
-from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies import _forward
 from strategies._format import loss_line, mib
@@ -110,12 +110,13 @@ class ActivationOffload(Strategy):
         # save_on_cpu copies synchronously: device -> host in forward, back in backward.
         model.offload(moved / kept, transfer_ms=2 * moved / bandwidth)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        model = step.model
         if _check_choice(choice) == "off":
             _forward.remove(model, OffloadForward)
         else:
             _forward.install(model, OffloadForward)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         if _check_choice(choice) == "off":

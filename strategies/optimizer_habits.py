@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
-from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies._format import how_known, mib
 
@@ -82,10 +82,10 @@ class OptimizerHabits(Strategy):
         """Nothing: the advice is what the training loop could do, not what the plan runs."""
         _check_choice(choice)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
-        """Returns ``model`` unchanged: the optimizer is the training loop's to build."""
+    def apply(self, step: Step, choice: JsonValue) -> Step:
+        """Returns ``step`` unchanged: the optimizer is the training loop's to build."""
         _check_choice(choice)
-        return model
+        return step
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         if _check_choice(choice) == "off":

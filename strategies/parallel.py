@@ -54,7 +54,9 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
-from memadvisor.strategy import Strategy
+from memadvisor.schema.facts import Facts
+from memadvisor.step import Step
+from memadvisor.strategy import Strategy, WrapsRanks, facts_of
 from strategies._format import mib, names_text
 
 if TYPE_CHECKING:
@@ -103,7 +105,7 @@ def _low_precision(precision: str | None) -> str | None:
     return precision if precision in _LOW else None
 
 
-class Parallel(Strategy):
+class Parallel(Strategy, WrapsRanks):
     """What each of ``world_size`` ranks holds under DDP or FSDP2."""
 
     name = "parallel"
@@ -139,8 +141,8 @@ class Parallel(Strategy):
         """The pick's precision in its parallel choice, for the advice's code (FSDP2 gathers
         its units in that dtype)."""
         choice = pick.choices.get(self.name)
-        precision = pick.choices.get("precision")
-        if not isinstance(choice, dict) or _low_precision(precision) is None:  # fp32, tf32
+        precision = facts_of(pick).autocast if isinstance(choice, dict) else None
+        if precision is None:  # fp32, tf32
             return None
         return {**choice, "param_dtype": precision}
 
@@ -174,11 +176,24 @@ class Parallel(Strategy):
             return
         _fsdp2_effect(profile, c, model)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+    def apply(self, step: Step, choice: JsonValue) -> Step:
         """Nothing in this process: the wrap needs each rank's process group
         (:func:`wrap_for_rank` there; the advice shows the code)."""
         parse_choice(choice)
-        return model
+        return step
+
+    states = frozenset({"parallel", "world_size"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        if choice is None:
+            return Facts()
+        c = parse_choice(choice)
+        return Facts(parallel=c["kind"], world_size=c["world_size"])
+
+    def wrap_rank(self, step: Step, choice: JsonValue, facts: Facts, device_id: int | None) -> Step:
+        """DDP or FSDP2 around the step's model (:func:`wrap_for_rank`), FSDP2's units
+        gathered in the candidate's autocast dtype."""
+        return step.replace(model=wrap_for_rank(step.model, choice, facts.autocast, device_id))
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         if choice is None:

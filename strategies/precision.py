@@ -33,7 +33,9 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.precision import FULL, PRECISIONS
+from memadvisor.step import Step
 from memadvisor.strategy import Strategy
 from strategies import _forward
 from strategies._autocast import AutocastForward, grad_scaler_for
@@ -222,14 +224,15 @@ class Precision(Strategy):
         if precision not in ("fp32", "tf32"):
             model.use_precision(precision)
 
-    def apply(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> nn.Module:
+    def apply(self, step: Step, choice: JsonValue) -> Step:
         """Run ``model``'s forward under autocast, or switch TF32 on (process-wide: see
         :class:`TF32Matmuls`); 'fp32' takes either off.
 
         Raises:
             BadInputError: ``choice`` is not a precision, or the profile's device lacks it.
         """
-        self.validate(model, choice, profile)
+        model = step.model
+        self.validate(step, choice)
         precision = _check_choice(choice)
         if precision in ("fp32", "tf32"):
             _forward.remove(model, AutocastForward)
@@ -239,10 +242,11 @@ class Precision(Strategy):
             _forward.install(model, TF32Matmuls)
         elif precision != "fp32":
             _forward.install(model, AutocastForward, precision=precision)
-        return model
+        return step
 
-    def validate(self, model: nn.Module, choice: JsonValue, profile: Profile | None) -> None:
+    def validate(self, step: Step, choice: JsonValue) -> None:
         """Raises ``BadInputError``: not a precision, or the profile's device lacks it."""
+        profile = step.profile
         precision = _check_choice(choice)
         if precision == "fp32" or profile is None or profile.device.kind == "fake":
             return
@@ -251,6 +255,14 @@ class Precision(Strategy):
                 f"{precision} is not supported on {profile.device.name}, the device this "
                 f"plan was profiled on; but got {choice=}. Plan again on your device."
             )
+
+    states = frozenset({"autocast", "tf32"})
+
+    def facts(self, choice: JsonValue) -> Facts:
+        precision = _check_choice(choice)
+        if precision == "tf32":
+            return Facts(tf32=True)
+        return Facts(autocast=precision) if precision in ("bf16", "fp16") else Facts()
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         precision = _check_choice(choice)

@@ -26,7 +26,7 @@ from memadvisor.schema.profile import (
     Profile,
     StepProfile,
 )
-from memadvisor.strategy import Strategy, apply_candidate, load_strategies
+from memadvisor.strategy import Strategy, apply_to_model, load_strategies
 from memadvisor.workload import Workload
 from strategies import _forward
 
@@ -112,7 +112,7 @@ def test_apply_plan_from_json_gives_the_same_rewrite_as_apply_candidate() -> Non
     plan = _plan()
     loaded = Plan.model_validate_json(plan.model_dump_json())
     by_plan = memadvisor.apply_plan(_net(), loaded)
-    by_candidate = apply_candidate(_net(), CANDIDATE, profile=_profile())
+    by_candidate = apply_to_model(_net(), CANDIDATE, profile=_profile()).model
     assert (
         _rewrites(by_plan)
         == _rewrites(by_candidate)
@@ -176,19 +176,19 @@ def test_plan_load_names_a_missing_file_and_a_file_that_is_not_a_plan(tmp_path: 
 
 
 def test_apply_candidate_is_idempotent_and_skips_neutral_choices() -> None:
-    model = apply_candidate(_net(), CANDIDATE)
+    model = apply_to_model(_net(), CANDIDATE).model
     once = _rewrites(model)
-    apply_candidate(model, CANDIDATE)
+    apply_to_model(model, CANDIDATE)
     assert _rewrites(model) == once
     off = Candidate(batch_size=4, choices={"precision": "fp32", "checkpointing": []})
-    assert _rewrites(apply_candidate(_net(), off)) == {}
+    assert _rewrites(apply_to_model(_net(), off).model) == {}
 
 
 def test_unknown_strategy_is_bad_input_naming_it() -> None:
     with pytest.raises(BadInputError, match="not_installed"):
-        apply_candidate(_net(), Candidate(batch_size=1, choices={"not_installed": 1}))
+        apply_to_model(_net(), Candidate(batch_size=1, choices={"not_installed": 1}))
     with pytest.raises(BadInputError, match="torch.nn.Module"):
-        apply_candidate("model", CANDIDATE)  # type: ignore[arg-type]
+        apply_to_model("model", CANDIDATE)  # type: ignore[arg-type]
 
 
 def test_run_checks_collects_the_precision_numerics_check() -> None:
@@ -216,9 +216,9 @@ class Toy(Strategy):
             model.add_bytes(phase, 123 * 2**20)
         model.add_ms(5.0)
 
-    def apply(self, model, choice, profile):
-        object.__setattr__(model, "toy_applied", choice)
-        return model
+    def apply(self, step, choice):
+        object.__setattr__(step.model, "toy_applied", choice)
+        return step
 
     def explain(self, choice, profile):
         return Advice(strategy=self.name, title="Pad", sentence="Pad it.")
@@ -256,7 +256,7 @@ def test_a_third_party_strategy_is_found_estimated_and_applied(toy_entry_point) 
     padded = estimate(profile, with_toy, strategies)
     assert padded.peak_bytes - base.peak_bytes == 123 * MIB
     assert padded.step_ms == pytest.approx(base.step_ms + 5.0)
-    assert apply_candidate(_net(), with_toy).toy_applied == "pad"
+    assert apply_to_model(_net(), with_toy).model.toy_applied == "pad"
 
 
 def test_a_third_party_strategy_is_offered_by_the_planner(toy_entry_point) -> None:
@@ -269,7 +269,7 @@ def test_a_third_party_strategy_is_offered_by_the_planner(toy_entry_point) -> No
 def test_checkpointed_copy_trains_like_the_original() -> None:
     """A model rewritten by apply_candidate keeps training to the same weights (fp32)."""
     candidate = Candidate(batch_size=4, choices={"checkpointing": ["blocks.0", "blocks.1"]})
-    a, b = _net(), apply_candidate(_net(), candidate)
+    a, b = _net(), apply_to_model(_net(), candidate).model
     for model in (a, b):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(9)
@@ -345,7 +345,7 @@ def test_a_plan_that_does_not_fit_the_model_rewrites_nothing(choices: dict) -> N
     one leaves no block checkpointed, no autocast installed and the train flag as it was."""
     model = _net()
     with pytest.raises(BadInputError):
-        apply_candidate(model, Candidate(batch_size=4, choices=choices), profile=_profile())
+        apply_to_model(model, Candidate(batch_size=4, choices=choices), profile=_profile())
     assert _rewrites(model) == {}
     assert model.training
 
@@ -363,7 +363,7 @@ def test_a_strategy_failing_while_it_applies_leaves_the_model_as_it_was() -> Non
         def effect(self, profile, choice, model):
             pass
 
-        def apply(self, model, choice, profile):
+        def apply(self, step, choice):
             raise BadInputError("broken on purpose")
 
         def explain(self, choice, profile):
@@ -376,5 +376,5 @@ def test_a_strategy_failing_while_it_applies_leaves_the_model_as_it_was() -> Non
         choices={"precision": "bf16", "checkpointing": ["blocks.0"], "breaks": "pad"},
     )
     with pytest.raises(BadInputError, match="on purpose"):
-        apply_candidate(model, candidate, chosen, profile=_profile())
+        apply_to_model(model, candidate, chosen, profile=_profile())
     assert _rewrites(model) == {}

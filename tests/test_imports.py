@@ -34,6 +34,7 @@ FLOORS: list[tuple[str, ...]] = [
     ),
     (
         "memadvisor.workload",
+        "memadvisor.step",
         "memadvisor.memory",
         "memadvisor.process_state",
         "memadvisor.target",
@@ -195,12 +196,16 @@ def test_the_planner_and_the_report_import_no_strategy(package: str) -> None:
     assert offenders == []
 
 
+def _rel(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def named_strategies(path: Path, names: set[str]) -> list[str]:
     """Where ``path``'s code spells a strategy's registered name as a string (the key a
     choice is read by: ``choices.get("precision")``), as 'file:line "name"'."""
     tree = ast.parse(path.read_text(), filename=str(path))
     return [
-        f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}"
+        f"{_rel(path)}:{node.lineno} {node.value!r}"
         for node in ast.walk(tree)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
     ]
@@ -209,12 +214,13 @@ def named_strategies(path: Path, names: set[str]) -> list[str]:
 STRATEGY_NAMES = set(registered_names())
 
 
-def test_the_name_scan_is_not_blind() -> None:
-    """The scan finds names where they are known to be spelled (an integration reads the
-    compile stage by name), else an empty scan of the report would pass the test below."""
+def test_the_name_scan_is_not_blind(tmp_path: Path) -> None:
+    """The scan finds a registered name wherever it is spelled as a string, else an empty
+    scan of the report would pass the test below."""
     assert {"precision", "checkpointing", "compile", "batch_size"} <= STRATEGY_NAMES
-    found = named_strategies(ROOT / "memadvisor" / "integrations" / "_pick.py", STRATEGY_NAMES)
-    assert any("'compile'" in hit for hit in found)
+    code = tmp_path / "named.py"
+    code.write_text('label = "compile"\nother = "not a strategy"\n')
+    assert [hit.split()[-1] for hit in named_strategies(code, STRATEGY_NAMES)] == ["'compile'"]
 
 
 @pytest.mark.parametrize("package", ["planner", "report"])
@@ -227,3 +233,112 @@ def test_the_planner_and_the_report_name_no_strategy(package: str) -> None:
     files = sorted((ROOT / "memadvisor" / package).rglob("*.py"))
     assert files
     assert [hit for path in files for hit in named_strategies(path, STRATEGY_NAMES)] == []
+
+
+@pytest.mark.parametrize(
+    "package", ["memadvisor.device", "memadvisor.integrations", "memadvisor.apply"]
+)
+def test_the_devices_and_the_integrations_import_no_strategy(package: str) -> None:
+    """The devices and the integrations run and adopt candidates through the contract
+    (``apply_candidate``, ``facts_of``, ``wrap_ranks``), never a module of the strategies
+    package: a rank wraps its model through whichever strategy implements ``WrapsRanks``."""
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module == package or module.startswith(package + ".")
+        for target in targets
+        if target.split(".")[0] == "strategies"
+    ]
+    assert offenders == []
+
+
+_READERS = {"get", "choice", "pop"}
+
+
+def _holds_choices(node: ast.AST) -> bool:
+    """A mapping of choices or options by strategy name (``candidate.choices``,
+    ``plan.candidate``, ``config.options``), not any dict (a check's metrics)."""
+    text = ast.unparse(node).lower()
+    return any(word in text for word in ("choice", "option", "candidate", "cand"))
+
+
+def read_names(path: Path, names: set[str]) -> list[str]:
+    """Where ``path``'s code *reads* a choice by a strategy's registered name: a subscript
+    key of a mapping of choices (``choices["compile"]``), the key of its
+    ``.get``/``.choice``/``.pop``, a comparison
+    (``s.strategy == "compile"``, ``name in ("precision", ...)``), or a module constant
+    that aliases the name (``COMPILE = "compile"``). A name passed as a label (a
+    Lightning setting called "precision") is not a read."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    spots: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _holds_choices(node.value):
+            spots.append(node.slice)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _READERS
+            and _holds_choices(node.func.value)
+            and node.args
+        ):
+            spots.append(node.args[0])
+        elif isinstance(node, ast.Compare):
+            spots.extend([node.left, *node.comparators])
+    spots.extend(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+    )
+    hits = []
+    for spot in spots:
+        for const in ast.walk(spot):
+            if isinstance(const, ast.Constant) and const.value in names:
+                hits.append(f"{_rel(path)}:{const.lineno} {const.value!r}")
+    return hits
+
+
+def test_the_read_scan_is_not_blind(tmp_path: Path) -> None:
+    """Each read form is found, a label is not."""
+    code = tmp_path / "reads.py"
+    code.write_text(
+        'COMPILE = "compile"\n'
+        'a = choices["precision"]\n'
+        'b = choices.get("checkpointing")\n'
+        'c = stage.strategy == "parallel"\n'
+        'd = name in ("batch_size", "x")\n'
+        'decide("precision", flag)\n'
+    )
+    found = {hit.split()[-1] for hit in read_names(code, STRATEGY_NAMES | {"x"})}
+    assert found == {"'compile'", "'precision'", "'checkpointing'", "'parallel'", "'batch_size'",
+                     "'x'"}  # fmt: skip
+    code.write_text('decide("precision", flag)\n')
+    assert read_names(code, STRATEGY_NAMES) == []
+
+
+@pytest.mark.parametrize("package", ["device", "integrations"])
+def test_the_devices_and_the_integrations_read_no_strategy_by_name(package: str) -> None:
+    """What a candidate does (compiled, recomputed blocks, autocast, a parallel wrap) the
+    devices and the integrations read from the strategies' facts (``facts_of``), never a
+    choice by a strategy's name, so a third party's strategy stating the same facts is run
+    and adopted as the built-in one is."""
+    files = [*sorted((ROOT / "memadvisor" / package).rglob("*.py")), ROOT / "memadvisor/apply.py"]
+    assert [hit for path in files for hit in read_names(path, STRATEGY_NAMES)] == []
+
+
+def _owner(path: Path) -> str | None:
+    """The strategy a module of strategies/ belongs to: its own name, or the name its
+    private module's name starts with (``_compile_stage`` belongs to compile)."""
+    stem = path.stem.lstrip("_")
+    return next(
+        (n for n in sorted(STRATEGY_NAMES, key=len, reverse=True) if stem.startswith(n)), None
+    )
+
+
+def test_no_strategy_reads_another_by_name() -> None:
+    """A strategy reads another's choice only through its facts (``facts_of``): the compile
+    trial's scaler asks for the candidate's autocast dtype, not for "precision"."""
+    hits = []
+    for path in sorted((ROOT / "strategies").rglob("*.py")):
+        own = _owner(path)
+        hits += [h for h in read_names(path, STRATEGY_NAMES) if h.split()[-1] != repr(own)]
+    assert hits == []

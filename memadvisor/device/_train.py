@@ -18,6 +18,7 @@ from memadvisor.errors import is_oom
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import Profile
+from memadvisor.step import base_step, running
 from memadvisor.strategy import Strategy, apply_candidate, load_strategies
 from memadvisor.workload import Workload, train_step
 
@@ -27,15 +28,18 @@ RESULT_MARKER = "MEMADVISOR_RESULT "  # prefixes the child's answer; the model m
 
 
 def _apply(
+    workload: Workload,
     model: torch.nn.Module,
     candidate: Candidate,
     strategy_names: Sequence[str] | None,
     profile: Profile | None,
     strategies: Sequence[Strategy] | None = None,
-) -> torch.nn.Module:
+) -> Workload:
+    """``workload`` running ``candidate``'s rewritten step over ``model``."""
     if strategies is None:
         strategies = load_strategies(list(strategy_names) if strategy_names is not None else None)
-    return apply_candidate(model, candidate, strategies, profile=profile)
+    step = apply_candidate(base_step(workload, model, profile), candidate, strategies)
+    return running(workload, step)
 
 
 def train_candidate(
@@ -68,13 +72,14 @@ def train_candidate(
         model = copy.deepcopy(workload.model) if copy_model else workload.model
         for p in model.parameters():
             p.grad = None  # a run starts without gradients, as train_step leaves them
-        model = _apply(model.to(device), candidate, strategy_names, profile, strategies)
-        optimizer = workload.make_optimizer(model)
-        batch = workload.batch(candidate.batch_size, device)
+        run = _apply(workload, model.to(device), candidate, strategy_names, profile, strategies)
+        model = run.model
+        optimizer = run.make_optimizer(model)
+        batch = run.batch(candidate.batch_size, device)
         for _ in range(steps):
             t0 = time.perf_counter()
             train_step(
-                workload, model, optimizer, batch, accumulation_steps=candidate.accumulation_steps
+                run, model, optimizer, batch, accumulation_steps=candidate.accumulation_steps
             )
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)

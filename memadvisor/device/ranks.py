@@ -44,11 +44,11 @@ from memadvisor.memory import MemoryMeter
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import Profile
+from memadvisor.strategy import facts_of, load_strategies
 from memadvisor.workload import Workload, tensor_leaves, train_step
 
 __all__ = ["Ranks"]
 
-PARALLEL = "parallel"  # the strategy whose choice says how to wrap
 _WAIT_S = 900.0  # a run that says nothing for this long is stopped
 
 
@@ -116,10 +116,11 @@ class Ranks(Device):
         """
         if steps < 1:
             raise BadInputError(f"A run needs at least one step, but got {steps=}.")
-        if candidate.choices.get(PARALLEL) is None:
+        if facts_of(candidate, load_strategies(list(candidate.choices))).parallel is None:
             raise BadInputError(
-                "A run on several ranks needs the candidate's 'parallel' choice (how to wrap "
-                f"the model), but got choices {sorted(candidate.choices)}."
+                "A run on several ranks needs a choice that says how each rank wraps the model "
+                f"(a strategy whose facts name a parallel wrap), but got choices "
+                f"{sorted(candidate.choices)}."
             )
         context = mp.get_context("fork" if self.backend == "simulated" else "spawn")
         answers: Any = context.Queue()
@@ -281,8 +282,8 @@ def _rank_main(rank: int, job: _Job, answers: Any, parent_pid: int | None = None
 
 
 def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
-    from memadvisor.strategy import apply_candidate, load_strategies
-    from strategies.parallel import wrap_for_rank
+    from memadvisor.step import base_step, running
+    from memadvisor.strategy import apply_candidate, wrap_ranks
 
     cuda = job.backend == "cuda"
     if cuda:
@@ -305,29 +306,31 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
     )
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     names = job.strategy_names if job.strategy_names is not None else list(candidate.choices)
-    strategies = load_strategies([n for n in names if n in candidate.choices or n == PARALLEL])
+    strategies = load_strategies([n for n in names if n in candidate.choices])
     torch.manual_seed(0)
     model = copy.deepcopy(workload.model)
     for p in model.parameters():
         p.grad = None
-    model = apply_candidate(model.to(device), candidate, strategies, profile=profile)
-    precision = candidate.choices.get("precision")
+    run_step = apply_candidate(
+        base_step(workload, model.to(device), profile), candidate, strategies
+    )
     meter = MemoryMeter(None if cuda else job.budget_bytes, track_resizes=True)
     if cuda:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
-        model = wrap_for_rank(model, candidate.choices[PARALLEL], precision, rank)
+        run = running(workload, wrap_ranks(run_step, candidate, strategies, rank))
     else:
         with meter:  # DDP's buckets and FSDP2's shards are made here
-            model = wrap_for_rank(model, candidate.choices[PARALLEL], precision, None)
-    optimizer = workload.make_optimizer(model)
-    batch = workload.batch(candidate.batch_size, device)
+            run = running(workload, wrap_ranks(run_step, candidate, strategies, None))
+    model = run.model
+    optimizer = run.make_optimizer(model)
+    batch = run.batch(candidate.batch_size, device)
     times_ms: list[float] = []
     if cuda:
         for _ in range(job.steps):
             t0 = time.perf_counter()
-            train_step(workload, model, optimizer, batch, accumulation_steps=_acc(candidate))
+            train_step(run, model, optimizer, batch, accumulation_steps=_acc(candidate))
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)
             steps_done[0] += 1
@@ -342,7 +345,7 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
         with meter:
             for _ in range(job.steps):
                 t0 = time.perf_counter()
-                train_step(workload, model, optimizer, batch, accumulation_steps=_acc(candidate))
+                train_step(run, model, optimizer, batch, accumulation_steps=_acc(candidate))
                 times_ms.append((time.perf_counter() - t0) * 1e3)
                 steps_done[0] += 1
         peak, reserved = meter.peak_bytes, None

@@ -141,9 +141,10 @@ class SimulatedDevice(Device):
         meter = MemoryMeter(self.budget_bytes)
         try:
             with torch.random.fork_rng(devices=[]), self._context(workload):
-                model = self._apply(self._fresh_model(workload), candidate)
-                optimizer = workload.make_optimizer(model)
-                batch = workload.batch(candidate.batch_size)
+                run = self._apply(workload, self._fresh_model(workload), candidate)
+                model = run.model
+                optimizer = run.make_optimizer(model)
+                batch = run.batch(candidate.batch_size)
                 # On a card the weights and the batch are in memory before the step starts.
                 meter.adopt(model.parameters())
                 meter.adopt(model.buffers())
@@ -154,7 +155,7 @@ class SimulatedDevice(Device):
                     for _ in range(steps):
                         t0 = time.perf_counter()
                         train_step(
-                            workload,
+                            run,
                             model,
                             optimizer,
                             batch,
@@ -192,14 +193,18 @@ class SimulatedDevice(Device):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _apply(self, model: nn.Module, candidate: Candidate) -> nn.Module:
+    def _apply(self, workload: Workload, model: nn.Module, candidate: Candidate) -> Workload:
+        """``workload`` running ``candidate``'s rewritten step over ``model``."""
+        from memadvisor.step import base_step, running
+
+        step = base_step(workload, model, self.profile)
         if not candidate.choices:
-            return model
+            return running(workload, step)
         from memadvisor.strategy import apply_candidate, load_strategies
 
         names = self.strategy_names if self.strategy_names is not None else list(candidate.choices)
         strategies = load_strategies(names)
-        return apply_candidate(model, candidate, strategies, profile=self.profile)
+        return running(workload, apply_candidate(step, candidate, strategies))
 
     def _policy(self) -> contextlib.AbstractContextManager:
         return (

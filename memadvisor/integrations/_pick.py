@@ -11,6 +11,7 @@ from torch import nn
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Plan
+from memadvisor.strategy import facts_of
 
 __all__ = ["Pick", "apply_blocks", "pick_of", "plan_options"]
 
@@ -62,17 +63,8 @@ def pick_of(plan: Plan) -> Pick:
 
     said = answer(plan)  # the pick's precision and recomputed blocks, in its strategies' words
     cand = plan.candidate
-    # The compile strategy's measured stage (Plan.stages), when the plan weighed compiling.
-    stage = next((s for s in plan.stages if s.strategy == "compile"), None)
-    compile_choice = cand.choice("compile") if stage is not None else None
-    mode: str | None = None
-    if stage is not None and stage.picked:
-        if isinstance(compile_choice, dict):
-            mode = str(compile_choice.get("mode", "default"))
-        elif isinstance(compile_choice, str):
-            mode = compile_choice
-        else:
-            mode = "default"
+    facts = facts_of(cand)  # what the pick's strategies say it does, not their names
+    mode = (facts.compile_mode or "default") if facts.compiled else None
     return Pick(
         batch_size=cand.batch_size,
         accumulation_steps=cand.accumulation_steps,
@@ -90,10 +82,12 @@ def apply_blocks(model: nn.Module, plan: Plan) -> nn.Module:
     Precision, batch and compile are the framework's to set (its autocast, its loader); the
     rest of :func:`memadvisor.apply_plan` would do them a second time.
     """
-    from memadvisor.strategy import apply_candidate
+    from memadvisor.strategy import apply_to_model, chosen_strategies
 
-    choice = plan.candidate.choice("checkpointing")
-    if not choice:
+    recompute = {
+        s.name: c for s, c in chosen_strategies(plan.candidate) if s.facts(c).recomputed_blocks
+    }
+    if not recompute:
         return model
-    only = Candidate(batch_size=plan.candidate.batch_size, choices={"checkpointing": choice})
-    return apply_candidate(model, only, profile=plan.profile)
+    only = Candidate(batch_size=plan.candidate.batch_size, choices=recompute)
+    return apply_to_model(model, only, profile=plan.profile).model

@@ -142,9 +142,7 @@ def _callback_class() -> type:
             options = plan_options(self.plan_kwargs, dataset)
             if yours:
                 # Your precision runs: plan that step, and nothing else for precision.
-                options["strategies"] = [
-                    s for s in options.get("strategies") or _strategy_names() if s != "precision"
-                ]
+                options["strategies"] = _without_precision(options.get("strategies"))
             if self.effective_batch is not None:
                 options["effective_batch"] = self.effective_batch
             with warnings.catch_warnings():
@@ -250,10 +248,12 @@ def _callback_class() -> type:
     return MemadvisorCallback
 
 
-def _strategy_names() -> list[str]:
+def _without_precision(names: list[str] | None) -> list[str]:
+    """``names`` (default: every registered strategy) less those that set the step's
+    precision (their ``states`` name autocast or TF32): the Trainer's own precision runs."""
     from memadvisor.strategy import load_strategies
 
-    return [s.name for s in load_strategies()]
+    return [s.name for s in load_strategies(names) if not s.states & {"autocast", "tf32"}]
 
 
 def __getattr__(name: str) -> Any:

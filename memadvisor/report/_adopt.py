@@ -16,6 +16,10 @@ moves the model and each batch to ``"cuda"``. The code is whole: it imports what
 runs as printed once ``model``, ``plan``, ``dataset`` (and ``loss_fn`` or ``forward_fn``
 where the workload had one) are defined.
 
+Where the pick changes how the loss is computed (a strategy's facts say ``loss_changed``: a
+chunked loss head), the loop calls the rewritten step, ``loss = model.memadvisor_step(batch)``,
+which runs the forward and the loss as the plan measured them.
+
 Known limitations:
     * The loop shown is a plain PyTorch one; Lightning and HF Trainer users set the same
       batch size and accumulation in their own configuration.
@@ -29,10 +33,14 @@ Known limitations:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from memadvisor.errors import BadInputError
 from memadvisor.report._parts import installs, parts, plan_strategies
 from memadvisor.schema.advice import LoopLines
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.plan import Plan
+from memadvisor.strategy import Strategy, facts_of
 
 __all__ = ["adoption_snippet", "on_cpu"]
 
@@ -60,6 +68,7 @@ def adoption_snippet(plan: Plan) -> str:
     form = (plan.profile.call_form if plan.profile is not None else None) or _DEFAULT_FORM
     cpu = on_cpu(plan)
     b, k = plan.candidate.batch_size, plan.candidate.accumulation_steps
+    loss_changed = _loss_changed(plan, strategies)
     loader_comment = f"  # {loop.loader_comment}" if loop.loader_comment else ""
     model_arg = "model" if cpu else 'model.to("cuda")'
     lines = [
@@ -68,7 +77,8 @@ def adoption_snippet(plan: Plan) -> str:
         "",
         "import memadvisor",
         "",
-        f"model = memadvisor.apply_plan({model_arg}, plan)  # {', '.join(installs(strategies))}",
+        f"model = memadvisor.apply_plan({model_arg}, plan{_users_code(form, loss_changed)})"
+        f"  # {', '.join(installs(strategies))}",
         f"loader = DataLoader(dataset, batch_size={b}, shuffle=True{loop.loader_args})"
         + loader_comment,
         "optimizer = torch.optim.AdamW(model.parameters())  # as planned (or yours)",
@@ -84,7 +94,11 @@ def adoption_snippet(plan: Plan) -> str:
     forward_comment = f"  # {'; '.join(comments)}" if comments else ""
     call, loss = _call_and_loss(form)
     divided = f" / {k}" if k > 1 else ""
-    if form.loss == "loss_fn":
+    if loss_changed:  # the step computes the loss its own way: the loop calls the step
+        comments.insert(0, "forward and loss as the plan measured them (its loss is not yours)")
+        lines.append(f"    loss = model.memadvisor_step(batch){divided}  # {'; '.join(comments)}")
+        lines += [f"    {note}" for note in loop.forward_notes]
+    elif form.loss == "loss_fn":
         lines.append(f"    output = {call}{forward_comment}")
         lines += [f"    {note}" for note in loop.forward_notes]
         lines.append(f"    loss = {loss}{divided}")
@@ -101,6 +115,23 @@ def adoption_snippet(plan: Plan) -> str:
     else:
         lines += [f"    {line}" for line in body]
     return "\n".join(lines) + "\n"
+
+
+def _loss_changed(plan: Plan, strategies: Sequence[Strategy]) -> bool:
+    """Whether the pick computes the loss another way (a strategy's facts say so)."""
+    try:
+        return facts_of(plan.candidate, strategies).loss_changed
+    except BadInputError:  # a strategy of the pick is not installed here: nothing known
+        return False
+
+
+def _users_code(form: CallForm, loss_changed: bool) -> str:
+    """apply_plan's arguments for the user's functions the rewritten step calls: a plan
+    file holds no code, and the step runs the user's loss_fn / forward_fn inside it."""
+    if not loss_changed:
+        return ""
+    args = ", loss_fn=loss_fn" if form.loss == "loss_fn" else ""
+    return args + (", forward_fn=forward_fn" if form.batch == "custom" else "")
 
 
 def _move(form: CallForm, cpu: bool) -> str:

@@ -12,6 +12,7 @@ from memadvisor.estimate import StepModel, estimate
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from strategies.batch_size import BatchSize, accumulation_steps_for, choice_for
+from tests.fixtures.steps import applied
 
 BATCH = BatchSize()
 
@@ -87,7 +88,7 @@ def test_the_loop_snippet_accumulates_to_the_full_batch_gradient(profile_factory
 
 def test_apply_leaves_the_model_alone_and_neutral_explains_nothing(profile_factory) -> None:
     model = nn.Linear(2, 2)
-    assert BATCH.apply(model, {"batch_size": 4}, None) is model
+    assert applied(BATCH, model, {"batch_size": 4}, None) is model
     assert BATCH.explain(None, profile_factory([(10, 2, 1)])) is None
     with pytest.raises(BadInputError, match="batch_size"):
-        BATCH.apply(model, [4], None)
+        applied(BATCH, model, [4], None)

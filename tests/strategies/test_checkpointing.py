@@ -15,6 +15,7 @@ from memadvisor.estimate import StepModel
 from memadvisor.schema.config import PlanConfig
 from strategies import _forward, checkpointing
 from strategies.checkpointing import ActivationCheckpointing, CheckpointedForward
+from tests.fixtures.steps import applied
 
 CKPT = ActivationCheckpointing()
 CONFIG = PlanConfig(budget_bytes=2**30)
@@ -45,7 +46,7 @@ def _count_calls(module: nn.Module) -> list[int]:
 def test_gradients_equal_the_original_exactly_in_fp32_with_dropout(gpt_example) -> None:
     """Recompute replays the RNG: dropout masks and so gradients are bit-identical."""
     model, batch, loss_fn = _gpt(gpt_example, dropout=0.2)
-    tuned = CKPT.apply(copy.deepcopy(model), ["h.0", "h.2"], None)
+    tuned = applied(CKPT, copy.deepcopy(model), ["h.0", "h.2"], None)
     expected, got = _grads(model, batch, loss_fn), _grads(tuned, batch, loss_fn)
     assert expected.keys() == got.keys()
     for name in expected:
@@ -55,7 +56,7 @@ def test_gradients_equal_the_original_exactly_in_fp32_with_dropout(gpt_example) 
 def test_recompute_happens_in_training(gpt_example) -> None:
     """In train mode with grad enabled a checkpointed block's forward runs twice per step."""
     model, batch, loss_fn = _gpt(gpt_example)
-    CKPT.apply(model, ["h.1"], None)
+    applied(CKPT, model, ["h.1"], None)
     calls = _count_calls(model.h[1].mlp)
     loss_fn(model(batch[0]), batch).backward()
     assert calls[0] == 2
@@ -65,7 +66,7 @@ def test_recompute_happens_in_training(gpt_example) -> None:
 def test_no_recompute_in_eval_or_without_grad(gpt_example, mode: str) -> None:
     """eval(), no_grad and inference_mode run each block once and save nothing to recompute."""
     model, batch, loss_fn = _gpt(gpt_example)
-    CKPT.apply(model, ["h.0", "h.1", "h.2"], None)
+    applied(CKPT, model, ["h.0", "h.1", "h.2"], None)
     calls = _count_calls(model.h[1].mlp)
     if mode == "eval":
         model.eval()
@@ -80,7 +81,7 @@ def test_no_recompute_in_eval_or_without_grad(gpt_example, mode: str) -> None:
 def test_parameter_names_and_state_dict_keys_are_unchanged(gpt_example) -> None:
     model, _, _ = _gpt(gpt_example)
     before = (list(model.state_dict()), [n for n, _ in model.named_parameters()])
-    CKPT.apply(model, ["h.0", "h.1"], None)
+    applied(CKPT, model, ["h.0", "h.1"], None)
     assert (list(model.state_dict()), [n for n, _ in model.named_parameters()]) == before
 
 
@@ -89,7 +90,7 @@ def test_torch_save_load_round_trip_and_load_state_dict_into_the_original_class(
 ) -> None:
     """A saved tuned model loads back still checkpointed; its weights load into a plain GPT."""
     model, batch, loss_fn = _gpt(gpt_example, dropout=0.1)
-    tuned = CKPT.apply(copy.deepcopy(model), ["h.1"], None)
+    tuned = applied(CKPT, copy.deepcopy(model), ["h.1"], None)
     buf = io.BytesIO()
     torch.save(tuned, buf)
     buf.seek(0)
@@ -118,15 +119,15 @@ def test_torch_save_load_round_trip_and_load_state_dict_into_the_original_class(
 
 def test_deepcopy_binds_the_wrapper_to_the_copy(gpt_example) -> None:
     model, _, _ = _gpt(gpt_example)
-    CKPT.apply(model, ["h.0"], None)
+    applied(CKPT, model, ["h.0"], None)
     twin = copy.deepcopy(model)
     assert twin.h[0].forward.module is twin.h[0]
 
 
 def test_applying_twice_does_not_wrap_twice(gpt_example) -> None:
     model, batch, loss_fn = _gpt(gpt_example)
-    CKPT.apply(model, ["h.0"], None)
-    CKPT.apply(model, ["h.0", "h.1"], None)
+    applied(CKPT, model, ["h.0"], None)
+    applied(CKPT, model, ["h.0", "h.1"], None)
     assert len(list(_forward.wrappers(model.h[0]))) == 1
     calls = _count_calls(model.h[0].mlp)
     loss_fn(model(batch[0]), batch).backward()
@@ -136,9 +137,9 @@ def test_applying_twice_does_not_wrap_twice(gpt_example) -> None:
 def test_unknown_block_is_bad_input(gpt_example) -> None:
     model, _, _ = _gpt(gpt_example)
     with pytest.raises(BadInputError, match="no such submodule"):
-        CKPT.apply(model, ["h.9"], None)
+        applied(CKPT, model, ["h.9"], None)
     with pytest.raises(BadInputError, match="list of block names"):
-        CKPT.apply(model, "h.0", None)
+        applied(CKPT, model, "h.0", None)
 
 
 # -- HF-style decoder layers --------------------------------------------------------------------
@@ -161,7 +162,7 @@ def test_hf_style_layer_with_kwargs_and_tuple_outputs_gives_exact_gradients(
     hf_model, hf_batch, output_attentions: bool
 ) -> None:
     """Keyword masks/position ids reach the layer, tuples come back, gradients are exact."""
-    tuned = CKPT.apply(copy.deepcopy(hf_model), ["layers.0", "layers.1", "layers.2"], None)
+    tuned = applied(CKPT, copy.deepcopy(hf_model), ["layers.0", "layers.1", "layers.2"], None)
     loss_a, expected = _hf_grads(hf_model, hf_batch, output_attentions=output_attentions)
     loss_b, got = _hf_grads(tuned, hf_batch, output_attentions=output_attentions)
     assert torch.equal(loss_a, loss_b)
@@ -174,7 +175,7 @@ def test_an_in_place_kv_cache_is_dropped_in_training_as_hf_does(hf_model, toy_ca
     """A cache updated in place would be appended twice by the recompute: like HF's own
     checkpointing, the layer runs with no cache and use_cache=False, and is checkpointed."""
     checkpointing._warned.clear()
-    CKPT.apply(hf_model, ["layers.0"], None)
+    applied(CKPT, hf_model, ["layers.0"], None)
     layer = hf_model.layers[0]
     cache = toy_cache_class()
     x = torch.randn(2, 5, 16, requires_grad=True)
@@ -185,7 +186,7 @@ def test_an_in_place_kv_cache_is_dropped_in_training_as_hf_does(hf_model, toy_ca
 
 
 def test_a_kv_cache_is_used_as_given_in_eval(hf_model, toy_cache_class) -> None:
-    CKPT.apply(hf_model, ["layers.0"], None)
+    applied(CKPT, hf_model, ["layers.0"], None)
     hf_model.eval()
     cache = toy_cache_class()
     _, returned = hf_model.layers[0](torch.randn(2, 5, 16), past_key_value=cache, use_cache=True)
@@ -207,7 +208,7 @@ def test_a_cache_is_recognised_by_what_it_is_under_any_name_or_position(
         return inner(x, **{k: v for k, v in kwargs.items() if k != "some_new_name"})
 
     layer.forward = spy
-    CKPT.apply(hf_model, ["layers.0"], None)
+    applied(CKPT, hf_model, ["layers.0"], None)
     cache = toy_cache_class()
     x = torch.randn(2, 5, 16, requires_grad=True)
     with pytest.warns(UserWarning, match="KV cache"):
@@ -224,7 +225,7 @@ def _hf_exactness(
     equal the unwrapped model's, and the last block recomputes; failures name the
     transformers release met."""
     version = f"transformers {transformers.__version__}"
-    tuned = CKPT.apply(copy.deepcopy(model), blocks, None)
+    tuned = applied(CKPT, copy.deepcopy(model), blocks, None)
     calls = _count_calls(tuned.get_submodule(counted))
     results = []
     for m in (model, tuned):
@@ -363,7 +364,7 @@ def test_nothing_is_lost_buffers_and_parameters_equal_after_n_steps(cnn_example)
     plain = built["model"]
     wrapped = copy.deepcopy(plain)
     names = [f"layers.{i}" for i in range(len(wrapped.layers))]
-    CKPT.apply(wrapped, names, None)
+    applied(CKPT, wrapped, names, None)
     _train(plain, built["sample_batch"], built["loss_fn"], steps=3)
     _train(wrapped, built["sample_batch"], built["loss_fn"], steps=3)
     assert int(wrapped.layers[0].bn1.num_batches_tracked) == 3
@@ -397,7 +398,7 @@ def test_any_mutated_buffer_changes_once_and_the_recompute_sees_what_forward_saw
     torch.manual_seed(0)
     plain = nn.Sequential(_Counting(), _Counting())
     wrapped = copy.deepcopy(plain)
-    CKPT.apply(wrapped, ["0", "1"], None)
+    applied(CKPT, wrapped, ["0", "1"], None)
     x = torch.randn(3, 4)
     for model in (plain, wrapped):
         for _ in range(steps):
@@ -441,7 +442,7 @@ def test_the_recompute_sees_a_list_argument_as_forward_did_though_the_caller_gre
     torch.manual_seed(0)
     plain = _DenseStage()
     wrapped = copy.deepcopy(plain)
-    CKPT.apply(wrapped, ["layers.0", "layers.1", "layers.2"], None)
+    applied(CKPT, wrapped, ["layers.0", "layers.1", "layers.2"], None)
     x = torch.randn(3, 2)
     outs = []
     for model in (plain, wrapped):
@@ -458,7 +459,7 @@ def test_a_checkpointed_batchnorm_trains_on_fake_tensors() -> None:
 
     with fake_tensor_mode():
         model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 1))
-        CKPT.apply(model, ["0"], None)
+        applied(CKPT, model, ["0"], None)
         for _ in range(2):
             model(torch.randn(3, 4)).sum().backward()
         assert model[0][1].num_batches_tracked.shape == ()

@@ -32,6 +32,7 @@ from strategies.compile import (
     parse_choice,
     try_compile,
 )
+from tests.fixtures.steps import applied
 
 COMPILE = Compile()
 CONFIG = PlanConfig(budget_bytes=2**30)
@@ -101,20 +102,20 @@ def test_apply_keeps_keys_pickles_and_off_takes_it_off() -> None:
     """Lazy and in place: same keys, same parameters; a copy or pickle carries the settings."""
     model = _mlp()
     keys = list(model.state_dict())
-    assert COMPILE.apply(model, BUDGET_HALF, None) is model
-    COMPILE.apply(model, "default", None)  # applying again updates, never stacks
+    assert applied(COMPILE, model, BUDGET_HALF, None) is model
+    applied(COMPILE, model, "default", None)  # applying again updates, never stacks
     assert list(model.state_dict()) == keys
     assert [type(w) for w in _forward.wrappers(model)] == [CompiledForward]
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         wrapper = _forward.find_wrapper(clone, CompiledForward)
         assert wrapper is not None and wrapper.choice == parse_choice("default")
-    COMPILE.apply(model, "off", None)
+    applied(COMPILE, model, "off", None)
     assert "forward" not in model.__dict__
 
 
 def test_compiled_model_trains_like_eager_with_its_keys() -> None:
     """apply(): dynamo captures a graph (nn.Sequential too) and the step matches eager's."""
-    eager, compiled = _mlp(), COMPILE.apply(_mlp(), "default", None)
+    eager, compiled = _mlp(), applied(COMPILE, _mlp(), "default", None)
     keys = list(eager.state_dict())
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     losses = []
@@ -299,9 +300,9 @@ def test_activation_memory_budget_makes_the_compiled_graph_keep_less() -> None:
     """
     x = torch.randn(64, 32)
     low_bytes, low_loss = _saved_bytes(
-        COMPILE.apply(_Deep(), {"activation_memory_budget": 0.0}, None), x
+        applied(COMPILE, _Deep(), {"activation_memory_budget": 0.0}, None), x
     )
-    default_bytes, default_loss = _saved_bytes(COMPILE.apply(_Deep(), "default", None), x)
+    default_bytes, default_loss = _saved_bytes(applied(COMPILE, _Deep(), "default", None), x)
     assert low_bytes < 0.8 * default_bytes
     assert low_loss == pytest.approx(default_loss, rel=1e-5)
 
@@ -352,7 +353,7 @@ def test_cuda_partitioner_budget_lowers_the_compiled_peak(gpt_example) -> None:
     workload = _gpt_workload(gpt_example, vocab_size=256, n_embd=256, block_size=128)
     peaks = {}
     for choice in ("default", {"activation_memory_budget": 0.0}):
-        model = COMPILE.apply(copy.deepcopy(workload.model), choice, None)
+        model = applied(COMPILE, copy.deepcopy(workload.model), choice, None)
         peaks[str(choice)] = _cuda_peak_bytes(model, workload, 64)
     assert peaks[str({"activation_memory_budget": 0.0})] < peaks["default"]
 
@@ -442,7 +443,7 @@ def test_regional_compiles_one_graph_for_every_layer_and_trains_like_eager(monke
     model = _Stack()
     eager = copy.deepcopy(model)
     keys = list(model.state_dict())
-    Compile(choices=[REGIONAL]).apply(model, REGIONAL, None)
+    applied(Compile(choices=[REGIONAL]), model, REGIONAL, None)
     assert _forward.find_wrapper(model, CompiledForward) is None
     assert all(_forward.find_wrapper(layer, CompiledForward) for layer in model.layers)
     x = torch.randn(3, 16)
@@ -453,13 +454,13 @@ def test_regional_compiles_one_graph_for_every_layer_and_trains_like_eager(monke
         assert torch.equal(p.grad, q.grad), name
     assert list(model.state_dict()) == keys
     # Switching form moves the wrapper; off takes every one off.
-    COMPILE.apply(model, "default", None)
+    applied(COMPILE, model, "default", None)
     assert _forward.find_wrapper(model, CompiledForward) is not None
     assert not any(_forward.find_wrapper(layer, CompiledForward) for layer in model.layers)
-    COMPILE.apply(model, "off", None)
+    applied(COMPILE, model, "off", None)
     assert not any(_forward.find_wrapper(m, CompiledForward) for m in model.modules())
     whole = _mlp()
-    COMPILE.apply(whole, REGIONAL, None)
+    applied(COMPILE, whole, REGIONAL, None)
     assert _forward.find_wrapper(whole, CompiledForward) is not None
 
 

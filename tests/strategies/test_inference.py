@@ -9,6 +9,7 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.workload import Workload
 from strategies import _forward
 from strategies.inference import Inference, measure_inference
+from tests.fixtures.steps import applied
 
 INFERENCE = Inference()
 CONFIG = PlanConfig(budget_bytes=2**30)
@@ -31,10 +32,10 @@ def test_offered_only_when_the_profile_trains_nothing(profile_factory) -> None:
 def test_apply_evals_and_runs_without_autograd_with_keys_unchanged() -> None:
     model = _deep_mlp()
     keys = list(model.state_dict())
-    INFERENCE.apply(model, "advice", None)
+    applied(INFERENCE, model, "advice", None)
     out = model(torch.randn(2, 64))
     assert not model.training and out.is_inference() and list(model.state_dict()) == keys
-    INFERENCE.apply(model, "off", None)
+    applied(INFERENCE, model, "off", None)
     assert list(_forward.wrappers(model)) == []
 
 

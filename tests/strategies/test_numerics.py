@@ -20,6 +20,7 @@ from strategies._numerics import _compare, _Run, check_numerics
 from strategies.precision import TF32_OFF, TF32_ON, Precision, TF32Matmuls, precision_of
 from tests.fixtures import precision_failures as planted
 from tests.fixtures import tiny_hf, zoo
+from tests.fixtures.steps import applied
 
 CONFIG = PlanConfig(budget_bytes=2**30)
 # The zoo (its torchvision entries skip where torchvision is missing) and transformers' own
@@ -247,24 +248,24 @@ def test_tf32_is_offered_only_where_the_device_has_it(profile_factory) -> None:
     assert "tf32" not in Precision().choices(profile, CONFIG)
     assert Precision().choices(_with_tf32(profile), CONFIG) == ["fp32", "tf32", "bf16"]
     with pytest.raises(BadInputError, match="tf32 is not supported"):
-        Precision().apply(nn.Linear(2, 2), "tf32", profile)
+        applied(Precision(), nn.Linear(2, 2), "tf32", profile)
 
 
 def test_applying_tf32_switches_it_on_process_wide_and_fp32_switches_it_back() -> None:
     torch.set_float32_matmul_precision("highest")
     model = nn.Linear(4, 4)
-    Precision().apply(model, "tf32", None)
+    applied(Precision(), model, "tf32", None)
     assert torch.get_float32_matmul_precision() == "high" and precision_of(model) == "tf32"
     assert model(torch.randn(2, 4)).dtype == torch.float32  # no autocast
-    Precision().apply(model, "bf16", None)  # one precision at a time
+    applied(Precision(), model, "bf16", None)  # one precision at a time
     assert precision_of(model) == "bf16" and torch.get_float32_matmul_precision() == "highest"
-    Precision().apply(model, "tf32", None)
-    Precision().apply(model, "fp32", None)
+    applied(Precision(), model, "tf32", None)
+    applied(Precision(), model, "fp32", None)
     assert precision_of(model) == "fp32" and torch.get_float32_matmul_precision() == "highest"
 
 
 def test_a_saved_tf32_model_switches_it_on_where_it_is_loaded() -> None:
-    model = Precision().apply(nn.Linear(4, 4), "tf32", None)
+    model = applied(Precision(), nn.Linear(4, 4), "tf32", None)
     data = pickle.dumps(model)
     torch.set_float32_matmul_precision("highest")  # a fresh process
     loaded = pickle.loads(data)
@@ -335,7 +336,7 @@ def test_on_a_card_tf32_is_offered_checked_and_switched_on_process_wide() -> Non
         check = check_numerics(workload, precision, device="cuda")
         assert check.passed, check.summary
     assert torch.get_float32_matmul_precision() == "highest"
-    model = Precision().apply(nn.Linear(4, 4).cuda(), "tf32", None)
+    model = applied(Precision(), nn.Linear(4, 4).cuda(), "tf32", None)
     assert torch.get_float32_matmul_precision() == "high" and precision_of(model) == "tf32"
 
 

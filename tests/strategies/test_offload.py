@@ -15,6 +15,7 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.strategy import load_strategies
 from strategies import _forward
 from strategies.offload import ActivationOffload, OffloadForward
+from tests.fixtures.steps import applied
 
 OFFLOAD = ActivationOffload()
 CONFIG = PlanConfig(budget_bytes=2**30)
@@ -67,15 +68,15 @@ def test_effect_without_bandwidth_is_bad_input(profile_factory) -> None:
 def test_apply_keeps_keys_and_is_a_no_op_for_a_cpu_model() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    tuned = OFFLOAD.apply(copy.deepcopy(model), "forward", None)
+    tuned = applied(OFFLOAD, copy.deepcopy(model), "forward", None)
     assert isinstance(tuned.__dict__["forward"], OffloadForward)
     assert list(tuned.state_dict()) == list(model.state_dict())
     x = torch.randn(3, 4)
     assert torch.equal(tuned(x), model(x))
-    OFFLOAD.apply(tuned, "off", None)
+    applied(OFFLOAD, tuned, "off", None)
     assert list(_forward.wrappers(tuned)) == []
     with pytest.raises(BadInputError, match="one of"):
-        OFFLOAD.apply(tuned, "half", None)
+        applied(OFFLOAD, tuned, "half", None)
 
 
 def test_explain_shows_save_on_cpu_and_the_copy_cost(profile_factory) -> None:
@@ -91,7 +92,7 @@ def test_offload_on_cuda_frees_activations_and_keeps_gradients() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)))
     model = model.cuda()
-    tuned = OFFLOAD.apply(copy.deepcopy(model), "forward", None)
+    tuned = applied(OFFLOAD, copy.deepcopy(model), "forward", None)
     x = torch.randn(512, 1024, device="cuda")
     grads = []
     held = []

@@ -9,6 +9,7 @@ from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from strategies import _forward
 from strategies.optimizer_habits import OptimizerHabits, optimizer_temporary_bytes
+from tests.fixtures.steps import applied
 
 HABITS = OptimizerHabits()
 CONFIG = PlanConfig(budget_bytes=2**30)
@@ -28,7 +29,7 @@ def test_it_changes_neither_the_estimate_nor_the_model(profile_factory) -> None:
     advised = estimate(profile, Candidate(batch_size=3, choices={HABITS.name: "advice"}), [HABITS])
     assert plain == advised
     model = nn.Linear(2, 2)
-    assert HABITS.apply(model, "advice", profile) is model and "forward" not in model.__dict__
+    assert applied(HABITS, model, "advice", profile) is model and "forward" not in model.__dict__
     assert list(_forward.wrappers(model)) == []
 
 

@@ -16,6 +16,7 @@ from memadvisor.schema.profile import Profile
 from memadvisor.strategy import load_strategies
 from memadvisor.target import load_target
 from strategies.parallel import Parallel, parse_choice, wrap_for_rank
+from tests.fixtures.steps import applied
 
 TARGET = "tests.fixtures.factories:residual_mlp"
 
@@ -125,7 +126,7 @@ def test_wrapping_a_unit_the_model_lacks_names_it() -> None:
 def test_applying_in_one_process_leaves_the_model_as_it_was() -> None:
     model = load_target(TARGET).model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert Parallel().apply(model, {"kind": "ddp", "world_size": 2}, None) is model
+    assert applied(Parallel(), model, {"kind": "ddp", "world_size": 2}, None) is model
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

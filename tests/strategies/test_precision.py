@@ -26,6 +26,7 @@ from strategies.precision import (
     check_numerics,
     precision_of,
 )
+from tests.fixtures.steps import applied
 
 PRECISION = Precision()
 CONFIG = PlanConfig(budget_bytes=2**30)
@@ -52,7 +53,7 @@ def test_apply_runs_the_forward_under_autocast_with_keys_unchanged() -> None:
     keys = list(model.state_dict())
     x = torch.randn(4, 8)
     assert model(x).dtype == torch.float32
-    PRECISION.apply(model, "bf16", None)
+    applied(PRECISION, model, "bf16", None)
     assert model(x).dtype == torch.bfloat16
     assert list(model.state_dict()) == keys
     assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32
@@ -61,23 +62,23 @@ def test_apply_runs_the_forward_under_autocast_with_keys_unchanged() -> None:
 
 def test_apply_twice_updates_and_fp32_takes_it_off() -> None:
     model = _mlp()
-    PRECISION.apply(model, "bf16", None)
-    PRECISION.apply(model, "fp16", None)
+    applied(PRECISION, model, "bf16", None)
+    applied(PRECISION, model, "fp16", None)
     assert len(list(_forward.wrappers(model))) == 1 and precision_of(model) == "fp16"
-    PRECISION.apply(model, "fp32", None)
+    applied(PRECISION, model, "fp32", None)
     assert "forward" not in model.__dict__ and model(torch.randn(2, 8)).dtype == torch.float32
 
 
 def test_apply_refuses_a_precision_the_profiled_device_lacks(profile_factory) -> None:
     profile = profile_factory([(10, 2, 1)], bf16=False, fp16=True)
     with pytest.raises(BadInputError, match="not supported"):
-        PRECISION.apply(_mlp(), "bf16", profile)
+        applied(PRECISION, _mlp(), "bf16", profile)
     with pytest.raises(BadInputError, match="one of"):
-        PRECISION.apply(_mlp(), "int8", None)
+        applied(PRECISION, _mlp(), "int8", None)
 
 
 def test_autocast_model_pickles_and_keeps_its_precision() -> None:
-    model = PRECISION.apply(_mlp(), "bf16", None)
+    model = applied(PRECISION, _mlp(), "bf16", None)
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
