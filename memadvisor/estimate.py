@@ -33,6 +33,10 @@ and the head's peak before the first block. A candidate moves that walk:
   on the blocks.
 * Precision reads a different measured step (autocast: halved activations where the op
   runs low, fp32 weights plus their low-precision copies during forward).
+* A step without autocast's weight copies (FSDP2 gathers its units in the low dtype:
+  ``drop_weight_copies``) loses each copy once, where the walk held it: all of them in
+  forward and at the head, blocks ``0..k``'s while block ``k``'s backward runs; a
+  checkpointed block then frees (and recomputes) its activations alone.
 * Gradient accumulation holds the gradients through the next micro-batches' forward and
   backward.
 

@@ -76,9 +76,7 @@ def test_each_ranks_peak_is_the_per_rank_estimate(
         assert abs(predicted - peak) <= TOLERANCE * peak, (rank, predicted, peak)
 
 
-def test_a_decoder_s_rank_peaks_at_the_head_with_its_units_gathered_and_no_weight_copies() -> (
-    None
-):
+def test_a_decoder_s_rank_peaks_at_the_head_with_its_units_gathered_and_no_weight_copies() -> None:
     """examples/llama.py narrowed (8 blocks of 256, a 4096-token vocabulary), every block
     checkpointed, bf16, units kept gathered: a rank peaks in the loss's backward, holding its
     shards, every unit gathered in bf16 and the logits' gradients, and no autocast weight copy.
