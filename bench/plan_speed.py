@@ -145,16 +145,38 @@ def plan_one(
         "runs": [_run_words(p) for p in plan.get("probes", [])],
         "compile_variants": [
             {
+                "choices": v.get("choices", {}),
                 "trial": v.get("trial", "")[:300],
                 "compile_s": round((v.get("one_off_ms") or 0.0) / 1e3, 1),
                 "device_s": round(v.get("device_wall_ms", 0.0) / 1e3, 1),
+                "batch_size": v.get("batch_size"),
+                "confirmed": v.get("confirmed", False),
                 "samples_per_s": round((v.get("measured") or {}).get("samples_per_s", 0.0), 1),
+                # The compiled step's line (issue 27): what it predicted against what ran.
+                "fit": _fit_words(v.get("fit")),
+                "error": v.get("error"),
             }
             for v in compiled.get("variants", [])
         ],
+        "compile_search": (compiled.get("details") or {}).get("search"),
         "checks": [c.get("summary", "")[:200] for c in plan.get("checks", [])],
         "device": plan["device_name"],
         "torch": torch.__version__,
+    }
+
+
+def _fit_words(fit: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A compiled candidate's memory and time line in GiB and ms, and what it predicted."""
+    if not fit:
+        return None
+    return {
+        "basis": fit["basis"],
+        "fixed_gib": round(fit["fixed_bytes"] / 2**30, 3),
+        "per_sample_mib": round(fit["per_sample_bytes"] / 2**20, 2),
+        "bytes_ratio": fit.get("bytes_ratio"),
+        "batches": fit["batches"],
+        "predicted_batch": fit["largest_batch"],
+        "predicted_samples_per_s": round(fit["samples_per_s"], 1),
     }
 
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memadvisor import TokenCrossEntropy
+
 
 @dataclass
 class GPTConfig:
@@ -94,9 +96,10 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
 
-def loss_fn(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    _, targets = batch
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+# F.cross_entropy(logits.view(-1, vocab), targets.view(-1)) over batch = (tokens, targets),
+# declared as such, so that memadvisor may compute lm_head and the loss a chunk of tokens at
+# a time (the loss-head strategy); called, it is exactly that cross-entropy.
+loss_fn = TokenCrossEntropy(targets=1, head="lm_head", upcast=False)
 
 
 def build(batch_size: int = 4, **overrides: int) -> dict:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memadvisor import TokenCrossEntropy
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -164,9 +166,10 @@ class Llama(nn.Module):
         return self.output(self.norm(h))  # (B, T, vocab)
 
 
-def loss_fn(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    _, targets = batch
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+# F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1)) over batch = (tokens,
+# targets), declared as such, so that memadvisor may compute the output head and the loss a
+# chunk of tokens at a time (the loss-head strategy); called, it is exactly that loss.
+loss_fn = TokenCrossEntropy(targets=1, head="output")
 
 
 def build(batch_size: int = 2, seq_len: int | None = None, preset: str = "tiny", **overrides):

@@ -14,6 +14,7 @@ from memadvisor.errors import (
     SimulatedOutOfMemoryError,
 )
 from memadvisor.estimate import estimate
+from memadvisor.losses import TokenCrossEntropy
 from memadvisor.monitor import Monitor, trace
 from memadvisor.report import lend_views as _  # noqa: F401 - lends Plan its report views
 from memadvisor.schema.advice import Advice
@@ -41,6 +42,7 @@ __all__ = [
     "SimulatedOutOfMemoryError",
     "Step",
     "Strategy",
+    "TokenCrossEntropy",
     "Workload",
     "apply_plan",
     "estimate",

@@ -28,6 +28,7 @@ from memadvisor.profiler import profile_workload
 from memadvisor.profiler._blocks import BlockSpec
 from memadvisor.profiler._progress import ProgressArg
 from memadvisor.schema.config import PlanConfig, device_kind, gib_to_bytes
+from memadvisor.schema.device import profiler_device
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import registered_names
@@ -261,7 +262,7 @@ def plan(
             dataloader,
             result.verified.samples_per_s if result.verified else result.estimate.samples_per_s,
             step_measured=result.verified is not None,
-            cuda=result.device_kind == "cuda",
+            cuda=result.capabilities.tensor_device == "cuda",
         )
     return result
 
@@ -331,8 +332,8 @@ def profile(
         make_batch=make_batch,
         forward_fn=forward_fn,
     )
-    kind = device_kind(device)
-    if kind == "estimate":
+    on = profiler_device(device_kind(device))
+    if on is None:  # "estimate": the model as fake tensors
         from memadvisor.device.fake import fake_workload, profile_fake
 
         return profile_fake(
@@ -345,7 +346,7 @@ def profile(
     return profile_workload(
         workload,
         blocks=blocks,
-        device={"simulated": "cpu"}.get(kind, kind),
+        device=on,
         precisions=precisions,
         batch_sizes=batch_sizes,
         progress=progress,

@@ -19,7 +19,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
 from memadvisor.schema.plan import Plan
 from memadvisor.step import ForwardFn, LossFn, Step, base_step, step_from_call_form
-from memadvisor.strategy import Strategy, apply_candidate, chosen_strategies
+from memadvisor.strategy import Checked, Strategy, apply_candidate, chosen_strategies
 
 if TYPE_CHECKING:
     from memadvisor.schema.candidate import Candidate
@@ -133,6 +133,8 @@ def run_checks(
     checks = []
     for strategy, choice in chosen_strategies(candidate, strategies):
         if (strategy.name, json.dumps(choice, sort_keys=True)) in checked:
+            continue
+        if not isinstance(strategy, Checked):
             continue
         result = strategy.check(workload, choice)
         if result is not None:

@@ -259,6 +259,7 @@ class StepModel:
         "block_forward_ms",
         "checkpointed",
         "outside_activation_bytes",
+        "dropped_activation_bytes",
         "offloaded_fraction",
         "extra_bytes",
         "backward_block_bytes",
@@ -277,6 +278,7 @@ class StepModel:
         self.accumulation_steps = accumulation_steps
         self.checkpointed: list[bool] = [False] * len(profile.blocks)
         self.offloaded_fraction = 0.0
+        self.dropped_activation_bytes = 0
         self.extra_bytes: dict[PeakPhase, int] = {"forward": 0, "backward": 0, "optimizer": 0}
         self.backward_block_bytes: list[int] | None = None
         self.backward_head_bytes = 0
@@ -349,6 +351,13 @@ class StepModel:
         block then frees, and its recompute brings back, its activations alone."""
         self.weight_copies = False
 
+    def drop_activations(self, nbytes: int) -> None:
+        """Bytes the profiled step saved for backward that this one does not save at all (a
+        chunked loss's logits): out of the activations the breakdown holds and offload
+        moves. The peaks are the strategy's to move (``add_bytes``, ``add_backward_bytes``):
+        where they were saved decides which moments they leave."""
+        self.dropped_activation_bytes += max(0, int(nbytes))
+
     def add_ms(self, ms: float) -> None:
         """Extra time per micro-batch."""
         self.extra_ms += ms
@@ -415,7 +424,9 @@ class StepModel:
                 recompute_top[k] = top if top > 0 else 0
                 recompute_ms += ms[k]
         freed_total = sum(freed)
-        activations = max(0, nums.activation_total - freed_activations)
+        activations = max(
+            0, nums.activation_total - freed_activations - self.dropped_activation_bytes
+        )
         offload = self.offloaded_fraction
         offloaded = int(activations * offload)
 
@@ -424,9 +435,9 @@ class StepModel:
         else:
             eof, head, starts, peaks = self._derived_walk(weights + state)
         # Fixed costs (cuBLAS workspaces, rounding) come on top of tracked tensor bytes; a
-        # CUDA profile's phase peaks were read from the allocator and hold them already.
+        # card's phase peaks were read from its allocator and hold them already.
         overhead = p.fixed_overhead_bytes
-        phase_overhead = 0 if p.device.kind == "cuda" else overhead
+        phase_overhead = 0 if p.device.capabilities.memory == "allocator" else overhead
         phases = nums.phases
         forward_peak = phases["forward"] + phase_overhead if "forward" in phases else eof + overhead
         optimizer_peak = (

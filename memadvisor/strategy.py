@@ -8,24 +8,35 @@ live in the top-level ``strategies`` package and register through the entry-poin
     [project.entry-points."memadvisor.strategies"]
     my_strategy = "my_package.module:MyStrategy"
 
-Four questions are required (``choices``, ``effect``, ``apply``, ``explain``); the rest have
-defaults that change nothing, so a strategy answers only what it has to say:
+The core is four questions (``choices``, ``effect``, ``apply``, ``explain``) and three with
+defaults that change nothing (``validate``, ``is_neutral``, ``facts``). ``apply`` rewrites
+the training :class:`~memadvisor.step.Step`: the model, and where the strategy needs it, the
+forward and the loss together. ``facts`` says what a choice does (autocast dtype, recomputed
+blocks, compiled, a parallel wrap, a changed loss) for the layers that must not read a
+strategy by name.
 
-* ``check``: measure a choice on copies of the user's workload (precision's numerics).
-* ``by_hand``: the choice a person would try first by hand, for the report's comparison rows.
-* ``record``: a choice that only records the planner's pick, for the advice (the batch).
-* ``refine``: for a ``measured_only`` strategy, a stage that measures variants of the eager
-  pick on the device through a :class:`PickStage` and returns the pick to verify
-  (torch.compile: the estimate cannot predict a compiled step, the device can).
-* ``describe``, ``changes_step`` and ``installs``: how the report shows the choice (an
-  answer row of its own or an "Also" entry, its phrase in the one-line answer, its lines in
-  a plain training loop), whether it changes what the device runs, and what ``apply_plan``
-  installs in the forward, in a word.
+Everything else is opt-in, by subclassing a protocol; the planner asks ``isinstance``:
+
+* :class:`Checked`: measure a choice on copies of the user's workload (precision's numerics).
+* :class:`Measured`: choices the estimate cannot predict, measured in ``refine`` after the
+  eager pick, on its variants and those of other eager combinations the search space holds
+  (torch.compile searches the checkpointed set under compile), with a ``plan_scope`` the
+  probe processes inherit.
+* :class:`Recorded`: record the planner's pick for the advice (the batch).
+* :class:`HandTried`: the choice a person would try first, for the report's comparison rows.
+* :class:`TimedEachChoice`, :class:`TimedAlternatives`: markers asking the planner to time
+  choices the estimate cannot rank (autocast; DDP against FSDP2).
+* :class:`Described`: the report's words for a choice, what ``apply_plan`` installs.
+* :class:`WrapsRanks`: wrap the model in each rank's process (DDP, FSDP2).
+
+docs/design.md, "Writing a strategy", walks through one.
 
 Known limitations:
-    * ``refine`` runs after the eager pick, once per measured-only strategy in registration
-      order; a variant is judged against the pick the previous stage returned, never in
-      combination with the other re-ranked candidates.
+    * ``refine`` runs after the eager pick, once per measured strategy in registration
+      order; a variant is judged against the pick the previous stage returned. A stage may
+      measure variants of other eager combinations (``PickStage.score``, ``PickStage.run``:
+      compile searches the checkpointed set), but only its own strategy's choices: two
+      measured strategies are never searched together.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, ClassVar
 
@@ -43,7 +55,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, ReportPart
-from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Probe, StageOutcome
 from memadvisor.step import Step, step_from_call_form
@@ -51,23 +63,37 @@ from memadvisor.step import Step, step_from_call_form
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.device import DeviceCapabilities
     from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Checked",
     "Confirmed",
+    "Described",
+    "EffectOrder",
+    "Estimated",
+    "HandTried",
+    "Measured",
     "PickStage",
+    "Recorded",
     "Refinement",
     "Strategy",
+    "TimedAlternatives",
+    "TimedEachChoice",
+    "WrapsRanks",
     "apply_candidate",
     "apply_to_model",
+    "changes_step",
+    "chosen_strategies",
+    "describe_choice",
     "facts_of",
-    "wrap_ranks",
-    "WrapsRanks",
+    "installs",
     "load_strategies",
     "registered_names",
+    "wrap_ranks",
 ]
 
 ENTRY_POINT_GROUP = "memadvisor.strategies"
@@ -82,33 +108,92 @@ class Confirmed:
     measured: Measurement  # a run of exactly ``candidate``
 
 
+@dataclass(frozen=True)
+class Estimated:
+    """An eager combination as the estimate scores it: at the batch the objective takes."""
+
+    candidate: Candidate
+    estimate: Estimate  # at candidate's batch
+    largest_batch: int  # the estimate's largest micro-batch under the usable budget
+
+
 class PickStage(ABC):
     """What the planner lends a measured-only strategy after the eager pick.
 
-    The strategy sees the plan's inputs and the device's capabilities, and measures its
-    variants only through :meth:`confirm`, which runs the same batch search the eager pick
-    got (so a variant and the eager pick are judged by one rule). Every run is logged in the
-    plan's probes under the strategy's name.
+    The strategy sees the plan's inputs and the device's capabilities, the search space
+    (:attr:`options`, :meth:`score`), and measures its variants only through :meth:`run`
+    (one run) and :meth:`confirm`, which runs the same batch search the eager pick got (so a
+    variant and the eager pick are judged by one rule). Every run is logged in the plan's
+    probes under the strategy's name; a run already made is answered without the device.
     """
 
     config: PlanConfig
     profile: Profile
     workload: Workload
     strategies: Sequence[Strategy]
-    #: The device's kind (``"cuda"``, ``"simulated"``, ``"fake"``, ...).
-    device_kind: str
-    #: Whether the device's step times rank candidates (a card's do; a CPU meter's do not).
-    step_times_rank: bool
-    #: Whether every run starts in a fresh process (False: runs share the planner's).
-    fresh_processes: bool
-    #: Bytes free on the device's card now (None: not a card): room for work in this process.
-    free_bytes: int | None
+    #: What the device can do (read when the stage began): whether its times rank, whether
+    #: it compiles, where its tensors are. Never compare its kind: it is for display.
+    device: DeviceCapabilities
+    #: Each strategy's choices in this plan's search, by name (a measured-only strategy's:
+    #: its neutral one alone).
+    options: dict[str, list[JsonValue]]
+
+    @property
+    def step_times_rank(self) -> bool:
+        """Whether the device's step times rank candidates (a card's do; a CPU meter's not)."""
+        return self.device.step_times_rank
+
+    @property
+    def fresh_processes(self) -> bool:
+        """Whether every run starts in a fresh process (False: runs share the planner's)."""
+        return self.device.fresh_processes
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Bytes free on the device's card (None: not a card): room for work in this process."""
+        return self.device.free_bytes
 
     @abstractmethod
-    def confirm(self, choices: dict[str, JsonValue], start_batch: int) -> Confirmed | None:
+    def confirm(
+        self,
+        choices: dict[str, JsonValue],
+        start_batch: int,
+        *,
+        like: Confirmed | None = None,
+        max_runs: int | None = None,
+    ) -> Confirmed | None:
         """``choices`` at the largest batch the device allows, searched from ``start_batch``
         (the eager pick's confirmed batch is a good start); None when not even batch 1 fits.
+
+        Args:
+            choices: the variant's choices.
+            start_batch: where the batch search starts.
+            like: a confirmed pick whose step this variant's is another form of (default: the
+                pick the stage refines): at its batch, a run that allocates no more than it
+                did is confirmed without searching its own edge.
+            max_runs: at most this many device runs; when they are spent, the largest batch
+                of ``choices`` that fitted within the limit is the answer. None: no bound.
         """
+
+    @abstractmethod
+    def run(self, choices: dict[str, JsonValue], batch: int) -> Measurement | None:
+        """One device run of ``choices`` at ``batch`` (None: it ran out of memory), logged;
+        a run already made of the same is answered without the device."""
+
+    @abstractmethod
+    def score(self, choices: dict[str, JsonValue]) -> Estimated | None:
+        """The estimate's view of ``choices`` (eager's, for a measured-only choice): the
+        largest batch under the usable budget; None when not even batch 1 fits."""
+
+    @abstractmethod
+    def held_bytes(self, measured: Measurement) -> int:
+        """The bytes of a run the batch search reads (with the measured margin the
+        allocated peak, else the reserved one)."""
+
+    @property
+    @abstractmethod
+    def limit_bytes(self) -> int:
+        """The most :meth:`held_bytes` may be for a run's batch to be a pick."""
 
     @property
     @abstractmethod
@@ -117,7 +202,8 @@ class PickStage(ABC):
 
     @abstractmethod
     def describe(self, text: str) -> None:
-        """Say on the progress line what the stage is doing now."""
+        """Say on the progress line what the stage is doing now; the device runs that follow
+        say their batch after it (``compiling candidate 2/4 (...): batch 8 running``)."""
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[None]:
@@ -134,20 +220,43 @@ class Refinement:
     notes: list[str] = field(default_factory=list)
 
 
-class Strategy(ABC):
-    """One way to trade memory for time (or for nothing).
+class EffectOrder(IntEnum):
+    """When a strategy's effect and rewrite apply relative to the others, lowest first.
 
-    Subclasses set ``name`` and answer four questions. A *choice* is any JSON value; the
-    strategy's first choice from :meth:`choices` is its neutral one (off).
+    Each place says what the strategies after it may rely on; a third party picks the place
+    its rewrite belongs to (or an int between two).
+    """
+
+    PRECISION = 0  #: the dtype every later effect and rewrite sees
+    BATCH = 10  #: the loop's batch (records the pick only)
+    RECOMPUTE = 50  #: which activations are kept (checkpointed blocks)
+    LOSS = 55  #: how the head and the loss are computed
+    OFFLOAD = 60  #: where kept activations live
+    COMPILE = 80  #: compiles what the rewrites above left
+    OPTIMIZER = 85  #: the loop's optimizer habits (advice only)
+    PARALLEL = 90  #: wraps the rewritten model for each rank
+    INFERENCE = 95  #: no backward at all: last
+
+
+class Strategy(ABC):
+    """One way to trade memory for time (or for nothing): the core contract.
+
+    Subclasses set ``name`` and answer four questions (:meth:`choices`, :meth:`effect`,
+    :meth:`apply`, :meth:`explain`). A *choice* is any JSON value; the strategy's first
+    choice from :meth:`choices` is its neutral one (off). What more a strategy does it opts
+    into by also subclassing a protocol of this module (:class:`Checked`, :class:`Measured`,
+    :class:`Recorded`, :class:`HandTried`, :class:`TimedEachChoice`,
+    :class:`TimedAlternatives`, :class:`Described`, :class:`WrapsRanks`); the planner and the
+    report ask ``isinstance``, never compare methods.
     """
 
     name: ClassVar[str]
-    #: Order in which effects are applied to the StepModel (precision runs first).
-    effect_order: ClassVar[int] = 50
-    #: True when the eager profile does not predict this strategy's choices (torch.compile):
-    #: its ``effect()`` leaves the estimate as eager, so the planner must not rank a
-    #: non-neutral choice on the estimate but measure candidates with it on the device.
-    measured_only: ClassVar[bool] = False
+    #: When this strategy's effect and rewrite apply (:class:`EffectOrder`).
+    effect_order: ClassVar[int] = EffectOrder.RECOMPUTE
+    #: The :class:`~memadvisor.schema.facts.Facts` fields this strategy's choices may set
+    #: ({"autocast", "tf32"} for precision): what a layer can know of it before any choice,
+    #: e.g. an integration that leaves the precision to the user's framework.
+    states: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
@@ -168,23 +277,25 @@ class Strategy(ABC):
         planned from (None where there is none).
         """
 
-    def validate(self, step: Step, choice: JsonValue) -> None:
-        """Raise ``BadInputError`` when :meth:`apply` would refuse ``choice`` for ``step``.
-
-        Called for every chosen strategy before any of them applies, so that a plan that does
-        not fit the model rewrites none of it. Optional: the default accepts every choice
-        (apply's own errors are then caught and the rewrite taken back).
-        """
-        return None
-
     @abstractmethod
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """A sentence and a snippet a person can adopt; None when the choice is neutral."""
 
-    #: The :class:`~memadvisor.schema.facts.Facts` fields this strategy's choices may set
-    #: ({"autocast", "tf32"} for precision): what a layer can know of it before any choice,
-    #: e.g. an integration that leaves the precision to the user's framework.
-    states: ClassVar[frozenset[str]] = frozenset()
+    def validate(self, step: Step, choice: JsonValue) -> None:
+        """Raise ``BadInputError`` when :meth:`apply` would refuse ``choice`` for ``step``.
+
+        Called for every chosen strategy before any of them applies, so that a plan that does
+        not fit the model rewrites none of it. Default: every choice is accepted (apply's own
+        errors are then caught and the rewrite taken back).
+        """
+        return None
+
+    def is_neutral(self, choice: JsonValue) -> bool:
+        """True when ``choice`` changes nothing (default: falsy, or 'off').
+
+        A strategy whose neutral choice is another word (precision's 'fp32') says so here.
+        """
+        return choice in (None, False, 0, [], "off")
 
     def facts(self, choice: JsonValue) -> Facts:
         """What ``choice`` does to the step, for layers that must not read this strategy by
@@ -194,75 +305,109 @@ class Strategy(ABC):
         """
         return Facts()
 
-    def check(self, workload: Workload, choice: JsonValue) -> Check | None:
-        """Measure ``choice`` on copies of the user's workload (the user's model untouched).
 
-        Optional: the default measures nothing. Precision compares a few steps' losses and
-        gradients with fp32's.
-        """
+# -- opt-in protocols ------------------------------------------------------------------------
+
+
+class WrapsRanks(ABC):
+    """Opt-in protocol: a strategy whose choice wraps the model in each rank's process.
+
+    The ranks (:mod:`memadvisor.device.ranks`) call :meth:`wrap_rank` in every rank after
+    the process group is up and the candidate's other choices are applied, and build the
+    optimizer over what it returns. They find such a strategy by ``isinstance``, never by
+    name, and learn from the candidate's :class:`~memadvisor.schema.facts.Facts` that it
+    runs on several ranks (``facts.parallel``).
+    """
+
+    @abstractmethod
+    def wrap_rank(self, step: Step, choice: JsonValue, facts: Facts, device_id: int | None) -> Step:
+        """``step`` with its model wrapped for this rank (``device_id``: the rank's CUDA
+        device index, None on the CPU); ``facts``: the whole candidate's, e.g. the autocast
+        dtype FSDP2 gathers its units in."""
+
+
+class Checked(ABC):  # noqa: B024 - a protocol of two optional methods
+    """Opt-in: the strategy measures its choices on copies of the user's workload."""
+
+    def check(self, workload: Workload, choice: JsonValue) -> Check | None:
+        """Measure ``choice`` on copies of the user's workload (the user's model untouched),
+        after the search, for the plan's checks. Default: nothing."""
         return None
 
     def screen(self, workload: Workload, profile: Profile, config: PlanConfig) -> list[Check]:
-        """Check choices on copies of the user's workload before the search, so that a
-        choice that fails its check is never picked.
+        """Check choices before the search, so that a choice that fails is never picked.
 
         A strategy whose checks decide runs them here and leaves a choice whose check failed
-        out of :meth:`choices` for the rest of the plan, unless ``config.checks`` is
-        'report'. The planner reports every check returned. Optional: the default checks
-        nothing (and :meth:`check` then reports on the pick after the search).
+        out of ``choices`` for the rest of the plan, unless ``config.checks`` is 'report'.
+        The planner reports every check returned. Default: nothing (and :meth:`check` then
+        reports on the pick after the search).
         """
         return []
 
-    def is_neutral(self, choice: JsonValue) -> bool:
-        """True when ``choice`` changes nothing (default: falsy, or 'off').
 
-        A strategy whose neutral choice is another word (precision's 'fp32') says so here.
-        """
-        return choice in (None, False, 0, [], "off")
+class Measured(ABC):
+    """Opt-in: the eager profile does not predict this strategy's choices (torch.compile).
 
-    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str | None, JsonValue] | None:
-        """The choice a person tries first by hand among ``options`` (this profile's), and
-        the comparison row's label for it (``("+AMP", "bf16")``); None: no such row. A label
-        of None puts the choice in every row instead (the ranks' wrap of a per-rank plan).
+    Its ``effect()`` leaves the estimate as eager, so the planner never ranks a non-neutral
+    choice on the estimate: the strategy measures them itself in :meth:`refine`, after the
+    eager pick.
+    """
 
-        The planner sets the plan against these rows (and their combination) in the report.
-        """
-        return None
-
-    #: True when the estimate's step times for this strategy's choices can be off by more
-    #: than the gap between candidates (autocast): the planner then times each of its
-    #: choices, everything else plain, beside the estimate's best.
-    guarded: ClassVar[bool] = False
-
-    #: True when what tells this strategy's choices apart is time the estimate does not
-    #: price (communication: DDP against FSDP2, resharding after forward or not): where step
-    #: times rank, the planner times the estimate's best candidate of each choice, and the
-    #: device's times decide.
-    measured_alternatives: ClassVar[bool] = False
-
-    def record(self, pick: Candidate, config: PlanConfig) -> JsonValue | None:
-        """A choice that records the planner's ``pick`` for this strategy's advice; None: none.
-
-        For a strategy that searches nothing but explains the pick (the batch size).
-        """
-        return None
+    @abstractmethod
+    def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
+        """Measure variants of ``eager`` (or of other combinations: ``stage.options``,
+        ``stage.score``) through ``stage`` and return the pick to verify; None: keep
+        ``eager``. Called after the device has chosen the eager pick and before verification,
+        once per measured strategy in registration order."""
 
     def plan_scope(
-        self, config: PlanConfig, device_kind: str
+        self, config: PlanConfig, device: DeviceCapabilities
     ) -> contextlib.AbstractContextManager | None:
         """An environment the whole plan runs in, entered before the device starts its
         processes so that they inherit it (compile: one inductor cache for every probe);
         None: nothing. Exited when the plan ends, whatever happens."""
         return None
 
-    def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
-        """A measured stage after the eager pick: for a ``measured_only`` strategy, measure
-        variants of ``eager`` through ``stage`` and return the pick to verify.
 
-        Default: None, nothing to measure. The planner calls it for measured-only strategies
-        only, after the device has chosen the eager pick and before verification.
-        """
-        return None
+class Recorded(ABC):
+    """Opt-in: the strategy searches nothing but records the planner's pick for its advice
+    (the batch size)."""
+
+    @abstractmethod
+    def record(self, pick: Candidate, config: PlanConfig) -> JsonValue | None:
+        """A choice that records ``pick`` for this strategy's advice; None: none."""
+
+
+class HandTried(ABC):
+    """Opt-in: a person would try one of this strategy's choices first by hand, and the
+    report sets the plan against that row (and the rows' combination)."""
+
+    @abstractmethod
+    def by_hand(self, options: Sequence[JsonValue]) -> tuple[str | None, JsonValue] | None:
+        """The choice a person tries first among ``options`` (this profile's) and the
+        comparison row's label (``("+AMP", "bf16")``); None: no such row. A label of None
+        puts the choice in every row instead (the ranks' wrap of a per-rank plan)."""
+
+
+class TimedEachChoice(ABC):  # noqa: B024 - a marker
+    """Opt-in marker: the estimate's step times for this strategy's choices can be off by
+    more than the gap between candidates (autocast), so where times rank the planner times
+    each of its choices, everything else plain, beside the estimate's best."""
+
+
+class TimedAlternatives(ABC):  # noqa: B024 - a marker
+    """Opt-in marker: what tells this strategy's choices apart is time the estimate does not
+    price (communication: DDP against FSDP2), so where times rank the planner times the
+    estimate's best candidate of each choice, and the device's times decide."""
+
+
+class Described(ABC):  # noqa: B024 - every method has a default
+    """Opt-in: the strategy shows its choice in the report in words of its own.
+
+    A strategy that is not :class:`Described` is listed under the answer's "Also" as its
+    choice (a string, or its JSON), and a non-neutral choice counts as changing the step
+    (:func:`describe_choice`, :func:`changes_step`).
+    """
 
     #: What :func:`memadvisor.apply_plan` installs in the model's forward for this strategy,
     #: in a word ('autocast'), for the comment on the report's adoption code; '': nothing.
@@ -270,14 +415,10 @@ class Strategy(ABC):
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
         """How the report shows ``choice``, the plan's pick's (None when the pick leaves
-        this strategy out); None: nothing to show.
-
-        Default: a non-neutral choice listed under the answer's "Also" as itself (a string)
-        or its JSON; a neutral one not at all. A strategy with words of its own gives its
-        choice an answer row (a label), a phrase in the one-line answer, the profiled step
-        it runs, the blocks it recomputes, and its lines in a plain training loop.
-        """
-        if self.is_neutral(choice):
+        this strategy out): an answer row (a label), a phrase in the one-line answer, the
+        profiled step it runs, the blocks it recomputes, its lines in a training loop.
+        Default: as a strategy that is not Described is shown."""
+        if self.is_neutral(choice):  # type: ignore[attr-defined]
             return None
         return ReportPart(words=choice if isinstance(choice, str) else json.dumps(choice))
 
@@ -288,7 +429,57 @@ class Strategy(ABC):
         not: the report then calls a pick that differs from the baseline only by such
         choices the baseline itself.
         """
-        return not self.is_neutral(choice)
+        return not self.is_neutral(choice)  # type: ignore[attr-defined]
+
+
+def describe_choice(strategy: Strategy, choice: JsonValue, plan: Plan) -> ReportPart | None:
+    """How the report shows ``strategy``'s ``choice``: its own words where it is
+    :class:`Described`, else a non-neutral choice under "Also" as itself or its JSON."""
+    if isinstance(strategy, Described):
+        return strategy.describe(choice, plan)
+    if strategy.is_neutral(choice):
+        return None
+    return ReportPart(words=choice if isinstance(choice, str) else json.dumps(choice))
+
+
+def changes_step(strategy: Strategy, choice: JsonValue) -> bool:
+    """Whether ``choice`` changes the step the device runs (see :class:`Described`)."""
+    if isinstance(strategy, Described):
+        return strategy.changes_step(choice)
+    return not strategy.is_neutral(choice)
+
+
+def installs(strategy: Strategy) -> str:
+    """What ``apply_plan`` installs for ``strategy``, in a word; '' where it does not say."""
+    return strategy.installs if isinstance(strategy, Described) else ""
+
+
+# What a strategy class may define only through its protocol: defining the method without
+# subclassing the protocol would leave it never called, so load_strategies refuses it.
+_PROTOCOL_OF: dict[str, type] = {
+    "check": Checked,
+    "screen": Checked,
+    "refine": Measured,
+    "plan_scope": Measured,
+    "record": Recorded,
+    "by_hand": HandTried,
+    "describe": Described,
+    "changes_step": Described,
+    "installs": Described,
+    "wrap_rank": WrapsRanks,
+    "guarded": TimedEachChoice,
+    "measured_only": Measured,
+    "measured_alternatives": TimedAlternatives,
+}
+
+
+def _protocol_gaps(cls: type) -> list[str]:
+    """'method (Protocol)' for each method ``cls`` defines outside the protocol that calls it."""
+    return [
+        f"{attr} ({proto.__name__})"
+        for attr, proto in _PROTOCOL_OF.items()
+        if hasattr(cls, attr) and not issubclass(cls, proto)
+    ]
 
 
 def registered_names() -> list[str]:
@@ -313,6 +504,13 @@ def load_strategies(names: list[str] | None = None) -> list[Strategy]:
             raise BadInputError(
                 f"Entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} is not a "
                 "memadvisor.strategy.Strategy subclass."
+            )
+        gaps = _protocol_gaps(cls)
+        if gaps:
+            raise BadInputError(
+                f"Strategy {cls.__name__} (entry point {ep.name!r}) defines {', '.join(gaps)} "
+                "without subclassing that protocol of memadvisor.strategy, so the planner "
+                "would never call it: add the protocol to the class's bases."
             )
         found.setdefault(cls.name, cls())
     if names is None:
@@ -346,23 +544,6 @@ def _chosen(
         )
     chosen = [(by_name[n], c) for n, c in candidate.choices.items() if not by_name[n].is_neutral(c)]
     return sorted(chosen, key=lambda sc: sc[0].effect_order)
-
-
-class WrapsRanks(ABC):
-    """Opt-in protocol: a strategy whose choice wraps the model in each rank's process.
-
-    The ranks (:mod:`memadvisor.device.ranks`) call :meth:`wrap_rank` in every rank after
-    the process group is up and the candidate's other choices are applied, and build the
-    optimizer over what it returns. They find such a strategy by ``isinstance``, never by
-    name, and learn from the candidate's :class:`~memadvisor.schema.facts.Facts` that it
-    runs on several ranks (``facts.parallel``).
-    """
-
-    @abstractmethod
-    def wrap_rank(self, step: Step, choice: JsonValue, facts: Facts, device_id: int | None) -> Step:
-        """``step`` with its model wrapped for this rank (``device_id``: the rank's CUDA
-        device index, None on the CPU); ``facts``: the whole candidate's, e.g. the autocast
-        dtype FSDP2 gathers its units in."""
 
 
 def wrap_ranks(

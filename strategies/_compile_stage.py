@@ -1,41 +1,42 @@
-"""The compile strategy's measured stage: the eager pick compiled, measured, kept when faster.
+"""The compile strategy's measured stage: compiled configurations searched, kept when faster.
 
-The estimate cannot rank a compiled model: the compile strategy is ``measured_only``
+The estimate cannot rank a compiled model: the compile strategy is ``Measured``
 (fusion removes intermediates and the partitioner chooses what backward keeps, which the
 eager profile does not show), so the search ranks eager combinations only. Once the device
 has chosen the eager pick, the planner calls ``Compile.refine`` (:func:`compiled_pick`),
-which judges compiled variants of it by measuring them through the planner's
+which searches compiled configurations through the planner's
 :class:`~memadvisor.strategy.PickStage`:
 
-1. Variants. The pick's choices with each compiled choice the compile strategy offers. The
-   plain one (``"default"``) keeps the pick's checkpointed blocks, compiled with the model.
-   A choice with a partitioner budget is the recompute knob of a compiled model (it
-   recomputes inside the fused graph instead of re-running whole blocks): it replaces
-   block checkpointing, so it is tried only when the pick checkpoints blocks, with the
-   budget set to the share of activations the pick keeps (:func:`kept_share`): both
-   variants then hold about the pick's memory at its batch and the device says which
-   recompute is cheaper.
-2. Trial. Each variant is compiled once in this process
+1. Candidates (:func:`strategies._compile_search.search_variants`): the eager pick's
+   choices compiled, the same with other checkpointed sets (none, half, all), and a
+   partitioner budget in place of the pick's checkpointing (:func:`kept_share`: the share of
+   activations the pick keeps, so both hold about the pick's memory at its batch). A compiled
+   step holds less than eager, so the eager pick's checkpointed set is not the compiled
+   optimum (issue 27). Each is measured in its search form: each repeated block compiled,
+   where blocks repeat (a compile about as many times shorter as there are blocks).
+2. Trial. Each search form is compiled once in this process
    (:func:`~strategies.compile.try_compile`), which also times the one-off compile: at the
    eager pick's confirmed batch when the card has room for it beside a probe (:func:`trial_batch`),
    so the first compiled probe loads that graph from inductor's cache instead of compiling
    it again (21 s saved for a 124M GPT on an H200, docs/design.md), else at the sample
    batch. A model that does not compile (an error, no graph, graph breaks everywhere) is a
    note and the plan stays eager.
-3. Device. Each variant that compiled gets the batch search eager candidates get
-   (``PickStage.confirm``), bracketed from the eager pick's confirmed batch, inside one shared
-   inductor cache (:func:`~strategies._compile_cache.shared_compile_cache`), so a probe
-   process at a batch already compiled (the verify run, the user's own first step) loads
-   the kernels instead of building them.
-4. Verdict. The best compiled variant replaces the eager pick only when its measured
-   steady-state throughput beats eager's by :data:`MIN_SPEEDUP` (objective
+3. Device (:class:`strategies._compile_search.Search`): a run or two of each candidate,
+   a line of its compiled memory and time from them (:class:`~memadvisor.schema.plan.StepFit`),
+   the best by its line confirmed by the batch search eager candidates get
+   (``PickStage.confirm``) from the batch its line predicts, then the offered form at that
+   batch; all within :class:`~strategies._compile_search.CompileSearch`'s budget of runs,
+   inside one shared inductor cache (:func:`~strategies._compile_cache.shared_compile_cache`).
+4. Verdict. The best confirmed compiled configuration replaces the eager pick only when its
+   measured steady-state throughput beats eager's by :data:`MIN_SPEEDUP` (objective
    ``largest_batch``: a larger batch, or the same batch that much faster). The plan keeps
-   the one-off compile time and the cache's cost (a ``StageOutcome``) and a note.
+   the candidates with their lines, the one-off compile time and the cache's cost (a
+   ``StageOutcome``) and a note.
 
 Known limitations:
-    * Only the eager pick is compiled, not the other re-ranked candidates: each compiled
-      probe pays a compile (``docs/design.md``, "torch.compile"), so the stage stays at two
-      variants of two or three probes each.
+    * The seconds a compile costs are measured by the trial of the search form only: where
+      the pick is the offered (whole-model) form, its compile time is not timed by the plan
+      until the strategy's check compiles it once more in this process.
     * The partitioner budget is a share between the least and the most that the min-cut
       partitioner would save, not of eager's activations: matching it to the pick's kept
       share is a starting point the device then confirms, not an estimate.
@@ -61,10 +62,20 @@ from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Confirmed, PickStage, Refinement, chosen_strategies, facts_of
+from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.workload import Workload
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
+from strategies._compile_search import (
+    COMPILE,
+    FINAL_FORM_RUNS,
+    MIN_SPEEDUP,
+    CompileSearch,
+    Search,
+    Variant,
+    first_line,
+    search_variants,
+)
 from strategies._compile_trial import CompileResult
 from strategies._compiled_forward import CompileChoice, parse_choice
 
@@ -85,6 +96,7 @@ class Compile(Protocol):
 
     offered: list[JsonValue]
     gains: dict[CompileChoice, DeviceGain]
+    search: CompileSearch
 
     def trial(
         self,
@@ -99,14 +111,13 @@ class Compile(Protocol):
 __all__ = [
     "MIN_SPEEDUP",
     "POLICIES",
+    "CompileSearch",
     "DeviceGain",
     "compiled_pick",
-    "compiled_variants",
     "kept_share",
     "trial_batch",
 ]
 
-COMPILE = "compile"
 STAGE = COMPILE  # Probe.stage of the compiled variants' runs: the strategy's name
 #: The compile strategy's settings (``PlanConfig.options["compile"]``): auto weighs compiling
 #: on CUDA only, where a compiled step can be measured (each compiled candidate costs a
@@ -114,9 +125,6 @@ STAGE = COMPILE  # Probe.stage of the compiled variants' runs: the strategy's na
 #: step eagerly under its byte meter, so it cannot judge one); off never; on wherever the
 #: device's step times rank.
 POLICIES = ("auto", "off", "on")
-# Two timed steps a side: gains of a percent or two are within their noise, and a compiled
-# model pays a compile in every process that trains it. Below this, eager is kept.
-MIN_SPEEDUP = 1.03
 # Budgets in twentieths: a plan reads 0.65, not 0.6473; rounded up, so the variant keeps
 # at least what the pick keeps (it recomputes no more than it must).
 _BUDGET_STEP = 0.05
@@ -134,13 +142,14 @@ def compiled_pick(
     cache_dir: str | Path | None = None,
     cache: SharedCompileCache | None = None,
 ) -> Refinement:
-    """The pick to verify: ``eager_best``, or a compiled variant of it the device found faster.
+    """The pick to verify: ``eager_best``, or a compiled configuration the device found faster.
 
     Args:
-        stage: the planner's stage (its config, profile, workload, device's capabilities and
-            batch search).
+        stage: the planner's stage (its config, profile, workload, device's capabilities,
+            the search space's options and the batch search).
         eager_best: the eager pick, confirmed on the device.
-        strategy: the compile strategy (its offered choices; it keeps the trials and gains).
+        strategy: the compile strategy (its offered choices and search settings; it keeps
+            the trials and gains).
         cache_dir: the inductor cache the variants' processes share; None keeps the user's,
             so what the plan compiled is warm for the user's own training.
         cache: a shared cache entered already for the whole plan (``Compile.plan_scope``, so
@@ -152,54 +161,74 @@ def compiled_pick(
     Returns:
         The confirmed pick (``eager_best`` itself when compiling was not considered, failed
         or lost), what compiling measured (None when it was not considered) and the notes
-        (the verdict and the compile cache's cost).
+        (the verdict, how the pick's compiled memory was learned, the compile cache's cost).
     """
     why_not = _not_considered(stage, strategy)
     if why_not is not None:
         return Refinement(pick=eager_best, notes=[why_not] if why_not else [])
-    variants = compiled_variants(
-        eager_best.candidate.choices, strategy.offered, stage.profile, eager_best.found_batch
+    settings = strategy.search
+    variants, left_out = search_variants(
+        stage,
+        eager_best,
+        strategy.offered,
+        settings,
+        lambda choices, batch: kept_share(stage.profile, choices, batch),
     )
     if not variants:  # only budget choices offered, and the pick recomputes nothing
         return Refinement(pick=eager_best)
     runs_before = len(stage.probes)
-    records: list[StageVariant] = []
-    confirmed: list[tuple[StageVariant, Confirmed]] = []
     scope = contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
     with stage.progress(), scope as shared:
-        for choices in variants:
-            stage.describe(f"compile: trying {_label(choices)}")
-            record, found = _measure_variant(
-                stage, strategy, choices, eager_best.found_batch, stage.free_bytes
-            )
-            records.append(record)
-            if found is not None:
-                confirmed.append((record, found))
+        search = Search(stage, settings, eager_best)
+        trials = _trial_forms(stage, strategy, variants, eager_best.found_batch)
+        for v in variants:
+            if not trials[_key(v.form)].ok:
+                v.error = trials[_key(v.form)].error
+        measurable = [v for v in variants if trials[_key(v.form)].ok]
+        winner = search.measure(measurable) if measurable else None
+        found = final = None
+        final_why = ""
+        if winner is not None:
+            differs = winner.final_choices != winner.choices
+            found = search.confirm(winner, FINAL_FORM_RUNS if differs else 0)
+            if found is not None and differs:
+                final, final_why = search.confirm_final(winner, found)
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(stage.probes) > runs_before
         cache_report = shared.report() if ran else None
 
     objective = stage.config.objective
-    winner = _best(objective, confirmed)
-    picked = winner is not None and _beats(objective, winner[1], eager_best)
-    one_off_ms = winner[0].one_off_ms if picked and winner is not None else None
+    records = [_record(stage, v, trials[_key(v.form)], runs_before) for v in variants]
+    confirmed: list[tuple[StageVariant, Confirmed]] = []
+    if winner is not None and found is not None:
+        index = variants.index(winner)
+        records[index] = _confirmed_record(records[index], found)
+        confirmed.append((records[index], found))
+        if winner.final_choices != winner.choices:
+            record = _final_record(stage, winner, final, final_why, runs_before)
+            records.append(record)
+            if final is not None:
+                confirmed.append((record, final))
+    best = _best(objective, confirmed)
+    picked = best is not None and _beats(objective, best[1], eager_best)
+    one_off_ms = best[0].one_off_ms if picked and best is not None else None
     costs = []
-    if one_off_ms is not None:
-        costs.append(
-            f"first step compiles for about {fmt_ms(one_off_ms)}, once per process and input shape"
-        )
+    if picked and best is not None:
+        costs.append(_compile_cost(best[0], trials))
     if cache_report is not None and cache_report.added_bytes > 0:
         costs.append(
             f"the plan added {fmt_bytes(cache_report.added_bytes)} to inductor's cache in "
             f"{cache_report.cache_dir}"
         )
+    summary = _verdict(records, best, eager_best, picked)
+    summary += " " + _searched(search, variants, left_out, best[0] if best else None)
     outcome = StageOutcome(
         strategy=COMPILE,
         label="Compile",
         runs_label="compiling (compiled variants)",
         picked=picked,
-        summary=_verdict(records, winner, eager_best, picked),
-        pick_words=_pick_words(winner[1].candidate) if picked and winner is not None else "",
+        summary=summary,
+        pick_words=_pick_words(best[1].candidate) if picked and best is not None else "",
         answer=_kept_eager(records, eager_best),
         costs=costs,
         eager_batch_size=eager_best.candidate.batch_size,
@@ -208,20 +237,40 @@ def compiled_pick(
         eager_measured=eager_best.measured,
         variants=records,
         one_off_ms=one_off_ms,
-        details={"cache": _cache_details(cache_report)} if cache_report is not None else {},
+        details=_details(search, settings, left_out, cache_report),
     )
     notes = [outcome.summary]
+    # The line that chose the pick's configuration: the searched form's (the offered form's
+    # confirmation has none of its own).
+    fit_note = _fit_note(records[variants.index(winner)] if picked and winner else None)
+    if fit_note:
+        notes.append(fit_note)
     if cache_report is not None:
         notes.append(cache_report.note)
-    if not picked or winner is None:
+    if not picked or best is None:
         return Refinement(pick=eager_best, outcome=outcome, notes=notes)
-    _record_gain(strategy, winner[1], eager_best)
-    return Refinement(pick=winner[1], outcome=outcome, notes=notes)
+    _record_gain(strategy, best[1], eager_best)
+    return Refinement(pick=best[1], outcome=outcome, notes=notes)
 
 
-def _cache_details(report) -> dict[str, JsonValue]:
-    """The shared cache's cost as plain JSON for ``StageOutcome.details``."""
-    return {**report.model_dump(), "added_bytes": report.added_bytes}
+def _key(choice: JsonValue) -> str:
+    return json.dumps(choice, sort_keys=True)
+
+
+def _details(
+    search: Search, settings: CompileSearch, left_out: Sequence[str], report
+) -> dict[str, JsonValue]:
+    """The search's budget and use, and the shared cache's cost, as plain JSON."""
+    out: dict[str, JsonValue] = {
+        "search": {
+            **settings.model_dump(),
+            "runs": search.runs_used,
+            "left_out": list(left_out),
+        }
+    }
+    if report is not None:
+        out["cache"] = {**report.model_dump(), "added_bytes": report.added_bytes}
+    return out
 
 
 def _kept_eager(records: Sequence[StageVariant], eager: Confirmed) -> str:
@@ -229,10 +278,13 @@ def _kept_eager(records: Sequence[StageVariant], eager: Confirmed) -> str:
     measured = [v.measured for v in records if v.measured is not None]
     if measured:
         best = max(m.samples_per_s for m in measured)
+        predicted = [v.fit.samples_per_s for v in records if v.fit is not None]
+        words = f"compiled ran {fmt_rate(best)} samples/s"
+        if predicted and max(predicted) > best:
+            words += f" (its best line predicted {fmt_rate(max(predicted))} at its largest batch)"
         return (
-            f"weighed, planned eager: compiled ran {fmt_rate(best)} samples/s against the "
-            f"eager pick's {fmt_rate(eager.measured.samples_per_s)} samples/s, not enough to "
-            "pay for compiling"
+            f"weighed, planned eager: {words} against the eager pick's "
+            f"{fmt_rate(eager.measured.samples_per_s)} samples/s, not enough to pay for compiling"
         )
     if any(v.ok for v in records):
         return "weighed, planned eager: the compiled runs failed on the device (see notes)"
@@ -247,50 +299,118 @@ def _pick_words(candidate: Candidate) -> str:
     return f"torch.compile ({parsed.words()})"
 
 
+# -- what was measured, as the plan keeps it ---------------------------------------------------
+
+
+def _record(stage: PickStage, v: Variant, trial: _Trial, runs_before: int) -> StageVariant:
+    """``v`` as the plan keeps it: its trial, its line, its largest run that fitted."""
+    record = StageVariant(
+        choices=v.choices,
+        ok=trial.ok,
+        trial=trial.sentence,
+        one_off_ms=trial.one_off_ms,
+        fit=v.fit,
+        device_wall_ms=_wall_ms(stage, v.choices, runs_before),
+        error=v.error if trial.ok else trial.error,
+    )
+    if v.runs:
+        batch = max(v.runs)
+        record.batch_size, record.measured = batch, v.runs[batch]
+    return record
+
+
+def _confirmed_record(record: StageVariant, found: Confirmed) -> StageVariant:
+    return record.model_copy(
+        update={
+            "batch_size": found.candidate.batch_size,
+            "measured": found.measured,
+            "confirmed": True,
+        }
+    )
+
+
+def _final_record(
+    stage: PickStage, winner: Variant, final: Confirmed | None, why: str, runs_before: int
+) -> StageVariant:
+    """The winner in its offered form, confirmed from its batch (not trialled here: the
+    search trialled its search form)."""
+    record = StageVariant(
+        choices=winner.final_choices,
+        ok=True,
+        trial="not trialled here: the search compiled its search form; the device ran this one.",
+        device_wall_ms=_wall_ms(stage, winner.final_choices, runs_before),
+        error=why or None,
+    )
+    if final is not None:
+        record = _confirmed_record(record, final)
+    return record
+
+
+def _wall_ms(stage: PickStage, choices: dict[str, JsonValue], runs_before: int) -> float:
+    return sum(
+        p.wall_ms
+        for p in stage.probes[runs_before:]
+        if p.candidate is not None and p.candidate.choices == choices
+    )
+
+
+def _compile_cost(record: StageVariant, trials: dict[str, _Trial]) -> str:
+    """The pick's one-off compile, in a phrase."""
+    if record.one_off_ms is not None:
+        return (
+            f"first step compiles for about {fmt_ms(record.one_off_ms)}, once per process and "
+            "input shape"
+        )
+    timed = [t for t in trials.values() if t.one_off_ms is not None]
+    searched = f" (the search form compiled in {fmt_ms(timed[0].one_off_ms)})" if timed else ""
+    return (
+        "first step compiles, once per process and input shape; the plan did not time this "
+        f"form's compile{searched}"
+    )
+
+
+def _fit_note(record: StageVariant | None) -> str:
+    """How the pick's compiled memory was learned, in a sentence; '' without a line."""
+    if record is None or record.fit is None:
+        return ""
+    fit = record.fit
+    label = _label(record.choices)
+    line = (
+        f"{fmt_bytes(fit.fixed_bytes)} + {fmt_bytes(fit.per_sample_bytes)} a sample, "
+        f"largest batch {fit.largest_batch} within {fmt_bytes(fit.limit_bytes)}"
+    )
+    batches = ", ".join(str(b) for b in fit.batches)
+    if fit.basis == "fitted":
+        return f"Compiled memory of {label}: {line}, fitted from runs at batches {batches}."
+    ratio = (
+        f"eager's per-sample bytes scaled by {fit.bytes_ratio:.2f}, the compiled/eager ratio "
+        "of the batch-dependent bytes measured there"
+        if fit.bytes_ratio is not None
+        else "a line from zero through that run (the estimate left nothing to scale)"
+    )
+    return f"Compiled memory of {label}: {line}, from one run (batch {batches}): {ratio}."
+
+
+def _searched(
+    search: Search,
+    variants: Sequence[Variant],
+    left_out: Sequence[str],
+    best: StageVariant | None,
+) -> str:
+    """What the search covered, in a sentence."""
+    ran = [v.label for v in variants if v.runs or v.lowest_failure is not None]
+    words = (
+        f"Searched {len(ran)} compiled configuration{'s' if len(ran) != 1 else ''} "
+        f"({'; '.join(ran) or 'none'}) in {search.runs_used} device runs "
+        f"(at most {search.settings.max_runs})"
+    )
+    skipped = [v.label for v in variants if not v.runs and v.lowest_failure is None]
+    if skipped or left_out:
+        words += f"; not run: {'; '.join([*skipped, *left_out])}"
+    return words + "."
+
+
 # -- which variants -----------------------------------------------------------------------
-
-
-def compiled_variants(
-    choices: dict[str, JsonValue],
-    offered: Sequence[JsonValue],
-    profile: Profile,
-    batch_size: int,
-) -> list[dict[str, JsonValue]]:
-    """The eager ``choices`` compiled each way ``offered`` says, in that order, no repeats.
-
-    A compiled choice without a partitioner budget keeps every eager choice (checkpointed
-    blocks are compiled with the model). One with a budget replaces block checkpointing and
-    is included only when ``choices`` checkpoints blocks; its budget becomes the share the
-    eager choices keep at ``batch_size`` (:func:`kept_share`), its mode stays as offered.
-    """
-    eager = {name: choice for name, choice in choices.items() if name != COMPILE}
-    recomputing = _recomputing(eager)
-    out: list[dict[str, JsonValue]] = []
-    seen: set[str] = set()
-    for offer in offered:
-        parsed = _parse(offer)
-        if parsed is None:
-            continue
-        if parsed.activation_memory_budget is None:
-            variant = {**eager, COMPILE: parsed.to_json()}
-        elif recomputing:
-            budget = kept_share(profile, eager, batch_size)
-            recompute = parsed.model_copy(update={"activation_memory_budget": budget})
-            without = {name: c for name, c in eager.items() if name not in recomputing}
-            variant = {**without, COMPILE: recompute.to_json()}
-        else:
-            continue  # nothing is recomputed in the eager pick: no recompute to replace
-        key = json.dumps(variant, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(variant)
-    return out
-
-
-def _recomputing(choices: dict[str, JsonValue]) -> set[str]:
-    """The strategies among ``choices`` that recompute blocks (their facts say so)."""
-    candidate = Candidate(batch_size=1, choices=choices)
-    return {s.name for s, c in chosen_strategies(candidate) if s.facts(c).recomputed_blocks}
 
 
 def kept_share(profile: Profile, choices: dict[str, JsonValue], batch_size: int) -> float:
@@ -352,7 +472,7 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
     policy = policy_of(stage)
     if policy == "off":
         return ""
-    if policy == "auto" and stage.device_kind != "cuda":
+    if policy == "auto" and not stage.device.can_compile:
         return ""  # the simulated device runs a compiled step eagerly: nothing to measure
     if not any(_parse(c) is not None for c in strategy.offered):
         return ""
@@ -362,7 +482,7 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
         return f"Compiling was not weighed for {stage.config.parallel} ranks; planned eager."
     if not stage.step_times_rank:
         return (
-            f"compile='on' was asked, but the {stage.device_kind} device's step times cannot "
+            f"compile='on' was asked, but the {stage.device.kind} device's step times cannot "
             "tell a compiled step from an eager one (the simulated device runs a compiled step "
             "eagerly under its byte meter); planned eager. Plan on a CUDA device to weigh "
             "compiling."
@@ -373,16 +493,36 @@ def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
 # -- one variant ----------------------------------------------------------------------------
 
 
-def _measure_variant(
-    stage: PickStage,
-    strategy: Compile,
-    choices: dict[str, JsonValue],
-    start_batch: int,
-    free_bytes: int | None = None,
-) -> tuple[StageVariant, Confirmed | None]:
-    """Trial ``choices`` here (:func:`trial_batch`); if it compiles, confirm it on the device.
+@dataclass(frozen=True)
+class _Trial:
+    """A search form compiled once in this process: whether it compiled, and its cost."""
 
-    At the batch the device search starts from, the trial fills inductor's on-disk cache with
+    ok: bool
+    sentence: str  # the trial's sentence: its one-off cost, or why it failed
+    one_off_ms: float | None = None
+    error: str | None = None
+
+
+def _trial_forms(
+    stage: PickStage, strategy: Compile, variants: Sequence[Variant], start_batch: int
+) -> dict[str, _Trial]:
+    """Each search form among ``variants`` trialled once (:func:`_trial`), by its JSON, with
+    the choices of the first candidate in that form."""
+    out: dict[str, _Trial] = {}
+    for v in variants:
+        key = _key(v.form)
+        if key not in out:
+            batch = v.start_batch if v.start_batch else start_batch
+            out[key] = _trial(stage, strategy, v.choices, batch)
+    return out
+
+
+def _trial(
+    stage: PickStage, strategy: Compile, choices: dict[str, JsonValue], start_batch: int
+) -> _Trial:
+    """Trial ``choices`` here (:func:`trial_batch`): whether it compiles, and in how long.
+
+    At the batch the device runs start from, the trial fills inductor's on-disk cache with
     the graph the first compiled probe needs, and that probe loads it instead of compiling
     (``docs/design.md``, plan speed). A trial that ran out of memory there (this process
     shares the card with the probes) is tried again at the sample batch.
@@ -390,16 +530,21 @@ def _measure_variant(
     workload = stage.workload
     others = {name: c for name, c in choices.items() if name != COMPILE}
     sample = workload.sample_batch_size
-    batches = [trial_batch(start_batch, sample, stage.config.budget_bytes, free_bytes)]
+    batches = [trial_batch(start_batch, sample, stage.config.budget_bytes, stage.free_bytes)]
     if batches[0] != sample:
         batches.append(sample)
+    parsed = _parse(choices[COMPILE])
+    stage.describe(
+        f"compile: compiling {parsed.words() if parsed else 'eager'} in this process "
+        f"(a trial at batch {batches[0]})"
+    )
     try:
         for batch in batches:
             result = strategy.trial(
                 workload,
                 choices[COMPILE],
                 candidate=Candidate(batch_size=batch, choices=others),
-                device="cuda" if stage.device_kind == "cuda" else None,
+                device=stage.device.tensor_device if stage.device.can_compile else None,
             )
             release_cached_memory()
             if not result.out_of_memory:
@@ -407,33 +552,15 @@ def _measure_variant(
     except Exception as e:  # noqa: BLE001 - the trial's eager step failing is also an answer
         if is_our_bug(e):
             raise
-        text = f"the compile trial could not run its eager step ({_first_line(e)})."
-        return StageVariant(choices=choices, ok=False, trial=text, error=text), None
+        text = f"the compile trial could not run its eager step ({first_line(e)})."
+        return _Trial(ok=False, sentence=text, error=text)
     finally:
         # The trial ran in the planner's process: what it cached goes back before the probe
         # processes ask the card for the budget.
         release_cached_memory()
     if not result.ok:
-        return StageVariant(choices=choices, ok=False, trial=result.summary), None
-
-    record = StageVariant(
-        choices=choices, ok=True, trial=result.summary, one_off_ms=result.compile_ms
-    )
-    runs_before = len(stage.probes)
-    found: Confirmed | None = None
-    try:
-        found = stage.confirm(choices, start_batch)
-    except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
-        if is_our_bug(e):
-            raise
-        record.error = _first_line(e)
-    record.device_wall_ms = sum(p.wall_ms for p in stage.probes[runs_before:])
-    if found is None:
-        record.error = record.error or "not even batch 1 fitted on the device."
-        return record, None
-    record.batch_size = found.candidate.batch_size
-    record.measured = found.measured
-    return record, found
+        return _Trial(ok=False, sentence=result.summary)
+    return _Trial(ok=True, sentence=result.summary, one_off_ms=result.compile_ms)
 
 
 def trial_batch(
@@ -497,7 +624,22 @@ def _verdict(
     eager_rate = eager.measured.samples_per_s
     eager_batch = eager.candidate.batch_size
     eager_words = f"the eager pick's {eager_rate:.1f} samples/s at batch {eager_batch}"
+    must = (
+        f"a compiled pick must be {MIN_SPEEDUP - 1:.0%} faster (or, for the largest batch, "
+        "larger) to be worth a compile in every process."
+    )
     if winner is None:
+        lines = [r for r in records if r.fit is not None and r.fit.largest_batch >= 1]
+        if lines:
+            best = max(lines, key=lambda r: r.fit.samples_per_s if r.fit else 0.0)
+            assert best.fit is not None
+            rate = best.fit.samples_per_s
+            return (
+                "Planned eager because compiling did not pay: the best compiled configuration, "
+                f"torch.compile ({_label(best.choices)}), was predicted at {rate:.1f} samples/s "
+                f"at batch {best.fit.largest_batch} by the line through its runs, "
+                f"{rate / eager_rate:.2f}x {eager_words}; {must}"
+            )
         reasons = "; ".join(
             f"{_label(r.choices)}: {r.error or _trial_reason(r.trial)}" for r in records
         )
@@ -509,16 +651,15 @@ def _verdict(
         f"{found.candidate.batch_size}, {rate / eager_rate:.2f}x {eager_words}"
     )
     if not picked:
-        return (
-            f"Planned eager because compiling did not pay: {measured}; a compiled pick must be "
-            f"{MIN_SPEEDUP - 1:.0%} faster (or, for the largest batch, larger) to be worth a "
-            "compile in every process."
-        )
-    compile_s = (record.one_off_ms or 0.0) / 1e3
+        return f"Planned eager because compiling did not pay: {measured}; {must}"
+    if record.one_off_ms is not None:
+        compiles = f"The first step compiles for about {record.one_off_ms / 1e3:.1f} s"
+    else:
+        compiles = "The first step compiles (not timed by the plan in this form)"
     return (
-        f"Compiled: {measured}. The first step compiles for about {compile_s:.1f} s, once per "
-        "process and input shape; throughput is the steady state. The estimate shown is "
-        "eager's: compiled memory and time are measured, not estimated."
+        f"Compiled: {measured}. {compiles}, once per process and input shape; throughput is "
+        "the steady state. The estimate shown is eager's: compiled memory and time are "
+        "measured, not estimated."
     )
 
 
@@ -537,9 +678,3 @@ def _label(choices: dict[str, JsonValue]) -> str:
 def _trial_reason(summary: str) -> str:
     # The trial's sentence ends "Planned eager." for a failure: the verdict says that once.
     return summary.removesuffix(" Planned eager.")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__

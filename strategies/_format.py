@@ -30,7 +30,7 @@ def names_text(names: list[str], limit: int = 4) -> str:
 def how_known(profile: Profile) -> str:
     """How a profile's bytes were had: ``'measured'``, or for fake tensors (nothing ran,
     shapes only) ``'metered under fake tensors'``."""
-    return "metered under fake tensors" if profile.device.kind == "fake" else "measured"
+    return "metered under fake tensors" if profile.device.capabilities.fake_tensors else "measured"
 
 
 def loss_line(form: CallForm | None, model: str = "model") -> str:

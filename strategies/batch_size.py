@@ -22,7 +22,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.schema.call import CallForm
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Described, EffectOrder, Recorded, Strategy
 from strategies._format import loop_header, loss_line
 
 if TYPE_CHECKING:
@@ -80,11 +80,11 @@ def _parse(choice: JsonValue) -> tuple[int, int, int] | None:
     return b, k, e
 
 
-class BatchSize(Strategy):
+class BatchSize(Strategy, Described, Recorded):
     """The micro-batch that fits and the accumulation that keeps the effective batch."""
 
     name = "batch_size"
-    effect_order = 10
+    effect_order = EffectOrder.BATCH
 
     def is_neutral(self, choice: JsonValue) -> bool:
         return choice in (None, "off")

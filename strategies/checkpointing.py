@@ -42,7 +42,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Described, EffectOrder, HandTried, Strategy
 from strategies import _forward
 from strategies._format import mib, names_text
 
@@ -322,11 +322,11 @@ def _names(choice: JsonValue) -> list[str]:
     return list(choice)
 
 
-class ActivationCheckpointing(Strategy):
+class ActivationCheckpointing(Strategy, Described, HandTried):
     """Recompute blocks in backward instead of keeping their activations."""
 
     name = "checkpointing"
-    effect_order = 50
+    effect_order = EffectOrder.RECOMPUTE
     installs = "checkpointing"
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart:

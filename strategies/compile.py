@@ -13,21 +13,25 @@ Choices:
       ops inside the fused graph, where block checkpointing recomputes whole blocks.
 
 How the planner uses them (:meth:`Compile.refine`, ``strategies/_compile_stage.py``): after
-the device has chosen the eager pick, it tries each offered choice on that pick.
-``"default"`` keeps the pick's checkpointed blocks (compiled with the model); a choice with
-a budget replaces them, its budget set to the share of activations the pick keeps, so the
-device's measurements say which recompute is cheaper under compile. The faster compiled
-variant is kept only when it beats eager's measured throughput; :meth:`Compile.trial` and
-:attr:`Compile.gains` keep what was measured for :meth:`Compile.check` and
-:meth:`Compile.explain`.
+the device has chosen the eager pick, it searches compiled configurations: the pick's
+choices and the same with other checkpointed sets compiled with ``"default"``, and a choice
+with a budget in place of the pick's checkpointing (its budget set to the share of
+activations the pick keeps). A compiled step holds less than eager, so its best
+checkpointed set and batch are not eager's; each candidate's compiled memory is learned from
+a run or two (``strategies/_compile_model.py``), the best is confirmed by the device's batch
+search, all within :class:`~strategies._compile_search.CompileSearch`'s budget of runs
+(``strategies/_compile_search.py``). The compiled pick is kept only when it beats eager's
+measured throughput; :meth:`Compile.trial` and :attr:`Compile.gains` keep what was measured
+for :meth:`Compile.check` and :meth:`Compile.explain`.
 
-Offered only for a profile measured on CUDA. Compiled memory and speed are not predicted by
-the eager profile (fusion removes intermediates, the partitioner chooses what to save):
-:attr:`Compile.measured_only` is True and :meth:`Compile.effect` leaves the estimate as
-eager, so compiled candidates must be measured on the device. The simulated CPU device
-cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame at all
-and the step runs eagerly (measured here on torch 2.13: no frame counted, the same peak
-bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
+Offered only for a profile of a device that compiles (``can_compile``: a CUDA card).
+Compiled memory and speed are not predicted by the eager profile (fusion removes
+intermediates, the partitioner chooses what to save): Compile is a
+:class:`~memadvisor.strategy.Measured` strategy and :meth:`Compile.effect` leaves the
+estimate as eager, so compiled candidates must be measured on the device. The simulated CPU
+device cannot measure them: with its ``TorchDispatchMode`` active dynamo attempts no frame
+at all and the step runs eagerly (measured here on torch 2.13: no frame counted, the same
+peak bytes and allocation count as eager), and a fake-tensor profile has no device to run on.
 
 Other modes, accepted as choices but not offered by default:
     * ``"max-autotune-no-cudagraphs"``: benchmarks matmul and kernel configurations while
@@ -65,9 +69,19 @@ from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
-from memadvisor.strategy import Confirmed, PickStage, Refinement, Strategy
+from memadvisor.strategy import (
+    Checked,
+    Confirmed,
+    Described,
+    EffectOrder,
+    Measured,
+    PickStage,
+    Refinement,
+    Strategy,
+)
 from strategies import _forward
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
+from strategies._compile_search import CompileSearch
 from strategies._compile_stage import DeviceGain, compiled_pick
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
@@ -88,6 +102,7 @@ if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
     from memadvisor.schema.candidate import Candidate
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.schema.device import DeviceCapabilities
     from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
     from memadvisor.workload import Workload
@@ -99,6 +114,7 @@ __all__ = [
     "Compile",
     "CompileChoice",
     "CompileResult",
+    "CompileSearch",
     "CompiledForward",
     "DeviceGain",
     "advice",
@@ -118,12 +134,14 @@ DEFAULT_CHOICES: tuple[JsonValue, ...] = (
 LOSS_TOLERANCE = 0.02
 
 
-class Compile(Strategy):
+class Compile(Strategy, Measured, Described, Checked):
     """Compile the model's forward with torch.compile (inductor).
 
     Args:
         choices: the compiled choices to offer (``"off"`` is always first); default
             :data:`DEFAULT_CHOICES`.
+        search: how far the planner's compile stage searches (candidates, device runs,
+            seconds, the regional form while searching); default :class:`CompileSearch`'s.
 
     Raises:
         BadInputError: a choice is not a compile choice.
@@ -132,11 +150,13 @@ class Compile(Strategy):
     name = STRATEGY_NAME
     # After every strategy that wraps the forward (precision 0, checkpointing 50, offload
     # 60): compiling wraps what they installed, so they are compiled with the model.
-    effect_order = 80
-    measured_only = True
+    effect_order = EffectOrder.COMPILE
     installs = "compile"
 
-    def __init__(self, choices: Sequence[JsonValue] | None = None) -> None:
+    def __init__(
+        self, choices: Sequence[JsonValue] | None = None, search: CompileSearch | None = None
+    ) -> None:
+        self.search = search if search is not None else CompileSearch()
         offered = DEFAULT_CHOICES if choices is None else tuple(choices)
         parsed = [parse_choice(c) for c in offered]
         # Normalised, so the same setting is always the same JSON in a plan.
@@ -146,12 +166,12 @@ class Compile(Strategy):
         self._plan_cache: SharedCompileCache | None = None  # while a plan's scope is open
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
-        if profile.device.kind != "cuda":
+        if not profile.device.capabilities.can_compile:
             return ["off"]  # nothing here can measure a compiled step (module docstring)
         return ["off", *self.offered]
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
-        """Nothing: the estimate stays eager's (measured_only), for a valid choice.
+        """Nothing: the estimate stays eager's (a Measured strategy), for a valid choice.
 
         Eager is a fair bracket to start probing from: compiling kept the peak of the model
         measured, and a partitioner budget below 1 is meant to lower it (``docs/design.md``,
@@ -213,11 +233,12 @@ class Compile(Strategy):
         )
 
     def plan_scope(
-        self, config: PlanConfig, device_kind: str
+        self, config: PlanConfig, device: DeviceCapabilities
     ) -> contextlib.AbstractContextManager | None:
-        """On a card, one inductor cache for the whole plan, set before the fork server starts:
-        its children compile into it, and the compiled probes need no fresh server for it."""
-        if device_kind != "cuda" or config.option(self.name, "auto") == "off":
+        """On a device that compiles, one inductor cache for the whole plan, set before the
+        fork server starts: its children compile into it, and the compiled probes need no
+        fresh server for it."""
+        if not device.can_compile or config.option(self.name, "auto") == "off":
             return None
         return self._whole_plan_cache()
 
@@ -231,9 +252,10 @@ class Compile(Strategy):
                 self._plan_cache = None
 
     def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
-        """Compiled variants of the eager pick, measured on the device, kept when faster
-        (:func:`strategies._compile_stage.compiled_pick`). The plan's ``options["compile"]``
-        says whether: ``"auto"`` (default: on CUDA), ``"off"`` or ``"on"``."""
+        """Compiled configurations searched on the device from the eager pick, kept when
+        faster (:func:`strategies._compile_stage.compiled_pick`). The plan's
+        ``options["compile"]`` says whether: ``"auto"`` (default: on CUDA), ``"off"`` or
+        ``"on"``."""
         return compiled_pick(stage, eager, self, cache=self._plan_cache)
 
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:

@@ -24,7 +24,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.advice import Advice, Check
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Checked, Described, EffectOrder, Strategy
 from strategies import _forward
 from strategies._format import mib
 
@@ -100,11 +100,11 @@ def measure_inference(
     }
 
 
-class Inference(Strategy):
+class Inference(Strategy, Described, Checked):
     """eval() + inference_mode + chunked batches for a workload that never trains."""
 
     name = "inference"
-    effect_order = 95
+    effect_order = EffectOrder.INFERENCE
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         return ["advice"] if is_inference(profile) else ["off"]

@@ -20,7 +20,7 @@ from pydantic import JsonValue
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import EffectOrder, Strategy
 from strategies import _forward
 from strategies._format import loss_line, mib
 
@@ -83,10 +83,10 @@ class ActivationOffload(Strategy):
 
     name = "offload"
     # After precision (0) and checkpointing (50): what is offloaded is what they leave kept.
-    effect_order = 60
+    effect_order = EffectOrder.OFFLOAD
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
-        if profile.device.kind != "cuda" or not profile.host_bandwidth_bytes_per_ms:
+        if not profile.device.capabilities.pinned_memory or not profile.host_bandwidth_bytes_per_ms:
             return ["off"]
         return ["off", "forward"]
 

@@ -22,7 +22,7 @@ from pydantic import JsonValue
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Described, EffectOrder, Strategy
 from strategies._format import how_known, mib
 
 if TYPE_CHECKING:
@@ -63,11 +63,11 @@ def _check_choice(choice: JsonValue) -> str:
     return str(choice)
 
 
-class OptimizerHabits(Strategy):
+class OptimizerHabits(Strategy, Described):
     """Advice on the optimizer's own memory; changes neither the model nor the estimate."""
 
     name = "optimizer_habits"
-    effect_order = 90
+    effect_order = EffectOrder.OPTIMIZER
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if profile.optimizer_state_bytes == 0 and profile.grad_bytes == 0:
@@ -108,11 +108,11 @@ class OptimizerHabits(Strategy):
                 f"the optimizer step held {mib(temporaries)} MiB of temporaries at batch {b} "
                 f"({how_known(profile)}; {where})"
             )
-        device = profile.device.kind
+        on_card = profile.device.capabilities.trains_on == "cuda"  # torch's fused kernels
         fused = (
             "On CUDA, fused=True runs the update in fused kernels: the fastest, with no "
             "parameter-sized lists of intermediates. "
-            if device in ("cuda", "fake")
+            if on_card
             else ""
         )
         return Advice(
@@ -124,13 +124,13 @@ class OptimizerHabits(Strategy):
                 "during the step; foreach=False loops one tensor at a time: a lower optimizer "
                 "peak, a slower step. Pick it only when the optimizer step is the peak."
             ),
-            snippet=_snippet(device),
+            snippet=_snippet(on_card),
             effect="; ".join(parts),
         )
 
 
-def _snippet(device: str) -> str:
-    fused = "fused=True" if device in ("cuda", "fake") else "foreach=False"
+def _snippet(on_card: bool) -> str:
+    fused = "fused=True" if on_card else "foreach=False"
     return f"""\
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, {fused})
 ...

@@ -79,7 +79,16 @@ from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy, WrapsRanks, facts_of
+from memadvisor.strategy import (
+    Described,
+    EffectOrder,
+    HandTried,
+    Recorded,
+    Strategy,
+    TimedAlternatives,
+    WrapsRanks,
+    facts_of,
+)
 from strategies._format import mib, names_text
 
 if TYPE_CHECKING:
@@ -128,14 +137,15 @@ def _low_precision(precision: str | None) -> str | None:
     return precision if precision in _LOW else None
 
 
-class Parallel(Strategy, WrapsRanks):
+class Parallel(Strategy, HandTried, Recorded, Described, TimedAlternatives, WrapsRanks):
     """What each of ``world_size`` ranks holds under DDP or FSDP2."""
 
     name = "parallel"
-    effect_order = 90  # after precision (the dtype of the gathered units) and checkpointing
+    effect_order = (
+        EffectOrder.PARALLEL
+    )  # after precision (the dtype of the gathered units) and checkpointing
     # DDP against FSDP2, and resharding after forward or not, differ in communication, which
     # the estimate does not price (but one all-gather): the device's step times decide.
-    measured_alternatives = True
 
     def choices(self, profile: Profile, config: PlanConfig) -> list[JsonValue]:
         if config.parallel == "none":

@@ -36,7 +36,14 @@ from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.precision import FULL, PRECISIONS
 from memadvisor.step import Step
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import (
+    Checked,
+    Described,
+    EffectOrder,
+    HandTried,
+    Strategy,
+    TimedEachChoice,
+)
 from strategies import _forward
 from strategies._autocast import AutocastForward, grad_scaler_for
 from strategies._format import how_known, loss_line, mib
@@ -116,17 +123,16 @@ def _remove_tf32(model: nn.Module) -> None:
         _forward.remove(model, TF32Matmuls)
 
 
-class Precision(Strategy):
+class Precision(Strategy, TimedEachChoice, Described, HandTried, Checked):
     """bf16 / fp16 autocast of the forward, or TF32 matmuls in fp32."""
 
     name = "precision"
     # First: use_precision() reads a different measured step and resets the activation
     # numbers every other strategy then edits.
-    effect_order = 0
+    effect_order = EffectOrder.PRECISION
     # The estimate's step times for autocast can be off by more than the gap between
     # candidates (docs/design.md, "Re-ranking on the device"): the planner times each
     # precision, everything else plain, beside the estimate's best.
-    guarded = True
     installs = "autocast"
 
     def is_neutral(self, choice: JsonValue) -> bool:
@@ -152,7 +158,7 @@ class Precision(Strategy):
                     setup=[f"{TF32_ON}  # TF32 matmuls, process-wide; apply_plan sets it too"]
                 ),
             )
-        how = "estimated" if plan.device_kind == "estimate" else "measured"
+        how = "measured" if plan.capabilities.measures_memory else "estimated"
         profile = plan.profile
         form = profile.call_form if profile is not None else None
         if form is not None and form.loss != "loss_fn":  # the model's own loss, in its forward
@@ -166,7 +172,7 @@ class Precision(Strategy):
             forward_comment=f"{precision}: autocast runs inside forward", forward_notes=notes
         )
         if precision == "fp16":
-            device = "cpu" if profile is not None and profile.device.kind == "cpu" else "cuda"
+            device = profile.device.capabilities.trains_on if profile is not None else "cuda"
             loop.setup = [
                 f'scaler = torch.amp.GradScaler("{device}")  # fp16 needs one; bf16 does not'
             ]
@@ -248,7 +254,7 @@ class Precision(Strategy):
         """Raises ``BadInputError``: not a precision, or the profile's device lacks it."""
         profile = step.profile
         precision = _check_choice(choice)
-        if precision == "fp32" or profile is None or profile.device.kind == "fake":
+        if precision == "fp32" or profile is None or profile.device.capabilities.fake_tensors:
             return
         if not _supported(profile, precision):
             raise BadInputError(
@@ -270,7 +276,7 @@ class Precision(Strategy):
             return None
         if precision == "tf32":
             return _tf32_advice(self.name)
-        device_type = "cpu" if profile.device.kind == "cpu" else "cuda"
+        device_type = profile.device.capabilities.trains_on
         dtype = "torch.bfloat16" if precision == "bf16" else "torch.float16"
         sentence = (
             f"Run the forward and the loss under {precision} autocast: matmuls and convolutions "
@@ -300,13 +306,13 @@ class Precision(Strategy):
 
 
 def _supported(profile: Profile, precision: str) -> bool:
-    device = profile.device
-    return {
-        "fp32": True,
-        "bf16": device.bf16_supported,
-        "fp16": device.fp16_supported,
-        "tf32": device.tf32_supported,
-    }[precision]
+    """Whether the profile's device runs ``precision``: its autocast's low precisions (its
+    capabilities), TF32 where the card the profile measured on has it."""
+    if precision == "fp32":
+        return True
+    if precision == "tf32":
+        return profile.device.tf32_supported
+    return profile.device.capabilities.offers_autocast(precision)
 
 
 def _tf32_advice(strategy: str) -> Advice:

@@ -34,6 +34,7 @@ FLOORS: list[tuple[str, ...]] = [
     ),
     (
         "memadvisor.workload",
+        "memadvisor.losses",
         "memadvisor.step",
         "memadvisor.memory",
         "memadvisor.process_state",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import GIB, PlanConfig, gib_to_bytes
+from memadvisor.schema.device import SIMULATED, DeviceCapabilities
 from memadvisor.schema.plan import Plan, Probe, Row
 from memadvisor.schema.profile import (
     BlockActivity,
@@ -48,7 +51,7 @@ def test_profile_json_round_trip_is_equal() -> None:
     assert Profile.model_validate_json(p.model_dump_json()) == p
 
 
-def test_plan_json_round_trip_is_equal() -> None:
+def _plan() -> Plan:
     cand = Candidate(batch_size=8, choices={"precision": "bf16", "checkpointing": ["h.0"]})
     est = Estimate(
         peak_bytes=10,
@@ -69,7 +72,42 @@ def test_plan_json_round_trip_is_equal() -> None:
         comparison=[Row(label="Baseline", candidate=cand, estimate=est)],
         profile=_profile(),
     )
+    return plan
+
+
+def test_plan_json_round_trip_is_equal() -> None:
+    plan = _plan()
     assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_a_plan_written_before_capabilities_loads_with_its_kinds(tmp_path) -> None:
+    """A plan file without capabilities (the plan's, the profile's device's) loads, strictly,
+    and means what its kinds meant: a simulated plan's times do not rank, it trains on the
+    CPU; the profile's autocast runs what its bf16/fp16 flags said."""
+    data = json.loads(_plan().model_dump_json())
+    del data["capabilities"], data["profile"]["device"]["capabilities"]
+    data["profile"]["device"]["bf16_supported"] = True
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    plan = Plan.load(path)
+    assert plan.capabilities == SIMULATED
+    assert not plan.capabilities.step_times_rank and plan.capabilities.trains_on == "cpu"
+    device = plan.profile.device.capabilities
+    assert device.kind == "cpu" and device.autocast.dtypes == ("bf16",)
+
+
+def test_a_new_kind_needs_its_capabilities_and_one_device_says_both() -> None:
+    """A kind memadvisor does not know loads only with its capabilities (any kind does,
+    with them: the device's own words), and the plan's kind is its capabilities' kind."""
+    data = json.loads(_plan().model_dump_json())
+    npu = DeviceCapabilities(kind="npu", tensor_device="cpu")
+    plan = Plan.model_validate({**data, "device_kind": "npu", "capabilities": npu.model_dump()})
+    assert plan.capabilities == npu
+    del data["capabilities"]
+    with pytest.raises(ValidationError, match="'npu' must state its capabilities"):
+        Plan.model_validate({**data, "device_kind": "npu"})
+    with pytest.raises(ValidationError, match="one device says both"):
+        Plan.model_validate({**data, "capabilities": npu.model_dump()})
 
 
 def test_linear_bytes_fit_recovers_per_sample_and_constant_parts() -> None:

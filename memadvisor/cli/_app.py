@@ -9,6 +9,7 @@ MemadvisorError); 1 anything unexpected, which is a bug in memadvisor or in the 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from memadvisor.cli._interrupt import (
     INTERRUPTED_EXIT_CODE,
@@ -23,7 +25,7 @@ from memadvisor.cli._interrupt import (
     raise_if_interrupted,
     say_interrupted,
 )
-from memadvisor.errors import BadInputError, MemadvisorError
+from memadvisor.errors import MemadvisorError
 
 app = typer.Typer(
     name="memadvisor",
@@ -118,7 +120,11 @@ def handle_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                # A library's or a strategy's warning reads as one line, not as Python's
+                # "file:line: UserWarning" with a source line of torch's.
+                warnings.showwarning = _show_warning
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.BadParameter):
             # typer's own exits and usage errors carry their codes already. These three names
             # exist in every typer this package supports, whether it vendors click (0.26 and
@@ -143,6 +149,20 @@ def handle_errors(fn: F) -> F:
             )
 
     return wrapper  # type: ignore[return-value]
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """One ``warning:`` line on stderr for a warning raised while a command runs."""
+    text = Text("warning: ", style="yellow")
+    text.append(str(message))
+    err_console.print(text, highlight=False, soft_wrap=True)
 
 
 def _say_interrupted_and_exit() -> NoReturn:
@@ -170,20 +190,13 @@ def resolve_device(device: DeviceOption) -> str:
     Raises:
         BadInputError: ``cuda`` was asked for on a machine without a CUDA device.
     """
-    import torch
+    from memadvisor.schema.device import device_kind, resolved_kind
 
-    from memadvisor.schema.config import device_kind
-
-    kind = device_kind(device.value, "--device")
-    has_cuda = torch.cuda.is_available()
-    if kind == "cuda" and not has_cuda:
-        raise BadInputError(
-            f"--device {device.value}, but torch sees no CUDA device here; use --device cpu "
-            "(or auto) to run on the CPU simulated device."
-        )
-    if kind == "auto":
-        return "cuda" if has_cuda else "simulated"
-    return kind
+    return resolved_kind(
+        device_kind(device.value, "--device"),
+        refusal=f"--device {device.value}, but torch sees no CUDA device here; use --device "
+        "cpu (or auto) to run on the CPU simulated device.",
+    )
 
 
 def announce_device(kind: str, *, quiet: bool) -> None:

@@ -186,9 +186,10 @@ def plan(
     from memadvisor.device.fake import load_fake_target
     from memadvisor.planner import plan_workload
     from memadvisor.report import one_line, print_plan
+    from memadvisor.schema.device import runs_nothing
     from memadvisor.target import load_target
 
-    if config.device == "estimate":
+    if runs_nothing(config.device):
         announce_device(config.device, quiet=quiet)
         workload = load_fake_target(target)
     else:
@@ -211,7 +212,7 @@ def plan(
         from memadvisor.report import render_plan_html
 
         # Fake tensors have no step worth recording: the chart shows the phase peaks.
-        estimated = result.device_kind == "estimate"
+        estimated = not result.capabilities.measures_memory
         step = None if estimated else _planned_step(workload, result, debug=debug)
         page = render_plan_html(result, step=step)
         write_text(html_path, page, "the HTML report", quiet=quiet)

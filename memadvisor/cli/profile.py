@@ -36,6 +36,7 @@ from memadvisor.cli._app import (
     write_text,
 )
 from memadvisor.errors import BadInputError
+from memadvisor.schema.device import profiler_device
 
 EPILOG = """[bold]Examples[/]
 
@@ -120,10 +121,11 @@ def profile(
         cuda_snapshot=cuda_snapshot_path,
     )
     kind = resolve_device(device)
-    if cuda_snapshot_path is not None and kind != "cuda":
+    on = profiler_device(kind)  # None: "estimate", fake tensors
+    if cuda_snapshot_path is not None and on != "cuda":
         raise BadInputError(
             "--cuda-snapshot records the CUDA caching allocator, but this profile runs "
-            f"{'under fake tensors' if kind == 'estimate' else 'on the CPU simulated device'}; "
+            f"{'under fake tensors' if on is None else 'on the CPU simulated device'}; "
             "drop the option or run on a machine with a GPU."
         )
     from memadvisor.device.fake import load_fake_target
@@ -136,7 +138,7 @@ def profile(
     from memadvisor.report import one_line_profile, print_profile
     from memadvisor.target import load_target
 
-    if kind == "estimate":
+    if on is None:
         recorded = {"--timeline": timeline_path, "--speedscope": speedscope_path}
         asked = [flag for flag, path in {**recorded, "--html": html_path}.items() if path]
         if asked:
@@ -157,7 +159,6 @@ def profile(
     else:
         workload = load_target(target)
         announce_device(kind, quiet=quiet)
-        on = _profiler_device(kind)
         with _progress(quiet) as bar:
             result = profile_workload(workload, blocks=blocks or None, device=on, progress=bar)
     if json_path is not None:
@@ -194,11 +195,6 @@ def profile(
         console.print(one_line_profile(result), highlight=False, soft_wrap=True)
     else:
         print_profile(result, console, batch_size=b, ops=ops)
-
-
-def _profiler_device(kind: str) -> str:
-    # The simulated device profiles real CPU tensors with their bytes tracked.
-    return "cpu" if kind == "simulated" else kind
 
 
 @contextlib.contextmanager

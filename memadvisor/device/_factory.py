@@ -1,39 +1,31 @@
-"""Which device a plan runs on, and making it: the one place that knows the device kinds."""
+"""Making the device a plan runs on, from the capabilities its name stands for."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from memadvisor.device._base import Device
-from memadvisor.errors import BadInputError
+from memadvisor.schema.device import DeviceCapabilities, DeviceKind, named_capabilities
 from memadvisor.schema.profile import Profile
 
-__all__ = ["make_device", "resolve_kind"]
+__all__ = ["make_device", "planned_capabilities"]
 
 
-def resolve_kind(asked: str, device: Device | None = None) -> str:
-    """The device kind a plan runs on: ``device``'s own, else ``asked`` ("auto": CUDA when a
-    card is there, else the simulated CPU device).
+def planned_capabilities(asked: DeviceKind, device: Device | None = None) -> DeviceCapabilities:
+    """The capabilities of the device a plan runs on: ``device``'s own, else those of the
+    device the name ``asked`` makes ("auto": CUDA when a card is there, else the simulated
+    CPU device; "estimate": none, every figure estimated).
 
     Raises:
         BadInputError: "cuda" was asked and there is no CUDA device.
     """
     if device is not None:
-        return device.kind
-    if asked == "auto":
-        return "cuda" if torch.cuda.is_available() else "simulated"
-    if asked == "cuda" and not torch.cuda.is_available():
-        raise BadInputError(
-            "device='cuda' needs a CUDA device, but torch.cuda.is_available() is False; use "
-            "device='simulated' (or 'auto') to plan on the CPU."
-        )
-    return asked
+        return device.capabilities
+    return named_capabilities(asked)
 
 
 def make_device(
-    kind: str,
+    capabilities: DeviceCapabilities,
     budget_bytes: int,
     *,
     target: str | None,
@@ -42,8 +34,9 @@ def make_device(
     world_size: int = 1,
     parallel: str = "none",
 ) -> Device:
-    """A fresh device of ``kind`` ("cuda" or "simulated") under ``budget_bytes``; with
-    ``parallel`` ("ddp", "fsdp2") ``world_size`` ranks of that kind, each under the budget.
+    """A fresh built-in device with ``capabilities`` (:func:`planned_capabilities`) under
+    ``budget_bytes``: the card where its tensors are CUDA's, else the simulated CPU device;
+    with ``parallel`` ("ddp", "fsdp2") ``world_size`` ranks of that kind, each under the budget.
 
     Args:
         target: ``"file.py:factory"`` when there is one: CUDA runs rebuild the workload from
@@ -51,18 +44,19 @@ def make_device(
         profile: the profile the plan reads (strategies check choices against it).
         strategy_names: the strategies a run loads to apply a candidate (None: all).
     """
+    on_cards = capabilities.tensor_device == "cuda"
     if parallel != "none":
         from memadvisor.device.ranks import Ranks
 
         return Ranks(
             budget_bytes,
             world_size,
-            backend="cuda" if kind == "cuda" else "simulated",
+            backend="cuda" if on_cards else "simulated",
             target=target,
             profile=profile,
             strategy_names=strategy_names,
         )
-    if kind == "cuda":
+    if on_cards:
         from memadvisor.device.cuda import CudaDevice  # starts no process until a run
 
         return CudaDevice(

@@ -49,7 +49,7 @@ import sys
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -65,6 +65,7 @@ from memadvisor.device._train import RESULT_MARKER, train_candidate
 from memadvisor.device._zygote import ForkServer, ZygoteDied
 from memadvisor.errors import BadInputError, PlanningError
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.device import DeviceCapabilities, card_capabilities
 from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload
 
@@ -115,12 +116,6 @@ class CudaDevice(Device):
             (:mod:`memadvisor.device._zygote`); the CPU tests drive this device with one.
     """
 
-    kind: ClassVar[Literal["cuda"]] = "cuda"
-    # A run's fixed cost (a process, a CUDA context, the first step's kernel loading: seconds)
-    # dwarfs its steps (milliseconds): the planner's probes run the verification's steps.
-    runs_cost_more_than_steps = True
-    step_times_rank = True  # a card's own times
-
     def __init__(
         self,
         budget_bytes: int,
@@ -165,14 +160,18 @@ class CudaDevice(Device):
         self._baseline_allocated: int | None = None
         self._zygote: ForkServer | None = None
         self._zygote_finalizer: weakref.finalize | None = None
+        self._card: DeviceCapabilities | None = None
 
     @property
-    def fresh_processes(self) -> bool:  # type: ignore[override]
-        """False once runs fell back to this process (a workload that cannot be saved)."""
-        return self.mode != "in_process"
-
-    def free_bytes(self) -> int | None:
-        return int(torch.cuda.mem_get_info(self.index)[0])
+    def capabilities(self) -> DeviceCapabilities:  # type: ignore[override]
+        """The card's (:data:`~memadvisor.schema.device.CUDA_CARD`: its times rank, a run's
+        fixed cost dwarfs its steps), its bytes free now, and fresh processes until runs fell
+        back to this one (a workload that cannot be saved)."""
+        if self._card is None:  # what does not change: read once
+            self._card = card_capabilities(self.index)
+        free = int(torch.cuda.mem_get_info(self.index)[0])
+        fresh = self.mode != "in_process"
+        return self._card.model_copy(update={"free_bytes": free, "fresh_processes": fresh})
 
     def close(self) -> None:
         """Stop the zygote; remove the saved workload and requests."""

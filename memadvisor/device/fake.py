@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -46,6 +46,7 @@ from memadvisor._torch_private import (
 from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device.simulated import SimulatedDevice, tensor_leaves
 from memadvisor.errors import BadInputError
+from memadvisor.schema.device import FAKE_TENSORS
 from memadvisor.target import load_factory, workload_from_result
 from memadvisor.workload import Workload
 
@@ -209,6 +210,11 @@ def profile_fake(workload: FakeWorkload, **kwargs: Any) -> Profile:
     kwargs.setdefault("device", "cpu")
     with workload.fake():
         profile = profile_workload(workload, **kwargs)
+    # Fake tensors are on the CPU; the plan is for the device they stand in for.
+    caps = profile.device.capabilities.model_copy(update={"trains_on": workload.plan_for})
+    profile = profile.model_copy(
+        update={"device": profile.device.model_copy(update={"capabilities": caps})}
+    )
     if workload.plan_for == "cuda":
         profile = profile.model_copy(update={"fixed_overhead_bytes": CUDA_FIXED_BYTES})
     else:  # no memory cap strands the largest allocation on the CPU
@@ -226,7 +232,7 @@ class FakeDevice(SimulatedDevice):
     meaningful (see the module's limitations).
     """
 
-    kind: ClassVar[Literal["simulated", "fake"]] = "fake"
+    capabilities = FAKE_TENSORS
 
     def __init__(self, budget_bytes: int, **kwargs: Any) -> None:
         kwargs.setdefault("name", "simulated card (fake tensors)")

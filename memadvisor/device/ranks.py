@@ -31,7 +31,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from memadvisor.errors import BadInputError, PlanningError, SimulatedOutOfMemory
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import samples_per_s
+from memadvisor.schema.device import SIMULATED, card_capabilities
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import facts_of, load_strategies
 from memadvisor.workload import Workload, tensor_leaves, train_step
@@ -63,8 +64,6 @@ class Ranks(Device):
         profile: passed to the strategies' ``apply``.
         strategy_names: the strategies candidates are applied with.
     """
-
-    kind: ClassVar[Literal["cuda", "simulated"]]
 
     def __init__(
         self,
@@ -96,10 +95,13 @@ class Ranks(Device):
             else f"{world_size} x {torch.cuda.get_device_name(0)} (NCCL)"
         )
         super().__init__(budget_bytes, name)
-        # Which kind of card each rank is: the planner's rules for that kind apply.
-        self.kind = "simulated" if backend == "simulated" else "cuda"  # type: ignore[misc]
-        # Card ranks are processes of their own with real step times, as CudaDevice's runs.
-        self.runs_cost_more_than_steps = self.step_times_rank = backend != "simulated"
+        # Each rank is a card of that backend's: the planner reads its capabilities. Card
+        # ranks are processes of their own with real step times, as CudaDevice's runs; CPU
+        # ranks are forked processes too, their memory metered but not steady (collectives).
+        cuda = backend == "cuda"
+        self.capabilities = (
+            card_capabilities(0) if cuda else SIMULATED.model_copy(update={"steady_memory": False})
+        )
         self.world_size = world_size
         self.backend = backend
         self.target = target

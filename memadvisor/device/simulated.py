@@ -28,7 +28,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError, is_oom
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import samples_per_s
+from memadvisor.schema.device import SIMULATED
 from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload, tensor_leaves, train_step
 
@@ -104,8 +105,7 @@ class SimulatedDevice(Device):
         name: how reports name this device.
     """
 
-    kind: ClassVar[Literal["simulated", "fake"]] = "simulated"
-    steady_memory = True  # tensor bytes, no allocator: step 2 on repeats step 2
+    capabilities = SIMULATED
 
     def __init__(
         self,
@@ -122,6 +122,12 @@ class SimulatedDevice(Device):
         self.profile = profile
         self.strategy_names = list(strategy_names) if strategy_names is not None else None
         self.autocast_policy = autocast_policy
+        cuda_lists = autocast_policy == "cuda"
+        if type(self).capabilities.autocast.cuda_cast_lists != cuda_lists:
+            autocast = type(self).capabilities.autocast.model_copy(
+                update={"cuda_cast_lists": cuda_lists}
+            )
+            self.capabilities = type(self).capabilities.model_copy(update={"autocast": autocast})
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -207,6 +213,5 @@ class SimulatedDevice(Device):
         return running(workload, apply_candidate(step, candidate, strategies))
 
     def _policy(self) -> contextlib.AbstractContextManager:
-        return (
-            cuda_autocast_policy() if self.autocast_policy == "cuda" else contextlib.nullcontext()
-        )
+        lists = self.capabilities.autocast.cuda_cast_lists
+        return cuda_autocast_policy() if lists else contextlib.nullcontext()

@@ -13,7 +13,7 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Plan
 from memadvisor.strategy import facts_of
 
-__all__ = ["Pick", "apply_blocks", "pick_of", "plan_options"]
+__all__ = ["Pick", "apply_blocks", "pick_of", "plan_options", "without_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +25,14 @@ def plan_options(options: dict[str, Any], dataset: Any) -> dict[str, Any]:
     larger than the data is one step an epoch, or none with ``drop_last``.
 
     A dataset without ``len()`` (an iterable one) is not capped; a ``max_batch`` you passed
-    below its length is kept.
+    below its length is kept. Strategies that change how the loss is computed are left out:
+    the framework computes it.
     """
     out = dict(options)
     out.setdefault("progress", False)
+    # The framework computes the loss (the Trainer's compute_loss, Lightning's
+    # training_step): a strategy that computes it another way cannot be adopted there.
+    out["strategies"] = without_states(out.get("strategies"), {"loss_changed"})
     try:
         length = len(dataset)
     except TypeError:  # an IterableDataset, or no dataset at all
@@ -38,6 +42,14 @@ def plan_options(options: dict[str, Any], dataset: Any) -> dict[str, Any]:
         out["max_batch"] = length
         logger.info("batch capped at the dataset's length, %d samples", length)
     return out
+
+
+def without_states(names: list[str] | None, states: set[str]) -> list[str]:
+    """``names`` (default: every registered strategy) less those whose choices may set one
+    of ``states`` (:attr:`memadvisor.strategy.Strategy.states`, fields of the Facts)."""
+    from memadvisor.strategy import load_strategies
+
+    return [s.name for s in load_strategies(names) if not s.states & states]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pydantic import JsonValue
 
 from memadvisor.planner._space import SearchSpace
+from memadvisor.strategy import HandTried, TimedEachChoice
 
 __all__ = ["hand_configurations", "unchecked_hand_choices"]
 
@@ -20,6 +21,8 @@ def _hand_choices(space: SearchSpace) -> list[tuple[str | None, str, JsonValue]]
     last first (checkpointing before precision's autocast, which every other one reads)."""
     out = []
     for s in sorted(space.strategies, key=lambda s: -s.effect_order):
+        if not isinstance(s, HandTried):
+            continue
         picked = s.by_hand(space.options.get(s.name, []))
         if picked is not None:
             label, choice = picked
@@ -43,7 +46,7 @@ def hand_configurations(space: SearchSpace) -> list[tuple[str, dict[str, JsonVal
 
 
 def unchecked_hand_choices(space: SearchSpace) -> list[dict[str, JsonValue]]:
-    """Baseline and each choice of a guarded strategy (``Strategy.guarded``: precision), the
+    """Baseline and each choice of a guarded strategy (``TimedEachChoice``: precision), the
     rest plain, as the search writes candidates: a strategy with one option keeps it (an
     advice-only strategy is in every candidate), every other strategy its neutral option.
 
@@ -55,7 +58,7 @@ def unchecked_hand_choices(space: SearchSpace) -> list[dict[str, JsonValue]]:
     plain = space.plain_indices()
     if plain is None:
         return []
-    guarded = [i for i, s in enumerate(space.strategies) if s.guarded]
+    guarded = [i for i, s in enumerate(space.strategies) if isinstance(s, TimedEachChoice)]
     if not guarded:
         return [space.choices_of(plain)]
     out: list[dict[str, JsonValue]] = []

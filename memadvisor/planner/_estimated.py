@@ -34,6 +34,7 @@ from memadvisor.planner._space import SearchSpace
 from memadvisor.profiler import count_step_flops, with_modelled_times
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.device import ESTIMATE
 from memadvisor.schema.plan import EstimateBasis, ModelFingerprint, Plan, Row
 from memadvisor.schema.profile import Profile, StepFlops, StepTimeModel
 from memadvisor.strategy import Strategy, load_strategies
@@ -141,8 +142,9 @@ def plan_estimated(
         model_name=profile.model_name,
         model_fingerprint=ModelFingerprint.of(fake.model),  # names and shapes, as the real's
         config=config,
-        device_kind="estimate",
+        device_kind=ESTIMATE.kind,
         device_name=ESTIMATE_DEVICE_NAME,
+        capabilities=ESTIMATE,
         candidate=pick,
         estimate=pick_estimate,
         comparison=rows,

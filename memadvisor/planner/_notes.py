@@ -108,6 +108,11 @@ def screen_notes(checks: Sequence[Check], config: PlanConfig) -> list[str]:
     for check in checks:
         if check.passed:
             continue
+        if check.choice is None:
+            # The strategy as a whole, not one of its choices: it says itself why it was not
+            # offered, and no setting would make it offered.
+            notes.append(f"{check.strategy}: {check.summary}")
+            continue
         choice = f"{check.strategy} {check.choice}"
         if config.checks == "decide":
             notes.append(

@@ -11,7 +11,7 @@ from memadvisor.schema.advice import Advice
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Recorded, Strategy
 
 __all__ = ["advice_for", "with_records"]
 
@@ -19,10 +19,12 @@ __all__ = ["advice_for", "with_records"]
 def with_records(
     candidate: Candidate, strategies: Sequence[Strategy], config: PlanConfig
 ) -> Candidate:
-    """The pick with each strategy's record of it (``Strategy.record``: the batch size's), so
+    """The pick with each strategy's record of it (``Recorded.record``: the batch size's), so
     that their advice explains what the planner solved itself."""
     records = {}
     for s in strategies:
+        if not isinstance(s, Recorded):
+            continue
         record = s.record(candidate, config)
         if record is not None:
             records[s.name] = record

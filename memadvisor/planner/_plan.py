@@ -19,7 +19,9 @@ winner's (``tests/planner/test_plan.py`` has the exact table).
 Known limitations:
     * Only the device's best candidate finishes its batch search; the others keep the batch
       their one timing run allowed.
-    * A measured stage refines the eager pick alone (``memadvisor.strategy``).
+    * A measured stage starts from the eager pick and varies only what its strategy chooses
+      (compile: the checkpointed set with it); precision and the rest stay the pick's
+      (``memadvisor.strategy``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from memadvisor.apply import run_checks
-from memadvisor.device import Device, make_device, resolve_kind
+from memadvisor.device import Device, make_device, planned_capabilities
 from memadvisor.device.simulated import check_host_holds
 from memadvisor.estimate import estimate
 from memadvisor.memory import release_cached_memory
@@ -58,27 +60,37 @@ from memadvisor.profiler._state import check_copyable
 from memadvisor.schema.advice import Check
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.device import DeviceCapabilities
 from memadvisor.schema.plan import ModelFingerprint, Plan, Row
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Strategy, load_strategies
+from memadvisor.strategy import Checked, Measured, Strategy, load_strategies
 from memadvisor.workload import Workload
 
 __all__ = ["measure_configuration", "plan_workload"]
 
 
-def _profile(workload: Workload, kind: str, ui: Progress) -> Profile:
+def _profile(workload: Workload, capabilities: DeviceCapabilities, ui: Progress) -> Profile:
+    """The workload profiled where the device runs its tensors, for that device: the profile
+    carries its capabilities, which the strategies read."""
     from memadvisor.device._autocast import cuda_autocast_policy
     from memadvisor.profiler import profile_workload
 
     # The simulated device runs autocast with CUDA's policy (it stands in for a card); the
     # profile must measure that same step, not CPU autocast's, or bf16 estimates drift.
-    policy = contextlib.nullcontext() if kind == "cuda" else cuda_autocast_policy()
+    lists = capabilities.autocast.cuda_cast_lists
+    policy = cuda_autocast_policy() if lists else contextlib.nullcontext()
     with ui.stage("profiling", total=None) as bar, policy:
-        return profile_workload(
+        profile = profile_workload(
             workload,
-            device="cuda" if kind == "cuda" else "cpu",
+            device=capabilities.tensor_device,
             progress=lambda text, done, total: bar.report(f"profiling: {text}", done, total),
         )
+    # How the profile's own bytes were read (a card's allocator, or tensors metered) stays
+    # the profiler's: the estimate adds fixed costs by it.
+    memory = profile.device.capabilities.memory
+    caps = capabilities.model_copy(update={"memory": memory})
+    device = profile.device.model_copy(update={"capabilities": caps})
+    return profile.model_copy(update={"device": device})
 
 
 def plan_workload(
@@ -101,7 +113,7 @@ def plan_workload(
             from it in fresh processes.
         profile: a profile already made (else the workload is profiled first).
         device: where probes run (else CUDA when available, or the simulated CPU device;
-            with ``config.device == "estimate"`` none: see :func:`plan_estimated`).
+            with ``config.device="estimate"`` none: see :func:`plan_estimated`).
         progress: show progress bars on stderr (or a :class:`Progress` to share).
         strategies: strategy instances (else ``load_strategies(config.strategies)``).
         measure_comparison: run the hand configurations on the device too; by default
@@ -114,7 +126,8 @@ def plan_workload(
         BadInputError: the workload, target or config cannot be used as given.
         PlanningError: a device run failed for a reason other than memory.
     """
-    if config.device == "estimate" and device is None:
+    caps = planned_capabilities(config.device, device)
+    if device is None and not caps.measures_memory:
         from memadvisor.planner._estimated import plan_estimated
 
         return plan_estimated(
@@ -124,14 +137,15 @@ def plan_workload(
     ui = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
     first_stage = len(ui.stage_log)  # a shared Progress may have timed other plans
     owned: Device | None = None
+    # The planner's own CPU device: its tensors live in this host's memory.
+    on_this_host = device is None and caps.tensor_device == "cpu"
     with preserved_state(workload.model), contextlib.ExitStack() as scope:
         try:
-            kind = resolve_kind(config.device, device)
             check_copyable(workload.model)
-            if kind == "simulated" and device is None:
+            if on_this_host:
                 check_host_holds(config.budget_bytes)
             notes: list[str] = []
-            if kind == "simulated" and device is None:
+            if on_this_host:
                 why = " (device='simulated')" if torch.cuda.is_available() else " (no CUDA device)"
                 notes.append(SIMULATED_NOTE.format(why=why))
                 ui.note(notes[-1])
@@ -139,18 +153,23 @@ def plan_workload(
                 list(strategies) if strategies is not None else load_strategies(config.strategies)
             )
             if profile is None:
-                profile = _profile(workload, kind, ui)
-                if kind == "simulated" and device is None:
+                profile = _profile(workload, caps, ui)
+                if device is None and not caps.step_times_rank:
                     # CPU times jitter past the gaps between candidates: rank by a model of
                     # the step's FLOPs instead, so the same inputs give the same plan.
                     profile, steady_note = with_times_that_rank(workload, profile)
                     if steady_note is not None:
                         notes.append(steady_note)
             screened: list[Check] = []
-            if any(type(s).screen is not Strategy.screen for s in chosen):
+            if any(isinstance(s, Checked) for s in chosen):
                 # Before the search: a choice that fails its check is then not offered.
                 with ui.stage("screening", total=None):
-                    screened = [c for s in chosen for c in s.screen(workload, profile, config)]
+                    screened = [
+                        c
+                        for s in chosen
+                        if isinstance(s, Checked)
+                        for c in s.screen(workload, profile, config)
+                    ]
             for note in screen_notes(screened, config):
                 notes.append(note)  # among the first lines: it decided what may be picked
                 ui.note(note)
@@ -160,12 +179,14 @@ def plan_workload(
             # What a strategy sets up for the whole plan, before the device starts processes
             # that inherit it (compile: one inductor cache that every probe compiles into).
             for s in chosen:
-                plan_scope = s.plan_scope(config, kind)
+                if not isinstance(s, Measured):
+                    continue
+                plan_scope = s.plan_scope(config, caps)
                 if plan_scope is not None:
                     scope.enter_context(plan_scope)
             if device is None:
                 device = owned = make_device(
-                    kind,
+                    caps,
                     config.budget_bytes,
                     target=target,
                     profile=profile,
@@ -174,7 +195,7 @@ def plan_workload(
                     parallel=config.parallel,
                 )
             prober = Prober(device, workload, space, config)
-            guard = device.step_times_rank and config.objective != "largest_batch"
+            guard = device.capabilities.step_times_rank and config.objective != "largest_batch"
             timed = timed_candidates(space, ranked, guard)
             best = best_on_device(prober, timed, notes, ui)
             best, stages, stage_notes = refined_pick(prober, best, chosen, ui)
@@ -199,18 +220,21 @@ def plan_workload(
             tie = tie_note(prober.tie, best.candidate)
             if tie is not None:
                 notes.append(tie)
-            notes.append(runs_note(prober.probes, best, verified, config, device.steady_memory))
+            steady = device.capabilities.steady_memory
+            notes.append(runs_note(prober.probes, best, verified, config, steady))
             with ui.stage("checks", total=None):
                 checks = screened + run_checks(workload, pick, chosen, done=screened)
             notes += prober.notes + device.notes + row_notes
             notes = fallbacks_first(notes)
             ui.log_notes(notes)
+            confirmed_on = device.capabilities
             result = Plan(
                 model_name=profile.model_name,
                 model_fingerprint=ModelFingerprint.of(workload.model),
                 config=config,
-                device_kind=device.kind,
+                device_kind=confirmed_on.kind,
                 device_name=device.name,
+                capabilities=confirmed_on,
                 candidate=pick,
                 estimate=pick_estimate,
                 verified=verified,

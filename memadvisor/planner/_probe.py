@@ -1,7 +1,7 @@
 """Find the largest batch that really fits: few probes, bracketed by the estimate.
 
-Each probe is one :meth:`Device.run` from a clean state for more than one step; the device
-decides nothing about memory, :func:`memadvisor.device.is_oom` does. The search:
+Each probe is one :meth:`Device.run` from a clean state for more than one step; this
+module decides nothing about memory, the device's :meth:`Device.is_oom` does. The search:
 
 1. Probe ``start``, the estimate's largest batch under the usable budget (budget less margin).
 2. If it fits, probe once above it: where the caller can extrapolate from ``start``'s
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memadvisor.device import Device
-from memadvisor.errors import is_oom
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
@@ -184,7 +183,7 @@ def probe(
         The probe record, and the measurement when it fit.
 
     Raises:
-        Exception: anything :func:`memadvisor.device.is_oom` does not call an out-of-memory,
+        Exception: anything ``device.is_oom`` does not call an out-of-memory,
             re-raised unchanged.
     """
     t0 = time.perf_counter()
@@ -192,7 +191,7 @@ def probe(
     try:
         measured = device.run(workload, candidate, steps)
     except Exception as e:
-        if not is_oom(e):
+        if not device.is_oom(e):
             raise
         text = str(e).strip()
         message = text.splitlines()[0] if text else type(e).__name__

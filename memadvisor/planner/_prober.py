@@ -25,7 +25,16 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
-__all__ = ["HEADROOM_FRACTION", "Confirmed", "Prober", "Run", "Tie", "run_steps", "verify_steps"]
+__all__ = [
+    "HEADROOM_FRACTION",
+    "Confirmed",
+    "Prober",
+    "Run",
+    "RunsSpent",
+    "Tie",
+    "run_steps",
+    "verify_steps",
+]
 
 # The measured margin: how far below the edge the pick stays, as a share of the budget in
 # measured bytes per sample: below the lowest batch that ran out, that many bytes' worth of
@@ -54,6 +63,11 @@ class Tie:
     taken: Scored
     rate: float
     others: list[tuple[Scored, float]]
+
+
+class RunsSpent(Exception):
+    """A device run was asked for after :attr:`Prober.runs_left` reached 0 (a measured
+    stage's bounded batch search): the caller answers from the runs made so far."""
 
 
 @dataclass
@@ -85,6 +99,12 @@ class Prober:
         # Per choice set (JSON), the runs that fitted by batch: the measured margin's slope.
         self._fitted: dict[str, dict[int, Measurement]] = {}
         self.tie: Tie | None = None  # the last tie the re-rank broke
+        # Device runs a measured stage still allows (None: no bound); a run past it raises
+        # RunsSpent, answered from what ran (ProberStage.confirm's max_runs).
+        self.runs_left: int | None = None
+        # What a measured stage is doing, said before each run's batch on the progress line
+        # ("compiling candidate 2/4 (...)"); '' says the stage's name.
+        self.doing = ""
 
     def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
         """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
@@ -94,7 +114,12 @@ class Prober:
                 return known.measured
             if known.measured is None and known.steps < steps:
                 return None  # it ran out within the steps asked for now
-        self._describe(f"{stage}: batch {candidate.batch_size} running")
+        if self.runs_left is not None:
+            if self.runs_left <= 0:
+                raise RunsSpent(f"no device run left for batch {candidate.batch_size}")
+            self.runs_left -= 1
+        doing = self.doing or stage
+        self._describe(f"{doing}: batch {candidate.batch_size} running")
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
         self.probes.append(record)
         if measured is not None and candidate.accumulation_steps == 1:
@@ -104,9 +129,29 @@ class Prober:
         if self.bar is not None:
             self.bar.advance()
             self.bar.describe(
-                f"{stage}: batch {candidate.batch_size} {'fits' if record.fits else 'ran out'}"
+                f"{doing}: batch {candidate.batch_size} {'fits' if record.fits else 'ran out'}"
             )
         return measured
+
+    def held(self, measured: Measurement) -> int:
+        """The bytes of ``measured`` the pick's margin reads (:func:`_held`)."""
+        return _held(measured, self.config.measured_margin)
+
+    def measured_runs(
+        self, choices: dict[str, JsonValue]
+    ) -> tuple[dict[int, Measurement], int | None]:
+        """The runs of ``choices`` (no accumulation) that fitted, by batch, and the lowest
+        batch of them that ran out (None: none did)."""
+        fitted = dict(self._fitted.get(json.dumps(choices, sort_keys=True), {}))
+        failed = [
+            p.batch_size
+            for p in self.probes
+            if not p.fits
+            and p.candidate is not None
+            and p.candidate.accumulation_steps == 1
+            and p.candidate.choices == choices
+        ]
+        return fitted, min(failed) if failed else None
 
     def _describe(self, text: str) -> None:
         if self.bar is not None:
@@ -264,15 +309,15 @@ def _key(candidate: Candidate) -> str:
 def run_steps(device: Device, config: PlanConfig) -> int:
     """Steps each probe and timing run takes on ``device``."""
     steps = max(config.probe_steps, config.timing_steps)
-    if device.runs_cost_more_than_steps:
+    if device.capabilities.runs_cost_more_than_steps:
         steps = max(steps, config.verify_steps)
     return steps
 
 
 def verify_steps(device: Device, config: PlanConfig) -> int:
     """Steps of the pick's verifying run: ``config.verify_steps``, except on a device whose
-    memory repeats from the second step (``Device.steady_memory``), where a probe's steps
-    show all there is, unless the user set ``verify_steps`` themselves."""
-    if device.steady_memory and "verify_steps" not in config.model_fields_set:
+    memory repeats from the second step (its capabilities' ``steady_memory``), where a
+    probe's steps show all there is, unless the user set ``verify_steps`` themselves."""
+    if device.capabilities.steady_memory and "verify_steps" not in config.model_fields_set:
         return run_steps(device, config)
     return config.verify_steps

@@ -2,7 +2,7 @@
 
 The estimate's best ``rerank_top`` candidates (those within :data:`RERANK_FLOOR` of the
 best) and, where measured times rank, each choice of a *guarded* strategy with everything
-else plain (Baseline and +AMP: ``Strategy.guarded``), run once at the estimate's largest
+else plain (Baseline and +AMP: ``TimedEachChoice``), run once at the estimate's largest
 batch under the usable budget. Where the device's times do not rank (the simulated CPU
 device), they run in the estimate's order only until one fits: the estimate ranks there.
 That run is both the candidate's fit probe and its timing.
@@ -30,6 +30,7 @@ from memadvisor.planner._prober import Confirmed, Prober, Tie
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.strategy import TimedAlternatives, TimedEachChoice
 
 __all__ = [
     "RERANK_FLOOR",
@@ -84,13 +85,13 @@ def timed_candidates(space: SearchSpace, ranked: Sequence[Scored], guard: bool) 
 
 def best_of_each_alternative(space: SearchSpace, ranked: Sequence[Scored]) -> list[Scored]:
     """For each strategy whose choices only the device tells apart
-    (``Strategy.measured_alternatives``), the estimate's best candidate of each of its
+    (``TimedAlternatives``), the estimate's best candidate of each of its
     choices: the best ranked one with it, else the overall best with that choice swapped in
     (None when it does not fit even batch 1)."""
     out: list[Scored] = []
     for strategy in space.strategies:
         options = space.options.get(strategy.name, [])
-        if not strategy.measured_alternatives or len(options) < 2:
+        if not isinstance(strategy, TimedAlternatives) or len(options) < 2:
             continue
         for option in options:
             best = next(
@@ -119,7 +120,8 @@ def best_on_device(
         InfeasibleBudgetError: not even batch 1 fitted for any of them.
     """
     space, device = prober.space, prober.device
-    measured_times = device.step_times_rank
+    measured_times = device.capabilities.step_times_rank
+    kind = device.capabilities.kind  # for display only
     with ui.stage("probes", total=None) as bar:
         prober.bar = bar
         first = _first_runs(prober, timed, measured_times)
@@ -162,13 +164,13 @@ def best_on_device(
     if not measured_times and fitted > 1:
         notes.append(
             f"The {fitted} best candidates were re-ranked at the batches the "
-            f"{device.kind} device confirmed, by the estimate's step time: this device's own "
+            f"{kind} device confirmed, by the estimate's step time: this device's own "
             "times do not rank (CPU times, slowed by tracking)."
         )
     skipped = len(timed) - len(first)
     if not measured_times and skipped > 0:
         notes.append(
-            f"Ranked by the estimate's step time: the {device.kind} device's own times do not "
+            f"Ranked by the estimate's step time: the {kind} device's own times do not "
             "rank (CPU times, slowed by tracking), so it confirmed the batch of the estimate's "
             f"best candidate that fitted and did not run {skipped} ranked below it."
         )
@@ -178,12 +180,12 @@ def best_on_device(
 def alternatives_notes(
     space: SearchSpace, timed: Sequence[Scored], first: dict[str, _Timing | None]
 ) -> list[str]:
-    """For each ``measured_alternatives`` strategy, what the device measured of each of its
+    """For each ``TimedAlternatives`` strategy, what the device measured of each of its
     choices (the best timing run with it), in the strategy's words: the report shows them
     side by side, as the pick was made from them."""
     notes = []
     for strategy in space.strategies:
-        if not strategy.measured_alternatives:
+        if not isinstance(strategy, TimedAlternatives):
             continue
         seen: dict[str, tuple[str, _Timing | None]] = {}
         for s in timed:
@@ -343,6 +345,6 @@ def _could_beat(
 def _guarded_key(space: SearchSpace, scored: Scored) -> str:
     """The choices of the guarded strategies (precision): candidates that share them share
     the estimate's errors."""
-    guarded = {s.name for s in space.strategies if s.guarded}
+    guarded = {s.name for s in space.strategies if isinstance(s, TimedEachChoice)}
     choices = scored.candidate.choices
     return json.dumps({n: choices.get(n) for n in sorted(guarded)}, sort_keys=True)

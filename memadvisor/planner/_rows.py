@@ -126,13 +126,14 @@ def rows_are_cheap(device: Device, runs: Sequence[Probe], space: SearchSpace) ->
     """Whether running the hand configurations too fits :data:`ROWS_TIME_BUDGET_S`, and
     is worth it.
 
-    Not on CUDA (each run is a fresh process of several seconds), nor where the device's
-    step times do not rank (the simulated CPU device): there a measured row's time is noise
-    beside the estimate that ranks, and its batch search costs steps of the largest batch.
-    Elsewhere judged from the plan's own runs: about three runs per row at their average
-    wall time.
+    Not where a run's fixed cost dwarfs its steps (a card: each run a fresh process of
+    several seconds), nor where the device's step times do not rank (the simulated CPU
+    device): there a measured row's time is noise beside the estimate that ranks, and its
+    batch search costs steps of the largest batch. Elsewhere judged from the plan's own runs:
+    about three runs per row at their average wall time.
     """
-    if device.kind == "cuda" or not device.step_times_rank or not runs:
+    caps = device.capabilities
+    if caps.runs_cost_more_than_steps or not caps.step_times_rank or not runs:
         return False
     average_s = sum(r.wall_ms for r in runs) / len(runs) / 1e3
     return average_s * _RUNS_PER_ROW * len(hand_configurations(space)) <= ROWS_TIME_BUDGET_S

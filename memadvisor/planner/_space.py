@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pydantic import JsonValue
 
 from memadvisor.estimate import estimate
-from memadvisor.schema.candidate import Candidate, Estimate
+from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Estimated, Measured, Strategy
 
 __all__ = [
     "Scored",
@@ -111,12 +111,10 @@ def micro_batch_for(effective_batch: int, largest: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Scored:
-    """One combination of choices at the batch the objective picks, with its estimate."""
+class Scored(Estimated):
+    """One combination of choices at the batch the objective picks, with its estimate; a
+    measured stage gets it as the contract's :class:`memadvisor.strategy.Estimated`."""
 
-    candidate: Candidate
-    estimate: Estimate
-    largest_batch: int  # the largest micro-batch under the usable budget
     active: int  # how many strategies are not neutral
 
     @property
@@ -143,7 +141,7 @@ class SearchSpace:
         self.options: dict[str, list[JsonValue]] = {}
         for s in self.strategies:
             offered = list(s.choices(profile, config))
-            if s.measured_only:
+            if isinstance(s, Measured):
                 # The estimate cannot rank what it cannot predict (a compiled model's memory
                 # and time): such a strategy keeps its neutral choice here, and its other
                 # choices are only ever judged by measuring them on the device.

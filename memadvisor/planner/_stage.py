@@ -18,12 +18,13 @@ from pydantic import JsonValue
 from memadvisor.errors import PlanningError
 from memadvisor.estimate import estimate
 from memadvisor.planner._probe import BatchSearch
-from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Prober
+from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Prober, RunsSpent
 from memadvisor.planner._progress import Progress, Stage
 from memadvisor.planner._space import Scored
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe, StageOutcome
-from memadvisor.strategy import PickStage, Strategy
+from memadvisor.strategy import Confirmed as AnyConfirmed
+from memadvisor.strategy import Estimated, Measured, PickStage, Strategy
 
 __all__ = ["ProberStage", "refined_pick"]
 
@@ -40,25 +41,34 @@ class ProberStage(PickStage):
         self.profile = prober.space.profile
         self.workload = prober.workload
         self.strategies = prober.space.strategies
-        self.device_kind = prober.device.kind
-        self.step_times_rank = prober.device.step_times_rank
-        self.fresh_processes = prober.device.fresh_processes
-        self.free_bytes = prober.device.free_bytes()
+        self.device = prober.device.capabilities
+        self.options = prober.space.options
         self._bar: Stage | None = None
 
-    def confirm(self, choices: dict[str, JsonValue], start_batch: int) -> Confirmed | None:
+    def confirm(
+        self,
+        choices: dict[str, JsonValue],
+        start_batch: int,
+        *,
+        like: AnyConfirmed | None = None,
+        max_runs: int | None = None,
+    ) -> Confirmed | None:
         """``choices``' batch search from ``start_batch``, logged under this stage's name.
 
         The estimate is eager's (the stage's choice is measured only): the device's answer
         for the eager pick is the better start. The search's top stays the estimate's.
 
-        With the measured margin, a variant that at the refined pick's own batch allocates no
-        more than that pick did is confirmed without searching its own edge: the pick's batch
-        stays the headroom below an edge the device measured, and each new batch of a compiled
-        variant is a compile of its own (tens of seconds on a card). Where it allocates less
-        by more than the headroom, one run more tries the batch at which it would allocate
-        what the pick did (along the pick's measured bytes per sample) and takes it if it fits
-        within them. One that allocates more gets the whole search.
+        With the measured margin, a variant that at the reference's own batch (``like``, else
+        the refined pick) allocates no more than it did is confirmed without searching its own
+        edge: the reference's batch stays the headroom below an edge the device measured, and
+        each new batch of a compiled variant is a compile of its own (tens of seconds on a
+        card). Where it allocates less by more than the headroom, one run more tries the batch
+        at which it would allocate what the reference did (along the reference's measured
+        bytes per sample) and takes it if it fits within them. One that allocates more gets
+        the whole search.
+
+        With ``max_runs``, a search that would run more answers from the runs made so far:
+        the largest batch of ``choices`` that fitted within the limit, below every failure.
         """
         space = self._prober.space
         candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
@@ -68,7 +78,16 @@ class ProberStage(PickStage):
             largest_batch=candidate.batch_size,
             active=len(choices),
         )
-        ref = self._reference
+        self._prober.runs_left = max_runs
+        try:
+            return self._search(scored, like if like is not None else self._reference)
+        except RunsSpent:
+            return self._best_measured(scored)
+        finally:
+            self._prober.runs_left = None
+
+    def _search(self, scored: Scored, ref: AnyConfirmed | None) -> Confirmed | None:
+        candidate = scored.candidate
         if (
             ref is not None
             and self.config.measured_margin
@@ -90,8 +109,48 @@ class ProberStage(PickStage):
                 )
         return self._prober.confirm(scored, stage=self._name)
 
+    def _best_measured(self, scored: Scored) -> Confirmed | None:
+        """The largest batch of ``scored``'s choices that fitted within the pick's limit, below
+        the margin under its lowest failure: a search whose runs were spent (None: none, or
+        the objective's batch there needs accumulation, which no run measured)."""
+        prober, choices = self._prober, scored.candidate.choices
+        fitted, failure = prober.measured_runs(choices)
+        cap = prober.below(choices, failure) if failure is not None else None
+        limit = prober.pick_limit_bytes(choices, 0)
+        ok = [b for b, m in fitted.items() if prober.held(m) <= limit and (cap is None or b <= cap)]
+        if not ok:
+            return None
+        batch, accumulation = prober.space.batch_for(max(ok))
+        if accumulation != 1 or batch not in fitted:
+            return None
+        tried = [(b, True) for b in sorted(fitted)] + ([(failure, False)] if failure else [])
+        search = BatchSearch(
+            batch=batch, largest_fit=max(fitted), lowest_failure=failure, tried=tried
+        )
+        return Confirmed(
+            candidate=Candidate(batch_size=batch, choices=choices),
+            found_batch=batch,
+            measured=fitted[batch],
+            scored=scored,
+            search=search,
+        )
+
+    def run(self, choices: dict[str, JsonValue], batch: int) -> Measurement | None:
+        candidate = Candidate(batch_size=max(1, batch), choices=choices)
+        return self._prober.run(candidate, self._prober.steps, self._name)
+
+    def score(self, choices: dict[str, JsonValue]) -> Estimated | None:
+        return self._prober.space.score_choices(choices)
+
+    def held_bytes(self, measured: Measurement) -> int:
+        return self._prober.held(measured)
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self._prober.pick_limit_bytes({}, 0))
+
     def _larger(
-        self, candidate: Candidate, spare: int, ref: Confirmed, search: BatchSearch
+        self, candidate: Candidate, spare: int, ref: AnyConfirmed, search: BatchSearch
     ) -> tuple[Candidate, Measurement] | None:
         """The batch at which ``candidate``'s choices would allocate what ``ref`` did, if it
         fits within that: ``spare`` bytes along the pick's measured bytes per sample. The run
@@ -117,14 +176,20 @@ class ProberStage(PickStage):
         return tuple(self._prober.probes)
 
     def describe(self, text: str) -> None:
+        """The stage's progress line, and the words its device runs say their batch after
+        (only inside :meth:`progress`: no other stage's runs inherit them)."""
         if self._bar is not None:
+            self._prober.doing = text
             self._bar.describe(text)
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[None]:
         with self._ui.stage(self._name, total=None) as bar:
             self._bar = self._prober.bar = bar
-            yield
+            try:
+                yield
+            finally:
+                self._bar, self._prober.doing = None, ""
 
 
 def refined_pick(
@@ -134,7 +199,7 @@ def refined_pick(
     their notes; each stage starts from the pick the previous one returned."""
     pick, outcomes, notes = eager, [], []
     for strategy in strategies:
-        if not strategy.measured_only:
+        if not isinstance(strategy, Measured):
             continue
         started = time.perf_counter()
         result = strategy.refine(ProberStage(prober, strategy.name, ui, pick), pick)

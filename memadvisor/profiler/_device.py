@@ -10,6 +10,7 @@ from torch import nn
 
 from memadvisor._torch_private import fake_mode_active, is_fake
 from memadvisor.errors import BadInputError
+from memadvisor.schema.device import CPU, CUDA_CARD, FAKE_TENSORS, DeviceCapabilities
 from memadvisor.schema.precision import AUTOCAST_DTYPES
 from memadvisor.schema.profile import DeviceInfo
 
@@ -53,21 +54,34 @@ class Target:
             return torch.amp.is_autocast_available(self.device.type)
         return _cpu_autocast_runs(dtype)
 
-    def info(self) -> DeviceInfo:
+    def capabilities(self) -> DeviceCapabilities:
+        """What this target can do: a card's, fake tensors planned for a card, or the CPU's;
+        autocast in the low precisions it runs."""
+        dtypes = tuple(p for p in ("bf16", "fp16") if self.supports(p))
         if self.is_cuda:
-            props = torch.cuda.get_device_properties(self.device)
-            name, total = props.name, int(props.total_memory)
+            caps = CUDA_CARD
+            total = int(torch.cuda.get_device_properties(self.device).total_memory)
+            caps = caps.model_copy(update={"total_bytes": total})
+        else:
+            caps = FAKE_TENSORS if self.fake else CPU
+        autocast = caps.autocast.model_copy(update={"dtypes": dtypes})
+        return caps.model_copy(update={"autocast": autocast})
+
+    def info(self) -> DeviceInfo:
+        caps = self.capabilities()
+        if self.is_cuda:
+            name = torch.cuda.get_device_properties(self.device).name
         else:
             name = f"fake {self.device.type}" if self.fake else "cpu"
-            total = None
         return DeviceInfo(
             kind=self.kind,
             name=name,
-            total_bytes=total,
-            bf16_supported=self.supports("bf16"),
-            fp16_supported=self.supports("fp16"),
+            total_bytes=caps.total_bytes,
+            bf16_supported=caps.offers_autocast("bf16"),
+            fp16_supported=caps.offers_autocast("fp16"),
             tf32_supported=self.is_cuda and torch.cuda.get_device_capability(self.device) >= (8, 0),
             torch_version=torch.__version__,
+            capabilities=caps,
         )
 
 

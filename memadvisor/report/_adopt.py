@@ -52,11 +52,10 @@ def on_cpu(plan: Plan) -> bool:
     """True when the plan is for the CPU (the simulated device): its loop moves nothing.
 
     A fake-tensor or estimate plan is for a card (it plans under CUDA's policies), and so is
-    a plan confirmed on one.
+    a plan confirmed on one: what the capabilities say it trains on.
     """
-    if plan.profile is not None:
-        return plan.profile.device.kind == "cpu"
-    return plan.device_kind == "simulated"
+    caps = plan.profile.device.capabilities if plan.profile is not None else plan.capabilities
+    return caps.trains_on == "cpu"
 
 
 def adoption_snippet(plan: Plan) -> str:

@@ -341,11 +341,11 @@ def comparison(plan: Plan) -> list[ComparisonLine]:
 
 
 def times_rank(plan: Plan) -> bool:
-    """Whether the plan's device times rank configurations: a card's do. The simulated CPU
-    device's are CPU times slowed by its tracking, and fake tensors take none: there the
-    estimate ranks, and the report shows its times (marked), never a measured ratio. Any
-    other device (a card, a third party's) is taken to time what it runs."""
-    return plan.device_kind not in ("simulated", "estimate")
+    """Whether the plan's device times rank configurations (its capabilities say): a card's
+    do. The simulated CPU device's are CPU times slowed by its tracking, and an estimate
+    plan ran nothing: there the estimate ranks, and the report shows its times (marked),
+    never a measured ratio."""
+    return plan.capabilities.step_times_rank
 
 
 def _line(row: Row, budget_bytes: int, *, is_plan: bool, ranks: bool = True) -> ComparisonLine:

@@ -21,7 +21,14 @@ from pydantic import JsonValue
 from memadvisor.schema.advice import ReportPart
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import Plan
-from memadvisor.strategy import Strategy, load_strategies, registered_names
+from memadvisor.strategy import (
+    Strategy,
+    changes_step,
+    describe_choice,
+    load_strategies,
+    registered_names,
+)
+from memadvisor.strategy import installs as installs_word
 
 __all__ = ["changes", "installs", "others", "parts", "plan_strategies"]
 
@@ -48,7 +55,7 @@ def parts(plan: Plan, strategies: Sequence[Strategy] | None = None) -> dict[str,
     strategies = plan_strategies(plan) if strategies is None else strategies
     out = {}
     for strategy in strategies:
-        part = strategy.describe(plan.candidate.choices.get(strategy.name), plan)
+        part = describe_choice(strategy, plan.candidate.choices.get(strategy.name), plan)
         if part is not None:
             out[strategy.name] = part
     return out
@@ -81,7 +88,7 @@ def changes(cand: Candidate, strategies: Sequence[Strategy]) -> dict[str, str]:
     out = {}
     for name, choice in cand.choices.items():
         strategy = by_name.get(name)
-        runs = strategy.changes_step(choice) if strategy is not None else choice not in _NEUTRAL
+        runs = changes_step(strategy, choice) if strategy is not None else choice not in _NEUTRAL
         if runs:
             out[name] = json.dumps(choice, sort_keys=True)
     return out
@@ -89,4 +96,4 @@ def changes(cand: Candidate, strategies: Sequence[Strategy]) -> dict[str, str]:
 
 def installs(strategies: Sequence[Strategy]) -> list[str]:
     """What ``apply_plan`` installs in the forward, a word per strategy, in effect order."""
-    return [s.installs for s in strategies if s.installs]
+    return [word for word in (installs_word(s) for s in strategies) if word]

@@ -50,7 +50,9 @@ def planned_step(workload: Workload, plan: Plan, *, in_place: bool) -> PlannedSt
     a = answer(plan)
     if not in_place:
         workload = dataclasses.replace(workload, model=copy.deepcopy(workload.model))
-    device = {"cuda": "cuda", "simulated": "cpu"}.get(plan.device_kind, "auto")
+    # Recorded where the device ran its tensors (a card, the CPU); else wherever torch can.
+    ran_on = plan.capabilities.tensor_device
+    device = ran_on if ran_on in ("cuda", "cpu") else "auto"
     apply_plan(workload.model, plan)
     # fp32 here: the applied plan's own autocast wraps the forward already.
     timeline = record_timeline(workload, batch_size=a.batch_size, device=device)

@@ -135,7 +135,7 @@ def comparison_note(plan: Plan, mark: str = "~") -> str:
     """What the comparison's marks mean for this plan: which numbers ran on the device, and
     which rank (the estimate's, where the device's times do not)."""
     red = "A peak in red is over the budget."
-    if plan.device_kind == "estimate":
+    if not plan.capabilities.measures_memory:
         return f"{mark} estimated: nothing ran on a device (--device estimate). {red}"
     if not times_rank(plan):
         return (

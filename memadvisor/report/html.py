@@ -69,7 +69,7 @@ def render_plan_html(
         _answer(a),
         _section("comparison", "Configurations compared", _comparison(plan)),
     ]
-    if plan.device_kind == "estimate":
+    if not plan.capabilities.measures_memory:
         parts.append(
             _section(
                 "predicted-phases",

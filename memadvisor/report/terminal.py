@@ -45,7 +45,7 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
     """The whole plan report: answer, comparison, where the memory goes, recommendations."""
     ans = facts.answer(plan)
     console.print(_answer_panel(ans))
-    estimated_only = plan.device_kind == "estimate"
+    estimated_only = not plan.capabilities.measures_memory
     _section(console, "Configurations compared", _comparison_table(plan), comparison_note(plan))
     if estimated_only:
         _section(

@@ -3,6 +3,7 @@
 Nothing here runs a model or imports a stage of the pipeline; every stage imports from here.
 
     config      PlanConfig: the budget and how to plan under it
+    device      DeviceCapabilities: what a device can do; the device names users pass
     precision   the precision names and their autocast dtypes
     profile     Profile: what the profiler measured
     candidate   Candidate, Estimate, Measurement: one configuration, estimated and run
@@ -13,6 +14,7 @@ Nothing here runs a model or imports a stage of the pipeline; every stage import
 from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import GIB, PlanConfig, gib_to_bytes
+from memadvisor.schema.device import AutocastPolicy, DeviceCapabilities
 from memadvisor.schema.plan import Plan, Probe, Row
 from memadvisor.schema.precision import AUTOCAST_DTYPES, PRECISIONS, Precision
 from memadvisor.schema.profile import Profile, StepProfile
@@ -22,8 +24,10 @@ __all__ = [
     "GIB",
     "PRECISIONS",
     "Advice",
+    "AutocastPolicy",
     "Candidate",
     "Check",
+    "DeviceCapabilities",
     "Estimate",
     "Measurement",
     "Plan",

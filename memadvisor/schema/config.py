@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
-from memadvisor.errors import BadInputError
+# The device names are read in schema.device; re-exported here, where callers found them.
+from memadvisor.schema.device import DEVICE_NAMES, DeviceKind, device_kind
 
 __all__ = [
     "GIB",
@@ -24,41 +25,8 @@ __all__ = [
 GIB = 2**30  # budgets are GiB (2^30), the unit torch's own OOM messages count in
 
 Objective = Literal["throughput", "largest_batch", "effective_batch"]
-DeviceKind = Literal["auto", "cuda", "simulated", "estimate"]
 Parallel = Literal["none", "ddp", "fsdp2", "auto"]
 ChecksPolicy = Literal["decide", "report"]
-
-
-# One device vocabulary for plan(), profile() and the CLI's --device: each name a user may
-# pass, and the kind it means. "cpu" and "simulated" are one device: real CPU tensors whose
-# bytes are tracked as they are allocated (against the budget, when planning).
-DEVICE_NAMES: dict[str, DeviceKind] = {
-    "auto": "auto",
-    "cuda": "cuda",
-    "gpu": "cuda",
-    "cpu": "simulated",
-    "simulated": "simulated",
-    "estimate": "estimate",
-}
-
-
-def device_kind(asked: object, said: str = "device") -> DeviceKind:
-    """The device kind a user's name means (:data:`DEVICE_NAMES`; case does not matter).
-
-    Args:
-        asked: the name as given.
-        said: how the caller spells the option in messages (the CLI: ``--device``).
-
-    Raises:
-        BadInputError: not one of the names.
-    """
-    kind = DEVICE_NAMES.get(asked.lower()) if isinstance(asked, str) else None
-    if kind is None:
-        raise BadInputError(
-            f"{said} must be auto, cuda (or gpu), cpu (or simulated: CPU tensors whose bytes "
-            f"are tracked), or estimate (fake tensors, no device), but got {asked!r}."
-        )
-    return kind
 
 
 # A step timed (or estimated) at 0 ms counts as one tick of this: samples/s stays a finite

@@ -22,6 +22,7 @@ from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check
 from memadvisor.schema.candidate import Candidate, Estimate, Measurement
 from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.device import DeviceCapabilities, capabilities_of_kind
 from memadvisor.schema.loader import LoaderAdvice
 from memadvisor.schema.profile import Profile, StepTimeModel
 
@@ -40,6 +41,7 @@ __all__ = [
     "Row",
     "StageOutcome",
     "StageVariant",
+    "StepFit",
     "lend_views",
 ]
 
@@ -81,6 +83,53 @@ class Row(_Model):
     measured: Measurement | None = Field(None, description="None when only estimated.")
 
 
+class StepFit(_Model):
+    """A configuration's step as lines in the batch, learned from its device runs: what a
+    measured stage (torch.compile) predicts a configuration's largest batch and throughput
+    with, where the eager estimate cannot (``strategies/_compile_model.py``).
+
+    ``peak(b) = fixed_bytes + per_sample_bytes * b`` (the bytes the batch search reads: the
+    allocated peak with the measured margin, else the reserved one) and
+    ``step(b) = fixed_ms + per_sample_ms * b``.
+
+    Known limitations:
+        * A line: a step whose peak moves from one phase to another between the runs'
+          batches (the optimizer's at small batches, backward's at large) bends, and a line
+          through runs on both sides of the bend is off at either end.
+    """
+
+    fixed_bytes: int = Field(description="Bytes held whatever the batch (weights, states).")
+    per_sample_bytes: int = Field(description="Bytes one more sample adds to the peak.")
+    fixed_ms: float = Field(description="Step time whatever the batch (launches, optimizer).")
+    per_sample_ms: float = Field(description="Step time one more sample adds.")
+    batches: list[int] = Field(description="The batches of the runs that fitted, ascending.")
+    basis: Literal["fitted", "scaled"] = Field(
+        description="How the bytes line was learned. fitted: through two or more runs; "
+        "scaled: from one run (or runs whose line did not rise), the eager estimate's "
+        "per-sample bytes scaled by the ratio measured there."
+    )
+    bytes_ratio: float | None = Field(
+        None,
+        description="scaled: the run's batch-dependent bytes over the eager estimate's at its "
+        "batch (0.7: the compiled step keeps 70% of what eager keeps per sample).",
+    )
+    time_ratio: float | None = Field(
+        None,
+        description="Where the time line is eager's scaled (one run, or runs whose times did "
+        "not rise with the batch): the run's step time over the eager estimate's at its batch.",
+    )
+    lowest_failure: int | None = Field(
+        None, description="The lowest batch of these choices that ran out of memory, if any."
+    )
+    limit_bytes: int = Field(
+        description="The most a pick's peak may be: the budget less the measured headroom."
+    )
+    largest_batch: int = Field(
+        description="The largest batch the line keeps within limit_bytes (below lowest_failure)."
+    )
+    samples_per_s: float = Field(description="The time line's throughput at largest_batch.")
+
+
 class StageVariant(_Model):
     """One variant a measured stage tried: whether its trial ran, and what the device measured."""
 
@@ -90,8 +139,18 @@ class StageVariant(_Model):
     one_off_ms: float | None = Field(
         None, description="What the trial paid once (a compile: first step less a steady one)."
     )
-    batch_size: int | None = Field(None, description="The batch the device confirmed, if run.")
+    batch_size: int | None = Field(
+        None,
+        description="The batch the device confirmed; for a variant measured but not confirmed, "
+        "the largest batch of its runs that fitted. None when it never ran.",
+    )
     measured: Measurement | None = Field(None, description="Its steady steps at that batch.")
+    confirmed: bool = Field(
+        False, description="True when batch_size is the device's batch search's answer."
+    )
+    fit: StepFit | None = Field(
+        None, description="Its memory and time lines, learned from its runs (when it ran)."
+    )
     device_wall_ms: float = Field(0.0, description="Its device runs' wall time.")
     error: str | None = Field(None, description="Why its device runs failed, when they did.")
 
@@ -214,10 +273,16 @@ class Plan(_Model):
         "hand-built plans (nothing to check against).",
     )
     config: PlanConfig
-    device_kind: Literal["cuda", "simulated", "fake", "estimate"] = Field(
-        description="Where the pick was confirmed; estimate: nowhere (every figure estimated)."
+    device_kind: str = Field(
+        description="What the device the pick was confirmed on is called (capabilities.kind; "
+        "'estimate': nowhere, every figure estimated). For display: read capabilities."
     )
     device_name: str
+    capabilities: DeviceCapabilities = Field(
+        None,  # type: ignore[assignment]  # made from device_kind where a file has none
+        description="What that device can do: whether its times rank, how it measures "
+        "memory, what it trains on. A plan written without them gets its kind's.",
+    )
     candidate: Candidate = Field(description="The pick.")
     estimate: Estimate = Field(description="The estimate of the pick.")
     verified: Measurement | None = Field(None, description="The pick's sustained run.")
@@ -329,7 +394,7 @@ class Plan(_Model):
             BadInputError: the file cannot be written.
         """
         # An estimate plan's model may be fake or on the meta device: nothing to record.
-        recordable = record_step and self.device_kind != "estimate"
+        recordable = record_step and self.capabilities.measures_memory
         workload = self._workload if recordable else None
         return _views().write_html(self, path, workload)
 
@@ -345,6 +410,13 @@ class Plan(_Model):
 
     @model_validator(mode="after")
     def _finite_and_in_range(self) -> Plan:
+        if self.capabilities is None:  # a plan written before capabilities
+            self.capabilities = capabilities_of_kind(self.device_kind)
+        if self.capabilities.kind != self.device_kind:
+            raise ValueError(
+                f"device_kind is {self.device_kind!r} but capabilities.kind is "
+                f"{self.capabilities.kind!r}; one device says both"
+            )
         where = _non_finite(self, "")
         if where is not None:
             raise ValueError(f"{where} is not a finite number; a plan holds only finite ones")

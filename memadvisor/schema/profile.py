@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from memadvisor.schema.call import CallForm
+from memadvisor.schema.device import DeviceCapabilities, capabilities_of_kind
 from memadvisor.schema.precision import AUTOCAST_DTYPES, Precision
 
 __all__ = [
@@ -80,7 +81,14 @@ class LinearMs(_Model):
 
 
 class DeviceInfo(_Model):
-    """The device a profile was measured on (or, for fake tensors, planned for)."""
+    """The device a profile was measured on (or, for fake tensors, planned for), and the
+    capabilities of the device the plan is for, which strategies read.
+
+    ``kind`` and the ``*_supported`` flags say where the profiler measured; ``capabilities``
+    what the planning device can do: the planner sets the device's own (a third party's
+    device profiled on the CPU keeps its kind, autocast and compile there). A profile written
+    before capabilities existed gets its kind's (:func:`capabilities_of_kind`).
+    """
 
     kind: Literal["cuda", "cpu", "fake"] = Field(
         description="cuda: a real card; cpu: real CPU tensors, bytes tracked; fake: FakeTensorMode."
@@ -93,6 +101,20 @@ class DeviceInfo(_Model):
         False, description="fp32 matmuls can run in TF32 (a card of compute capability 8.0+)."
     )
     torch_version: str = ""
+    capabilities: DeviceCapabilities = Field(
+        None,  # type: ignore[assignment]  # made below from the kind
+        description="What the device the profile is for can do (default: its kind's).",
+    )
+
+    @model_validator(mode="after")
+    def _capabilities_of_its_kind(self) -> DeviceInfo:
+        if self.capabilities is None:
+            flags = (("bf16", self.bf16_supported), ("fp16", self.fp16_supported))
+            dtypes = tuple(p for p, supported in flags if supported)
+            self.capabilities = capabilities_of_kind(
+                self.kind, dtypes=dtypes, total_bytes=self.total_bytes
+            )
+        return self
 
 
 class BlockInfo(_Model):

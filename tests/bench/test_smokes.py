@@ -45,6 +45,7 @@ SMOKES: dict[str, list[str]] = {
     "fake_7b": ["--preset", "tiny", "--seq-len", "64"],
     "precision_check": ["--device", "cpu", "--tiny", "--models", "gpt2", "--out", OUT],
     "probe_exit": ["--repeat", "1"],
+    "loss_head": ["--batches", "2", "--precisions", "fp32", "--chunks", "off", "8"],
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
         "--json", OUT,

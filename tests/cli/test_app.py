@@ -48,6 +48,26 @@ def test_each_error_kind_has_its_exit_code_and_one_line_on_stderr(
     assert "Traceback" not in result.stderr
 
 
+def test_a_warning_while_a_command_runs_is_one_line_on_stderr() -> None:
+    """A strategy's UserWarning (checkpointing a layer with a KV cache) prints as one
+    'warning:' line, without Python's file:line prefix or a source line of torch's."""
+    import warnings
+
+    app = typer.Typer()
+
+    @app.command()
+    @handle_errors
+    def run(debug: bool = typer.Option(False, "--debug")) -> None:
+        warnings.warn("GPT2Block is checkpointed while training with a KV cache [1]", stacklevel=1)
+
+    result = CliRunner().invoke(app, [], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert result.stderr.strip().splitlines() == [
+        "warning: GPT2Block is checkpointed while training with a KV cache [1]"
+    ]
+    assert warnings.showwarning.__module__ == "warnings"  # put back after the command
+
+
 def test_an_unexpected_error_is_named_and_points_to_debug() -> None:
     result = CliRunner().invoke(_app_raising(KeyError("x")), [], env={"COLUMNS": "200"})
     assert "unexpected KeyError" in result.stderr and "--debug" in result.stderr

@@ -261,7 +261,7 @@ def test_optimize_on_cuda_keeps_the_caller_state() -> None:
 
 
 def test_a_saved_workload_using_a_target_file_loads_in_a_fresh_process(tmp_path: Path) -> None:
-    """A workload whose loss comes from a file loaded by path (the GPT example's loss_fn)
+    """A workload whose model comes from a file loaded by path (the GPT example's class)
     pickles by that module's name; the probe process loads the file under the same name
     first, so it unpickles the workload (no CUDA needed for this part)."""
     import json
@@ -288,11 +288,11 @@ def test_a_saved_workload_using_a_target_file_loads_in_a_fresh_process(tmp_path:
     code = (
         "import json, sys; from memadvisor.device._worker import _load_workload; "
         f"w = _load_workload(json.loads({json.dumps(json.dumps(request))})); "
-        "print(type(w).__name__, w.loss_fn.__name__, w.sample_batch_size)"
+        "print(type(w).__name__, type(w.model).__name__, w.sample_batch_size)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["Workload", "loss_fn", str(workload.sample_batch_size)]
+    assert done.stdout.split() == ["Workload", "GPT", str(workload.sample_batch_size)]
 
 
 def test_the_answer_line_is_found_among_whatever_the_model_printed() -> None:

@@ -17,6 +17,8 @@ from memadvisor.device import Device
 from memadvisor.estimate import StepModel
 from memadvisor.schema.advice import Advice
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.device import AutocastPolicy, DeviceCapabilities
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
@@ -26,7 +28,7 @@ from memadvisor.schema.profile import (
     Profile,
     StepProfile,
 )
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import HandTried, Strategy, TimedEachChoice
 from memadvisor.workload import Workload
 
 MIB = 2**20
@@ -69,12 +71,11 @@ def make_profile(param_mib: float = 1.0) -> Profile:
     )
 
 
-class FakePrecision(Strategy):
+class FakePrecision(Strategy, TimedEachChoice, HandTried):
     """fp32 or bf16; its own hand row (+AMP) and guard, as the built-in precision has."""
 
     name = "precision"
     effect_order = 10
-    guarded = True
 
     def is_neutral(self, choice) -> bool:
         return choice in (None, "off", "fp32")
@@ -88,8 +89,8 @@ class FakePrecision(Strategy):
     def effect(self, profile, choice, model: StepModel) -> None:
         model.use_precision(str(choice))
 
-    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
-        return model
+    def apply(self, step, choice):
+        return step
 
     def explain(self, choice, profile) -> Advice | None:
         if choice == "fp32":
@@ -97,7 +98,7 @@ class FakePrecision(Strategy):
         return Advice(strategy=self.name, title=f"Train in {choice}", sentence="Use autocast.")
 
 
-class FakeCheckpointing(Strategy):
+class FakeCheckpointing(Strategy, HandTried):
     """Any prefix of the blocks; every block is its hand row (+Checkpointing)."""
 
     name = "checkpointing"
@@ -114,8 +115,12 @@ class FakeCheckpointing(Strategy):
         index = {b.name: i for i, b in enumerate(profile.blocks)}
         model.checkpoint(index[n] for n in choice)  # type: ignore[union-attr]
 
-    def apply(self, model: nn.Module, choice, profile) -> nn.Module:
-        return model
+    def facts(self, choice) -> Facts:
+        """The blocks it recomputes, as the built-in checkpointing states them."""
+        return Facts(recomputed_blocks=list(choice or []))
+
+    def apply(self, step, choice):
+        return step
 
     def explain(self, choice, profile) -> Advice | None:
         if not choice:
@@ -131,8 +136,13 @@ class FakeDevice(Device):
     step overshoots near the limit on a card (docs/design.md, "Fitting near the limit").
     """
 
-    kind = "fake"
-    step_times_rank = True  # its times are a model of a card's: they rank candidates
+    # Its times are a model of a card's: they rank candidates. It autocasts as a card would.
+    capabilities = DeviceCapabilities(
+        kind="fake",
+        tensor_device="cpu",
+        step_times_rank=True,
+        autocast=AutocastPolicy(device_type="cpu", dtypes=("bf16", "fp16")),
+    )
 
     def __init__(
         self,
@@ -149,7 +159,10 @@ class FakeDevice(Device):
         super().__init__(budget_bytes=100 * MIB, name="fake")
         # True models a card: a run's fixed cost dwarfs its steps, so the planner's probes
         # take the verification's steps (memadvisor.planner._plan.run_steps).
-        self.runs_cost_more_than_steps = runs_cost_more_than_steps
+        if runs_cost_more_than_steps:
+            self.capabilities = type(self).capabilities.model_copy(
+                update={"runs_cost_more_than_steps": True}
+            )
         self.threshold = threshold
         self.sustained = sustained
         self.short_steps = short_steps
@@ -196,6 +209,99 @@ class FakeDevice(Device):
         )
 
 
+class LinearDevice(FakeDevice):
+    """Memory and time as lines in the batch, eager and compiled, known by construction.
+
+    A run of batch ``b`` holds ``fixed_bytes + per_sample_bytes(candidate) * b`` and fits iff
+    that is within the budget. Eager per-sample bytes come from ``eager_per_sample`` (MiB by
+    (precision, checkpointed blocks)); a compiled run (choices with a compile choice) holds
+    ``compiled_ratio`` of eager's per sample (or ``compiled_per_sample``'s MiB) and
+    ``compiled_fixed_bytes`` more fixed, whatever its form (regional or whole), as fusion frees
+    per-sample intermediates. Time:
+    ``1 ms + b * per_sample_ms * (1 + recompute * blocks / BLOCKS)``, ``per_sample_ms`` halved
+    in bf16; compiled ``speedup`` times faster, its regional form ``regional_speed`` of that.
+    """
+
+    def __init__(
+        self,
+        eager_per_sample: dict[tuple[str, int], float],
+        *,
+        fixed_bytes: int = 10 * MIB,
+        compiled_ratio: float = 0.7,
+        compiled_per_sample: dict[tuple[str, int], float] | None = None,
+        compiled_fixed_bytes: int = 0,
+        speedup: float = 1.3,
+        regional_speed: float = 0.95,
+        per_sample_ms: float = 0.1,
+        fixed_ms: float = 1.0,
+        recompute: float = 0.3,
+        **kwargs,
+    ) -> None:
+        super().__init__(self.edge, **kwargs)
+        self.eager_per_sample = eager_per_sample
+        self.compiled_per_sample = compiled_per_sample
+        self.fixed_bytes, self.compiled_fixed_bytes = fixed_bytes, compiled_fixed_bytes
+        self.compiled_ratio, self.speedup, self.regional_speed = (
+            compiled_ratio,
+            speedup,
+            regional_speed,
+        )
+        self.per_sample_ms, self.fixed_ms, self.recompute = per_sample_ms, fixed_ms, recompute
+
+    @staticmethod
+    def key(candidate: Candidate) -> tuple[str, int]:
+        precision = str(candidate.choices.get("precision", "fp32"))
+        return precision, len(candidate.choices.get("checkpointing", []) or [])  # type: ignore[arg-type]
+
+    @staticmethod
+    def compiled(candidate: Candidate) -> dict | str | None:
+        return candidate.choices.get("compile")  # type: ignore[return-value]
+
+    def line(self, candidate: Candidate) -> tuple[int, int]:
+        """(fixed bytes, bytes per sample) of ``candidate``'s step on this device."""
+        key = self.key(candidate)
+        per_sample = self.eager_per_sample[key] * MIB
+        fixed = self.fixed_bytes
+        if self.compiled(candidate) is not None:
+            fixed += self.compiled_fixed_bytes
+            if self.compiled_per_sample is not None:
+                per_sample = self.compiled_per_sample[key] * MIB
+            else:
+                per_sample *= self.compiled_ratio
+        return fixed, round(per_sample)
+
+    def edge(self, candidate: Candidate) -> int:
+        """The largest batch that fits: what the planner should find."""
+        fixed, per_sample = self.line(candidate)
+        return (self.budget_bytes - fixed) // per_sample
+
+    def step_ms(self, candidate: Candidate) -> float:
+        precision, blocks = self.key(candidate)
+        per_sample = self.per_sample_ms * (0.5 if precision == "bf16" else 1.0)
+        per_sample *= 1 + self.recompute * blocks / BLOCKS
+        ms = self.fixed_ms + candidate.batch_size * per_sample
+        choice = self.compiled(candidate)
+        if choice is not None:
+            regional = isinstance(choice, dict) and choice.get("regional")
+            ms /= self.speedup * (self.regional_speed if regional else 1.0)
+        return candidate.accumulation_steps * ms
+
+    def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
+        self.calls.append((candidate.batch_size, steps, dict(candidate.choices)))
+        if self.error is not None and candidate.batch_size >= (self.error_at or 0):
+            raise self.error
+        if candidate.batch_size > self.edge(candidate):
+            raise torch.OutOfMemoryError(f"fake: batch {candidate.batch_size} does not fit")
+        fixed, per_sample = self.line(candidate)
+        step_ms = self.step_ms(candidate)
+        return Measurement(
+            steps=steps,
+            peak_bytes=fixed + per_sample * candidate.batch_size,
+            step_ms=step_ms,
+            samples_per_s=candidate.batch_size * candidate.accumulation_steps / step_ms * 1e3,
+        )
+
+
 class ThresholdOf:
     """threshold(candidate) from a table keyed by (precision, number of checkpointed blocks)."""
 
@@ -223,6 +329,12 @@ def profile() -> Profile:
 def fake_device() -> type[FakeDevice]:
     """The FakeDevice class (conftest is not importable under --import-mode=importlib)."""
     return FakeDevice
+
+
+@pytest.fixture
+def linear_device() -> type[LinearDevice]:
+    """The LinearDevice class: memory and time lines known by construction, compiled too."""
+    return LinearDevice
 
 
 @pytest.fixture

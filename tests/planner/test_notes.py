@@ -46,3 +46,21 @@ def test_no_fit_above_the_pick_no_explanation() -> None:
     fixed = PlanConfig(budget_bytes=100 * MIB, margin_fraction=0.08)
     best = _best([(101, False), (92, True), (96, True), (97, True)], 92)
     assert "kept" not in runs_note([], best, VERIFIED, fixed)  # type: ignore[arg-type]
+
+
+def test_a_strategy_not_offered_at_all_says_why_without_the_checks_hint() -> None:
+    """A failed check of no choice (a strategy not offered at all, e.g. the chunked loss
+    where the loss_fn is opaque) is noted as the strategy's own sentence, without the
+    "checks='report' to consider it anyway" that a failed choice gets (no setting offers it);
+    a failed choice keeps that hint; passed checks say nothing."""
+    from memadvisor.planner._notes import screen_notes
+    from memadvisor.schema.advice import Check
+
+    whole = Check(strategy="s", summary="not offered: the loss is opaque.", passed=False)
+    one = Check(strategy="p", choice="bf16", summary="bf16 differs.", passed=False)
+    fine = Check(strategy="p", choice="tf32", summary="tf32 agrees.", passed=True)
+    config = PlanConfig(budget_bytes=100 * MIB)
+    notes = screen_notes([whole, one, fine], config)
+    assert notes[0] == "s: not offered: the loss is opaque."
+    assert notes[1].startswith("p bf16 was not considered") and "checks='report'" in notes[1]
+    assert len(notes) == 2

@@ -66,7 +66,7 @@ def test_auto_times_ddp_and_both_fsdp2_reshardings_and_the_fastest_decides() -> 
         rerank_top=1,
     )
     device = Ranks(config.budget_bytes, 2, strategy_names=config.strategies)
-    device.step_times_rank = True
+    device.capabilities = device.capabilities.model_copy(update={"step_times_rank": True})
     plan = plan_workload(w, config, device=device, progress=False, measure_comparison=False)
     timed = [p for p in plan.probes if p.stage == "timing" and p.candidate is not None]
     kinds = {

@@ -460,7 +460,7 @@ def test_reranking_uses_device_times_only_where_they_rank(
     config = _config()
     thresholds = _estimate_thresholds(profile, strategies, config)
     device = fake_device(_ByChoices(thresholds), inverse_times=True)
-    device.step_times_rank = times_rank
+    device.capabilities = device.capabilities.model_copy(update={"step_times_rank": times_rank})
     plan = _plan(workload, profile, strategies, device)
     reranked = [p.candidate for p in plan.probes if p.stage == "timing" and p.fits]
     smallest = min(reranked, key=lambda c: c.batch_size)
@@ -488,7 +488,7 @@ def test_the_hand_configurations_without_checkpointing_are_timed_beside_the_esti
     assert plan.candidate.choices == {}
     assert plan.candidate.batch_size == thresholds["{}"]
     device = fake_device(_ByChoices(thresholds), inverse_times=True)
-    device.step_times_rank = False
+    device.capabilities = device.capabilities.model_copy(update={"step_times_rank": False})
     plan = _plan(workload, profile, strategies, device, measure_comparison=False)
     assert all(p.candidate.choices != {} for p in plan.probes)
 

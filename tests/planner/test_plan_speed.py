@@ -81,7 +81,7 @@ def _refine(prober, eager, *, cache_dir, free_bytes):
     ``free_bytes`` free: (the pick, the outcome)."""
     strategy = next(s for s in prober.space.strategies if s.name == "compile")
     stage = ProberStage(prober, "compile", QUIET)
-    stage.free_bytes = free_bytes
+    stage.device = stage.device.model_copy(update={"free_bytes": free_bytes})
     result = compiled_pick(stage, eager, strategy, cache_dir=cache_dir)
     return result.pick, result.outcome
 

@@ -36,8 +36,8 @@ class _Padding(Strategy):
         model.add_bytes("backward", int(choice) * MIB)  # type: ignore[arg-type]
         model.add_ms(-0.01 * int(choice))  # type: ignore[arg-type]  # a little faster
 
-    def apply(self, model, choice, profile):
-        return model
+    def apply(self, step, choice):
+        return step
 
     def explain(self, choice, profile) -> Advice | None:
         return None

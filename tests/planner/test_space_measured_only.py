@@ -6,12 +6,14 @@ from typing import ClassVar
 
 from memadvisor.planner._space import SearchSpace
 from memadvisor.schema.config import GIB, PlanConfig
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Measured, Strategy
 
 
-class _MeasuredOnly(Strategy):
+class _MeasuredOnly(Strategy, Measured):
     name: ClassVar[str] = "measured_toy"
-    measured_only: ClassVar[bool] = True
+
+    def refine(self, stage, eager):  # noqa: ANN001, ANN201
+        return None
 
     def choices(self, profile, config):  # noqa: ANN001, ANN201
         return ["off", "on"]
@@ -19,8 +21,8 @@ class _MeasuredOnly(Strategy):
     def effect(self, profile, choice, model) -> None:  # noqa: ANN001
         return None
 
-    def apply(self, model, choice, profile):  # noqa: ANN001, ANN201
-        return model
+    def apply(self, step, choice):  # noqa: ANN001, ANN201
+        return step
 
     def explain(self, choice, profile) -> None:  # noqa: ANN001
         return None

@@ -15,7 +15,7 @@ from memadvisor.report._facts import answer, device_runs
 from memadvisor.report._words import answer_rows
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
-from memadvisor.strategy import load_strategies
+from memadvisor.strategy import Measured, load_strategies
 
 MIB = 2**20
 
@@ -25,16 +25,15 @@ PLUGIN = textwrap.dedent(
     '''
     from memadvisor.schema.advice import Advice
     from memadvisor.schema.plan import StageOutcome
-    from memadvisor.strategy import Refinement, Strategy
+    from memadvisor.strategy import Measured, Refinement, Strategy
 
     CALLS = []
 
 
-    class Turbo(Strategy):
+    class Turbo(Strategy, Measured):
         """Some kernel swap whose gain only a device can measure."""
 
         name = "turbo"
-        measured_only = True
 
         def choices(self, profile, config):
             return ["off", "on"]
@@ -42,8 +41,8 @@ PLUGIN = textwrap.dedent(
         def effect(self, profile, choice, model):
             return None  # measured only: the estimate stays as it is
 
-        def apply(self, model, choice, profile):
-            return model
+        def apply(self, step, choice):
+            return step
 
         def explain(self, choice, profile):
             return Advice(strategy=self.name, title="Turbo", sentence="Turn turbo on.")
@@ -112,7 +111,7 @@ def test_the_entry_point_registers_the_plugin(turbo_installed) -> None:
     names = [s.name for s in load_strategies()]
     assert "turbo" in names and "precision" in names
     turbo = load_strategies(["turbo"])[0]
-    assert turbo.measured_only and type(turbo).__module__ == "turbo_plugin"
+    assert isinstance(turbo, Measured) and type(turbo).__module__ == "turbo_plugin"
 
 
 def test_a_plugins_measured_stage_is_planned_on_the_device(
@@ -152,7 +151,7 @@ def test_a_plugins_variant_that_does_not_pay_leaves_the_eager_pick(
     assert dict(answer_rows(answer(plan)))["Turbo"] == "weighed, kept off"
 
 
-def test_refine_is_not_asked_of_strategies_that_are_not_measured_only(
+def test_refine_is_not_asked_of_strategies_that_are_not_measured(
     workload, profile, fake_device, strategies
 ) -> None:
     """A strategy the estimate can rank never gets a measured stage, even if it defines one."""

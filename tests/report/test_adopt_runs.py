@@ -19,6 +19,7 @@ import torch
 from memadvisor.report._adopt import adoption_snippet
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.device import capabilities_of_kind
 from memadvisor.schema.plan import ModelFingerprint, Plan
 from memadvisor.workload import Workload
 
@@ -70,13 +71,16 @@ def _plan_for(plan: Plan, job: dict[str, Any], *, device: str, precision: str) -
     wl = Workload(job["model"], job["sample_batch"], loss_fn=job.get("loss_fn"))
     with torch.no_grad():
         form = wl.call_form(wl.forward(job["model"], wl.sample_batch))
+    caps = capabilities_of_kind(device, dtypes=("bf16", "fp16"))
     device_info = plan.profile.device.model_copy(
-        update={"kind": device, "name": device, "bf16_supported": True}
+        update={"kind": device, "name": device, "bf16_supported": True, "capabilities": caps}
     )
     profile = plan.profile.model_copy(update={"call_form": form, "device": device_info})
+    kind = "simulated" if device == "cpu" else "cuda"
     return plan.model_copy(
         update={
-            "device_kind": "simulated" if device == "cpu" else "cuda",
+            "device_kind": kind,
+            "capabilities": capabilities_of_kind(kind),
             "model_fingerprint": ModelFingerprint.of(job["model"]),
             "profile": profile,
             "candidate": Candidate(

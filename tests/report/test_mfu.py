@@ -12,6 +12,7 @@ from memadvisor.report import render_plan_html
 from memadvisor.report._facts import answer
 from memadvisor.report._mfu import peak_tflops
 from memadvisor.report._words import answer_rows
+from memadvisor.schema.device import SIMULATED
 from memadvisor.schema.plan import ModelFingerprint, Plan
 
 N = 124_000_000  # GPT-2 small's parameters, as one tensor
@@ -47,7 +48,9 @@ def test_the_card_is_matched_by_name_and_precision() -> None:
 
 
 def test_no_mfu_where_times_rank_nothing_or_the_card_is_unknown(plan: Plan) -> None:
-    simulated = answer(_lm(plan, "simulated card (CPU)", device_kind="simulated"))
+    simulated = answer(
+        _lm(plan, "simulated card (CPU)", device_kind="simulated", capabilities=SIMULATED)
+    )
     assert simulated.lm.mfu is None and simulated.lm.tokens_per_s > 0
     assert "no MFU: this device has no datasheet peak" in dict(answer_rows(simulated))["Tokens"]
     unknown = answer(_lm(plan, "NVIDIA GeForce RTX 3050"))

@@ -23,7 +23,7 @@ from memadvisor.schema.plan import Plan
 PLUGIN = textwrap.dedent(
     '''
     from memadvisor.schema.advice import LoopLines, ReportPart
-    from memadvisor.strategy import Strategy
+    from memadvisor.strategy import Described, Strategy
 
 
     class Quiet(Strategy):
@@ -37,14 +37,14 @@ PLUGIN = textwrap.dedent(
         def effect(self, profile, choice, model):
             return None
 
-        def apply(self, model, choice, profile):
-            return model
+        def apply(self, step, choice):
+            return step
 
         def explain(self, choice, profile):
             return None
 
 
-    class Sparse(Quiet):
+    class Sparse(Quiet, Described):
         """2:4 sparse weights; recomputes the last block to fit its masks."""
 
         name = "sparse"

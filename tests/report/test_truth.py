@@ -20,6 +20,7 @@ from memadvisor.report.terminal import print_code
 from memadvisor.schema.advice import Advice
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.device import SIMULATED
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import LinearMs, ModuleActivity, Profile
 from strategies.batch_size import BatchSize, choice_for
@@ -69,7 +70,9 @@ def test_where_device_times_rank_nothing_the_estimate_ranks_every_row_and_the_he
     Step and Samples/s are the estimate's and marked so, and the measured peaks stay."""
     from memadvisor.report._facts import comparison
 
-    simulated = plan.model_copy(update={"device_kind": "simulated", "device_name": "cpu"})
+    simulated = plan.model_copy(
+        update={"device_kind": "simulated", "device_name": "cpu", "capabilities": SIMULATED}
+    )
     a = answer(simulated)
     assert not a.measured and a.speedup_basis == "estimated"
     assert a.samples_per_s == plan.estimate.samples_per_s

@@ -1,0 +1,187 @@
+"""The compiled step's memory and time as lines in the batch, learned from a few device runs.
+
+The eager profile does not predict a compiled step: inductor fuses intermediates away (the
+fp32 logits a decoder's loss holds, which eager checkpointing cannot free) and its
+partitioner chooses what backward keeps. So the compile stage learns each compiled
+configuration (checkpointed set, precision, form of compile) from its own runs, and ranks
+the configurations and picks their batch by what it learned (:class:`StepFit`):
+
+* Two or more runs that fitted, at different batches: least-squares lines through them,
+  ``peak(b) = fixed + per_sample * b`` and ``step_ms(b) = fixed_ms + per_sample_ms * b``.
+* One run: the eager estimate's lines for the same choices, their batch-dependent part scaled
+  by what the run measured against the estimate at its batch. The fixed bytes stay eager's
+  (weights, gradients, optimizer state: compiling changes none of them), so the bytes line
+  passes through the run and its per-sample bytes are eager's times the ratio of the
+  batch-dependent bytes (``bytes_ratio``, 0.7: the compiled step keeps 70% of what eager
+  keeps per sample); the time line is eager's scaled by the measured step over eager's.
+
+The largest batch a line keeps within the limit, and the throughput the time line gives
+there, rank the configurations; the batch search then confirms the winner from that batch.
+
+Known limitations:
+    * Lines: a step whose peak moves from one phase to another between the runs' batches
+      (the optimizer's at small batches, backward's at large) bends, and a line through runs
+      on both sides of the bend is off at either end. Runs near the batch the line predicts
+      (the search's second run is there) keep that error small where it matters.
+    * One run: a fixed workspace the compiled step holds (inductor's, a CUDA graph pool)
+      reads as per-sample bytes, so the line is steeper than the step's and the predicted
+      batch smaller than it could be (safe, not best); the second run corrects it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pydantic import JsonValue
+
+from memadvisor.estimate import estimate
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.plan import StepFit
+from memadvisor.schema.profile import Profile
+from memadvisor.strategy import Strategy
+
+__all__ = ["EagerLines", "Line", "fit_step", "predicted", "samples_per_s"]
+
+
+@dataclass(frozen=True)
+class Line:
+    """``fixed + per_sample * b``."""
+
+    fixed: float
+    per_sample: float
+
+    def at(self, batch: float) -> float:
+        return self.fixed + self.per_sample * batch
+
+    @classmethod
+    def through(cls, points: Sequence[tuple[float, float]]) -> Line | None:
+        """The least-squares line through ``points`` (batch, value); None with fewer than two
+        distinct batches."""
+        xs = [x for x, _ in points]
+        if len(set(xs)) < 2:
+            return None
+        n = len(points)
+        mean_x, mean_y = sum(xs) / n, sum(y for _, y in points) / n
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+        slope = sxy / sxx
+        return cls(fixed=mean_y - slope * mean_x, per_sample=slope)
+
+
+@dataclass(frozen=True)
+class EagerLines:
+    """The eager estimate's peak bytes and step time for some choices, as lines taken between
+    ``batch`` and twice it (the estimate is convex in the batch: the slope above a run)."""
+
+    bytes: Line
+    ms: Line
+
+    @classmethod
+    def of(
+        cls,
+        profile: Profile,
+        choices: dict[str, JsonValue],
+        strategies: Sequence[Strategy],
+        batch: int,
+    ) -> EagerLines:
+        low, high = max(1, batch), 2 * max(1, batch)
+        at_low = estimate(profile, Candidate(batch_size=low, choices=choices), strategies)
+        at_high = estimate(profile, Candidate(batch_size=high, choices=choices), strategies)
+
+        def line(y_low: float, y_high: float) -> Line:
+            slope = (y_high - y_low) / (high - low)
+            return Line(fixed=y_low - slope * low, per_sample=slope)
+
+        return cls(
+            bytes=line(at_low.peak_bytes, at_high.peak_bytes),
+            ms=line(at_low.step_ms, at_high.step_ms),
+        )
+
+
+def fit_step(
+    runs: Mapping[int, tuple[int, float]],
+    eager: EagerLines,
+    *,
+    limit_bytes: int,
+    max_batch: int,
+    lowest_failure: int | None = None,
+) -> StepFit | None:
+    """The lines of a configuration from its ``runs`` (batch -> (held bytes, step ms)) that
+    fitted, and what they predict under ``limit_bytes``; None without a run.
+
+    Args:
+        runs: the configuration's runs that fitted, by batch.
+        eager: the eager estimate's lines for the same choices (used with one run, or where
+            two runs give no rising line).
+        limit_bytes: the most a pick's peak may be.
+        max_batch: no batch above this is predicted.
+        lowest_failure: the lowest batch of the configuration that ran out of memory.
+    """
+    if not runs:
+        return None
+    points = sorted(runs.items())
+    memory = Line.through([(b, held) for b, (held, _) in points])
+    time = Line.through([(b, ms) for b, (_, ms) in points])
+    top_batch, (top_bytes, top_ms) = points[-1]
+    bytes_ratio = time_ratio = None
+    basis = "fitted"
+    if memory is None or memory.per_sample <= 0:
+        memory, bytes_ratio = _scaled_bytes(top_batch, top_bytes, eager.bytes)
+        basis = "scaled"
+    if time is None or time.per_sample <= 0:
+        time, time_ratio = _scaled_ms(top_batch, top_ms, eager.ms)
+    largest = predicted(memory, limit_bytes, max_batch, lowest_failure)
+    return StepFit(
+        fixed_bytes=round(memory.fixed),
+        per_sample_bytes=round(memory.per_sample),
+        fixed_ms=time.fixed,
+        per_sample_ms=time.per_sample,
+        batches=[b for b, _ in points],
+        basis=basis,
+        bytes_ratio=bytes_ratio,
+        time_ratio=time_ratio,
+        lowest_failure=lowest_failure,
+        limit_bytes=limit_bytes,
+        largest_batch=largest,
+        samples_per_s=samples_per_s(time, largest),
+    )
+
+
+def predicted(memory: Line, limit_bytes: int, max_batch: int, lowest_failure: int | None) -> int:
+    """The largest batch whose peak on ``memory`` stays within ``limit_bytes``, at most
+    ``max_batch`` and below ``lowest_failure``; 0 when not even one sample does."""
+    if memory.per_sample <= 0:
+        largest = max_batch if memory.fixed <= limit_bytes else 0
+    else:
+        largest = math.floor((limit_bytes - memory.fixed) / memory.per_sample)
+    if lowest_failure is not None:
+        largest = min(largest, lowest_failure - 1)
+    return max(0, min(largest, max_batch))
+
+
+def samples_per_s(time: Line, batch: int) -> float:
+    """Throughput on the time line at ``batch`` (0 for no batch or no time)."""
+    step_ms = time.at(batch)
+    return batch / step_ms * 1e3 if batch > 0 and step_ms > 0 else 0.0
+
+
+def _scaled_bytes(batch: int, held: int, eager: Line) -> tuple[Line, float | None]:
+    """Eager's fixed bytes, and its per-sample bytes scaled so the line meets the run; where
+    the estimate leaves no batch-dependent bytes to scale (or the run holds less than eager's
+    fixed bytes), the line from zero through the run (ratio None)."""
+    eager_part = eager.per_sample * batch
+    ratio = (held - eager.fixed) / eager_part if eager_part > 0 else 0.0
+    if ratio <= 0:
+        return Line(fixed=0.0, per_sample=held / batch), None
+    return Line(fixed=eager.fixed, per_sample=ratio * eager.per_sample), ratio
+
+
+def _scaled_ms(batch: int, step_ms: float, eager: Line) -> tuple[Line, float | None]:
+    """Eager's time line scaled by the run's step over eager's at its batch."""
+    eager_ms = eager.at(batch)
+    if eager_ms <= 0:
+        return Line(fixed=0.0, per_sample=step_ms / batch), None
+    ratio = step_ms / eager_ms
+    return Line(fixed=ratio * eager.fixed, per_sample=ratio * eager.per_sample), ratio

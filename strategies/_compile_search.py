@@ -1,0 +1,428 @@
+"""The compile stage's search: compiled configurations measured within a budget of device runs.
+
+The eager search ranks checkpointing and batch on the eager estimate, and a compiled step
+holds less than eager (a decoder's fp32 logits fused away, intermediates never stored), so
+the eager pick is not the compiled optimum: on a 0.35B decoder at 8 GiB the eager pick
+checkpointed 23 of 24 blocks at batch 7 (full checkpointing ran out at 8 in eager), where
+compiled full checkpointing held batch 11 and ran 12% faster (issue 27). The search
+therefore measures compiled variants of several eager combinations, not only of the pick:
+
+1. Candidates (:func:`search_variants`): the eager pick's choices, then the same choices with
+   other checkpointed sets (none, half, all of what checkpointing offers), best by the
+   estimate first, then a partitioner budget in place of the pick's checkpointing; at most
+   :attr:`CompileSearch.max_candidates`. Each is compiled in its *search form*: each
+   repeated block compiled (``regional``) where the profile's blocks repeat, which compiles
+   about as many times faster as there are blocks (7 s against 46 s for 24 layers,
+   ``docs/design.md``, "What a compile costs, by form").
+2. Pass 1: one run each, at the batch eager allows it (the estimate's, corrected by what the
+   device found for the eager pick), so each gets a line of its compiled memory
+   (:func:`~strategies._compile_model.fit_step`; from one run, eager's per-sample bytes
+   scaled by what was measured).
+3. Pass 2: the candidates whose line says they could beat the eager pick, best first, one
+   run more at the batch their line predicts, while the budget allows: a second point for
+   the line where it matters, and the batch search's start. Then, budget left, a candidate
+   whose only run ran out gets one at half that batch.
+4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
+   from its predicted batch, then, where the search form is not the offered one, the offered
+   form (the whole model compiled: 4-13% faster steady, ``docs/design.md``) is confirmed
+   from that batch: the plan's pick is what the device ran.
+
+Every run counts against :attr:`CompileSearch.max_runs` (the two confirmations included:
+runs are held back for them) and, before a run starts, :attr:`CompileSearch.max_seconds`.
+
+Known limitations:
+    * One winner is confirmed: a second candidate whose line was close is not confirmed when
+      the winner's confirmed batch falls short of its line.
+    * Candidates vary the checkpointed set only; precision and the other choices stay the
+      eager pick's.
+    * The seconds budget is checked before a run starts; the confirmations are bounded in
+      runs only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from memadvisor.errors import is_our_bug
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.plan import StepFit
+from memadvisor.schema.profile import Profile
+from memadvisor.strategy import Confirmed, PickStage, Strategy, chosen_strategies
+from strategies._compile_model import EagerLines, fit_step
+from strategies._compiled_forward import CompileChoice, parse_choice
+
+__all__ = [
+    "COMPILE",
+    "MIN_SPEEDUP",
+    "CompileSearch",
+    "Search",
+    "Variant",
+    "blocks_repeat",
+    "could_beat",
+    "search_variants",
+]
+
+COMPILE = "compile"
+# Two timed steps a side: gains of a percent or two are within their noise, and a compiled
+# model pays a compile in every process that trains it. Below this, eager is kept.
+MIN_SPEEDUP = 1.03
+# Runs held back from the candidates' passes: for the winner's batch search (its start ran in
+# pass 2, so its edge usually costs one or two runs), and one for the offered form at the
+# winner's batch.
+CONFIRM_RUNS = 2
+FINAL_FORM_RUNS = 1
+
+
+class CompileSearch(BaseModel):
+    """How far the compile stage searches (``Compile(search=...)``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_candidates: int = Field(
+        4,
+        ge=1,
+        description="Compiled configurations measured at most: the eager pick's, then other "
+        "checkpointed sets by the estimate, then a partitioner budget. Each is a compile in "
+        "every process that runs it.",
+    )
+    max_runs: int = Field(
+        8,
+        ge=1,
+        description="Device runs the stage may make, its batch searches included: each is a "
+        "process that compiles (seconds for the regional form, tens of seconds whole).",
+    )
+    max_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="No candidate's run starts after the stage has taken this long (trials "
+        "included); the confirmations still run. None: runs alone bound the stage.",
+    )
+    regional: bool = Field(
+        True,
+        description="Measure candidates with each repeated block compiled, where the "
+        "profile's blocks repeat, and confirm the offered form at the winner's batch.",
+    )
+
+
+@dataclass
+class Variant:
+    """One compiled configuration the search measures, and what its runs taught."""
+
+    choices: dict[str, JsonValue]  # the eager choices and compile's search form
+    final_choices: dict[str, JsonValue]  # the same with compile's offered form
+    label: str  # 'checkpoint 12/24 blocks'
+    start_batch: int  # pass 1's batch
+    eager: EagerLines
+    runs: dict[int, Measurement] = field(default_factory=dict)
+    lowest_failure: int | None = None
+    fit: StepFit | None = None
+    error: str | None = None  # why its runs stopped (a device error), or why it never ran
+
+    @property
+    def form(self) -> JsonValue:
+        return self.choices[COMPILE]
+
+
+def blocks_repeat(profile: Profile) -> bool:
+    """Whether two or more of the profile's blocks are of one type (a transformer's layers):
+    where the regional form compiles one block for all."""
+    counts = Counter(b.type_name for b in profile.blocks)
+    return any(n >= 2 for n in counts.values())
+
+
+def search_form(choice: CompileChoice, profile: Profile, settings: CompileSearch) -> CompileChoice:
+    """The form a candidate is measured in: regional where the settings ask and blocks repeat."""
+    if settings.regional and not choice.regional and blocks_repeat(profile):
+        return choice.model_copy(update={"regional": True})
+    return choice
+
+
+def search_variants(
+    stage: PickStage,
+    eager: Confirmed,
+    offered: Sequence[JsonValue],
+    settings: CompileSearch,
+    kept_share: Callable[[dict[str, JsonValue], int], float],
+) -> tuple[list[Variant], list[str]]:
+    """The candidates (:attr:`CompileSearch.max_candidates` at most, the eager pick's first)
+    and the labels of those left out.
+
+    ``kept_share(choices, batch)`` gives a partitioner budget for the eager pick's
+    checkpointing (:func:`strategies._compile_stage.kept_share`).
+    """
+    profile, strategies = stage.profile, stage.strategies
+    parsed = [p for p in (parse_choice(c) for c in offered) if p is not None]
+    plain = [p for p in parsed if p.activation_memory_budget is None]
+    budgeted = [p for p in parsed if p.activation_memory_budget is not None]
+    own = {name: c for name, c in eager.candidate.choices.items() if name != COMPILE}
+    recomputing = _recomputing(own, strategies)
+    # The device's correction of the estimate for the eager pick: the others' starts take it.
+    own_scored = stage.score(own)
+    scale = eager.found_batch / own_scored.largest_batch if own_scored else 1.0
+
+    found: list[tuple[dict[str, JsonValue], CompileChoice, int]] = []
+    for choice in plain:
+        found.append((own, choice, eager.found_batch))
+    others = []
+    axis = _recompute_axis(stage)
+    if plain and axis is not None:
+        name, options = axis
+        for option in _spread(options):
+            choices = {n: c for n, c in own.items() if n != name}
+            if not _neutral(strategies, name, option):
+                choices[name] = option
+            scored = stage.score(choices) if choices != own else None
+            if scored is not None:
+                start = max(1, min(int(scored.largest_batch * scale), stage.config.max_batch))
+                others.append((_worth(stage.config.objective, scored), choices, start))
+    others.sort(key=lambda item: item[0], reverse=True)
+    found += [(choices, plain[0], start) for _, choices, start in others]
+    if recomputing:
+        without = {n: c for n, c in own.items() if n not in recomputing}
+        for choice in budgeted:
+            share = kept_share(own, eager.found_batch)
+            budget = choice.model_copy(update={"activation_memory_budget": share})
+            found.append((without, budget, eager.found_batch))
+
+    variants: list[Variant] = []
+    seen: set[str] = set()
+    left_out: list[str] = []
+    for choices, choice, start in found:
+        form = search_form(choice, profile, settings)
+        variant = Variant(
+            choices={**choices, COMPILE: form.to_json()},
+            final_choices={**choices, COMPILE: choice.to_json()},
+            label=label(choices, form, len(profile.blocks), strategies),
+            start_batch=start,
+            eager=EagerLines.of(profile, choices, stage.strategies, start),
+        )
+        key = repr(sorted(variant.choices.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        if len(variants) < settings.max_candidates:
+            variants.append(variant)
+        else:
+            left_out.append(variant.label)
+    return variants, left_out
+
+
+def _recomputing(choices: dict[str, JsonValue], strategies: Sequence[Strategy]) -> set[str]:
+    """The strategies among ``choices`` that recompute blocks (their facts say so)."""
+    candidate = Candidate(batch_size=1, choices=choices)
+    chosen = chosen_strategies(candidate, strategies)
+    return {s.name for s, c in chosen if s.facts(c).recomputed_blocks}
+
+
+def _recompute_axis(stage: PickStage) -> tuple[str, list[JsonValue]] | None:
+    """The first strategy whose options in this plan recompute blocks (block checkpointing),
+    and those options; None when none does."""
+    for strategy in stage.strategies:
+        options = stage.options.get(strategy.name, [])
+        if any(strategy.facts(o).recomputed_blocks for o in options if o is not None):
+            return strategy.name, options
+    return None
+
+
+def _neutral(strategies: Sequence[Strategy], name: str, choice: JsonValue) -> bool:
+    strategy = next(s for s in strategies if s.name == name)
+    return choice is None or strategy.is_neutral(choice)
+
+
+def _spread(options: Sequence[JsonValue]) -> list[JsonValue]:
+    """Of a recompute strategy's options (none first, then ever more blocks, as block
+    checkpointing offers them): none, half, all."""
+    if len(options) < 2:
+        return []
+    picks = [options[0], options[len(options) // 2], options[-1]]
+    out: list[JsonValue] = []
+    for option in picks:
+        if option not in out:
+            out.append(option)
+    return out
+
+
+def _worth(objective: str, scored) -> tuple:
+    if objective == "largest_batch":
+        return (scored.largest_batch, scored.estimate.samples_per_s)
+    return (scored.estimate.samples_per_s,)
+
+
+def label(
+    choices: dict[str, JsonValue],
+    choice: CompileChoice,
+    blocks: int,
+    strategies: Sequence[Strategy],
+) -> str:
+    """``'checkpoint 12/24 blocks'``, ``'no checkpointing, partitioner budget 0.6'``: what
+    sets a candidate apart, in a few words (its mode when not the default)."""
+    chosen = chosen_strategies(Candidate(batch_size=1, choices=choices), strategies)
+    count = sum(len(s.facts(c).recomputed_blocks) for s, c in chosen)
+    words = [f"checkpoint {count}/{blocks} blocks" if count else "no checkpointing"]
+    if choice.activation_memory_budget is not None:
+        words.append(f"partitioner budget {choice.activation_memory_budget:g}")
+    if choice.mode != "default":
+        words.append(f"{choice.mode} mode")
+    return ", ".join(words)
+
+
+def could_beat(objective: str, fit: StepFit | None, eager: Confirmed) -> bool:
+    """Whether a line predicts a pick worth a compile per process over ``eager``."""
+    if fit is None or fit.largest_batch < 1:
+        return False
+    eager_batch = eager.candidate.batch_size
+    if objective == "largest_batch" and fit.largest_batch != eager_batch:
+        return fit.largest_batch > eager_batch
+    return fit.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
+
+
+def _worth_of(objective: str, v: Variant) -> tuple:
+    """What ``v``'s line predicts, as the objective ranks it."""
+    if v.fit is None:
+        return (0, 0.0)
+    if objective == "largest_batch":
+        return (v.fit.largest_batch, v.fit.samples_per_s)
+    return (v.fit.samples_per_s,)
+
+
+class Search:
+    """The passes over the candidates, counting the stage's device runs and time."""
+
+    def __init__(self, stage: PickStage, settings: CompileSearch, eager: Confirmed) -> None:
+        self.stage, self.settings, self.eager = stage, settings, eager
+        self.runs_before = len(stage.probes)
+        self.started = time.perf_counter()
+
+    @property
+    def runs_used(self) -> int:
+        return len(self.stage.probes) - self.runs_before
+
+    @property
+    def runs_left(self) -> int:
+        return max(0, self.settings.max_runs - self.runs_used)
+
+    def _may_run(self, reserve: int) -> bool:
+        seconds = self.settings.max_seconds
+        in_time = seconds is None or time.perf_counter() - self.started < seconds
+        return in_time and self.runs_left > reserve
+
+    def best(self, variants: Sequence[Variant]) -> Variant | None:
+        """The candidate whose line predicts the most (the objective's way), the first of
+        equals; None when none has a line."""
+        objective = self.stage.config.objective
+        fitted = [v for v in variants if v.fit is not None and v.fit.largest_batch >= 1]
+        if not fitted:
+            return None
+        return max(fitted, key=lambda v: _worth_of(objective, v))
+
+    def measure(self, variants: Sequence[Variant]) -> Variant | None:
+        """Passes 1 and 2 (module docstring), then one retry at half the batch for candidates
+        whose only run ran out; the winner by its line when it could beat the eager pick, else
+        None. A retry comes last: a configuration that runs out of memory compiled where eager
+        fits is rarely the best one."""
+        objective = self.stage.config.objective
+        reserve = CONFIRM_RUNS + (
+            FINAL_FORM_RUNS if any(v.final_choices != v.choices for v in variants) else 0
+        )
+        total = len(variants)
+        number = {id(v): i for i, v in enumerate(variants, 1)}
+        for v in variants:
+            if not (self.runs_left > 0 if number[id(v)] == 1 else self._may_run(reserve)):
+                v.error = v.error or self._spent(reserve)
+                continue
+            self._run(v, v.start_batch, number[id(v)], total)
+        promising = [v for v in variants if could_beat(objective, v.fit, self.eager)]
+        for v in sorted(promising, key=lambda v: _worth_of(objective, v), reverse=True):
+            assert v.fit is not None
+            batch = v.fit.largest_batch
+            if v.fit.basis == "fitted" or batch in v.runs or v.error is not None:
+                continue
+            if not self._may_run(reserve):
+                break
+            self._run(v, batch, number[id(v)], total)
+        for v in variants:
+            if v.runs or v.lowest_failure is None or v.lowest_failure < 2 or v.error is not None:
+                continue
+            if not self._may_run(reserve):
+                break
+            self._run(v, v.lowest_failure // 2, number[id(v)], total)
+        winner = self.best([v for v in variants if v.error is None or v.runs])
+        if winner is None or not could_beat(objective, winner.fit, self.eager):
+            return None
+        return winner
+
+    def confirm(self, winner: Variant, hold_back: int) -> Confirmed | None:
+        """The winner's batch search from its predicted batch, ``hold_back`` runs kept for
+        later; None when nothing fitted (or its runs failed: ``winner.error``)."""
+        assert winner.fit is not None
+        start = winner.fit.largest_batch
+        self.stage.describe(f"compile: confirming {winner.label} from batch {start}")
+        try:
+            return self.stage.confirm(
+                winner.choices, start, max_runs=max(0, self.runs_left - hold_back)
+            )
+        except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
+            if is_our_bug(e):
+                raise
+            winner.error = first_line(e)
+            return None
+
+    def confirm_final(self, winner: Variant, found: Confirmed) -> tuple[Confirmed | None, str]:
+        """The offered form of ``winner`` from ``found``'s batch, judged against ``found``'s
+        run (``PickStage.confirm``'s ``like``); (None, why) when it did not run."""
+        batch = found.candidate.batch_size
+        if self.runs_left == 0:
+            return None, f"not run: the search's {self.settings.max_runs} device runs were spent"
+        self.stage.describe(f"compile: the offered form at batch {batch} ({winner.label})")
+        try:
+            final = self.stage.confirm(
+                winner.final_choices, batch, like=found, max_runs=self.runs_left
+            )
+        except Exception as e:  # noqa: BLE001 - as confirm: the searched form stays
+            if is_our_bug(e):
+                raise
+            return None, first_line(e)
+        return final, "" if final is not None else "no batch of it fitted within its runs"
+
+    def _run(self, v: Variant, batch: int, index: int, total: int) -> bool | None:
+        """One run of ``v`` at ``batch``, its line refitted: True fitted, False ran out, None
+        failed otherwise (``v.error``)."""
+        self.stage.describe(f"compiling candidate {index}/{total} ({v.label})")
+        try:
+            m = self.stage.run(v.choices, batch)
+        except Exception as e:  # noqa: BLE001 - a compiled run failing drops this candidate
+            if is_our_bug(e):
+                raise
+            v.error = first_line(e)
+            return None
+        if m is None:
+            v.lowest_failure = batch if v.lowest_failure is None else min(v.lowest_failure, batch)
+        else:
+            v.runs[batch] = m
+        v.fit = fit_step(
+            {b: (self.stage.held_bytes(r), r.step_ms) for b, r in v.runs.items()},
+            v.eager,
+            limit_bytes=self.stage.limit_bytes,
+            max_batch=self.stage.config.max_batch,
+            lowest_failure=v.lowest_failure,
+        )
+        return m is not None
+
+    def _spent(self, reserve: int) -> str:
+        if self.runs_left > reserve:
+            return f"not run: the search's {self.settings.max_seconds:g} s were spent"
+        return (
+            f"not run: the search's {self.settings.max_runs} device runs were spent "
+            f"({reserve} held back for confirming the winner)"
+        )
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__

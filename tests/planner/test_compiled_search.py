@@ -1,0 +1,279 @@
+"""The compile stage searches the checkpointed set and the batch under compile (issue 27).
+
+Against LinearDevice (tests/planner/conftest.py), whose eager and compiled memory and time are
+lines known by construction, and a stand-in compile trial (no inductor), through the whole
+planner: the search reaches a compiled configuration the eager pick does not have, learns each
+candidate's compiled memory from its runs, keeps within its budget of device runs, says on the
+progress line which candidate it waits on, and leaves the eager pick where compiling does not
+pay.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+
+import pytest
+
+from memadvisor.planner import Progress, plan_workload
+from memadvisor.planner._prober import Prober
+from memadvisor.planner._space import SearchSpace
+from memadvisor.planner._stage import ProberStage
+from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Plan
+from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
+
+MIB = 2**20
+BLOCKS = 4
+REGIONAL = {"mode": "default", "regional": True}
+
+# A decoder's step in bf16, MiB a sample by checkpointed blocks: eager never holds less than
+# the loss's fp32 logits (1.3 MiB a sample), however many blocks recompute, so past two
+# blocks checkpointing buys eager nothing; compiled, the logits are fused away and what is
+# left is 0.7 of the blocks' activations (2.0 MiB a sample, 0.4 less per block checkpointed).
+ACTIVATIONS = {k: 2.0 - 0.4 * k for k in range(BLOCKS + 1)}
+EAGER_LM = {
+    **{("bf16", k): max(a, 1.3) for k, a in ACTIVATIONS.items()},
+    **{("fp32", k): 2 * max(a, 1.3) for k, a in ACTIVATIONS.items()},
+}
+COMPILED_LM = {
+    **{("bf16", k): 0.7 * a for k, a in ACTIVATIONS.items()},
+    **{("fp32", k): 1.4 * a for k, a in ACTIVATIONS.items()},
+}
+# The same model with compiled memory 0.7 of eager's at every checkpointed set.
+EAGER_FLAT = {
+    (p, k): (1.0 if p == "bf16" else 2.0) * (2.0 - 0.4 * k)
+    for p in ("bf16", "fp32")
+    for k in range(BLOCKS + 1)
+}
+
+
+@pytest.fixture
+def trials(monkeypatch) -> list:
+    """try_compile replaced: every choice compiles at once (2 s of compiling); calls listed."""
+    calls: list = []
+
+    def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
+        calls.append((choice, candidate))
+        return CompileResult(
+            choice=parse_choice(choice).to_json(),
+            ok=True,
+            batch_size=candidate.batch_size if candidate is not None else 2,
+            steps=3,
+            eager_step_ms=10.0,
+            first_step_ms=2010.0,
+            compiled_step_ms=8.0,
+            graphs=1,
+            loss_rel_diff=1e-6,
+        )
+
+    monkeypatch.setattr("strategies.compile.try_compile", stand_in)
+    return calls
+
+
+def _config(**overrides) -> PlanConfig:
+    fast = {"probe_steps": 2, "timing_steps": 2, "verify_steps": 4, "options": {"compile": "on"}}
+    return PlanConfig(**{"budget_bytes": 100 * MIB, **fast, **overrides})
+
+
+def _plan(workload, profile, strategies, device, search: CompileSearch | None = None, **config):
+    """A whole plan over fake precision and checkpointing and the real compile strategy."""
+    return plan_workload(
+        workload,
+        _config(**config),
+        profile=profile,
+        device=device,
+        progress=False,
+        strategies=[*strategies, Compile(search=search)],
+        measure_comparison=False,
+    )
+
+
+def _blocks(choices: dict) -> int:
+    return len(choices.get("checkpointing", []) or [])
+
+
+def _compile_runs(plan: Plan) -> list:
+    return [p for p in plan.probes if p.stage == "compile"]
+
+
+def _best_compiled(device, precision: str = "bf16") -> tuple[int, int, float]:
+    """(checkpointed blocks, batch, samples/s) of the best compiled configuration on
+    ``device``, each at the largest batch that fits: the right answer, by construction."""
+    best = (0, 0, 0.0)
+    for k in range(BLOCKS + 1):
+        choices = {"precision": precision, "compile": "default"}
+        if k:
+            choices["checkpointing"] = [f"b{i}" for i in range(k)]
+        batch = device.edge(Candidate(batch_size=1, choices=choices))
+        step_ms = device.step_ms(Candidate(batch_size=batch, choices=choices))
+        rate = batch / step_ms * 1e3
+        if rate > best[2]:
+            best = (k, batch, rate)
+    return best
+
+
+def test_the_search_reaches_a_compiled_configuration_the_eager_pick_does_not_have(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """The issue's decoder: eager checkpoints 2 blocks (more frees nothing under the logits'
+    floor); compiled, the logits are gone and all 4 blocks checkpointed hold about 4.6x the
+    eager batch. The plan reaches that configuration (another checkpointed set, a larger
+    batch), in the offered form, within 3% of the best compiled configuration's throughput."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    plan = _plan(workload, profile, strategies, device)
+
+    stage = plan.stages[0]
+    eager = stage.eager_candidate
+    assert eager is not None and _blocks(eager.choices) == 2
+    assert stage.picked and plan.candidate.choices["compile"] == "default"
+    assert _blocks(plan.candidate.choices) != _blocks(eager.choices)
+    assert plan.candidate.batch_size > eager.batch_size
+    blocks, _, best_rate = _best_compiled(device)
+    assert _blocks(plan.candidate.choices) == blocks == BLOCKS
+    assert plan.verified is not None and plan.verified.samples_per_s >= 0.97 * best_rate
+    # The candidates were measured regionally (each block compiled once), the pick confirmed
+    # in the offered form at the regional winner's batch.
+    forms = [p.candidate.choices["compile"] for p in _compile_runs(plan)]
+    assert forms[-1] == "default" and all(f != "default" for f in forms[:-1])
+    assert all(f["regional"] for f in forms[:-1])
+    final = stage.variants[-1]
+    assert final.choices == plan.candidate.choices and final.confirmed
+    assert "Searched 4 compiled configurations" in stage.summary
+
+
+def test_a_candidates_compiled_memory_is_fitted_from_its_runs(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Compiled per-sample bytes 0.7 of eager's and 2 MiB of compiled workspace: the winner's
+    line, through its two runs, recovers the device's fixed and per-sample bytes (to the
+    byte's rounding), and its batch is what that line says; the plan keeps the line."""
+    device = linear_device(EAGER_FLAT, compiled_fixed_bytes=2 * MIB, fixed_ms=3.0)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert stage.picked
+    winner = next(v for v in stage.variants if v.confirmed and v.choices["compile"] == REGIONAL)
+    fit = winner.fit
+    assert fit is not None and fit.basis == "fitted" and len(fit.batches) >= 2
+    fixed, per_sample = device.line(Candidate(batch_size=1, choices=winner.choices))
+    assert fixed == 12 * MIB
+    assert abs(fit.fixed_bytes - fixed) <= 1
+    assert abs(fit.per_sample_bytes - per_sample) <= 1
+    assert fit.largest_batch == (fit.limit_bytes - fixed) // per_sample
+    assert any(n.startswith("Compiled memory of") and "fitted from runs" in n for n in plan.notes)
+    # Candidates measured once have a line scaled from the eager estimate, and say so.
+    once = [v.fit for v in stage.variants if v.fit is not None and len(v.fit.batches) == 1]
+    assert once and all(f.basis == "scaled" and f.bytes_ratio for f in once)
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+@pytest.mark.parametrize(("max_runs", "max_candidates"), [(1, 4), (3, 4), (5, 2), (8, 4), (12, 5)])
+def test_the_device_runs_stay_within_the_search_budget(
+    workload, profile, strategies, linear_device, trials, max_runs: int, max_candidates: int
+) -> None:
+    """However small the budget, the compile stage makes at most max_runs device runs (its
+    batch searches included) over at most max_candidates configurations, and says how many."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    search = CompileSearch(max_runs=max_runs, max_candidates=max_candidates)
+    plan = _plan(workload, profile, strategies, device, search)
+    runs = _compile_runs(plan)
+    assert 1 <= len(runs) <= max_runs
+    measured = {
+        str(p.candidate.choices) for p in runs if p.candidate.choices["compile"] == REGIONAL
+    }
+    assert len(measured) <= max_candidates
+    stage = plan.stages[0]
+    assert stage.details["search"]["runs"] == len(runs)
+    assert len([v for v in stage.variants if v.choices["compile"] == REGIONAL]) <= max_candidates
+    if max_runs >= 8:  # enough for a second run of the winner and its confirmation
+        assert stage.picked and _blocks(plan.candidate.choices) == BLOCKS
+
+
+def test_a_seconds_budget_stops_further_candidates(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Past max_seconds no candidate's run starts: the eager pick's own compiled variant runs
+    (the first always does), the others say why they did not."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    plan = _plan(workload, profile, strategies, device, CompileSearch(max_seconds=1e-9))
+    stage = plan.stages[0]
+    first, *others = [v for v in stage.variants if v.choices["compile"] == REGIONAL]
+    assert first.measured is not None and first.error is None
+    assert others and all(v.measured is None and "s were spent" in v.error for v in others)
+    assert "not run:" in stage.summary
+
+
+def test_when_compiling_does_not_pay_the_eager_pick_stays(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Compiled steps 20% slower at eager's memory: every candidate's line predicts less than
+    the eager pick, so none is confirmed and the plan stays eager."""
+    device = linear_device(EAGER_LM, compiled_ratio=1.0, speedup=0.8, fixed_ms=3.0)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert not stage.picked and "compile" not in plan.candidate.choices
+    assert plan.candidate == stage.eager_candidate
+    runs = _compile_runs(plan)
+    # No batch search and no whole-model form: a run per candidate, and one at half the batch
+    # for one that ran out where the budget had runs to spare.
+    per_candidate = Counter(str(p.candidate.choices) for p in runs)
+    assert len(per_candidate) == len(stage.variants) == 4
+    assert max(per_candidate.values()) <= 2 and len([p for p in runs if p.fits]) >= 1
+    assert all(p.candidate.choices["compile"]["regional"] for p in runs)
+    assert not any(v.confirmed for v in stage.variants)
+    assert stage.summary.startswith("Planned eager because compiling did not pay")
+    assert "predicted" in stage.summary
+
+
+def test_the_regional_form_is_kept_where_the_whole_model_is_not_faster(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Where the offered (whole-model) form runs slower than the regional one at the winner's
+    batch, the regional configuration the device confirmed is the pick: what was measured."""
+    device = linear_device(
+        EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, regional_speed=1.1
+    )
+    plan = _plan(workload, profile, strategies, device)
+    assert plan.stages[0].picked and plan.candidate.choices["compile"] == REGIONAL
+    assert plan.stages[0].variants[-1].choices["compile"] == "default"  # tried, and lost
+
+
+def test_progress_says_which_candidate_the_plan_waits_on(
+    workload, profile, strategies, linear_device, trials, caplog
+) -> None:
+    """Each compiled run's progress line names the candidate (its number of all, its
+    checkpointed blocks) and its batch, as it starts; then the confirmation's."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    with caplog.at_level(logging.DEBUG, logger="memadvisor"):
+        plan = _plan(workload, profile, strategies, device)
+    lines = [r.getMessage() for r in caplog.records]
+    waiting = [
+        m for m in lines if re.fullmatch(r"compiling candidate \d/4 \(.*\): batch \d+ running", m)
+    ]
+    first = next(p for p in _compile_runs(plan))
+    blocks = _blocks(first.candidate.choices)
+    assert waiting[0] == (
+        f"compiling candidate 1/4 (checkpoint {blocks}/4 blocks): batch {first.batch_size} running"
+    )
+    assert {m.split(" (")[0] for m in waiting} >= {f"compiling candidate {i}/4" for i in (1, 2, 3)}
+    assert any(m.startswith("compile: confirming checkpoint 4/4 blocks from batch") for m in lines)
+
+
+def test_a_bounded_batch_search_answers_from_its_runs(
+    workload, profile, strategies, linear_device
+) -> None:
+    """PickStage.confirm with max_runs: the search stops when its runs are spent and answers
+    with the largest batch that fitted within the limit, below every failure."""
+    device = linear_device(EAGER_FLAT)
+    space = SearchSpace(profile, [*strategies, Compile()], _config())
+    prober = Prober(device, workload, space, space.config)
+    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    choices = {"precision": "bf16"}
+    edge = device.edge(Candidate(batch_size=1, choices=choices))
+    assert stage.run(choices, 10) is not None  # a run before the search: it answers for free
+    found = stage.confirm(choices, edge + 5, max_runs=1)
+    assert len(prober.probes) == 2 and not prober.probes[-1].fits
+    assert found is not None and found.candidate.batch_size == 10
+    assert prober.runs_left is None  # the bound ends with the search

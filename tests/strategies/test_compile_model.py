@@ -1,0 +1,104 @@
+"""strategies/_compile_model.py: a compiled configuration's memory and time lines from its runs.
+
+Pure arithmetic on hand-made runs whose line is known: two runs recover it exactly, one run
+scales the eager estimate's per-sample bytes by the measured ratio, and the prediction stays
+within the limit, the largest batch asked and below a batch that ran out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from strategies._compile_model import EagerLines, Line, fit_step, predicted, samples_per_s
+
+MIB = 2**20
+LIMIT = 97 * MIB
+# The eager estimate: 10 MiB whatever the batch, 1 MiB a sample; 2 ms + 0.1 ms a sample.
+EAGER = EagerLines(bytes=Line(10 * MIB, 1 * MIB), ms=Line(2.0, 0.1))
+
+
+def _run(batch: int, fixed: float, per_sample: float, fixed_ms: float, per_sample_ms: float):
+    return round(fixed + per_sample * batch), fixed_ms + per_sample_ms * batch
+
+
+def test_two_runs_give_the_line_through_them() -> None:
+    """Compiled: 12 MiB fixed, 0.7 MiB a sample, 1.5 ms + 0.06 ms a sample. Two runs recover
+    both lines (the eager estimate is not used), and the batch is the line's under the limit."""
+    runs = {b: _run(b, 12 * MIB, 0.7 * MIB, 1.5, 0.06) for b in (10, 40)}
+    fit = fit_step(runs, EAGER, limit_bytes=LIMIT, max_batch=1000)
+    assert fit is not None and fit.basis == "fitted" and fit.batches == [10, 40]
+    assert fit.fixed_bytes == 12 * MIB and abs(fit.per_sample_bytes - 0.7 * MIB) <= 1
+    assert fit.fixed_ms == pytest.approx(1.5) and fit.per_sample_ms == pytest.approx(0.06)
+    assert fit.bytes_ratio is None and fit.time_ratio is None
+    assert fit.largest_batch == 121  # (97 - 12) / 0.7 = 121.4
+    assert fit.samples_per_s == pytest.approx(121 / (1.5 + 0.06 * 121) * 1e3)
+
+
+def test_more_runs_give_the_least_squares_line() -> None:
+    """Three runs off a line by +-1 KiB: the fitted line stays within a KiB of the true one."""
+    runs = {
+        b: (round(12 * MIB + 0.7 * MIB * b + noise), 1.0 + 0.05 * b)
+        for b, noise in ((10, 1024), (20, -1024), (40, 1024))
+    }
+    fit = fit_step(runs, EAGER, limit_bytes=LIMIT, max_batch=1000)
+    assert fit is not None and fit.basis == "fitted"
+    assert abs(fit.fixed_bytes - 12 * MIB) <= 1024
+    assert abs(fit.per_sample_bytes - 0.7 * MIB) <= 64
+
+
+def test_one_run_scales_the_eager_per_sample_bytes_by_the_measured_ratio() -> None:
+    """One run at batch 20 holding eager's fixed 10 MiB and 0.7 of its per-sample bytes, in
+    0.8 of eager's time: the line keeps eager's fixed bytes, scales its slope by 0.7 (the
+    ratio of the batch-dependent bytes) and its time by 0.8, and passes through the run."""
+    held, step_ms = _run(20, 10 * MIB, 0.7 * MIB, 0.8 * 2.0, 0.8 * 0.1)
+    fit = fit_step({20: (held, step_ms)}, EAGER, limit_bytes=LIMIT, max_batch=1000)
+    assert fit is not None and fit.basis == "scaled" and fit.batches == [20]
+    assert fit.bytes_ratio == pytest.approx(0.7) and fit.time_ratio == pytest.approx(0.8)
+    assert fit.fixed_bytes == 10 * MIB and abs(fit.per_sample_bytes - 0.7 * MIB) <= 1
+    assert fit.fixed_bytes + fit.per_sample_bytes * 20 == pytest.approx(held, abs=20)
+    assert fit.largest_batch == 124  # (97 - 10) / 0.7 = 124.3
+
+
+def test_one_run_with_a_workspace_of_its_own_predicts_a_smaller_batch() -> None:
+    """A compiled step holding 5 MiB more whatever the batch, measured once: that workspace
+    reads as per-sample bytes, so the scaled line is steeper and its batch smaller than the
+    true one (safe), and a second run puts it right."""
+    true = {b: _run(b, 15 * MIB, 0.7 * MIB, 2.0, 0.1) for b in (20, 100)}
+    once = fit_step({20: true[20]}, EAGER, limit_bytes=LIMIT, max_batch=1000)
+    twice = fit_step(true, EAGER, limit_bytes=LIMIT, max_batch=1000)
+    assert once is not None and twice is not None
+    assert twice.largest_batch == 117  # (97 - 15) / 0.7
+    assert once.largest_batch < twice.largest_batch
+
+
+def test_the_prediction_stays_below_a_failure_and_the_largest_batch() -> None:
+    """A batch that ran out caps the prediction one below it; max_batch caps it too."""
+    runs = {b: _run(b, 12 * MIB, 0.7 * MIB, 1.5, 0.06) for b in (10, 40)}
+    capped = fit_step(runs, EAGER, limit_bytes=LIMIT, max_batch=1000, lowest_failure=100)
+    assert capped is not None and capped.largest_batch == 99 and capped.lowest_failure == 100
+    small = fit_step(runs, EAGER, limit_bytes=LIMIT, max_batch=64)
+    assert small is not None and small.largest_batch == 64
+    assert predicted(Line(200 * MIB, MIB), LIMIT, 1000, None) == 0  # not even one sample
+
+
+def test_runs_whose_bytes_do_not_rise_are_scaled_from_the_largest() -> None:
+    """Two runs whose bytes fall with the batch (noise at the same peak) give no slope: the
+    line is eager's scaled through the larger batch's run, and says so."""
+    runs = {10: (30 * MIB, 3.0), 20: (29 * MIB, 4.0)}
+    fit = fit_step(runs, EAGER, limit_bytes=LIMIT, max_batch=1000)
+    assert fit is not None and fit.basis == "scaled" and fit.bytes_ratio is not None
+    assert fit.fixed_bytes + fit.per_sample_bytes * 20 == pytest.approx(29 * MIB, abs=20)
+
+
+def test_a_run_below_eagers_fixed_bytes_is_a_line_from_zero() -> None:
+    """A run holding less than the estimate's fixed bytes leaves no ratio to take: the line
+    goes from zero through it (no ratio recorded)."""
+    fit = fit_step({8: (8 * MIB, 2.0)}, EAGER, limit_bytes=LIMIT, max_batch=1000)
+    assert fit is not None and fit.basis == "scaled" and fit.bytes_ratio is None
+    assert fit.fixed_bytes == 0 and fit.per_sample_bytes == MIB and fit.largest_batch == 97
+
+
+def test_no_run_no_line_and_no_time_no_rate() -> None:
+    """Without a run there is no line; a batch of 0 has no throughput."""
+    assert fit_step({}, EAGER, limit_bytes=LIMIT, max_batch=1000) is None
+    assert samples_per_s(Line(1.0, 0.1), 0) == 0.0
