@@ -13,8 +13,14 @@ progress line (``[  12s] ...``) is printed before each stage, so a slow card sho
   capped to the budget; the fullest rank decides. Where it has fewer, the plan is made on
   the estimate device (fake tensors, nothing run) and the row says ``estimated``.
 * predicted vs measured: the pick's estimated per-rank peak (``Estimate.peak_bytes``:
-  allocated) against the fullest rank's measured ``max_memory_allocated`` over the
-  verification's steps; the bar is within 5%.
+  allocated; the row keeps where it falls, each phase's top and the breakdown) against the
+  fullest rank's measured ``max_memory_allocated`` over the verification's steps: all the
+  rank holds (its shards, the gathered units, activations), counted from before the model
+  reached the card, the peak reset once the model is wrapped (the unsharded model's moment
+  before ``fully_shard`` is the loading's, not the step's). Rows written before that
+  measurement was fixed (bench/results/multi_gpu.jsonl up to the ``fsdp`` branch) read the
+  baseline after the unsharded fp32 model was on the card: their measured peaks are short
+  by the whole model's weights (llama_1b: 4.10 GiB). The bar is within 5%.
 * long run: the pick trained ``--long-steps`` steps by the ranks from a clean state; OOMs
   counted; tokens/s over all ranks (the median step's, the first excluded) for a language
   model (samples/s x sequence length x world size).
@@ -188,6 +194,12 @@ class Bench:
             "choices": plan.candidate.choices,
             "predicted_peak_gib": _gib(plan.estimate.peak_bytes),
             "predicted_limit_gib": _gib(plan.estimate.limit_bytes),
+            # Where the estimate's peak falls, and what it holds there: term by term.
+            "predicted_peak_at": plan.estimate.peak_at,
+            "predicted_phase_peaks_gib": {
+                k: _gib(v) for k, v in (plan.estimate.phase_peak_bytes or {}).items()
+            },
+            "predicted_breakdown_gib": {k: _gib(v) for k, v in plan.estimate.breakdown.items()},
             "plan_s": round(time.perf_counter() - started, 1),
             "device": plan.device_name,
         }

@@ -33,6 +33,10 @@ and the head's peak before the first block. A candidate moves that walk:
   on the blocks.
 * Precision reads a different measured step (autocast: halved activations where the op
   runs low, fp32 weights plus their low-precision copies during forward).
+* A step without autocast's weight copies (FSDP2 gathers its units in the low dtype:
+  ``drop_weight_copies``) loses each copy once, where the walk held it: all of them in
+  forward and at the head, blocks ``0..k``'s while block ``k``'s backward runs; a
+  checkpointed block then frees (and recomputes) its activations alone.
 * Gradient accumulation holds the gradients through the next micro-batches' forward and
   backward.
 
@@ -262,6 +266,7 @@ class StepModel:
         "backward_head_bytes",
         "extra_ms",
         "held_share",
+        "weight_copies",
         "forward_ms",
         "backward_ms",
         "optimizer_ms",
@@ -279,6 +284,7 @@ class StepModel:
         self.backward_head_bytes = 0
         self.extra_ms = 0.0
         self.held_share = 1.0  # of the weights, gradients and optimizer state (the breakdown)
+        self.weight_copies = True  # autocast copies the weights (when the step has copies)
         self.use_precision("fp32")
 
     # -- verbs strategies use ---------------------------------------------------------------
@@ -335,6 +341,15 @@ class StepModel:
         ``add_bytes`` edits add beyond it (the gathered units) as temporaries. The peak
         itself is the edits' alone."""
         self.held_share = min(1.0, max(0.0, share))
+
+    def drop_weight_copies(self) -> None:
+        """Autocast makes no weight copies in this step: the weights it meets are already in
+        its dtype (FSDP2's units, gathered in bf16 by a ``MixedPrecisionPolicy``). Every
+        moment loses the copies the profile's step held there, once: in forward and at the
+        head all of them; while block ``k``'s backward runs those of blocks ``0..k`` (later
+        blocks' were freed by their backward, the root's after the head's); a checkpointed
+        block then frees, and its recompute brings back, its activations alone."""
+        self.weight_copies = False
 
     def drop_activations(self, nbytes: int) -> None:
         """Bytes the profiled step saved for backward that this one does not save at all (a
@@ -402,8 +417,9 @@ class StepModel:
                     gone = 0
                 cast = casts[k] or self._unmeasured_cast(k)
                 freed_activations += gone
-                freed[k] = gone + cast
-                cast_freed += cast
+                # Without copies there is nothing of them to free (drop_weight_copies).
+                freed[k] = gone + cast if self.weight_copies else gone
+                cast_freed += cast if self.weight_copies else 0
                 top = transient[k] - cast
                 recompute_top[k] = top if top > 0 else 0
                 recompute_ms += ms[k]
@@ -445,12 +461,16 @@ class StepModel:
         # forward ends (the copies of checkpointed blocks still cached).
         end_of_model = eof + overhead + end_of_forward_extra - freed_total + cast_freed
         forward_top = max(forward_peak - freed_total, end_of_model)
-        forward_top += held_grads + extra["forward"] - offloaded
-        eof += overhead + backward_extra + held_grads + extra["backward"]
+        # The profile's step held every weight copy in forward and at the head.
+        no_copies = 0 if self.weight_copies else self.step.cast_weight_bytes
+        forward_top += held_grads + extra["forward"] - offloaded - no_copies
+        eof += overhead + backward_extra + held_grads + extra["backward"] - no_copies
         backward_top = eof + head - freed_total - offloaded + self.backward_head_bytes
         backward_block = -2
         below = freed_total  # freed by checkpointed blocks whose backward has not run yet
         by_block = self.backward_block_bytes
+        if no_copies:
+            by_block = self._copies_not_held(by_block or [0] * n, no_copies)
         if by_block is not None:
             # Per-block extras move each block's level: the walk as written, with them added.
             for k in range(n - 1, -1, -1):
@@ -534,6 +554,17 @@ class StepModel:
                 "optimizer": optimizer_top,
             },
         )
+
+    def _copies_not_held(self, by_block: Sequence[int], dropped: int) -> list[int]:
+        """``by_block`` plus, at each block's backward, the weight copies the profile's step
+        no longer held there (``dropped``, all of them, is taken from every backward moment):
+        the root's, and those of the blocks whose backward has run."""
+        held = 0
+        out = []
+        for k, extra in enumerate(by_block):
+            held += self.lines.cast[k] or self._unmeasured_cast(k)
+            out.append(extra + dropped - held)
+        return out
 
     def _reserved(self, peak: int) -> int | None:
         largest = self.numbers.largest_allocation

@@ -20,15 +20,27 @@ What a rank holds (the estimate's edit, :meth:`Parallel.effect`):
   wrap on: ``grad_bytes`` more at every moment of the step.
 * FSDP2 (``fully_shard`` on each block, then on the root): weights and optimizer state
   sharded 1/N at every moment; gradients sharded 1/N once a unit's reduce-scatter has run
-  (the root's at the end of backward). On top, the all-gathered units: the root's weights
-  from its forward to the end of backward (FSDP2 never reshards the root after forward);
-  in forward the unit being run; in backward the unit being run and the one prefetched
-  (FSDP2 prefetches the next unit's all-gather in backward by default). With
-  ``reshard_after_forward=False`` a unit stays gathered from its forward to its backward,
-  so the all-gather in backward is saved and every unit is held at the loss.
+  (the root's at the end of backward); the optimizer step (AdamW's temporaries included)
+  is the single card's over N. On top, the all-gathered units. With
+  ``reshard_after_forward=False`` the root and every unit stay gathered from their forward
+  to their backward (each freed after its own backward): all of them at the loss and at
+  the head, units ``0..k`` while block ``k``'s backward runs, and no all-gather in backward.
+  With ``True`` the estimate counts the root, the unit being run and its all-gather buffer
+  in forward, the root and the last unit at the head, and in backward the unit being run
+  and the one prefetched (FSDP2 prefetches the next unit's all-gather by default).
+  Whichever, the unit whose gradients are being reduce-scattered holds one unit more (its
+  gradients copied into the reduce-scatter's input).
 * A low precision under FSDP2 is ``MixedPrecisionPolicy(param_dtype=bf16|fp16,
-  reduce_dtype=fp32)``: the units are gathered in that dtype and autocast makes no weight
-  copies of its own (the activations are the autocast step's).
+  reduce_dtype=fp32)``: the units are gathered in that dtype and autocast, meeting weights
+  already in its dtype, makes no copies: :meth:`StepModel.drop_weight_copies` takes away
+  each copy the profile's step held, once (the checkpointed blocks' copies are already
+  gone from the walk; taking them away again made the 1B's head 1.8 GiB too low).
+
+Arithmetic for examples/llama.py's 1b at 2 ranks, batch 6, bf16, every block checkpointed,
+kept gathered (the fake profile's figures, GiB): the head holds 2.05 of sharded weights,
+4.10 of AdamW state, 2.05 of gathered units (22 x 0.082 and the root's 0.244), 1.88 of
+activations, the logits' gradients 1.47 and 0.07 fixed: 11.61; the optimizer step 2.05 +
+2.05 + 4.10 + 2.05 of AdamW's temporaries + 0.07 = 10.32 (docs/design.md, issue 31).
 
 Known limitations:
     * Communication time is not measured. Only ``reshard_after_forward=True``'s extra
@@ -41,6 +53,17 @@ Known limitations:
     * The optimizer step under FSDP2 is the single card's scaled by 1/N (its batch, a few
       KiB to MiB, is not sharded but is scaled with the rest).
     * Buffers (BatchNorm statistics) are not sharded by FSDP2 and are counted whole.
+    * The activations are the profile's autocast step's, whose weights were fp32. Under a
+      bf16 ``param_dtype`` the forward meets bf16 weights: what follows an fp32 weight
+      there (an embedding's output, the residual stream after it, a norm's output) is bf16
+      on the ranks. Errs high (safe): the tiny Llama's activations by the fake profiler,
+      2324 MiB with fp32 weights, 1918 with bf16 (batch 309); its card row was +20%. A
+      profiled step with the weights in the low dtype would remove it.
+    * With ``reshard_after_forward=True`` :func:`wrap_for_rank` passes the flag to the
+      root too, so the root is resharded after forward (torch keeps the root gathered only
+      when the flag is left ``None``): at the loss and the loss's backward nothing is
+      gathered, where the estimate counts the root and one or two units (an 8-block decoder
+      on the simulated ranks: +9.5%; tests/device/test_ranks.py).
 """
 
 from __future__ import annotations
@@ -265,15 +288,16 @@ def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None
     reshard = c["reshard_after_forward"]
     low = _low_precision(model.precision)
     ratio = 0.5 if low else 1.0  # the gathered units' dtype against fp32 weights
+    if low:
+        # The units are gathered in the low dtype: they replace autocast's weight copies,
+        # which the walk then drops wherever it held them (once, checkpointing or not).
+        model.drop_weight_copies()
     blocks = profile.blocks
     block_params = [b.param_bytes for b in blocks]
     root = max(0, profile.param_bytes - sum(block_params))
     units = [int(p * ratio) for p in block_params]
     root_unit = int(root * ratio)
     grads_per_param = profile.grad_bytes / profile.param_bytes if profile.param_bytes else 0.0
-    # Autocast's weight copies are the gathered units themselves under a MixedPrecisionPolicy.
-    casts = list(model.lines.cast) if low else [0] * len(blocks)
-    cast_total = model.step.cast_weight_bytes if low else 0
     held_grads = profile.grad_bytes * shard if model.accumulation_steps > 1 else 0.0
 
     # Everywhere: weights and optimizer state sharded (their bytes less the other ranks').
@@ -282,21 +306,18 @@ def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None
     gathered_all = sum(units)
     # Forward: the root and the unit being run (its all-gather buffer beside it), or all.
     in_forward = root_unit + (2 * largest if reshard else gathered_all + largest)
-    model.add_bytes("forward", in_forward - sharded - cast_total)
+    model.add_bytes("forward", in_forward - sharded)
     model.add_bytes("backward", -sharded)
-    count = len(blocks)
     per_block = []
-    for k in range(count):
+    for k in range(len(blocks)):
         # The unit being run and the one prefetched, or every unit not yet past backward.
         previous = units[k - 1] if k > 0 else 0
         gathered = units[k] + previous if reshard else sum(units[: k + 1])
         # Later blocks' gradients were reduce-scattered to a shard; this block's full ones are
         # copied into the reduce-scatter's input (one unit more).
         later_grads = sum(block_params[k + 1 :]) * grads_per_param
-        per_block.append(
-            root_unit + gathered + units[k] - int(later_grads * shard) - sum(casts[:k])
-        )
-    head = root_unit + (units[-1] if reshard and units else gathered_all) - cast_total
+        per_block.append(root_unit + gathered + units[k] - int(later_grads * shard))
+    head = root_unit + (units[-1] if reshard and units else gathered_all)
     model.add_backward_bytes(per_block, head)
     optimizer = model.numbers.phases.get("optimizer")
     if optimizer is None:

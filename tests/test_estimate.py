@@ -137,6 +137,29 @@ def test_checkpointing_also_frees_autocast_s_weight_copies_after_forward() -> No
     assert _peak(profile, 4).peak_bytes - _peak(profile, 4, [0]).peak_bytes == (24 + 1) * MIB
 
 
+@pytest.mark.parametrize(
+    ("checkpointed", "peak_mib", "peak_at"),
+    [
+        ((), 162, "backward: head"),  # E + 5b, the copies held at the head dropped
+        ((0,), 138, "backward: head"),  # block 0 frees its 6b, and no copy of its own
+        ((0, 1, 2), 110, "backward: blocks.2"),  # E + 4b - 12b, its own copy not taken twice
+    ],
+)
+def test_without_weight_copies_a_step_is_estimated_as_one_measured_without_them(
+    checkpointed: tuple[int, ...], peak_mib: int, peak_at: str
+) -> None:
+    """Dropping autocast's weight copies (FSDP2 gathers its units in bf16) takes each copy
+    away once, wherever the walk held it: the peak is that of the same step profiled without
+    copies (1 MiB a block here), checkpointed or not."""
+    without = _peak(_walk_profile(), 4, checkpointed)
+    model = StepModel(_walk_profile(cast_mib=1.0), 4)
+    model.checkpoint(checkpointed)
+    model.drop_weight_copies()
+    dropped = model.result()
+    assert (dropped.peak_bytes, dropped.peak_at) == (without.peak_bytes, without.peak_at)
+    assert (dropped.peak_bytes, dropped.peak_at) == (peak_mib * MIB, peak_at)
+
+
 def test_accumulation_holds_the_gradients_through_the_next_micro_batch() -> None:
     profile = _walk_profile()
     assert _peak(profile, 4, accumulation=2).peak_bytes == _peak(profile, 4).peak_bytes + 10 * MIB

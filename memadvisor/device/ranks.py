@@ -309,19 +309,27 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     names = job.strategy_names if job.strategy_names is not None else list(candidate.choices)
     strategies = load_strategies([n for n in names if n in candidate.choices])
+    if cuda:
+        # Before the model reaches the card (a fresh process: nothing): a rank's peak is
+        # everything it holds, its shards included, as the per-rank estimate counts it.
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     torch.manual_seed(0)
     model = copy.deepcopy(workload.model)
-    for p in model.parameters():
-        p.grad = None
+    # Not a loop over the parameters: its variable would keep the last one, and under FSDP2
+    # its unsharded storage, alive for the whole run (the 1B's output layer: 0.24 GiB).
+    model.zero_grad(set_to_none=True)
     run_step = apply_candidate(
         base_step(workload, model.to(device), profile), candidate, strategies
     )
     meter = MemoryMeter(None if cuda else job.budget_bytes, track_resizes=True)
     if cuda:
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        torch.cuda.reset_peak_memory_stats(device)
         run = running(workload, wrap_ranks(run_step, candidate, strategies, rank))
+        # The peak is the steps': the whole model on the card before fully_shard sharded it
+        # is the loading's moment, which the estimate does not model (its segments go back).
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     else:
         with meter:  # DDP's buckets and FSDP2's shards are made here
             run = running(workload, wrap_ranks(run_step, candidate, strategies, None))

@@ -142,3 +142,63 @@ def test_fsdp2_at_too_few_ranks_names_the_world_size_that_fits(
     assert f"--world-size {error.sharded_world_size} --parallel fsdp2" in str(error)
     # The minimum is a rank's under FSDP2 at 2, not the unsharded model's.
     assert error.minimum_bytes is not None and error.minimum_bytes < profile.static_bytes
+
+
+def _rank(profile: Profile, world_size: int, reshard: bool = False, batch: int = 6) -> Candidate:
+    """The card's pick for 2 x H100 (bench/results/multi_gpu.jsonl): batch 6 a rank, every
+    block checkpointed, bf16, FSDP2 with the units kept gathered after forward."""
+    units = [b.name for b in profile.blocks]
+    parallel = {"kind": "fsdp2", "world_size": world_size, "units": units}
+    return Candidate(
+        batch_size=batch,
+        choices={
+            "checkpointing": units,
+            "precision": "bf16",
+            "parallel": {**parallel, "reshard_after_forward": reshard},
+        },
+    )
+
+
+def test_a_rank_holds_its_shards_of_weights_gradients_and_state_at_the_optimizer_step(
+    profile: Profile,
+) -> None:
+    # Weights, gradients, AdamW's state and its temporaries are sharded: at the optimizer
+    # step a rank holds 1/N of the single card's (16.4 GiB of state and 4.1 of temporaries).
+    strategies = load_strategies(None)
+    whole = profile.buffer_bytes + profile.fixed_overhead_bytes
+    one = Candidate(batch_size=6, choices={"precision": "bf16"})
+    single = estimate(profile, one, strategies).phase_peak_bytes["optimizer"] - whole
+    for n in (2, 4, 8):
+        rank = estimate(profile, _rank(profile, n), strategies)
+        assert abs((rank.phase_peak_bytes["optimizer"] - whole) * n - single) <= n
+        assert rank.breakdown["optimizer_state"] == profile.optimizer_state_bytes // n
+
+
+def test_kept_gathered_a_rank_holds_every_unit_at_the_head_resharded_one(
+    profile: Profile,
+) -> None:
+    # The loss's backward (the head) holds the logits' gradients. Units kept gathered after
+    # forward are all there (22 x 84 MB in bf16); resharded, only the last, prefetched. The
+    # per-rank peaks there differ by 21 units, not by the whole model.
+    strategies = load_strategies(None)
+    kept = estimate(profile, _rank(profile, 2, reshard=False), strategies)
+    resharded = estimate(profile, _rank(profile, 2, reshard=True), strategies)
+    units = [b.param_bytes // 2 for b in profile.blocks]  # gathered in bf16
+    assert len(units) == 22 and min(units) > 0
+    assert kept.peak_at == "backward: head"
+    gap = kept.phase_peak_bytes["backward"] - resharded.phase_peak_bytes["backward"]
+    assert abs(gap - (sum(units) - units[-1])) <= len(units)
+
+
+def test_the_card_s_pick_peaks_at_the_head_above_the_optimizer_step(profile: Profile) -> None:
+    # Every block checkpointed and gathered in bf16: autocast makes no weight copies, and
+    # the loss's backward holds 2.05 GiB of sharded weights, 4.10 of AdamW state, 2.05 of
+    # gathered units and the logits' gradients: more than the optimizer step (2.5 x 4.10 GiB).
+    # An edit that took the checkpointed blocks' copies away twice (1.8 GiB) put the peak at
+    # the optimizer step instead (10.28 GiB predicted for the card's 11.3 GiB; docs/design.md).
+    e = estimate(profile, _rank(profile, 2), load_strategies(None))
+    assert e.peak_at == "backward: head"
+    assert e.peak_bytes > e.phase_peak_bytes["optimizer"] + gib_to_bytes(1)
+    shards = (profile.param_bytes + profile.optimizer_state_bytes) // 2
+    gathered = profile.param_bytes // 2  # every unit and the root, in bf16
+    assert e.peak_bytes > shards + gathered
