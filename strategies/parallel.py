@@ -59,11 +59,6 @@ Known limitations:
       on the ranks. Errs high (safe): the tiny Llama's activations by the fake profiler,
       2324 MiB with fp32 weights, 1918 with bf16 (batch 309); its card row was +20%. A
       profiled step with the weights in the low dtype would remove it.
-    * With ``reshard_after_forward=True`` :func:`wrap_for_rank` passes the flag to the
-      root too, so the root is resharded after forward (torch keeps the root gathered only
-      when the flag is left ``None``): at the loss and the loss's backward nothing is
-      gathered, where the estimate counts the root and one or two units (an 8-block decoder
-      on the simulated ranks: +9.5%; tests/device/test_ranks.py).
 """
 
 from __future__ import annotations
@@ -369,7 +364,9 @@ def wrap_for_rank(
                 "plan made for this model."
             ) from e
         fully_shard(unit, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+    # The root's flag left unset: torch keeps the root gathered after forward (backward
+    # needs it first), as the estimate counts it.
+    fully_shard(model, mp_policy=policy)
     return model
 
 
@@ -410,7 +407,7 @@ model = model.cuda()  # after the plan's other strategies (checkpointing, autoca
 mp_policy = {policy}
 for name in {units!r}:
     fully_shard(model.get_submodule(name), reshard_after_forward={reshard}, mp_policy=mp_policy)
-fully_shard(model, reshard_after_forward={reshard}, mp_policy=mp_policy)
+fully_shard(model, mp_policy=mp_policy)  # the root stays gathered: backward needs it first
 optimizer = torch.optim.AdamW(model.parameters())  # after fully_shard: over the shards
 # each rank loads its own batch_size samples (DistributedSampler)
 """

@@ -98,7 +98,7 @@ def test_the_fsdp2_advice_is_code_that_shards_each_unit_then_the_root(profile: P
     compile(advice.snippet, "<advice>", "exec")  # it parses
     for unit in choice["units"]:
         assert repr(unit) in advice.snippet
-    assert "fully_shard(model, reshard_after_forward=False" in advice.snippet
+    assert "fully_shard(model, mp_policy=mp_policy)  # the root stays gathered" in advice.snippet
     assert "param_dtype=torch.bfloat16" in advice.snippet
     assert Parallel().explain(None, profile) is None
 
