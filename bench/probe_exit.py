@@ -68,6 +68,9 @@ def once(signum: int) -> tuple[float, float, bool]:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # SIGINT's default action, as a terminal's Ctrl-C finds it (a bench started with
+            # `cmd &` inherits SIGINT ignored, and Python then installs no handler for it).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         while not (started.exists() and started.read_text()):
             time.sleep(0.05)

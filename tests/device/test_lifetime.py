@@ -62,6 +62,13 @@ def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT's default action in the planner, as a terminal's Ctrl-C finds it. A test run
+    started in the background (``cmd &`` in a script) inherits SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler: the signal would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -126,6 +133,7 @@ def test_a_signal_to_the_planner_mid_probe_leaves_no_process_and_no_folder(
         env=_env(tmp, MEMADVISOR_TEST_STARTED=str(started)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
     child = int(_wait_for(started, planner, START_TIMEOUT_S))
     zygote = _ppid(child)
