@@ -138,6 +138,13 @@ def llama_small() -> dict:
     return hf_llama(max_positions=1024, use_cache=True, attention_mask=True)
 
 
+def lm350m(batch_size: int = 2, seq: int = 1024) -> dict:
+    """examples/llama.py's "350m" preset: a 0.35B decoder (349M parameters; 24 layers of
+    1024, 16 query heads over 8 key/value heads, SwiGLU 2816, vocab 32000) at 1024 tokens,
+    its loss a TokenCrossEntropy. The decoder of issue 28's card rows (bench/loss_head.py)."""
+    return _example("llama").build(batch_size=batch_size, seq_len=seq, preset="350m")
+
+
 def llama_1b(batch_size: int = 1, seq: int = 2048) -> dict:
     """examples/llama.py at TinyLlama-1.1B's shape: 22 layers of 2048, 32 query heads over 4
     key/value heads, a 5632-wide SwiGLU, vocab 32000; 1.10B parameters, 2048 tokens."""

@@ -22,6 +22,7 @@ TARGETS = {
     "gpt2": f"{MODELS_FILE}:gpt2",
     "bert": f"{MODELS_FILE}:bert_base_b4",
     "llama_small": f"{MODELS_FILE}:llama_small",
+    "lm350m": f"{MODELS_FILE}:lm350m",
 }
 
 

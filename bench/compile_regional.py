@@ -76,16 +76,15 @@ def build(name: str, batch: int, smoke: bool) -> tuple[Any, Any, Any]:
         if name == "lm350m":
             from examples import llama
 
+            # The 0.35B decoder is examples/llama.py's "350m" preset (bench/loss_head.py's too).
             size = (
                 dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
                 if smoke
-                else dict(
-                    dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=32000
-                )
+                else {}
             )
             seq = 32 if smoke else 1024
-            job = llama.build(batch_size=1, seq_len=seq, max_seq_len=seq, **size)
-            vocab = size["vocab_size"]
+            job = llama.build(batch_size=1, seq_len=seq, preset="350m", max_seq_len=seq, **size)
+            vocab = job["model"].cfg.vocab_size
         else:
             from examples import gpt
 

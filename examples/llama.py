@@ -48,6 +48,20 @@ PRESETS = {
         ffn_dim=11008,
         max_seq_len=4096,
     ),
+    # A 0.35B decoder (349M parameters) at a 1024-token context: 24 layers of 1024, 16 query
+    # heads over 8 key/value heads. At 8 GiB its fp32 weights, gradients and AdamW state
+    # (5.2 GiB) leave the logits (1024 x 32000 x 4 bytes = 125 MiB a sample) as the step's
+    # largest tensors: the model of the chunked loss head's card bench (bench/loss_head.py)
+    # and of the compile forms' (bench/compile_regional.py).
+    "350m": LlamaConfig(
+        vocab_size=32000,
+        dim=1024,
+        n_layers=24,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_dim=2816,
+        max_seq_len=1024,
+    ),
     # TinyLlama-1.1B's shape: 22 layers of 2048, 32 query heads over 4 key/value heads.
     # 1.10B parameters: 17.6 GB of fp32 weights, gradients and AdamW state (16 bytes each),
     # more than a 12 GiB card holds before any activation: the model FSDP2 is for.
@@ -178,8 +192,8 @@ def build(batch_size: int = 2, seq_len: int | None = None, preset: str = "tiny",
     Args:
         batch_size: rows of the sample batch.
         seq_len: tokens per row; default the config's ``max_seq_len``.
-        preset: ``"tiny"`` (CPU-sized), ``"1b"`` (TinyLlama-1.1B's shape) or ``"7b"``
-            (Llama-2-7B's shape; for fake tensors).
+        preset: ``"tiny"`` (CPU-sized), ``"350m"`` (a 0.35B decoder), ``"1b"``
+            (TinyLlama-1.1B's shape) or ``"7b"`` (Llama-2-7B's shape; for fake tensors).
         overrides: config fields to change, e.g. ``n_layers=2``.
     """
     cfg = replace(PRESETS[preset], **overrides)

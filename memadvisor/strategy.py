@@ -329,6 +329,13 @@ class WrapsRanks(ABC):
 class Checked(ABC):  # noqa: B024 - a protocol of two optional methods
     """Opt-in: the strategy measures its choices on copies of the user's workload."""
 
+    #: Whether :meth:`screen` may be given a workload of fake tensors (``device="estimate"``:
+    #: no card, no values) and decide on what it recognises without running the model
+    #: (the loss head: whether memadvisor owns the loss). Estimate plans screen only such
+    #: strategies, and a plan that measures nothing stays fast; the others' choices are
+    #: offered there unchecked (precision: its numerics need values), and the plan says so.
+    screens_fake_tensors: ClassVar[bool] = False
+
     def check(self, workload: Workload, choice: JsonValue) -> Check | None:
         """Measure ``choice`` on copies of the user's workload (the user's model untouched),
         after the search, for the plan's checks. Default: nothing."""
@@ -459,6 +466,7 @@ def installs(strategy: Strategy) -> str:
 _PROTOCOL_OF: dict[str, type] = {
     "check": Checked,
     "screen": Checked,
+    "screens_fake_tensors": Checked,
     "refine": Measured,
     "plan_scope": Measured,
     "record": Recorded,

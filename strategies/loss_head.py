@@ -123,6 +123,8 @@ class LossHead(Strategy, Checked, HandTried, Described):
     effect_order = EffectOrder.LOSS
     # A training framework that computes the loss itself cannot adopt it.
     states = frozenset({"loss_changed"})
+    # Its screen recognises the loss; on fake tensors it measures nothing (device="estimate").
+    screens_fake_tensors = True
 
     def __init__(self) -> None:
         # Set by screen(): whether this plan's workload has a loss memadvisor owns and the

@@ -5,7 +5,10 @@ costs no memory; the profiler meters one step under ``FakeTensorMode`` with CUDA
 policy (:mod:`memadvisor.device.fake`); step times, which fake ops do not have, are modelled
 from matmul FLOPs (:mod:`memadvisor.profiler._flops`); and the search picks precision,
 checkpointed blocks and the largest batch on the estimate. Nothing runs on a device: no
-probe, no verification, no compile, no numerics check, and the plan says so.
+probe, no verification, no compile, no numerics check, and the plan says so. The strategies
+whose screen decides on recognition alone (:attr:`~memadvisor.strategy.Checked.
+screens_fake_tensors`: the loss head, offered where memadvisor owns the loss) are screened as
+on a card; the others' choices are offered unchecked (precision's numerics need values).
 
 The entry point takes a profile too, so a caller that made its own (a per-rank profile for
 a world size larger than this machine) plans from it without profiling again.
@@ -26,18 +29,20 @@ from collections.abc import Sequence
 from memadvisor.device.fake import FakeWorkload, fake_workload, profile_fake
 from memadvisor.errors import BadInputError
 from memadvisor.estimate import estimate
+from memadvisor.planner._notes import screen_notes
 from memadvisor.planner._pick import advice_for, with_records
 from memadvisor.planner._progress import Progress, log_pick
 from memadvisor.planner._rows import comparison_rows
 from memadvisor.planner._search import ranked_or_infeasible
 from memadvisor.planner._space import SearchSpace
 from memadvisor.profiler import count_step_flops, with_modelled_times
+from memadvisor.schema.advice import Check
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.device import ESTIMATE
 from memadvisor.schema.plan import EstimateBasis, ModelFingerprint, Plan, Row
 from memadvisor.schema.profile import Profile, StepFlops, StepTimeModel
-from memadvisor.strategy import Strategy, load_strategies
+from memadvisor.strategy import Checked, Strategy, load_strategies
 from memadvisor.workload import Workload
 
 __all__ = ["ESTIMATE_DEVICE_NAME", "estimated_profile", "plan_estimated", "with_flop_times"]
@@ -124,6 +129,7 @@ def plan_estimated(
     else:
         profile = with_flop_times(fake, profile, time_model)
     chosen = list(strategies) if strategies is not None else load_strategies(config.strategies)
+    screened = _screened(fake, profile, chosen, config, ui)
     space = SearchSpace(profile, chosen, config)
     ranked = ranked_or_infeasible(space, ui)
     best = ranked[0]
@@ -136,7 +142,12 @@ def plan_estimated(
         space, None, plan_row, ui
     )  # every row estimated; ESTIMATED_NOTE says so
     cannot_know = _cannot_know(time_model, profile.flops)
-    notes = [ESTIMATED_NOTE, *cannot_know, *_batch_notes(config, pick, best.largest_batch)]
+    notes = [
+        ESTIMATED_NOTE,
+        *screen_notes(screened, config),  # they decided what may be picked
+        *cannot_know,
+        *_batch_notes(config, pick, best.largest_batch),
+    ]
     ui.log_notes(notes)
     plan = Plan(
         model_name=profile.model_name,
@@ -149,6 +160,7 @@ def plan_estimated(
         estimate=pick_estimate,
         comparison=rows,
         advice=advice_for(chosen, pick, profile),
+        checks=screened,
         notes=notes,
         plan_wall_ms=(time.perf_counter() - started) * 1e3,
         profile=profile,
@@ -156,6 +168,24 @@ def plan_estimated(
     )
     log_pick(plan)
     return plan
+
+
+def _screened(
+    fake: FakeWorkload,
+    profile: Profile,
+    chosen: Sequence[Strategy],
+    config: PlanConfig,
+    ui: Progress,
+) -> list[Check]:
+    """The checks of the strategies whose screen decides without values, run before the
+    search as on a card (a choice whose check fails is then not offered); the others are
+    not screened: a numerics check would run the model, and fake tensors hold no values."""
+    screening = [s for s in chosen if isinstance(s, Checked) and s.screens_fake_tensors]
+    if not screening:
+        return []
+    # In the fake mode: a tensor a screen makes meets the model's fake ones as a fake one.
+    with ui.stage("screening (by recognition)", total=None), fake.fake():
+        return [c for s in screening for c in s.screen(fake, profile, config)]
 
 
 def _cannot_know(time_model: StepTimeModel, flops: StepFlops | None) -> list[str]:

@@ -12,27 +12,31 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from memadvisor.errors import BadInputError
 from memadvisor.report._mfu import LanguageModelRate, language_model_rate
 from memadvisor.report._parts import changes, others, parts, plan_strategies
+from memadvisor.schema.advice import ReportPart
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.plan import Plan, Row, StageOutcome
 from memadvisor.schema.precision import FULL
 from memadvisor.schema.profile import Profile, StepProfile
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Strategy, chosen_strategies
 
 __all__ = [
     "Answer",
     "ComparisonLine",
     "Consumer",
     "KindLine",
+    "LossRewrite",
     "MemorySeries",
     "PhaseLine",
     "PredictedPhases",
     "answer",
     "comparison",
     "consumers",
+    "is_loss",
     "device_runs",
     "kinds_at_plan_peak",
     "kinds_of_profile",
@@ -44,8 +48,32 @@ __all__ = [
 ]
 
 
+# Ops that compute a softmax-based loss: what they save grows with batch x classes (x tokens).
+LOSS_OPS = frozenset(
+    {"_log_softmax", "log_softmax", "_softmax", "softmax", "nll_loss", "nll_loss_forward",
+     "nll_loss2d_forward", "cross_entropy_loss", "binary_cross_entropy_with_logits"}
+)  # fmt: skip
+
+
+def is_loss(name: str, made_by: Iterable[str]) -> bool:
+    """Whether an owner outside the blocks is the loss: the user's loss_fn (``<loss>``), or
+    what a softmax-based loss op made (a model computing its own loss: ``<other>``)."""
+    return name == "<loss>" or bool(LOSS_OPS.intersection(made_by))
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LossRewrite(_Model):
+    """How the pick computes the loss, where its strategies' facts say it computes it another
+    way than the user's loss (``Facts.loss_changed``: the chunked loss head), in their words.
+
+    The loss's saved bytes are then shown as not kept: the loss that made them is not run.
+    """
+
+    words: str = Field(description="The strategies' own words for it ('chunked cross-entropy…').")
+    brief: str = Field(description="A few words for the owners table ('loss in 8 chunks').")
 
 
 class Answer(_Model):
@@ -68,6 +96,11 @@ class Answer(_Model):
     )
     checkpointed: list[str] = Field(
         description="Names of the blocks the pick recomputes in backward, as its strategies say."
+    )
+    loss_rewrite: LossRewrite | None = Field(
+        None,
+        description="How the pick computes the loss, where it does not run the user's; None: "
+        "it runs the user's loss, whose saved bytes it keeps as profiled.",
     )
     choice_rows: list[tuple[str, str]] = Field(
         default_factory=list,
@@ -175,6 +208,11 @@ class Consumer(_Model):
     share: float = Field(description="Fraction of all saved activations.")
     checkpointed: bool = False
     kept_bytes: int = Field(description="What it keeps under the plan: its input if checkpointed.")
+    loss_rewrite: LossRewrite | None = Field(
+        None,
+        description="For the loss's own bytes (its log-softmax), where the pick computes the "
+        "loss another way: how; kept_bytes is then 0.",
+    )
     forward_ms: float = Field(
         0.0,
         description="Its forward time, what a recompute costs: for a block, the median over "
@@ -292,6 +330,7 @@ def answer(plan: Plan) -> Answer:
         objective=plan.config.objective,
         precision=steps[-1] if steps else FULL,
         checkpointed=[b for p in found.values() for b in p.recomputed_blocks],
+        loss_rewrite=_loss_rewrite(plan, strategies, found),
         choice_rows=[(p.label, p.words) for p in found.values() if p.label],
         briefs=[p.brief for p in found.values() if p.brief],
         block_count=len(profile.blocks) if profile is not None else None,
@@ -318,6 +357,36 @@ def answer(plan: Plan) -> Answer:
         stages=list(plan.stages),
         notes=list(plan.notes),
     )
+
+
+def _loss_rewrite(
+    plan: Plan, strategies: Sequence[Strategy], found: dict[str, ReportPart]
+) -> LossRewrite | None:
+    """How the pick computes the loss where a choice's facts say it changes it (read from the
+    facts, never the strategy's name); None where every chosen strategy keeps the user's loss.
+    A strategy not installed here states no facts, nor does a choice of an older form its
+    ``facts`` refuses (checkpointing's block indices, which its description still reads)."""
+    installed = {s.name for s in strategies}
+    known = plan.candidate.model_copy(
+        update={"choices": {n: c for n, c in plan.candidate.choices.items() if n in installed}}
+    )
+    rewriting = [s for s, c in chosen_strategies(known, strategies) if _changes_loss(s, c)]
+    if not rewriting:
+        return None
+    # Each in its own words (its name where it describes nothing).
+    said = [found.get(s.name) or ReportPart(words=s.name) for s in rewriting]
+    return LossRewrite(
+        words="; ".join(p.words for p in said), brief=", ".join(p.brief or p.words for p in said)
+    )
+
+
+def _changes_loss(strategy: Strategy, choice: JsonValue) -> bool:
+    """Whether ``choice`` computes the loss another way, by its facts (False where the
+    strategy refuses the choice's form: a report of an older plan still prints)."""
+    try:
+        return strategy.facts(choice).loss_changed
+    except BadInputError:
+        return False
 
 
 def comparison(plan: Plan) -> list[ComparisonLine]:
@@ -475,11 +544,19 @@ def consumers(
     batch_size: int,
     precision: str = "fp32",
     checkpointed: Iterable[str] = (),
+    loss_rewrite: LossRewrite | None = None,
 ) -> list[Consumer]:
     """Every activation owner, blocks and not (LM head, loss), largest first.
 
     What no listed owner accounts for is shown as ``<unattributed>`` when it is more than 1%
-    of the total, so the list always adds up to the step's saved activations.
+    of the total, so the list always adds up to the step's saved activations. With
+    ``loss_rewrite`` (the pick does not run the user's loss) the loss's owners keep nothing.
+
+    Known limitations:
+        * A rewritten loss is taken to keep none of what the user's loss saved: true of the
+          chunked loss head (the estimate drops those bytes and adds one chunk's transient,
+          which is no owner's); a strategy that changes the loss and still saves its
+          log-softmax would be shown low here (its estimate still counts it).
     """
     step = _step(profile, precision)
     ckpt = set(checkpointed)
@@ -508,6 +585,7 @@ def consumers(
         )
     for mod in step.outside:
         act = mod.activation.at(batch_size)
+        rewritten = loss_rewrite if is_loss(mod.name, mod.made_by) else None
         out.append(
             Consumer(
                 name=mod.name,
@@ -515,7 +593,8 @@ def consumers(
                 owner="outside",
                 activation_bytes=act,
                 share=act / total if total else 0.0,
-                kept_bytes=act,
+                kept_bytes=0 if rewritten is not None else act,
+                loss_rewrite=rewritten,
                 forward_ms=mod.forward_ms.at(batch_size),
                 made_by=list(mod.made_by),
                 after=mod.after,

@@ -252,7 +252,7 @@ SCRIPT = r"""
     drawBars(act, owners, function (c) { return c.activation_bytes; },
       function (c) { return fmtBytes(c.activation_bytes); },
       function (c) {
-        if (c.checkpointed) { return ["#b9e6ee", c.kept_bytes, "#17a2b8"]; }
+        if (c.checkpointed || c.loss_rewrite) { return ["#b9e6ee", c.kept_bytes, "#17a2b8"]; }
         return [c.owner === "block" ? "#2f6fdd" : "#e67e22"];
       },
       "Saved for backward (bytes)");

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memadvisor.report._facts import Answer, Consumer, times_rank
+from memadvisor.report._facts import LOSS_OPS, Answer, Consumer, is_loss, times_rank
 from memadvisor.report._mfu import LanguageModelRate
 from memadvisor.schema.plan import Plan, StageOutcome
 from memadvisor.schema.profile import Profile
@@ -186,11 +186,6 @@ def _throughput(a: Answer) -> str:
     return words
 
 
-# Ops that compute a softmax-based loss: what they save grows with batch x classes (x tokens).
-_LOSS_OPS = frozenset(
-    {"_log_softmax", "log_softmax", "_softmax", "softmax", "nll_loss", "nll_loss_forward",
-     "nll_loss2d_forward", "cross_entropy_loss", "binary_cross_entropy_with_logits"}
-)  # fmt: skip
 _SHRINK_LOSS = (
     "a chunked or fused cross-entropy (one that never holds the log-probabilities of the whole "
     "batch at once) would shrink it, and so would a smaller batch"
@@ -201,16 +196,29 @@ def owner_notes(consumers: list[Consumer], *, min_share: float = 0.05) -> list[s
     """A sentence for each owner that is not a block and holds ``min_share`` or more of the
     activations: who made the bytes and what would shrink them.
 
-    Checkpointing cannot reach these owners, so the report says what can instead.
+    Checkpointing cannot reach these owners, so the report says what can instead; where the
+    plan already computes the loss another way (an owner's ``loss_rewrite``), it says how,
+    and suggests no other loss.
     """
     fed_loss = {c.after for c in consumers if c.after and _is_loss(c)}
+    rewrite = next((c.loss_rewrite for c in consumers if c.loss_rewrite is not None), None)
     notes = []
     for c in consumers:
         if c.owner != "outside" or c.share < min_share or c.name == "<unattributed>":
             continue
         held = f"{fmt_bytes(c.activation_bytes)} ({c.share:.0%})"
         ops = f" ({', '.join(c.made_by)})" if c.made_by else ""
-        if c.name == "<other>":
+        if c.loss_rewrite is not None:
+            what = (
+                "your loss_fn over the model's output"
+                if c.name == "<loss>"
+                else f"the loss over {c.after or 'the output'}'s output"
+            )
+            notes.append(
+                f"{c.name}: {held} is {what}{ops} as profiled; the plan computes the loss "
+                f"another way ({c.loss_rewrite.words}) and keeps none of it."
+            )
+        elif c.name == "<other>":
             where = f"{c.type_name}.forward" if c.type_name else "the model's own forward"
             after = f" after {c.after}" if c.after else ""
             if _is_loss(c):
@@ -232,6 +240,11 @@ def owner_notes(consumers: list[Consumer], *, min_share: float = 0.05) -> list[s
             else:
                 shrink = "a smaller batch shrinks it"
             notes.append(f"<loss>: {held} is your loss_fn over the model's output{ops}; {shrink}.")
+        elif c.name in fed_loss and rewrite is not None:
+            notes.append(
+                f"{c.name}: {held} is its output ({c.type_name}), which the loss reads; the "
+                f"plan computes the loss another way ({rewrite.words})."
+            )
         elif c.name in fed_loss:
             notes.append(
                 f"{c.name}: {held} is its output ({c.type_name}), which the loss reads; a fused "
@@ -247,8 +260,8 @@ def owner_notes(consumers: list[Consumer], *, min_share: float = 0.05) -> list[s
 
 
 def _is_loss(c: Consumer) -> bool:
-    return c.name == "<loss>" or _is_loss_op(c)
+    return is_loss(c.name, c.made_by)
 
 
 def _is_loss_op(c: Consumer) -> bool:
-    return bool(_LOSS_OPS.intersection(c.made_by))
+    return bool(LOSS_OPS.intersection(c.made_by))

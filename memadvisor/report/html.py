@@ -99,14 +99,14 @@ def render_plan_html(
     if profile is not None:
         b = max(profile.batch_sizes)
         series = series or facts.series_from_phases(profile, b, a.precision)
-        owners = facts.consumers(profile, a.batch_size, a.precision, a.checkpointed)
+        owners = facts.consumers(profile, a.batch_size, a.precision, a.checkpointed, a.loss_rewrite)
         data.update(series=series.model_dump(), consumers=[c.model_dump() for c in owners])
         parts += [
             _memory_chart(series),
             _owners_charts(
                 f"Activations by owner at batch {a.batch_size}, {a.precision}. {_BAR_COLORS} "
-                "Light teal: freed by checkpointing; dark teal: the input a checkpointed block "
-                "still keeps."
+                "Light teal: freed by the plan (checkpointing, a rewritten loss); dark teal: the "
+                "input a checkpointed block still keeps."
             ),
             _section(
                 "kinds",
@@ -116,7 +116,7 @@ def render_plan_html(
             _section(
                 "consumers",
                 f"Top activation owners at batch {a.batch_size}, {a.precision}",
-                _consumers(owners, show_kept=bool(a.checkpointed)),
+                _consumers(owners, show_kept=bool(a.checkpointed) or a.loss_rewrite is not None),
                 "\n".join([OWNERS_NOTE, *owner_notes(owners)]),
             ),
             _section(
@@ -326,6 +326,8 @@ def _consumers(owners: list[facts.Consumer], *, show_kept: bool) -> str:
         kept = ""
         if show_kept:
             ckpt = '<span class="tag ckpt">checkpointed</span>' if c.checkpointed else ""
+            if c.loss_rewrite is not None:
+                ckpt = f'<span class="tag ckpt">{_e(c.loss_rewrite.brief)}</span>'
             kept = f"<td>{fmt_bytes(c.kept_bytes)}{ckpt}</td>"
         rows.append(
             f"<tr><td>{_e(c.name)}{tag}</td><td>{_e(c.type_name)}</td>"

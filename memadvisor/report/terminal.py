@@ -58,11 +58,14 @@ def print_plan(plan: Plan, console: Console, *, top: int = 8) -> None:
     else:
         profile = plan.profile
         _section(console, _peak_title(ans), _kinds_table(facts.kinds_at_plan_peak(plan)))
-        owners = facts.consumers(profile, ans.batch_size, ans.precision, ans.checkpointed)
+        owners = facts.consumers(
+            profile, ans.batch_size, ans.precision, ans.checkpointed, ans.loss_rewrite
+        )
+        show_kept = bool(ans.checkpointed) or ans.loss_rewrite is not None
         _section(
             console,
             f"Top activation owners at batch {ans.batch_size}, {ans.precision}",
-            _consumers_table(owners, top=top, show_kept=bool(ans.checkpointed)),
+            _consumers_table(owners, top=top, show_kept=show_kept),
             _consumers_note(owners),
         )
         b = max(profile.batch_sizes)
@@ -309,11 +312,7 @@ def _consumers_table(consumers: list[facts.Consumer], *, top: int, show_kept: bo
             f"{c.share:.0%}",
         ]
         if show_kept:
-            row.append(
-                Text(f"{fmt_bytes(c.kept_bytes)} ckpt", style="cyan")
-                if c.checkpointed
-                else Text(fmt_bytes(c.kept_bytes))
-            )
+            row.append(_kept(c))
         row.append(_forward(c))
         rows.append(row)
     if len(consumers) > top:
@@ -328,6 +327,15 @@ def _consumers_table(consumers: list[facts.Consumer], *, top: int, show_kept: bo
             ]
         )
     return _table(columns, rows)
+
+
+def _kept(c: facts.Consumer) -> Text:
+    """What an owner keeps under the plan, and why where the plan changed it."""
+    if c.checkpointed:
+        return Text(f"{fmt_bytes(c.kept_bytes)} ckpt", style="cyan")
+    if c.loss_rewrite is not None:
+        return Text(f"{fmt_bytes(c.kept_bytes)}, {c.loss_rewrite.brief}", style="cyan")
+    return Text(fmt_bytes(c.kept_bytes))
 
 
 def _forward(c: facts.Consumer) -> str:

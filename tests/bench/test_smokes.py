@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 OUT = "{out}"  # the JSON lines file in the test's temporary folder
 
-# name -> the smoke's arguments (OUT where its JSON lines go; None: prints only).
-SMOKES: dict[str, list[str]] = {
+# name -> the smoke's arguments (OUT where its JSON lines go; None: prints only), or a list of
+# such runs where a bench has several commands (each its own process, in turn).
+SMOKES: dict[str, list[str] | list[list[str]]] = {
     "multi_gpu": ["--smoke", "--json", OUT],
     "estimate_speed": ["--blocks", "4", "--seconds", "0.2"],
     "estimate_accuracy": [
@@ -45,7 +46,13 @@ SMOKES: dict[str, list[str]] = {
     "fake_7b": ["--preset", "tiny", "--seq-len", "64"],
     "precision_check": ["--device", "cpu", "--tiny", "--models", "gpt2", "--out", OUT],
     "probe_exit": ["--repeat", "1"],
-    "loss_head": ["--batches", "2", "--precisions", "fp32", "--chunks", "off", "8"],
+    "loss_head": [
+        ["peaks", "--batches", "2", "--precisions", "fp32", "--chunks", "off", "8"],
+        [
+            "cells", "--device", "simulated", "--models", "llama", "--budget-gib", "0.08",
+            "--cells", "eager,eager+chunked,compiled,plan", "--json", OUT,
+        ],
+    ],
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
         "--json", OUT,
@@ -85,26 +92,32 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _runs(name: str) -> list[list[str]]:
+    spec = SMOKES[name]
+    return [run for run in spec if isinstance(run, list)] or [spec]  # type: ignore[list-item]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SMOKES))
 def test_the_smoke_runs_and_writes_its_lines(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
-    args = [a.replace(OUT, str(out)) for a in SMOKES[name]]
     results = ROOT / "bench" / "results"
     before = {p: p.stat().st_mtime_ns for p in results.glob("*")}
-    done = subprocess.run(
-        [sys.executable, str(BENCH / f"{name}.py"), *args],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=LIMIT_S,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.strip(), "the smoke printed nothing (no table)"
-    if OUT in SMOKES[name]:
-        lines = [json.loads(line) for line in out.read_text().splitlines() if line]
-        assert lines, f"{name} wrote no JSON line to {out}"
+    for run in _runs(name):
+        args = [a.replace(OUT, str(out)) for a in run]
+        done = subprocess.run(
+            [sys.executable, str(BENCH / f"{name}.py"), *args],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=LIMIT_S,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.stdout.strip(), f"the smoke {run[:1]} printed nothing (no table)"
+        if OUT in run:
+            lines = [json.loads(line) for line in out.read_text().splitlines() if line]
+            assert lines, f"{name} wrote no JSON line to {out}"
     after = {p: p.stat().st_mtime_ns for p in results.glob("*")}
     assert after == before, "a smoke wrote into bench/results/"
 

@@ -14,6 +14,7 @@ from memadvisor.device.fake import fake_workload, load_fake_target
 from memadvisor.errors import InfeasibleBudgetError
 from memadvisor.estimate import estimate
 from memadvisor.planner import plan_estimated, plan_workload
+from memadvisor.planner._space import largest_batch
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import GIB, PlanConfig
 from memadvisor.strategy import load_strategies
@@ -49,7 +50,11 @@ def test_an_estimate_plan_ran_nothing_and_says_every_figure_is_estimated(tiny_pl
     assert plan.basis is not None
     said = " ".join(plan.basis.cannot_know)
     assert "Step times are not measured but modelled" in said and "torch.compile" in said
-    assert plan.stages == [] and plan.checks == []
+    assert plan.stages == []
+    # The only checks are screens that decide on recognition: none measured anything.
+    by_name = {s.name: s for s in load_strategies()}
+    assert all(by_name[c.strategy].screens_fake_tensors for c in plan.checks)
+    assert all(c.metrics == {} for c in plan.checks)
 
 
 def test_the_pick_is_the_largest_batch_under_the_usable_budget_by_the_estimate(tiny_plan) -> None:
@@ -90,6 +95,54 @@ def test_step_times_come_from_the_flops_so_recompute_and_precision_cost_time(tin
     assert step_ms(precision="bf16", checkpointing=blocks) == pytest.approx(
         step_ms(precision="bf16") + recompute
     )
+
+
+def _gpt_example() -> dict:
+    """examples/gpt.py at 64 tokens and GPT-2's 50304-token vocabulary: its fp32 logits
+    (12.9 MB a sample) dwarf its 2 blocks' activations."""
+    return load_factory(f"{EXAMPLES}/gpt.py:build")(batch_size=2, n_layer=2)
+
+
+def test_the_chunked_loss_is_offered_on_recognition_and_picked_where_the_logits_decide() -> None:
+    """loss_head screens without a device (Checked.screens_fake_tensors): an estimate plan
+    offers it where memadvisor owns the loss (examples/gpt.py's TokenCrossEntropy), its
+    check says nothing was measured, and at the largest batch the pick chunks the loss and
+    affords more than the best plan without it."""
+    job = _gpt_example()
+    plan = memadvisor.plan(
+        job["model"],
+        job["sample_batch"],
+        loss_fn=job["loss_fn"],
+        budget_gb=1.0,
+        objective="largest_batch",
+        device="estimate",
+        progress=False,
+    )
+    (check,) = [c for c in plan.checks if c.strategy == "loss_head"]
+    assert check.passed and "not measured" in check.summary
+    assert "+Chunked loss" in [row.label for row in plan.comparison]
+    assert plan.candidate.choice("loss_head", "off") != "off"
+    chosen = load_strategies()
+    without = {**plan.candidate.choices, "loss_head": "off"}
+    usable = plan.config.usable_bytes
+    assert largest_batch(plan.profile, without, chosen, usable, 4096) < plan.candidate.batch_size
+
+
+def test_an_estimate_plan_runs_no_numerics_check(monkeypatch) -> None:
+    """Precision's screen trains copies of the model, which fake tensors cannot: an estimate
+    plan does not screen it (it does not state screens_fake_tensors), offers bf16 unchecked,
+    and says no numerics check ran."""
+    import strategies.precision as precision
+
+    def no_numerics(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("an estimate plan ran a numerics check")
+
+    monkeypatch.setattr(precision, "check_numerics", no_numerics)
+    assert not precision.Precision.screens_fake_tensors
+    plan = plan_workload(fake_workload(lambda: _llama()), _config(0.25), progress=False)
+    assert plan.candidate.choice("precision", "fp32") == "bf16"
+    assert all(c.strategy != "precision" for c in plan.checks)
+    assert "No numerics check ran for reduced precision" in " ".join(plan.notes)
 
 
 def test_a_budget_nothing_fits_names_the_minimum_the_bytes_a_parameter_and_advice() -> None:

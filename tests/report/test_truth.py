@@ -23,6 +23,7 @@ from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.device import SIMULATED
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import LinearMs, ModuleActivity, Profile
+from memadvisor.strategy import registered_names
 from strategies.batch_size import BatchSize, choice_for
 from strategies.precision import Precision
 
@@ -174,6 +175,58 @@ def test_other_owner_without_a_loss_op_is_named_as_the_models_own_glue() -> None
 def test_small_owners_get_no_note() -> None:
     small = _consumer("<other>", "Net", made_by=["add"]).model_copy(update={"share": 0.01})
     assert owner_notes([small]) == []
+
+
+needs_loss_head = pytest.mark.skipif(
+    "loss_head" not in registered_names(),
+    reason="loss_head is not registered in this environment (pip install -e . from here)",
+)
+
+
+def _with_pick(plan: Plan, **choices) -> Plan:  # noqa: ANN003
+    pick = plan.candidate.model_copy(update={"choices": {**plan.candidate.choices, **choices}})
+    return plan.model_copy(update={"candidate": pick})
+
+
+def _owners_section(text: str) -> str:
+    return text[text.index("Top activation owners") : text.index("Per-phase peaks")]
+
+
+@needs_loss_head
+def test_a_pick_that_chunks_the_loss_keeps_none_of_it_and_suggests_no_other_loss(
+    plan: Plan,
+) -> None:
+    """Where the pick's facts say it computes the loss another way (loss_changed: the
+    chunked loss head), the owners' loss row keeps 0 bytes and says how, and no note
+    suggests a chunked or fused cross-entropy, in the terminal and the HTML alike."""
+    chunked = _with_pick(plan, loss_head=8)
+    a = answer(chunked)
+    assert a.loss_rewrite is not None and "8 chunks" in a.loss_rewrite.brief
+    owners = consumers(chunked.profile, a.batch_size, a.precision, a.checkpointed, a.loss_rewrite)
+    (loss,) = [c for c in owners if c.name == "<loss>"]
+    assert loss.activation_bytes > 0 and loss.kept_bytes == 0 and loss.loss_rewrite is not None
+    section = _owners_section(_render(print_plan, chunked, width=140))
+    (row,) = [line for line in section.splitlines() if line.lstrip().startswith("<loss> *")]
+    assert f"0 B, {a.loss_rewrite.brief}" in row
+    assert "the plan computes the loss another way" in " ".join(section.split())
+    page = render_plan_html(chunked)
+    for text in (section, page):
+        assert "chunked or fused" not in text and "fused linear" not in text
+
+
+def test_a_pick_that_keeps_the_users_loss_still_gets_the_chunked_loss_suggestion(
+    plan: Plan,
+) -> None:
+    """The same plan with the loss head off: the loss row keeps what it saved, and the note
+    names a chunked or fused cross-entropy as what would shrink it."""
+    kept = _with_pick(plan, loss_head="off") if "loss_head" in registered_names() else plan
+    a = answer(kept)
+    assert a.loss_rewrite is None
+    owners = consumers(kept.profile, a.batch_size, a.precision, a.checkpointed, a.loss_rewrite)
+    (loss,) = [c for c in owners if c.name == "<loss>"]
+    assert loss.kept_bytes == loss.activation_bytes > 0
+    section = " ".join(_owners_section(_render(print_plan, kept, width=140)).split())
+    assert "chunked or fused cross-entropy" in section
 
 
 def test_the_profile_records_what_made_other_and_the_module_before(profile: Profile) -> None:
