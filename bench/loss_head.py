@@ -125,14 +125,16 @@ def _profile(workload: Any, kind: str) -> Any:
     return planners_profile(workload, planned_capabilities(kind), Progress(enabled=False))
 
 
-def _device(kind: str, budget_bytes: int, target: str, profile: Any) -> Any:
+def _device(kind: str, budget_bytes: int, target: str, profile: Any, timeout_s: float) -> Any:
     if kind == "simulated":
         from memadvisor.device.simulated import SimulatedDevice
 
         return SimulatedDevice(budget_bytes, profile=profile)
     from memadvisor.device.cuda import CudaDevice
 
-    return CudaDevice(budget_bytes, target=target, profile=profile, fork_server=True)
+    return CudaDevice(
+        budget_bytes, target=target, profile=profile, fork_server=True, timeout_s=timeout_s
+    )
 
 
 def _choices(cell: str, args: argparse.Namespace, blocks: list[str]) -> dict[str, Any]:
@@ -226,7 +228,9 @@ def cells(args: argparse.Namespace) -> None:
     for model in args.models.split(","):
         target = MODELS[model]
         workload = load_target(target)
+        profiled = time.perf_counter()
         profile = _profile(workload, args.device)
+        profile_s = round(time.perf_counter() - profiled, 1)
         blocks = [b.name for b in profile.blocks]
         params = sum(p.numel() for p in workload.model.parameters())
         _say(f"{model}: {params / 1e6:.0f}M parameters, profiled in {_since(start):.0f} s")
@@ -244,6 +248,7 @@ def cells(args: argparse.Namespace) -> None:
                     "budget_gib": args.budget_gib,
                     "parameters": params,
                     "tokens_per_sample": profile.tokens_per_sample,
+                    "profile_s": profile_s,  # this command's, before its cells
                     "torch": torch.__version__,
                 }
                 t0 = time.perf_counter()
@@ -254,7 +259,9 @@ def cells(args: argparse.Namespace) -> None:
                         line["skipped"] = f"the {args.device} device does not compile"
                     else:
                         choices = _choices(cell, args, blocks)
-                        device = device or _device(args.device, budget_bytes, target, profile)
+                        device = device or _device(
+                            args.device, budget_bytes, target, profile, args.probe_timeout_s
+                        )
                         line.update(
                             _measured_cell(cell, choices, workload, profile, device, config)
                         )
@@ -352,6 +359,7 @@ def main() -> None:
     c.add_argument("--chunks", type=int, default=8)
     c.add_argument("--json", type=Path, default=RESULTS)
     c.add_argument("--deadline-s", type=float, default=420)
+    c.add_argument("--probe-timeout-s", type=float, default=240, help="one probe process")
     t = sub.add_parser("table", help="the cells of a JSON lines file, and the verdict")
     t.add_argument("file", type=Path)
     args = parser.parse_args()

@@ -11,8 +11,9 @@ It rewrites the step, not the model: the model's forward runs with its head retu
 input, and the loss computes the head from those hidden states (:mod:`strategies._head_loss`).
 So it is offered only where memadvisor owns the loss: a Hugging Face causal LM's own loss
 from ``labels``, or a ``loss_fn`` that is a :class:`memadvisor.TokenCrossEntropy`; and only
-after the chunked loss measured equal to the user's on the sample batch. Otherwise the plan
-says why it was not offered.
+after the chunked loss measured equal to the user's on the sample batch (a model of fake or
+meta tensors, as ``device="estimate"`` plans one, on recognition alone: its screen needs no
+device, ``screens_fake_tensors``). Otherwise the plan says why it was not offered.
 
 Its choices: ``"off"``, or the number of chunks the tokens are cut into.
 
