@@ -88,11 +88,31 @@ def _example(name: str) -> Any:
     return module
 
 
-def gpt2_124m(batch_size: int = 4) -> dict:
-    """examples/gpt.py at GPT-2 small's size: 12 layers of 768, 12 heads, 1024 tokens, 124M."""
-    return _example("gpt").build(
-        batch_size=batch_size, block_size=1024, n_layer=12, n_head=12, n_embd=768
-    )
+def t5_sized(
+    batch_size: int = 2, source_len: int = 512, target_len: int = 128, **overrides: Any
+) -> dict:
+    """T5ForConditionalGeneration with t5-base's config (12 + 12 layers of 768, 12 heads, a
+    3072-wide ReLU FFN, vocab 32128; 223M parameters), random weights: 512 input tokens, 128
+    label tokens (the model shifts the labels into its decoder's inputs). The config's other
+    fields stay transformers' defaults (dropout 0.1, ``use_cache``), as a user's script has
+    them; ``overrides`` change config fields (tests build it small)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    fields = dict(d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_heads=12, vocab_size=32128)
+    config = T5Config(**{**fields, **overrides})
+    model = T5ForConditionalGeneration(config)
+    ids = torch.randint(0, config.vocab_size, (batch_size, source_len))
+    labels = torch.randint(0, config.vocab_size, (batch_size, target_len))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return {"model": model, "sample_batch": batch}
+
+
+def gpt2_124m(batch_size: int = 4, **overrides: int) -> dict:
+    """examples/gpt.py at GPT-2 small's size: 12 layers of 768, 12 heads, 1024 tokens, 124M;
+    ``overrides`` change its config (a smoke builds it small)."""
+    size = dict(block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    return _example("gpt").build(batch_size=batch_size, **{**size, **overrides})
 
 
 # -- file.py:factory targets ------------------------------------------------------------------
@@ -104,6 +124,17 @@ def gpt2() -> dict:
 
 def resnet18() -> dict:
     return vision("resnet18")
+
+
+def t5_base() -> dict:
+    """The encoder-decoder LM of issue 27: t5-base's config, 512 input and 128 label tokens."""
+    return t5_sized()
+
+
+def swin_t() -> dict:
+    """A hierarchical vision transformer (Swin-T, 28M parameters) on 224x224 images: the one
+    issue 27 measured first."""
+    return vision("swin_t", batch_size=8)
 
 
 def convnext_tiny() -> dict:
@@ -141,7 +172,8 @@ def llama_small() -> dict:
 def lm350m(batch_size: int = 2, seq: int = 1024) -> dict:
     """examples/llama.py's "350m" preset: a 0.35B decoder (349M parameters; 24 layers of
     1024, 16 query heads over 8 key/value heads, SwiGLU 2816, vocab 32000) at 1024 tokens,
-    its loss a TokenCrossEntropy. The decoder of issue 28's card rows (bench/loss_head.py)."""
+    its loss a TokenCrossEntropy. The decoder of issue 28's card rows (bench/loss_head.py), and
+    issue 27's decoder LM that 8 GiB forces to checkpoint."""
     return _example("llama").build(batch_size=batch_size, seq_len=seq, preset="350m")
 
 

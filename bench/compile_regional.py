@@ -86,16 +86,12 @@ def build(name: str, batch: int, smoke: bool) -> tuple[Any, Any, Any]:
             job = llama.build(batch_size=1, seq_len=seq, preset="350m", max_seq_len=seq, **size)
             vocab = job["model"].cfg.vocab_size
         else:
-            from examples import gpt
+            from _models import gpt2_124m
 
             seq = 32 if smoke else 1024
-            size = (
-                dict(n_layer=3, n_head=4, n_embd=64, vocab_size=256)
-                if smoke
-                else dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304)
-            )
-            job = gpt.build(batch_size=1, block_size=seq, **size)
-            vocab = size["vocab_size"]
+            tiny = dict(n_layer=3, n_head=4, n_embd=64, vocab_size=256, block_size=seq)
+            job = gpt2_124m(batch_size=1, **(tiny if smoke else {}))
+            vocab = job["model"].lm_head.out_features
 
         def make(b: int) -> tuple[Any, Any]:
             tokens = torch.randint(0, vocab, (b, seq + 1))
