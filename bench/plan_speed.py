@@ -2,10 +2,14 @@
 
 Each (model, compile policy) plans in a fresh process, as ``memadvisor plan TARGET
 --budget-gb B`` does (the process's start, imports and the model's build counted), with a
-cold inductor cache of its own (a new ``TORCHINDUCTOR_CACHE_DIR``: a user's first plan of a
-model) unless ``--warm-cache``. One JSON line per plan, appended to ``--json`` (default
-``bench/results/plan_speed.jsonl``): model, budget_gib, compile, label, plan_wall_s,
-planner_wall_s, stage_wall_s, pick, verified_samples_per_s, device, torch, commit.
+cold cache of its own (``--cold-cache``, the default: a new ``TORCHINDUCTOR_CACHE_DIR`` and
+``TRITON_CACHE_DIR`` per model, a user's first plan of a model) unless ``--warm-cache``. One
+JSON line per plan, appended to ``--json`` (default ``bench/results/plan_speed.jsonl``):
+model, budget_gib, compile, label, cache, plan_wall_s (the process, what issue 27's 60 s
+counts), planner_wall_s, stage_wall_s, compile_s (the compile stage's wall time), pick,
+verified_samples_per_s, compile_variants, device, torch, commit. ``--save-plans DIR`` keeps
+each plan as ``DIR/<model>.json`` (``bench/user_path.py --plan`` runs the user's loop and
+the hand grid from it); ``--timeout-s`` ends a plan that runs longer and records that.
 
 ``--label`` names the code that ran (``before``: the planner as it was, ``after``: with the
 stage scheduling of issue 16), and ``--table`` prints every model's labels side by side from
@@ -13,13 +17,17 @@ the JSON lines, so the before/after table is made from measurements, not copied.
 
     python bench/plan_speed.py --models gpt,gpt2 --label after       # ~1 min a model
     python bench/plan_speed.py --models cnn,resnet18 --compile off
+    python bench/plan_speed.py --models lm350m --label i27 --save-plans /tmp/i27/plans \
+        --timeout-s 560                                              # issue 27, one model
     python bench/plan_speed.py --table bench/results/plan_speed.jsonl
     python bench/plan_speed.py --models cnn --budget-gb 0.25 --device estimate --compile off \
         --json /tmp/smoke.jsonl                                      # the CPU smoke (CI)
 
-Models: gpt, cnn, llama (examples/); gpt2 (examples/gpt.py at GPT-2 small's size, 124M);
-resnet18, convnext_tiny (torchvision); bert, llama_small (transformers): the GPU bench's
-(bench/planner.py) plus gpt2. A model whose package is missing is reported and skipped.
+Models: any of ``bench/_targets.py``'s: gpt, cnn, llama, hf_gpt2 (examples/); gpt2
+(examples/gpt.py at GPT-2 small's size, 124M); lm350m (examples/llama.py at 0.35B, seq
+1024); resnet18, resnet50, convnext_tiny, vit_b_16, swin_t (torchvision); t5_base, bert,
+llama_small (transformers). Issue 27's are ``_targets.ISSUE_27``. A model whose package is
+missing is reported and skipped.
 """
 
 from __future__ import annotations
@@ -34,13 +42,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _targets import targets  # bench/, first on sys.path when run as a script
+from _targets import TARGETS, missing  # bench/, first on sys.path when run as a script
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 RESULTS = HERE.parent / "results" / "plan_speed.jsonl"
 
-MODELS = targets("gpt", "gpt2", "cnn", "llama", "resnet18", "convnext_tiny", "bert", "llama_small")
+MODELS = dict(TARGETS)
 STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
 
 
@@ -93,13 +101,19 @@ def plan_one(
     label: str,
     warm_cache: bool,
     device: str = "cuda",
+    save_to: Path | None = None,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """Plan ``model`` in a fresh process; its JSON record (``error`` set when it failed)."""
+    """Plan ``model`` in a fresh process; its JSON record (``error`` set when it failed).
+
+    ``save_to``: where the plan's JSON is copied; ``timeout_s``: the plan's process is ended
+    after this long (the record then says so, with the wall time it had)."""
     with tempfile.TemporaryDirectory(prefix="plan-speed-") as tmp:
         out = Path(tmp) / "plan.json"
         env = dict(os.environ)
-        if not warm_cache:
+        if not warm_cache:  # inductor's FX graph and AOTAutograd caches, and triton's kernels
             env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
+            env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")
         cmd = [
             sys.executable,
             str(HERE),
@@ -115,7 +129,11 @@ def plan_one(
             device,
         ]
         started = time.perf_counter()
-        done = subprocess.run(cmd, env=env, cwd=ROOT)
+        try:
+            done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout_s)
+            returncode: int | str = done.returncode
+        except subprocess.TimeoutExpired:
+            returncode = f"none: ended after the --timeout-s of {timeout_s:g} s"
         wall_s = time.perf_counter() - started
         record: dict[str, Any] = {
             "model": model,
@@ -126,16 +144,23 @@ def plan_one(
             "plan_wall_s": round(wall_s, 1),
             "commit": _commit(),
         }
-        if done.returncode != 0 or not out.exists():
-            return record | {"error": f"exit code {done.returncode}"}
+        if returncode != 0 or not out.exists():
+            return record | {"error": f"exit code {returncode}"}
         plan = json.loads(out.read_text())
+        if save_to is not None:
+            save_to.parent.mkdir(parents=True, exist_ok=True)
+            save_to.write_text(out.read_text())
+            record["plan_saved"] = str(save_to)
     verified = plan.get("verified") or {}
     compiled = next((s for s in plan.get("stages", []) if s.get("strategy") == "compile"), {})
     import torch
 
+    stage_wall_s = {k: round(v / 1e3, 1) for k, v in plan.get("stage_wall_ms", {}).items()}
     return record | {
         "planner_wall_s": round(plan["plan_wall_ms"] / 1e3, 1),
-        "stage_wall_s": {k: round(v / 1e3, 1) for k, v in plan.get("stage_wall_ms", {}).items()},
+        "stage_wall_s": stage_wall_s,
+        # Issue 27: what weighing compile cost the plan (None: the stage did not run).
+        "compile_s": stage_wall_s.get("compile"),
         "pick": _pick(plan),
         "compiled": bool(compiled.get("picked")),
         # The eager pick's timing run (overlapped with the early compile trial, when one ran).
@@ -238,8 +263,17 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=8.0)
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--label", default="after", help="the code that ran: before or after")
-    parser.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--cold-cache",
+        dest="warm_cache",
+        action="store_false",
+        help="a fresh inductor and triton cache directory per model (the default)",
+    )
+    cache.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
     parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--save-plans", type=Path, help="keep each plan as DIR/<model>.json")
+    parser.add_argument("--timeout-s", type=float, help="end a plan after this long")
     parser.add_argument("--table", type=Path, help="print the table of these JSON lines; no runs")
     parser.add_argument(
         "--device",
@@ -268,8 +302,18 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     records = []
     for model in names:
+        if reason := missing(model):
+            print(reason, file=sys.stderr, flush=True)
+            continue
         record = plan_one(
-            model, args.budget_gb, args.compile, args.label, args.warm_cache, args.device
+            model,
+            args.budget_gb,
+            args.compile,
+            args.label,
+            args.warm_cache,
+            args.device,
+            save_to=args.save_plans / f"{model}.json" if args.save_plans else None,
+            timeout_s=args.timeout_s,
         )
         print(json.dumps(record), flush=True)
         with args.json.open("a") as f:

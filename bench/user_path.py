@@ -1,36 +1,51 @@
-"""The user's own path on a GPU: memadvisor.plan() with a lambda loss, then their loop.
+"""The user's own path on a GPU: memadvisor.plan() with a lambda loss, then their loop, set
+against issue 27's hand grid.
 
 For each model, at ``--budget-gib`` (default 8), one JSON line as soon as it is done (stdout,
 and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the table:
 
 * plan: ``memadvisor.plan(model, sample_batch, loss_fn=lambda out, b: ..., budget_gb=...)``
   in this process, exactly as a user calls it (the loss a lambda, so the probes reach fresh
-  processes only through cloudpickle). Reported: wall time, the pick, its verified samples/s,
-  where the probes ran (``probe_mode``), and whether compile was weighed.
+  processes only through cloudpickle), with a cold cache (``--cold-cache``, the default: a
+  fresh ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` per model, which the model's
+  later processes share); or a saved plan (``--plan FILE``, or ``--plan DIR`` holding
+  ``<model>.json`` as ``bench/plan_speed.py --save-plans DIR`` writes them). Reported: wall
+  time, ``compile_s`` (the plan's compile stage), the pick, its verified samples/s, where the
+  probes ran (``probe_mode``), whether compile was weighed.
 * user loop: a fresh process builds the model, ``memadvisor.apply_plan(model, plan)``, caps
   the card at the budget and trains ``--steps`` (200) steps at the plan's batch and
   accumulation with its own AdamW and the loss outside the model, as the README shows;
-  samples/s over the steps after ``--warmup`` (10), OOMs counted.
-* torch.compile: the same loop in a fresh process with ``torch.compile(model)`` under an
-  outer autocast of the plan's precision, at the same batch. The two alternate
-  ``--repeats`` (2) times; each figure is the median of its runs (OOMs: the sum).
-* hand: fp32 / bf16 x no / all-blocks checkpointing, eager and (``--hand all``) compiled,
-  each at its own largest batch found as the plan's is (``measure_configuration``); the
-  best one's samples/s.
-* largest holding: the largest batch of the pick's choices that holds ``verify_steps`` (20)
-  steps in a fresh process, found by running out of memory (extrapolated along the measured
-  allocated bytes per sample to the budget, then bisected below the lowest failure), and
-  batch / that.
+  samples/s over the steps after ``--warmup`` (10), OOMs counted; ``loop_over_verified``.
+* torch.compile (``--plain``, the default): the same loop in a fresh process with
+  ``torch.compile(model)`` under an outer autocast of the plan's precision, at the same
+  batch. User loop and plain compile alternate ``--repeats`` (2) times; each figure is the
+  median of its runs (OOMs: the sum).
+* hand grid (issue 27, ``bench/_hand_grid.py``): bf16 x {eager, compile} x checkpointing
+  {none, half the blocks, all}, each cell at its own largest batch that holds
+  ``--hold-steps`` (20) steps in a fresh process; ``hand_grid`` lists each cell (config,
+  batch, samples/s, peak, the batches tried) and ``pick_over_best_hand`` is the pick's
+  verified samples/s over the best cell's. ``--hand`` picks the cells: ``grid`` (all six),
+  ``eager``, ``compile``, ``none``, or cell names (``compile+all,compile+half``).
+* largest holding (``--holding``, the default): the largest batch of the pick's choices that
+  holds verify_steps (20) steps in a fresh process, found the same way; batch / that.
+
+A model's measurements may come from several calls, each within a device's time limit:
+with ``--label L``, the line written for (model, budget, L) joins the lines written before
+it under the same label (the latest measurement of each field, every hand cell run), so the
+last line of each model holds everything; ``--table`` shows those last lines.
+``--deadline-s`` starts no loop or hand cell after that many seconds of the call.
 
     python bench/user_path.py --models cnn,gpt                        # ~5 min each on an H200
-    python bench/user_path.py --models vit_b_16 --hand eager          # fewer device runs
+    python bench/user_path.py --models lm350m --plan /tmp/i27/plans --label i27 \\
+        --hand eager --no-loops --no-holding                          # one part of a model
     python bench/user_path.py --table bench/results/user_path.jsonl   # the table again
-    python bench/user_path.py --device simulated --models cnn --budget-gib 0.25 \\
-        --steps 6 --warmup 2 --compile-backend eager --hand eager --json /tmp/u.jsonl  # CPU
+    python bench/user_path.py --device simulated --models cnn --budget-gib 0.05 --steps 3 \\
+        --warmup 1 --repeats 1 --no-plain --no-holding --hold-steps 2 --label smoke \\
+        --hand eager+half,compile+all --json /tmp/u.jsonl             # the CPU smoke (CI)
 
-Models: gpt, cnn, llama (examples/); resnet18, resnet50, convnext_tiny, vit_b_16
-(torchvision); gpt2 (124M), bert, llama_small (transformers). A model whose package is
-missing is a row with its error.
+Models: any of ``bench/_targets.py``'s (default: issue 27's, ``_targets.ISSUE_27``). A
+model whose package is missing is skipped with a message; one that fails is a row with
+its error.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,15 +62,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _targets import TARGETS  # bench/, first on sys.path when run as a script
+import _hand_grid as grid  # bench/, first on sys.path when run as a script
+from _targets import ISSUE_27, TARGETS, missing
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 GIB = 2**30
 RESULTS = HERE.parent / "results" / "user_path.jsonl"
 MODELS = dict(TARGETS)
-DEFAULT_MODELS = "gpt,cnn,llama,resnet18,resnet50,convnext_tiny,vit_b_16,gpt2,bert,llama_small"
-HAND = ("fp32", "fp32+ckpt", "bf16", "bf16+ckpt")
 
 
 def _job(name: str) -> dict[str, Any]:
@@ -176,6 +191,17 @@ def _fresh(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 # -- one model ----------------------------------------------------------------------------------
 
 
+class Clock:
+    """The call's start, and whether ``--deadline-s`` has passed (no new loop or cell then)."""
+
+    def __init__(self, deadline_s: float | None) -> None:
+        self.start = time.perf_counter()
+        self.deadline_s = deadline_s
+
+    def passed(self) -> bool:
+        return self.deadline_s is not None and time.perf_counter() - self.start > self.deadline_s
+
+
 def _device(kind: str, budget_bytes: int, name: str, profile: Any) -> Any:
     if kind == "simulated":
         from memadvisor.device.simulated import SimulatedDevice
@@ -186,128 +212,29 @@ def _device(kind: str, budget_bytes: int, name: str, profile: Any) -> Any:
     return CudaDevice(budget_bytes, target=MODELS[name], profile=profile, fork_server=True)
 
 
-def _hand(plan: Any, name: str, args: argparse.Namespace, device: Any) -> dict[str, Any]:
-    """fp32 / bf16 x no / all checkpointing (and compiled, with ``--hand all``), each at its
-    own largest batch, measured as the plan's pick is."""
-    from memadvisor.planner import measure_configuration
-    from memadvisor.schema.config import PlanConfig
+def _workload(name: str) -> Any:
     from memadvisor.workload import Workload
 
     job = _job(name)
-    workload = Workload(
+    return Workload(
         model=job["model"], sample_batch=job["sample_batch"], loss_fn=job.get("loss_fn")
     )
-    blocks = [b.name for b in plan.profile.blocks]
-    configs = {
-        "fp32": {},
-        "fp32+ckpt": {"checkpointing": blocks} if blocks else None,
-        "bf16": {"precision": "bf16"},
-        "bf16+ckpt": {"precision": "bf16", "checkpointing": blocks} if blocks else None,
-    }
-    if args.hand == "all":
-        configs.update(
-            {
-                f"{k}+compile": {**v, "compile": "default"}
-                for k, v in list(configs.items())
-                if v is not None
-            }
-        )
-    config = PlanConfig(budget_bytes=plan.config.budget_bytes)
-    out: dict[str, Any] = {}
-    for label, choices in configs.items():
-        if choices is None:
-            continue
-        try:
-            row, _ = measure_configuration(
-                workload, config, choices, profile=plan.profile, device=device, label=label
-            )
-        except Exception as e:  # noqa: BLE001 - one row failing is a cell, not a crash
-            out[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-            continue
-        out[label] = {
-            "batch": row.largest_batch or 0,
-            "samples_per_s": row.measured.samples_per_s if row.measured else None,
-        }
-    return out
 
 
-def _largest_holding(plan: Any, name: str, args: argparse.Namespace, device: Any) -> int | None:
-    """The largest batch of the pick's choices that holds verify_steps steps from a clean
-    state, found by running out of memory: from the pick, extrapolate along the measured
-    allocated bytes per sample to where they fill the budget, then bisect below the lowest
-    batch that ran out (the planner's batch search with no headroom at all)."""
-    import math
-
-    from memadvisor.errors import is_oom
-    from memadvisor.planner import find_batch
-    from memadvisor.schema.candidate import Candidate
-    from memadvisor.workload import Workload
-
-    job = _job(name)
-    workload = Workload(
-        model=job["model"], sample_batch=job["sample_batch"], loss_fn=job.get("loss_fn")
-    )
-    choices = {k: v for k, v in plan.candidate.choices.items() if k != "batch_size"}
-    steps = plan.config.verify_steps
-    budget = plan.config.budget_bytes
-    peaks: dict[int, int] = {}
-
-    def fits(batch: int) -> bool:
-        _say(f"holding: batch {batch}")
-        try:
-            m = device.run(workload, Candidate(batch_size=batch, choices=choices), steps)
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            return False
-        peaks[batch] = m.peak_bytes
-        return True
-
-    def extrapolate(batch: int) -> int | None:
-        if batch not in peaks:
-            return None
-        fitted = sorted(peaks)
-        if len(fitted) >= 2:
-            slope = (peaks[fitted[-1]] - peaks[fitted[-2]]) / (fitted[-1] - fitted[-2])
-        else:
-            slope = peaks[batch] / batch  # weights included: a slope too steep, short of it
-        if slope <= 0:
-            return None
-        return batch + max(1, math.ceil((budget - peaks[batch]) / slope))
-
-    start = plan.candidate.batch_size
-    found = find_batch(
-        fits,
-        start,
-        start + 1,
-        0.0,
-        plan.config.max_batch,
-        extrapolate=extrapolate,
-        below=lambda failed: failed - 1,
-        max_extrapolations=4,
-        descend=True,
-    )
-    row_tried = ", ".join(f"{b}{'' if ok else ' OOM'}" for b, ok in found.tried)
-    _say(f"holding search ({name}): {row_tried} -> {found.batch}")
-    return found.batch or None
-
-
-def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
+def _plan(name: str, args: argparse.Namespace, row: dict[str, Any]) -> Any:
+    """The plan (made here, as a user makes it, or read from ``--plan``); its wall time and
+    compile stage go into ``row``."""
     import memadvisor
 
-    budget_bytes = round(args.budget_gib * GIB)
-    row: dict[str, Any] = {"model": name, "budget_gib": args.budget_gib}
-    row["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "simulated"
-    job = _job(name)
-    t0 = time.perf_counter()
     if args.plan is not None:
-        plan = memadvisor.Plan.model_validate_json(args.plan.read_text())
-        row["plan_wall_s"] = sum(plan.stage_wall_ms.values()) / 1e3 if plan.stage_wall_ms else None
-        row["plan_from"] = str(args.plan)
+        path = args.plan / f"{name}.json" if args.plan.is_dir() else args.plan
+        plan = memadvisor.Plan.model_validate_json(path.read_text())
+        row["plan_wall_s"] = round(plan.plan_wall_ms / 1e3, 1)
+        row["plan_from"] = str(path)
     else:
+        job = _job(name)
         _say(f"{name}: planning")
+        t0 = time.perf_counter()
         plan = memadvisor.plan(
             job["model"],
             job["sample_batch"],
@@ -317,29 +244,42 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
             progress=False,
             measure_comparison=False,
         )
-        row["plan_wall_s"] = time.perf_counter() - t0
-        if args.save_plan is not None:
-            args.save_plan.write_text(plan.model_dump_json())
+        row["plan_wall_s"] = round(time.perf_counter() - t0, 1)
+        if args.save_plans is not None:
+            args.save_plans.mkdir(parents=True, exist_ok=True)
+            (args.save_plans / f"{name}.json").write_text(plan.model_dump_json())
+    row["stage_wall_s"] = {k: round(v / 1e3, 1) for k, v in plan.stage_wall_ms.items()}
+    row["compile_s"] = row["stage_wall_s"].get("compile")
     _say(f"{name}: plan {row['plan_wall_s']} s, batch {plan.candidate.batch_size}")
+    return plan
+
+
+def _pick_fields(plan: Any, args: argparse.Namespace) -> dict[str, Any]:
     cand = plan.candidate
-    row["pick"] = {k: v for k, v in cand.choices.items() if k != "batch_size"}
-    row["batch"] = cand.batch_size
-    row["accumulation_steps"] = cand.accumulation_steps
-    row["verified_samples_per_s"] = plan.verified.samples_per_s if plan.verified else None
-    row["verified_peak_gib"] = plan.verified.limit_bytes / GIB if plan.verified else None
-    row["compile_weighed"] = any(stage.strategy == "compile" for stage in plan.stages)
     in_process = [n for n in plan.notes if n.startswith("Probes ran in this process")]
-    row["probe_mode"] = (
-        "simulated" if args.device == "simulated" else ("in_process" if in_process else "fresh")
-    )
-    row["notes"] = plan.notes
+    return {
+        "pick": {k: v for k, v in cand.choices.items() if k != "batch_size"},
+        "batch": cand.batch_size,
+        "accumulation_steps": cand.accumulation_steps,
+        "verified_samples_per_s": plan.verified.samples_per_s if plan.verified else None,
+        "verified_peak_gib": plan.verified.limit_bytes / GIB if plan.verified else None,
+        "compile_weighed": any(stage.strategy == "compile" for stage in plan.stages),
+        "probe_mode": (
+            "simulated" if args.device == "simulated" else ("in_process" if in_process else "fresh")
+        ),
+        "notes": plan.notes,
+    }
+
+
+def _loops(name: str, plan: Any, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    """The user's loop after apply_plan, and plain torch.compile, in fresh processes."""
     with tempfile.NamedTemporaryFile("w", suffix=".plan.json", delete=False) as f:
         f.write(plan.model_dump_json())
     spec = {
         "model": name,
         "plan": f.name,
         "device": args.device,
-        "budget_bytes": budget_bytes,
+        "budget_bytes": round(args.budget_gib * GIB),
         "steps": args.steps,
         "warmup": args.warmup,
         "compile_backend": args.compile_backend,
@@ -350,31 +290,92 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         # Interleaved (apply, compile, apply, compile, ...): the host's noise between fresh
         # processes is as large as the gap being measured (docs/design.md).
         for _ in range(args.repeats if args.loops else 0):
+            if clock.passed():
+                _say(f"{name}: deadline passed, no more loops")
+                break
             users.append(_fresh({**spec, "mode": "apply"}, args.timeout_s))
             _say(f"{name}: user loop {users[-1].get('samples_per_s')}")
-            plains.append(_fresh({**spec, "mode": "torch_compile"}, args.timeout_s))
-            _say(f"{name}: torch.compile {plains[-1].get('samples_per_s')}")
+            if args.plain:
+                plains.append(_fresh({**spec, "mode": "torch_compile"}, args.timeout_s))
+                _say(f"{name}: torch.compile {plains[-1].get('samples_per_s')}")
     finally:
         os.unlink(f.name)
-    row["user_loop"] = users
-    row["user_loop_samples_per_s"] = _median([u.get("samples_per_s") for u in users])
-    row["user_loop_ooms"] = sum(int(u.get("ooms") or 0) for u in users) if users else None
-    row["torch_compile"] = plains
-    row["torch_compile_samples_per_s"] = _median([p.get("samples_per_s") for p in plains])
-    device = _device(args.device, budget_bytes, name, plan.profile)
+    return {
+        "user_loop": users,
+        "user_loop_samples_per_s": _median([u.get("samples_per_s") for u in users]),
+        "user_loop_ooms": sum(int(u.get("ooms") or 0) for u in users) if users else None,
+        "user_loop_steps": sum(int(u.get("steps") or 0) for u in users) if users else None,
+        "torch_compile": plains,
+        "torch_compile_samples_per_s": _median([p.get("samples_per_s") for p in plains]),
+    }
+
+
+def _grid(
+    plan: Any, name: str, args: argparse.Namespace, device: Any, clock: Clock
+) -> list[dict[str, Any]]:
+    """The hand cells ``--hand`` names, each at its own largest batch that holds."""
+    workload = _workload(name)
+    out = []
+    for cell in grid.cells(args.hand):
+        if clock.passed():
+            out.append({"config": cell, "skipped": "deadline"})
+            _say(f"{name}: deadline passed, {cell} not run")
+            continue
+        _say(f"{name}: hand cell {cell}")
+        try:
+            record = grid.measure_cell(
+                cell,
+                device=device,
+                workload=workload,
+                profile=plan.profile,
+                config=plan.config,
+                steps=args.hold_steps,
+            )
+        except Exception as e:  # noqa: BLE001 - one cell failing is a cell, not a crash
+            record = {"config": cell, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        _say(f"{name}: {cell}: {record.get('runs', record.get('error', record.get('skipped')))}")
+        out.append(record)
+    return out
+
+
+def _largest_holding(plan: Any, name: str, device: Any) -> int | None:
+    """The largest batch of the pick's choices that holds verify_steps steps from a clean
+    state, searched from the pick's batch (``_hand_grid.largest_holding``)."""
+    from memadvisor.schema.candidate import Candidate
+
+    workload = _workload(name)
+    choices = {k: v for k, v in plan.candidate.choices.items() if k != "batch_size"}
+    steps = plan.config.verify_steps
+
+    def run(batch: int) -> Any:
+        _say(f"holding: batch {batch}")
+        return device.run(workload, Candidate(batch_size=batch, choices=choices), steps)
+
+    found = grid.largest_holding(
+        run, plan.candidate.batch_size, plan.config.budget_bytes, plan.config.max_batch,
+        device.is_oom,
+    )  # fmt: skip
+    _say(f"holding search ({name}): {found.runs_text()} -> {found.batch}")
+    return found.batch or None
+
+
+def bench_one(name: str, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    import torch
+
+    row: dict[str, Any] = {"model": name, "budget_gib": args.budget_gib, "label": args.label}
+    row["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "simulated"
+    plan = _plan(name, args, row)
+    row |= _pick_fields(plan, args)
+    row |= _loops(name, plan, args, clock)
+    device = _device(args.device, round(args.budget_gib * GIB), name, plan.profile)
     try:
-        _say(f"{name}: hand configurations ({args.hand})")
-        row["hand"] = {} if args.hand == "none" else _hand(plan, name, args, device)
+        row["hand_grid"] = _grid(plan, name, args, device, clock)
         row["largest_batch_holding"] = (
-            _largest_holding(plan, name, args, device) if args.holding else None
+            _largest_holding(plan, name, device) if args.holding and not clock.passed() else None
         )
     finally:
         device.close()
-    rates = [h["samples_per_s"] for h in row["hand"].values() if h.get("samples_per_s")]
-    row["best_hand_samples_per_s"] = max(rates) if rates else None
-    holding = row["largest_batch_holding"]
-    row["batch_over_holding"] = cand.batch_size / holding if holding else None
-    return row
+    return grid.derive(row)
 
 
 def _say(text: str) -> None:
@@ -389,22 +390,86 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(seen) if seen else None
 
 
-# -- table ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _cold_cache(name: str, cold: bool):
+    """A fresh inductor and triton cache directory for ``name``'s plan, loops and cells (the
+    processes they start inherit it), removed after."""
+    if not cold:
+        yield
+        return
+    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    saved = {k: os.environ.get(k) for k in keys}
+    scratch = tempfile.mkdtemp(prefix=f"user-path-{name}-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(scratch, "triton")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# -- lines and table ----------------------------------------------------------------------------
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (row.get("model"), row.get("budget_gib"), row.get("label"))
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def joined(row: dict[str, Any], earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    """``row`` joined with the earlier good lines of its (model, budget, label), where it
+    has a label and is good itself (no ``error``)."""
+    if row.get("label") is None or "error" in row:
+        return row
+    same = [r for r in earlier if _key(r) == _key(row) and "error" not in r]
+    return grid.merge_rows([*same, row]) if same else row
+
+
+def latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lines a table shows: each labelled (model, budget, label)'s last good line, and
+    every unlabelled or failed line, in file order."""
+    last = {
+        _key(r): i for i, r in enumerate(rows) if r.get("label") is not None and "error" not in r
+    }
+    return [
+        r
+        for i, r in enumerate(rows)
+        if r.get("label") is None or "error" in r or last.get(_key(r)) == i
+    ]
 
 
 def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}"
+def _num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pick_text(pick: dict[str, Any]) -> str:
+    words = []
+    for k, v in pick.items():
+        if v in (None, False, "off", "fp32", [], "none", "advice"):
+            continue
+        words.append(f"{len(v)} ckpt" if isinstance(v, list) else (v if k == "precision" else k))
+    return "+".join(words) or "plain"
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
-        f"{'model':13s} {'GiB':>4s} {'plan s':>6s} {'pick':26s} {'batch':>7s} {'hold':>5s} "
-        f"{'b/hold':>6s} {'verified':>8s} {'loop':>7s} {'OOM':>3s} {'compile':>7s} "
-        f"{'loop/cmp':>8s} {'best hand':>9s} {'loop/hand':>9s} {'probes':>8s}"
+        f"{'model':13s} {'GiB':>4s} {'plan s':>6s} {'cmp s':>5s} {'pick':22s} {'batch':>7s} "
+        f"{'verified':>8s} {'loop':>7s} {'OOM':>3s} {'loop/ver':>8s} {'best hand':>13s} "
+        f"{'hand/s':>7s} {'pick/hand':>9s} {'cells':>5s} {'b/hold':>6s}"
     )
     print(head)
     print("-" * len(head))
@@ -412,54 +477,86 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "error" in r:
             print(f"{r['model']:13s} {r.get('budget_gib', '')!s:>4} {r['error'][:150]}")
             continue
-        pick = (
-            ", ".join(
-                f"{k}={v if not isinstance(v, list) else f'{len(v)} blocks'}"
-                for k, v in r["pick"].items()
-            )
-            or "plain"
-        )
-        batch = f"{r['batch']}x{r['accumulation_steps']}"
-        hold = r.get("largest_batch_holding")
-        share = r.get("batch_over_holding")
-        share_text = f"{share:.2f}" if share else "-"
+        loop = r.get("user_loop_samples_per_s")
+        verified = r.get("verified_samples_per_s")
+        best = r.get("best_hand_samples_per_s")
+        ooms = r.get("user_loop_ooms")
         print(
-            f"{r['model']:13s} {r['budget_gib']:>4g} {r['plan_wall_s']:>6.0f} {pick[:26]:26s} "
-            f"{batch:>7s} {hold if hold else '-':>5} "
-            f"{share_text:>6s} "
-            f"{_rate(r['verified_samples_per_s']):>8s} {_rate(r['user_loop_samples_per_s']):>7s} "
-            f"{r['user_loop_ooms'] if r['user_loop_ooms'] is not None else '-'!s:>3} "
-            f"{_rate(r['torch_compile_samples_per_s']):>7s} "
-            f"{_ratio(r['user_loop_samples_per_s'], r['torch_compile_samples_per_s']):>8s} "
-            f"{_rate(r['best_hand_samples_per_s']):>9s} "
-            f"{_ratio(r['user_loop_samples_per_s'], r['best_hand_samples_per_s']):>9s} "
-            f"{r['probe_mode']:>8s}"
+            f"{r['model']:13s} {r['budget_gib']:>4g} {_num(r.get('plan_wall_s'), 0):>6s} "
+            f"{_num(r.get('compile_s'), 0):>5s} {_pick_text(r.get('pick', {}))[:22]:22s} "
+            f"{r['batch']}x{r.get('accumulation_steps', 1):<3} {_rate(verified):>8s} "
+            f"{_rate(loop):>7s} {'-' if ooms is None else ooms!s:>3} "
+            f"{_num(loop / verified if loop and verified else None):>8s} "
+            f"{r.get('best_hand') or '-':>13s} {_rate(best):>7s} "
+            f"{_num(verified / best if verified and best else None):>9s} "
+            f"{r.get('hand_cells', '-'):>5s} {_num(r.get('batch_over_holding')):>6s}"
         )
     print(
-        "\nloop: the user's loop with apply_plan() in a fresh process, samples/s after warm-up; "
-        "compile: plain torch.compile(model) under an outer autocast at the same batch; hold: "
-        "the largest batch of the pick's choices holding verify_steps steps from a clean "
-        "state; best hand: fp32/bf16 x no/all checkpointing (eager, and compiled with --hand "
-        "all), each at its own largest batch; probes: where the plan's probes ran."
+        "\nplan s: the plan's wall time (cold cache); cmp s: its compile stage; loop: the "
+        "user's loop with apply_plan() in a fresh process, samples/s after warm-up; best "
+        "hand: the best cell of the grid below; pick/hand: the pick's verified samples/s "
+        "over it (issue 27: at least 0.97); loop/ver: the loop over the verified rate (at "
+        "least 0.97, 0 OOMs); b/hold: the batch over the largest of the pick's choices that "
+        "holds."
     )
+    gridded = [r for r in rows if r.get("hand_grid")]
+    if not gridded:
+        return
+    print(f"\n{'model':13s} " + " ".join(f"{c:>14s}" for c in grid.GRID))
+    for r in gridded:
+        cells = {c["config"]: c for c in r["hand_grid"]}
+        texts = []
+        for c in grid.GRID:
+            cell = cells.get(c)
+            if cell is None:
+                texts.append("-")
+            elif cell.get("samples_per_s") is None:
+                texts.append("skipped" if "skipped" in cell else "failed")
+            else:
+                texts.append(f"{cell['batch']}@{cell['samples_per_s']:.0f}")
+        print(f"{r['model']:13s} " + " ".join(f"{t:>14s}" for t in texts))
+    print("\nhand cells: bf16; the largest batch that held --hold-steps steps @ its samples/s.")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {sorted(MODELS)}")
+    parser.add_argument("--models", default=",".join(ISSUE_27), help=f"of {sorted(MODELS)}")
     parser.add_argument("--budget-gib", type=float, default=8.0)
     parser.add_argument("--steps", type=int, default=200, help="steps of the user's loop")
     parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compile)")
-    parser.add_argument("--hand", choices=("all", "eager", "none"), default="all")
+    parser.add_argument(
+        "--hand",
+        default="grid",
+        help=f"hand cells: grid, eager, compile, none, or some of {','.join(grid.GRID)}",
+    )
+    parser.add_argument("--hold-steps", type=int, default=20, help="steps a hand cell holds")
     parser.add_argument("--no-holding", dest="holding", action="store_false")
     parser.add_argument("--no-loops", dest="loops", action="store_false")
-    parser.add_argument("--save-plan", type=Path, default=None, help="write the plan here")
-    parser.add_argument("--plan", type=Path, default=None, help="a saved plan: no planning")
+    parser.add_argument(
+        "--no-plain", dest="plain", action="store_false", help="no plain torch.compile loop"
+    )
+    parser.add_argument("--save-plans", type=Path, default=None, help="keep DIR/<model>.json")
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="a saved plan or a DIR of <model>.json",
+    )
     parser.add_argument(
         "--repeats", type=int, default=2, help="user loop / torch.compile pairs, interleaved"
     )
     parser.add_argument("--compile-backend", default="inductor", help="eager for a CPU smoke")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per fresh process")
+    parser.add_argument("--deadline-s", type=float, default=None, help="no loop or cell after")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--cold-cache",
+        dest="warm_cache",
+        action="store_false",
+        help="a fresh inductor and triton cache directory per model (the default)",
+    )
+    cache.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
+    parser.add_argument("--label", default=None, help="join this model's lines of that label")
     parser.add_argument("--json", type=Path, default=RESULTS, help="append JSON lines here")
     parser.add_argument("--table", type=Path, default=None, help="print a --json file's table")
     parser.add_argument("--device", choices=("cuda", "simulated"), default="cuda")
@@ -470,31 +567,46 @@ def main() -> None:
         print("USER_LOOP " + json.dumps(result), flush=True)
         return
     if args.table is not None:
-        print_table([json.loads(ln) for ln in args.table.read_text().splitlines() if ln])
+        print_table(latest(_read(args.table)))
         return
+    try:
+        grid.cells(args.hand)
+    except ValueError as e:
+        sys.exit(str(e))
+    names = [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        sys.exit(f"unknown models {unknown}; choose from {sorted(MODELS)}")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/user_path.py needs a CUDA device (or --device simulated for a smoke run).")
     print("torch", torch.__version__, flush=True)
+    clock = Clock(args.deadline_s)
     rows = []
-    for name in args.models.split(","):
+    for name in names:
+        if reason := missing(name):
+            print(reason, file=sys.stderr, flush=True)
+            continue
         t0 = time.perf_counter()
         try:
-            row = bench_one(name, args)
+            with _cold_cache(name, not args.warm_cache):
+                row = bench_one(name, args, clock)
         except Exception as e:  # noqa: BLE001 - a missing package or an infeasible budget
             row = {
                 "model": name,
                 "budget_gib": args.budget_gib,
+                "label": args.label,
                 "error": f"{type(e).__name__}: {e}",
             }
-        row["total_s"] = time.perf_counter() - t0
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        row["total_s"] = round(time.perf_counter() - t0, 1)
         if args.json is not None:
+            row = joined(row, _read(args.json))
             args.json.parent.mkdir(parents=True, exist_ok=True)
             with args.json.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     print()
     print_table(rows)
 

@@ -55,8 +55,22 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     ],
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
-        "--json", OUT,
+        "--cold-cache", "--save-plans", "plans", "--timeout-s", "100", "--json", OUT,
     ],
+    "user_path": [
+        "--device", "simulated", "--models", "cnn", "--budget-gib", "0.05", "--steps", "3",
+        "--warmup", "1", "--repeats", "1", "--no-plain", "--no-holding", "--hold-steps", "2",
+        "--hand", "eager+half,compile+all", "--label", "smoke", "--json", OUT,
+    ],
+}  # fmt: skip
+# Fields every JSON line of that smoke carries (issue 27's rows: what "Done when" reads).
+FIELDS: dict[str, set[str]] = {
+    "plan_speed": {"model", "plan_wall_s", "compile_s", "cache", "pick", "plan_saved"},
+    "user_path": {
+        "model", "plan_wall_s", "compile_s", "pick", "verified_samples_per_s", "hand_grid",
+        "best_hand_samples_per_s", "pick_over_best_hand", "user_loop_samples_per_s",
+        "user_loop_ooms", "loop_over_verified", "largest_batch_holding", "device",
+    },
 }  # fmt: skip
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
@@ -68,7 +82,6 @@ IMPORT_ONLY = {
     "planner": "plans on a card against hand configurations",
     "profile_check": "compares the profile with the CUDA allocator",
     "strategies_effect": "its CPU path takes minutes (numerics curves)",
-    "user_path": "its CPU path takes minutes (several fresh processes)",
     "zoo_picks": "plans every zoo model: tests/test_zoo.py runs the same plans",
 }
 LIMIT_S = 150
@@ -118,6 +131,8 @@ def test_the_smoke_runs_and_writes_its_lines(name: str, tmp_path: Path) -> None:
         if OUT in run:
             lines = [json.loads(line) for line in out.read_text().splitlines() if line]
             assert lines, f"{name} wrote no JSON line to {out}"
+            for line in lines:
+                assert FIELDS.get(name, set()) <= set(line), FIELDS[name] - set(line)
     after = {p: p.stat().st_mtime_ns for p in results.glob("*")}
     assert after == before, "a smoke wrote into bench/results/"
 

@@ -1,0 +1,279 @@
+"""Issue 27's hand grid, and the largest batch that holds: what a person tuning by hand
+would reach, to set a plan's pick against.
+
+The grid is bf16 x {eager, compile} x checkpointing {none, half the blocks, all}: six cells,
+each at its own largest batch that holds ``steps`` (20) steps in a fresh process, found by
+running out of memory (:func:`largest_holding`: no headroom at all, unlike the planner's
+pick). A cell is measured by the run that found its batch: samples/s and peak of those steps.
+
+``merge_rows`` joins the JSON lines a bench wrote for one model in several calls (the plan
+and the user's loop in one, the eager cells in another, the compiled cells in a third: each
+call must stay within a device's time limit) and derives the ratios issue 27 asks for.
+
+Known limitations:
+    * "half the blocks" is the first half of checkpointing's own ranking (most bytes freed
+      per ms recomputed first), not every other block: the strongest half a person could
+      pick, so the grid is no easier to beat than a person's.
+    * A compiled cell compiles the whole model (``{"compile": "default"}``) in every run, as
+      a person's ``torch.compile(model)`` does; each new batch compiles again.
+    * The search starts at the eager estimate's largest batch for the cell's choices, also
+      for compiled cells (compile's memory is measured, not estimated), and extrapolates
+      along the measured allocated bytes per sample: a cell whose runs never ran out
+      (``lowest_oom`` None) found a batch that holds, not the largest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 2**30
+
+# cell -> (compiled, checkpointed share of the blocks)
+GRID: dict[str, tuple[bool, str]] = {
+    "eager": (False, "none"),
+    "eager+half": (False, "half"),
+    "eager+all": (False, "all"),
+    "compile": (True, "none"),
+    "compile+half": (True, "half"),
+    "compile+all": (True, "all"),
+}
+GROUPS = {
+    "grid": list(GRID),
+    "eager": [c for c, (compiled, _) in GRID.items() if not compiled],
+    "compile": [c for c, (compiled, _) in GRID.items() if compiled],
+    "none": [],
+}
+
+
+def cells(spec: str) -> list[str]:
+    """The cells ``spec`` names: a group (grid, eager, compile, none) or cells, commas between.
+
+    Raises:
+        ValueError: a name that is neither.
+    """
+    if spec in GROUPS:
+        return list(GROUPS[spec])
+    names = [c for c in spec.split(",") if c]
+    unknown = [c for c in names if c not in GRID]
+    if unknown:
+        raise ValueError(
+            f"unknown hand cells {unknown}; pass one of {sorted(GROUPS)} or cells of {list(GRID)}"
+        )
+    return names
+
+
+def cell_choices(block_names: list[str], ranked: list[int], cell: str) -> dict[str, Any] | None:
+    """The cell's strategy choices; None where it has no meaning (no blocks, or half of one).
+
+    Args:
+        block_names: the profile's blocks, in model order.
+        ranked: their indices as checkpointing ranks them (best first).
+    """
+    compiled, share = GRID[cell]
+    choices: dict[str, Any] = {"precision": "bf16"}
+    if share != "none":
+        if share == "all":
+            picked = list(block_names)
+        else:
+            picked = [block_names[i] for i in ranked[: len(block_names) // 2]]
+        if not picked:
+            return None
+        choices["checkpointing"] = picked
+    if compiled:
+        choices["compile"] = "default"
+    return choices
+
+
+@dataclass
+class Holding:
+    """The largest batch that held, the run that showed it, and every batch tried."""
+
+    batch: int = 0
+    measured: Any = None  # the Measurement of the run at ``batch``
+    tried: list[tuple[int, bool]] = field(default_factory=list)
+    lowest_oom: int | None = None
+
+    def runs_text(self) -> str:
+        return ", ".join(f"{b}{'' if ok else ' OOM'}" for b, ok in self.tried)
+
+
+def largest_holding(
+    run: Callable[[int], Any],
+    start: int,
+    budget_bytes: int,
+    max_batch: int,
+    is_oom: Callable[[BaseException], bool],
+) -> Holding:
+    """The largest batch ``run(b)`` holds, found by running out of memory: from ``start``
+    (halved until a batch holds, where it ran out), extrapolate along the measured allocated
+    bytes per sample to where they fill ``budget_bytes`` (up to four times), then step below
+    the lowest batch that ran out and bisect: the planner's batch search with no headroom.
+
+    Args:
+        run: trains batch ``b`` from a clean state and returns its Measurement, or raises.
+        is_oom: whether an exception ``run`` raised is an out-of-memory (an answer); any
+            other is re-raised.
+    """
+    from memadvisor.planner import find_batch
+
+    measured: dict[int, Any] = {}
+    held: dict[int, bool] = {}
+    tried: list[tuple[int, bool]] = []
+
+    def fits(batch: int) -> bool:
+        if batch in held:  # the search may ask again for the batch it started from
+            return held[batch]
+        try:
+            measured[batch] = run(batch)
+            held[batch] = True
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            held[batch] = False
+        tried.append((batch, held[batch]))
+        return held[batch]
+
+    def extrapolate(batch: int) -> int | None:
+        if batch not in measured:
+            return None
+        fitted = sorted(measured)
+        peak = measured[batch].peak_bytes
+        if len(fitted) >= 2:
+            high, low = measured[fitted[-1]].peak_bytes, measured[fitted[-2]].peak_bytes
+            slope = (high - low) / (fitted[-1] - fitted[-2])
+        else:
+            slope = peak / batch  # weights included: a slope too steep, short of the edge
+        if slope <= 0:
+            return None
+        return batch + max(1, math.ceil((budget_bytes - peak) / slope))
+
+    batch = min(max(1, start), max_batch)
+    while not fits(batch):  # far above the edge: halve to a batch that holds, then climb
+        if batch == 1:
+            return Holding(tried=tried, lowest_oom=1)
+        max_batch = batch - 1
+        batch = max(1, batch // 2)
+    found = find_batch(
+        fits,
+        batch,
+        batch + 1,
+        0.0,
+        max_batch,
+        extrapolate=extrapolate,
+        below=lambda failed: failed - 1,
+        max_extrapolations=4,
+        descend=True,
+    )
+    failures = [b for b, ok in tried if not ok]
+    return Holding(
+        batch=found.batch,
+        measured=measured.get(found.batch),
+        tried=tried,
+        lowest_oom=min(failures) if failures else None,
+    )
+
+
+def cell_record(cell: str, choices: dict[str, Any], holding: Holding, wall_s: float) -> dict:
+    """One cell as the JSON line carries it: config, batch, samples/s, peak."""
+    shown = dict(choices)
+    if "checkpointing" in shown:
+        shown["checkpointing"] = f"{len(shown['checkpointing'])} blocks"
+    m = holding.measured
+    record: dict[str, Any] = {
+        "config": cell,
+        "choices": shown,
+        "batch": holding.batch,
+        "samples_per_s": round(m.samples_per_s, 2) if m else None,
+        "peak_gib": round(m.peak_bytes / GIB, 3) if m else None,
+        "reserved_peak_gib": (
+            round(m.reserved_peak_bytes / GIB, 3) if m and m.reserved_peak_bytes else None
+        ),
+        "step_ms": round(m.step_ms, 2) if m else None,
+        "runs": holding.runs_text(),
+        "lowest_oom": holding.lowest_oom,
+        "wall_s": round(wall_s, 1),
+    }
+    if holding.batch == 0:
+        record["error"] = "not even batch 1 held"
+    return record
+
+
+def measure_cell(
+    cell: str,
+    *,
+    device: Any,
+    workload: Any,
+    profile: Any,
+    config: Any,
+    steps: int,
+) -> dict[str, Any]:
+    """``cell`` at its own largest batch holding ``steps`` steps on ``device``: its record
+    (``skipped`` where the cell has no meaning for this model)."""
+    from memadvisor.planner._space import largest_batch
+    from memadvisor.schema.candidate import Candidate
+    from memadvisor.strategy import load_strategies
+    from strategies.checkpointing import ranked_blocks
+
+    names = [b.name for b in profile.blocks]
+    choices = cell_choices(names, ranked_blocks(profile), cell)
+    if choices is None:
+        return {"config": cell, "skipped": f"no half or all of {len(names)} blocks"}
+    strategies = load_strategies(config.strategies)
+    start = largest_batch(profile, choices, strategies, config.usable_bytes, config.max_batch)
+    t0 = time.perf_counter()
+    holding = largest_holding(
+        lambda b: device.run(workload, Candidate(batch_size=b, choices=choices), steps),
+        start,
+        config.budget_bytes,
+        config.max_batch,
+        device.is_oom,
+    )
+    return cell_record(cell, choices, holding, time.perf_counter() - t0)
+
+
+# -- joining a model's lines ---------------------------------------------------------------------
+
+
+def _measured(value: Any) -> bool:
+    return value is not None and not (isinstance(value, (list, dict)) and not value)
+
+
+def merge_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One model's lines, oldest first, as one: a field takes the latest line that measured
+    it (None, [] and {} measure nothing), a hand cell the latest line that ran it; then the
+    ratios (:func:`derive`)."""
+    out: dict[str, Any] = {}
+    grid: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key == "hand_grid":
+                grid.update({c["config"]: c for c in value})
+            elif _measured(value) or key not in out:
+                out[key] = value
+    out["hand_grid"] = [grid[c] for c in GRID if c in grid]
+    out["lines"] = len(rows)
+    return derive(out)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None
+
+
+def derive(row: dict[str, Any]) -> dict[str, Any]:
+    """Issue 27's ratios from a row's measurements: the best hand cell, the pick's verified
+    rate over it, the user's loop over the verified rate, the batch over what holds."""
+    rated = [c for c in row.get("hand_grid", []) if c.get("samples_per_s")]
+    best = max(rated, key=lambda c: c["samples_per_s"], default=None)
+    row["best_hand"] = best["config"] if best else None
+    row["best_hand_samples_per_s"] = best["samples_per_s"] if best else None
+    row["hand_cells"] = f"{len(rated)}/{len(GRID)}"
+    verified = row.get("verified_samples_per_s")
+    row["pick_over_best_hand"] = _ratio(verified, row["best_hand_samples_per_s"])
+    row["loop_over_verified"] = _ratio(row.get("user_loop_samples_per_s"), verified)
+    holding = row.get("largest_batch_holding")
+    row["batch_over_holding"] = _ratio(row.get("batch"), holding)
+    return row

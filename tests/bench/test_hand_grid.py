@@ -1,0 +1,157 @@
+"""bench/_hand_grid.py and bench/user_path.py's lines: issue 27's hand grid, the search for
+the largest batch that holds, and a model's lines joined across calls."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return _load("_hand_grid")
+
+
+@pytest.fixture
+def user_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # its own imports: _hand_grid, _targets
+    return _load("user_path")
+
+
+class LinearCard:
+    """A card whose allocated peak is ``fixed + per_sample * batch``, out of memory past
+    ``budget``: the largest batch that holds is known by construction."""
+
+    def __init__(self, fixed: int, per_sample: int, budget: int) -> None:
+        self.fixed, self.per_sample, self.budget = fixed, per_sample, budget
+        self.runs: list[int] = []
+
+    def run(self, batch: int) -> SimpleNamespace:
+        self.runs.append(batch)
+        peak = self.fixed + self.per_sample * batch
+        if peak > self.budget:
+            raise MemoryError(f"batch {batch}: {peak} > {self.budget}")
+        return SimpleNamespace(peak_bytes=peak, samples_per_s=float(batch), step_ms=1.0)
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, MemoryError)
+
+
+@pytest.mark.parametrize(
+    ("start", "edge", "tried"),
+    [
+        # one run's slope (weights included) falls short; two runs' slope reaches the edge,
+        # one sample more runs out.
+        (20, 90, [(20, True), (67, True), (90, True), (91, False)]),
+        (90, 90, [(90, True), (91, False)]),
+        (1, 90, [(1, True), (10, True), (90, True), (91, False)]),
+        # far above the edge: halved until a batch holds, then the same climb
+        (200, 90, [(200, False), (100, False), (50, True), (84, True), (90, True),
+                   (91, False)]),
+        (1, 0, [(1, False)]),
+    ],
+)  # fmt: skip
+def test_largest_holding_stops_at_the_edge_with_no_headroom(grid, start, edge, tried) -> None:
+    """The search ends at the largest batch the card holds (no margin below it), proven by
+    a run one sample above that ran out, and measures the cell by the run at that batch."""
+    card = LinearCard(fixed=100 if edge else 1001, per_sample=10, budget=1000)
+    found = grid.largest_holding(card.run, start, 1000, 65536, _is_oom)
+    assert found.batch == edge
+    assert found.tried == tried
+    assert card.runs == [b for b, _ in tried]  # no batch runs twice
+    assert found.lowest_oom == edge + 1
+    if edge:
+        assert found.measured.peak_bytes == 100 + 10 * edge
+    else:
+        assert found.measured is None
+
+
+def test_largest_holding_reraises_what_is_not_an_oom(grid) -> None:
+    """A failure other than running out of memory is not an answer: it propagates."""
+
+    def broken(batch: int):
+        raise RuntimeError("inductor failed")
+
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        grid.largest_holding(broken, 4, 1000, 64, _is_oom)
+
+
+def test_the_grid_is_bf16_by_compile_by_none_half_all(grid) -> None:
+    """Six cells, all bf16: half the blocks is the first half of checkpointing's ranking;
+    half of one block, or a model without blocks, has no such cell."""
+    names, ranked = ["b0", "b1", "b2", "b3"], [2, 0, 3, 1]
+    assert {c: grid.cell_choices(names, ranked, c) for c in grid.GRID} == {
+        "eager": {"precision": "bf16"},
+        "eager+half": {"precision": "bf16", "checkpointing": ["b2", "b0"]},
+        "eager+all": {"precision": "bf16", "checkpointing": names},
+        "compile": {"precision": "bf16", "compile": "default"},
+        "compile+half": {"precision": "bf16", "checkpointing": ["b2", "b0"], "compile": "default"},
+        "compile+all": {"precision": "bf16", "checkpointing": names, "compile": "default"},
+    }
+    assert grid.cell_choices(["b0"], [0], "eager+half") is None
+    assert grid.cell_choices([], [], "compile+all") is None
+    assert grid.cells("compile") == ["compile", "compile+half", "compile+all"]
+    assert grid.cells("eager+all,compile") == ["eager+all", "compile"]
+    with pytest.raises(ValueError, match="fp32"):
+        grid.cells("fp32")
+
+
+def _cell(config: str, batch: int, rate: float) -> dict:
+    return {"config": config, "batch": batch, "samples_per_s": rate, "peak_gib": 7.9}
+
+
+def test_a_models_lines_join_into_one_row_with_its_ratios(grid) -> None:
+    """The plan and loop from one call, eager and compiled cells from two more: the joined
+    row has all six cells in grid order, keeps what a later call did not measure, takes a
+    rerun cell's latest line, and derives pick / best cell and loop / verified from them."""
+    plan = {"model": "m", "verified_samples_per_s": 100.0, "user_loop_samples_per_s": 98.0,
+            "user_loop_ooms": 0, "compile_s": 12.0, "hand_grid": []}  # fmt: skip
+    eager = {"model": "m", "verified_samples_per_s": None, "user_loop": [],
+             "hand_grid": [_cell("eager", 4, 60.0), _cell("eager+half", 6, 70.0),
+                           _cell("eager+all", 9, 65.0)]}  # fmt: skip
+    compiled = {"model": "m", "hand_grid": [_cell("compile", 5, 90.0),
+                _cell("compile+half", 7, 101.0), _cell("compile+all", 11, 96.0),
+                _cell("eager", 4, 61.0)]}  # fmt: skip
+    row = grid.merge_rows([plan, eager, compiled])
+    assert [c["config"] for c in row["hand_grid"]] == list(grid.GRID)
+    assert row["hand_grid"][0]["samples_per_s"] == 61.0
+    assert row["verified_samples_per_s"] == 100.0 and row["compile_s"] == 12.0
+    assert row["best_hand"] == "compile+half"
+    assert row["pick_over_best_hand"] == round(100.0 / 101.0, 4)
+    assert row["loop_over_verified"] == 0.98
+    assert row["hand_cells"] == "6/6" and row["lines"] == 3
+
+
+def test_user_path_joins_only_its_own_label_and_shows_the_last(user_path) -> None:
+    """A labelled line joins the earlier good lines of its model, budget and label only (not
+    another label's, not a failed line's); the table shows each label's last line and every
+    unlabelled or failed one."""
+    old = {"model": "m", "budget_gib": 8.0, "label": None, "verified_samples_per_s": 50.0}
+    other = {"model": "m", "budget_gib": 8.0, "label": "b", "compile_s": 99.0}
+    failed = {"model": "m", "budget_gib": 8.0, "label": "a", "error": "OOM", "compile_s": 1.0}
+    first = {"model": "m", "budget_gib": 8.0, "label": "a", "compile_s": 30.0,
+             "verified_samples_per_s": 100.0, "hand_grid": []}  # fmt: skip
+    second = {"model": "m", "budget_gib": 8.0, "label": "a", "compile_s": None,
+              "hand_grid": [_cell("eager", 3, 80.0)]}  # fmt: skip
+    lines = [old, other, failed, first]
+    joined = user_path.joined(second, lines)
+    assert joined["compile_s"] == 30.0
+    assert joined["pick_over_best_hand"] == 1.25
+    assert user_path.joined(old, lines) is old
+    shown = user_path.latest([*lines, joined])
+    assert shown == [old, other, failed, joined]
