@@ -18,8 +18,8 @@ Known limitations:
       a person's ``torch.compile(model)`` does; each new batch compiles again.
     * The search starts at the eager estimate's largest batch for the cell's choices, also
       for compiled cells (compile's memory is measured, not estimated), and extrapolates
-      along the measured allocated bytes per sample: a cell whose runs never ran out
-      (``lowest_oom`` None) found a batch that holds, not the largest.
+      along the estimate's bytes per sample until two runs measured theirs: a cell whose
+      runs never ran out (``lowest_oom`` None) found a batch that holds, not the largest.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def largest_holding(
     budget_bytes: int,
     max_batch: int,
     is_oom: Callable[[BaseException], bool],
+    slope_bytes: float | None = None,
 ) -> Holding:
     """The largest batch ``run(b)`` holds, found by running out of memory: from ``start``
     (halved until a batch holds, where it ran out), extrapolate along the measured allocated
@@ -117,6 +118,9 @@ def largest_holding(
         run: trains batch ``b`` from a clean state and returns its Measurement, or raises.
         is_oom: whether an exception ``run`` raised is an out-of-memory (an answer); any
             other is re-raised.
+        slope_bytes: bytes per sample to extrapolate along until two runs measured theirs
+            (the estimate's); None takes the first run's peak over its batch, weights
+            included, which falls short of the edge by a run.
     """
     from memadvisor.planner import find_batch
 
@@ -145,8 +149,8 @@ def largest_holding(
         if len(fitted) >= 2:
             high, low = measured[fitted[-1]].peak_bytes, measured[fitted[-2]].peak_bytes
             slope = (high - low) / (fitted[-1] - fitted[-2])
-        else:
-            slope = peak / batch  # weights included: a slope too steep, short of the edge
+        else:  # weights included in peak / batch: a slope too steep, short of the edge
+            slope = slope_bytes if slope_bytes else peak / batch
         if slope <= 0:
             return None
         return batch + max(1, math.ceil((budget_bytes - peak) / slope))
@@ -213,7 +217,7 @@ def measure_cell(
 ) -> dict[str, Any]:
     """``cell`` at its own largest batch holding ``steps`` steps on ``device``: its record
     (``skipped`` where the cell has no meaning for this model)."""
-    from memadvisor.planner._space import largest_batch
+    from memadvisor.planner._space import SearchSpace
     from memadvisor.schema.candidate import Candidate
     from memadvisor.strategy import load_strategies
     from strategies.checkpointing import ranked_blocks
@@ -222,8 +226,9 @@ def measure_cell(
     choices = cell_choices(names, ranked_blocks(profile), cell)
     if choices is None:
         return {"config": cell, "skipped": f"no half or all of {len(names)} blocks"}
-    strategies = load_strategies(config.strategies)
-    start = largest_batch(profile, choices, strategies, config.usable_bytes, config.max_batch)
+    space = SearchSpace(profile, load_strategies(config.strategies), config)
+    scored = space.score_choices(choices)
+    start = scored.largest_batch if scored is not None else 1
     t0 = time.perf_counter()
     holding = largest_holding(
         lambda b: device.run(workload, Candidate(batch_size=b, choices=choices), steps),
@@ -231,6 +236,8 @@ def measure_cell(
         config.budget_bytes,
         config.max_batch,
         device.is_oom,
+        # eager's: a compiled step keeps no more per sample, so its first step falls short
+        slope_bytes=space.bytes_per_sample(choices, max(1, start)),
     )
     return cell_record(cell, choices, holding, time.perf_counter() - t0)
 

@@ -93,13 +93,17 @@ def t5_sized(
 ) -> dict:
     """T5ForConditionalGeneration with t5-base's config (12 + 12 layers of 768, 12 heads, a
     3072-wide ReLU FFN, vocab 32128; 223M parameters), random weights: 512 input tokens, 128
-    label tokens (the model shifts the labels into its decoder's inputs). The config's other
-    fields stay transformers' defaults (dropout 0.1, ``use_cache``), as a user's script has
-    them; ``overrides`` change config fields (tests build it small)."""
+    label tokens (the model shifts the labels into its decoder's inputs, starting from
+    ``decoder_start_token_id`` 0 as t5-base's config.json says: transformers 5.x no longer
+    defaults it). The config's other fields stay transformers' defaults (dropout 0.1,
+    ``use_cache``), as a user's script has them; ``overrides`` change config fields."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    fields = dict(d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_heads=12, vocab_size=32128)
+    fields = dict(
+        d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_heads=12, vocab_size=32128,
+        decoder_start_token_id=0,
+    )  # fmt: skip
     config = T5Config(**{**fields, **overrides})
     model = T5ForConditionalGeneration(config)
     ids = torch.randint(0, config.vocab_size, (batch_size, source_len))

@@ -271,6 +271,7 @@ def main() -> None:
         help="a fresh inductor and triton cache directory per model (the default)",
     )
     cache.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
+    parser.set_defaults(warm_cache=False)  # cold unless asked (--cold-cache's default is True)
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--save-plans", type=Path, help="keep each plan as DIR/<model>.json")
     parser.add_argument("--timeout-s", type=float, help="end a plan after this long")

@@ -556,6 +556,7 @@ def main() -> None:
         help="a fresh inductor and triton cache directory per model (the default)",
     )
     cache.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
+    parser.set_defaults(warm_cache=False)  # cold unless asked (--cold-cache's default is True)
     parser.add_argument("--label", default=None, help="join this model's lines of that label")
     parser.add_argument("--json", type=Path, default=RESULTS, help="append JSON lines here")
     parser.add_argument("--table", type=Path, default=None, help="print a --json file's table")

@@ -53,24 +53,30 @@ def _is_oom(error: BaseException) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("start", "edge", "tried"),
+    ("start", "edge", "tried", "slope"),
     [
         # one run's slope (weights included) falls short; two runs' slope reaches the edge,
         # one sample more runs out.
-        (20, 90, [(20, True), (67, True), (90, True), (91, False)]),
-        (90, 90, [(90, True), (91, False)]),
-        (1, 90, [(1, True), (10, True), (90, True), (91, False)]),
+        (20, 90, [(20, True), (67, True), (90, True), (91, False)], None),
+        # the estimate's bytes per sample from the first run on: one run fewer
+        (20, 90, [(20, True), (90, True), (91, False)], 10),
+        # an estimate above the card's per-sample bytes (eager's, for a compiled cell)
+        (20, 90, [(20, True), (55, True), (90, True), (91, False)], 20),
+        (90, 90, [(90, True), (91, False)], None),
+        (1, 90, [(1, True), (10, True), (90, True), (91, False)], None),
         # far above the edge: halved until a batch holds, then the same climb
         (200, 90, [(200, False), (100, False), (50, True), (84, True), (90, True),
-                   (91, False)]),
-        (1, 0, [(1, False)]),
+                   (91, False)], None),
+        (1, 0, [(1, False)], None),
     ],
 )  # fmt: skip
-def test_largest_holding_stops_at_the_edge_with_no_headroom(grid, start, edge, tried) -> None:
+def test_largest_holding_stops_at_the_edge_with_no_headroom(
+    grid, start, edge, tried, slope
+) -> None:
     """The search ends at the largest batch the card holds (no margin below it), proven by
     a run one sample above that ran out, and measures the cell by the run at that batch."""
     card = LinearCard(fixed=100 if edge else 1001, per_sample=10, budget=1000)
-    found = grid.largest_holding(card.run, start, 1000, 65536, _is_oom)
+    found = grid.largest_holding(card.run, start, 1000, 65536, _is_oom, slope_bytes=slope)
     assert found.batch == edge
     assert found.tried == tried
     assert card.runs == [b for b, _ in tried]  # no batch runs twice

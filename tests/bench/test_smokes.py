@@ -55,7 +55,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     ],
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
-        "--cold-cache", "--save-plans", "plans", "--timeout-s", "100", "--json", OUT,
+        "--save-plans", "plans", "--timeout-s", "100", "--json", OUT,
     ],
     "user_path": [
         "--device", "simulated", "--models", "cnn", "--budget-gib", "0.05", "--steps", "3",
@@ -72,6 +72,8 @@ FIELDS: dict[str, set[str]] = {
         "user_loop_ooms", "loop_over_verified", "largest_batch_holding", "device",
     },
 }  # fmt: skip
+# Values every JSON line of that smoke has (a default that must hold).
+VALUES: dict[str, dict[str, object]] = {"plan_speed": {"cache": "cold"}}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
     "compile_cache": "times inductor's caches on a card",
@@ -133,6 +135,8 @@ def test_the_smoke_runs_and_writes_its_lines(name: str, tmp_path: Path) -> None:
             assert lines, f"{name} wrote no JSON line to {out}"
             for line in lines:
                 assert FIELDS.get(name, set()) <= set(line), FIELDS[name] - set(line)
+                for key, value in VALUES.get(name, {}).items():
+                    assert line[key] == value, (key, line[key])
     after = {p: p.stat().st_mtime_ns for p in results.glob("*")}
     assert after == before, "a smoke wrote into bench/results/"
 
