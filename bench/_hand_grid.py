@@ -280,6 +280,8 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     row["hand_cells"] = f"{len(rated)}/{len(GRID)}"
     verified = row.get("verified_samples_per_s")
     row["pick_over_best_hand"] = _ratio(verified, row["best_hand_samples_per_s"])
+    rerun = (row.get("pick_rerun") or {}).get("samples_per_s")
+    row["pick_rerun_over_best_hand"] = _ratio(rerun, row["best_hand_samples_per_s"])
     row["loop_over_verified"] = _ratio(row.get("user_loop_samples_per_s"), verified)
     holding = row.get("largest_batch_holding")
     row["batch_over_holding"] = _ratio(row.get("batch"), holding)
