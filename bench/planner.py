@@ -196,11 +196,12 @@ def _label(choices: dict, n_blocks: int) -> str:
 
 
 def _profile(workload: Any, kind: str) -> Any:
+    from memadvisor.device._factory import planned_capabilities
     from memadvisor.planner._plan import _profile as planner_profile
     from memadvisor.planner._progress import Progress
 
     # As plan_workload profiles for that device (the simulated one under CUDA's autocast).
-    return planner_profile(workload, kind, Progress(enabled=False))
+    return planner_profile(workload, planned_capabilities(kind), Progress(enabled=False))
 
 
 # -- table -----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Its LM head and loss over 50k tokens hold more activation memory than any one block, which
 is what block checkpointing alone cannot fix: memadvisor's profile should show that.
 
-    memadvisor plan examples/gpt.py:build --budget-gb 0.5   # on a CPU
+    memadvisor plan examples/gpt.py:build --budget-gb 0.25   # on a CPU
     memadvisor plan examples/gpt.py:build --budget-gb 8     # on a GPU
 """
 

@@ -36,7 +36,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
     epilog="[bold]Examples[/]\n\n"
-    "  memadvisor plan examples/gpt.py:build --budget-gb 0.5 --html plan.html\n\n"
+    "  memadvisor plan examples/gpt.py:build --budget-gb 0.25 --html plan.html\n\n"
     "  memadvisor profile examples/cnn.py:build --speedscope step.speedscope.json\n\n"
     "Run memadvisor COMMAND --help for a command's options.",
 )

@@ -66,7 +66,7 @@ class ObjectiveOption(str, Enum):
 
 EPILOG = """[bold]Examples[/]
 
-  memadvisor plan examples/gpt.py:build --budget-gb 0.5
+  memadvisor plan examples/gpt.py:build --budget-gb 0.25
 
   memadvisor plan examples/cnn.py:build --budget-gb 0.25 --json plan.json --html plan.html
 

@@ -104,7 +104,7 @@ def test_top_level_help_ends_with_examples_and_version_prints(cli) -> None:
     result = cli("--help")
     assert result.exit_code == 0
     assert result.stdout.index("Examples") > result.stdout.index("profile")
-    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.5" in result.stdout
+    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.25" in result.stdout
     version = cli("--version")
     assert version.exit_code == 0 and version.stdout.strip() == f"memadvisor {__version__}"
 

@@ -338,7 +338,7 @@ def test_plan_help_ends_with_examples_and_exit_codes(cli) -> None:
     assert result.exit_code == 0
     text = result.stdout
     assert text.index("Examples") > text.index("--budget-gb")
-    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.5" in text
+    assert "memadvisor plan examples/gpt.py:build --budget-gb 0.25" in text
     assert "3 nothing fits the budget" in text
 
 
