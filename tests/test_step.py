@@ -8,10 +8,6 @@ file), and the user trains with ``model.memadvisor_step``.
 
 from __future__ import annotations
 
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -70,28 +66,14 @@ class HalvesLoss(Strategy):
 
 
 @pytest.fixture
-def toy_halves(tmp_path: Path):
+def toy_halves(install_plugin):
     """A package 'toy_halves_memadvisor', registered only through a dist-info on sys.path."""
-    (tmp_path / "toy_halves_memadvisor.py").write_text(TOY_MODULE)
-    info = tmp_path / "toy_halves_memadvisor-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: toy-halves-memadvisor\nVersion: 0.1\n"
+    install_plugin(
+        "toy_halves_memadvisor", TOY_MODULE, {"toy_halves": "toy_halves_memadvisor:HalvesLoss"}
     )
-    (info / "entry_points.txt").write_text(
-        textwrap.dedent("""\
-            [memadvisor.strategies]
-            toy_halves = toy_halves_memadvisor:HalvesLoss
-            """)
-    )
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import toy_halves_memadvisor
+    import toy_halves_memadvisor
 
-        yield toy_halves_memadvisor
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("toy_halves_memadvisor", None)
+    return toy_halves_memadvisor
 
 
 def _model() -> nn.Module:

@@ -7,10 +7,6 @@ declare the protocols whose methods they define; ``EffectOrder`` orders the buil
 
 from __future__ import annotations
 
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
 from memadvisor.errors import BadInputError
@@ -53,23 +49,8 @@ class Loose(Strategy):
 
 
 @pytest.fixture
-def loose_installed(tmp_path: Path):
-    (tmp_path / "loose_memadvisor.py").write_text(LOOSE)
-    info = tmp_path / "loose_memadvisor-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: loose-memadvisor\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        textwrap.dedent("""\
-            [memadvisor.strategies]
-            loose_check = loose_memadvisor:Loose
-            """)
-    )
-    sys.path.insert(0, str(tmp_path))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("loose_memadvisor", None)
+def loose_installed(install_plugin) -> None:
+    install_plugin("loose_memadvisor", LOOSE, {"loose_check": "loose_memadvisor:Loose"})
 
 
 def test_a_protocol_method_without_its_protocol_is_refused(loose_installed) -> None:
