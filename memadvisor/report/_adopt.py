@@ -94,7 +94,8 @@ def adoption_snippet(plan: Plan) -> str:
     call, loss = _call_and_loss(form)
     divided = f" / {k}" if k > 1 else ""
     if loss_changed:  # the step computes the loss its own way: the loop calls the step
-        comments.insert(0, "forward and loss as the plan measured them (its loss is not yours)")
+        how = "measured" if plan.capabilities.measures_memory else "estimated"
+        comments.insert(0, f"forward and loss as the plan {how} them (its loss is not yours)")
         lines.append(f"    loss = model.memadvisor_step(batch){divided}  # {'; '.join(comments)}")
         lines += [f"    {note}" for note in loop.forward_notes]
     elif form.loss == "loss_fn":
