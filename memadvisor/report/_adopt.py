@@ -40,7 +40,7 @@ from memadvisor.report._parts import installs, parts, plan_strategies
 from memadvisor.schema.advice import LoopLines
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.plan import Plan
-from memadvisor.strategy import Strategy, facts_of
+from memadvisor.strategy import Strategy, changes_step, facts_of
 
 __all__ = ["adoption_snippet", "on_cpu"]
 
@@ -77,7 +77,7 @@ def adoption_snippet(plan: Plan) -> str:
         "import memadvisor",
         "",
         f"model = memadvisor.apply_plan({model_arg}, plan{_users_code(form, loss_changed)})"
-        f"  # {', '.join(installs(strategies))}",
+        + _installed_comment(plan, strategies),
         f"loader = DataLoader(dataset, batch_size={b}, shuffle=True{loop.loader_args})"
         + loader_comment,
         "optimizer = torch.optim.AdamW(model.parameters())  # as planned (or yours)",
@@ -115,6 +115,18 @@ def adoption_snippet(plan: Plan) -> str:
     else:
         lines += [f"    {line}" for line in body]
     return "\n".join(lines) + "\n"
+
+
+def _installed_comment(plan: Plan, strategies: Sequence[Strategy]) -> str:
+    """``'  # autocast, checkpointing'``: what apply_plan installs for this pick (the
+    strategies whose choice in it changes the step), in effect order; '' for none."""
+    chosen = [
+        s
+        for s in strategies
+        if s.name in plan.candidate.choices and changes_step(s, plan.candidate.choices[s.name])
+    ]
+    words = installs(chosen)
+    return f"  # {', '.join(words)}" if words else ""
 
 
 def _loss_changed(plan: Plan, strategies: Sequence[Strategy]) -> bool:

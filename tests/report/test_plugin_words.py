@@ -99,7 +99,8 @@ def test_a_plugins_choice_has_its_row_phrase_blocks_and_loop_lines(plugin, plan:
 
     code = adoption_snippet(sparse)
     ast.parse(code)
-    assert "# autocast, checkpointing, sparsity masks, compile" in code
+    # What apply_plan installs for this pick: no compile (the pick does not compile).
+    assert "plan)  # autocast, checkpointing, sparsity masks\n" in code
     assert "masks = sparse.masks(model)  # from the plan" in code
     assert "sparse.step(optimizer, masks)" in code and "optimizer.step()" not in code
     assert "shuffle=True)  # any shape" in code
