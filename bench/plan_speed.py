@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _targets import TARGETS, missing  # bench/, first on sys.path when run as a script
+from _cache import add_cache_flags, cold_cache_env  # bench/, first on sys.path as a script
+from _targets import TARGETS, missing
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -111,9 +112,8 @@ def plan_one(
     with tempfile.TemporaryDirectory(prefix="plan-speed-") as tmp:
         out = Path(tmp) / "plan.json"
         env = dict(os.environ)
-        if not warm_cache:  # inductor's FX graph and AOTAutograd caches, and triton's kernels
-            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
-            env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")
+        if not warm_cache:
+            env.update(cold_cache_env(tmp))
         cmd = [
             sys.executable,
             str(HERE),
@@ -263,15 +263,7 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=8.0)
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--label", default="after", help="the code that ran: before or after")
-    cache = parser.add_mutually_exclusive_group()
-    cache.add_argument(
-        "--cold-cache",
-        dest="warm_cache",
-        action="store_false",
-        help="a fresh inductor and triton cache directory per model (the default)",
-    )
-    cache.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
-    parser.set_defaults(warm_cache=False)  # cold unless asked (--cold-cache's default is True)
+    add_cache_flags(parser)
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--save-plans", type=Path, help="keep each plan as DIR/<model>.json")
     parser.add_argument("--timeout-s", type=float, help="end a plan after this long")

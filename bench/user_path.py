@@ -56,7 +56,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import _hand_grid as grid  # bench/, first on sys.path when run as a script
+from _cache import add_cache_flags, cold_cache
 from _targets import ISSUE_27, TARGETS, missing
 
 HERE = Path(__file__).resolve()
@@ -413,29 +413,6 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(seen) if seen else None
 
 
-@contextlib.contextmanager
-def _cold_cache(name: str, cold: bool):
-    """A fresh inductor and triton cache directory for ``name``'s plan, loops and cells (the
-    processes they start inherit it), removed after."""
-    if not cold:
-        yield
-        return
-    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-    saved = {k: os.environ.get(k) for k in keys}
-    scratch = tempfile.mkdtemp(prefix=f"user-path-{name}-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(scratch, "triton")
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 # -- lines and table ----------------------------------------------------------------------------
 
 
@@ -576,15 +553,7 @@ def main() -> None:
     parser.add_argument("--compile-backend", default="inductor", help="eager for a CPU smoke")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per fresh process")
     parser.add_argument("--deadline-s", type=float, default=None, help="no loop or cell after")
-    cache = parser.add_mutually_exclusive_group()
-    cache.add_argument(
-        "--cold-cache",
-        dest="warm_cache",
-        action="store_false",
-        help="a fresh inductor and triton cache directory per model (the default)",
-    )
-    cache.add_argument("--warm-cache", action="store_true", help="keep the user's inductor cache")
-    parser.set_defaults(warm_cache=False)  # cold unless asked (--cold-cache's default is True)
+    add_cache_flags(parser)
     parser.add_argument("--label", default=None, help="join this model's lines of that label")
     parser.add_argument("--json", type=Path, default=RESULTS, help="append JSON lines here")
     parser.add_argument("--table", type=Path, default=None, help="print a --json file's table")
@@ -619,7 +588,7 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         try:
-            with _cold_cache(name, not args.warm_cache):
+            with cold_cache(name, not args.warm_cache):
                 row = bench_one(name, args, clock)
         except Exception as e:  # noqa: BLE001 - a missing package or an infeasible budget
             row = {

@@ -425,9 +425,7 @@ class Described(ABC):  # noqa: B024 - every method has a default
         this strategy out): an answer row (a label), a phrase in the one-line answer, the
         profiled step it runs, the blocks it recomputes, its lines in a training loop.
         Default: as a strategy that is not Described is shown."""
-        if self.is_neutral(choice):  # type: ignore[attr-defined]
-            return None
-        return ReportPart(words=choice if isinstance(choice, str) else json.dumps(choice))
+        return _plain_part(self, choice)  # type: ignore[arg-type]
 
     def changes_step(self, choice: JsonValue) -> bool:
         """Whether ``choice`` changes the step the device runs (default: a non-neutral one).
@@ -444,6 +442,12 @@ def describe_choice(strategy: Strategy, choice: JsonValue, plan: Plan) -> Report
     :class:`Described`, else a non-neutral choice under "Also" as itself or its JSON."""
     if isinstance(strategy, Described):
         return strategy.describe(choice, plan)
+    return _plain_part(strategy, choice)
+
+
+def _plain_part(strategy: Strategy, choice: JsonValue) -> ReportPart | None:
+    """A non-neutral choice under "Also", as itself (a string) or its JSON; a neutral one
+    not at all."""
     if strategy.is_neutral(choice):
         return None
     return ReportPart(words=choice if isinstance(choice, str) else json.dumps(choice))

@@ -87,17 +87,14 @@ class EagerLines:
         batch: int,
     ) -> EagerLines:
         low, high = max(1, batch), 2 * max(1, batch)
-        at_low = estimate(profile, Candidate(batch_size=low, choices=choices), strategies)
-        at_high = estimate(profile, Candidate(batch_size=high, choices=choices), strategies)
-
-        def line(y_low: float, y_high: float) -> Line:
-            slope = (y_high - y_low) / (high - low)
-            return Line(fixed=y_low - slope * low, per_sample=slope)
-
-        return cls(
-            bytes=line(at_low.peak_bytes, at_high.peak_bytes),
-            ms=line(at_low.step_ms, at_high.step_ms),
-        )
+        at = {
+            b: estimate(profile, Candidate(batch_size=b, choices=choices), strategies)
+            for b in (low, high)
+        }
+        bytes_line = Line.through([(b, e.peak_bytes) for b, e in at.items()])
+        ms_line = Line.through([(b, e.step_ms) for b, e in at.items()])
+        assert bytes_line is not None and ms_line is not None  # two distinct batches
+        return cls(bytes=bytes_line, ms=ms_line)
 
 
 def fit_step(

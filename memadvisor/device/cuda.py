@@ -353,11 +353,9 @@ class CudaDevice(Device):
 
     def _run_here(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
         device = torch.device("cuda", self.index)
-        from memadvisor.strategy import facts_of, load_strategies
+        from memadvisor.strategy import facts_of
 
-        names = self.strategy_names if self.strategy_names is not None else list(candidate.choices)
-        strategies = load_strategies([n for n in names if n in candidate.choices])
-        compiled = facts_of(candidate, strategies).compiled
+        compiled = facts_of(candidate).compiled  # loads the strategies the candidate names
         if compiled:
             # A fresh process compiles the candidate's batch with static shapes; here dynamo
             # would remember earlier batches and compile this one with a dynamic batch

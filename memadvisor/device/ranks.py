@@ -118,7 +118,7 @@ class Ranks(Device):
         """
         if steps < 1:
             raise BadInputError(f"A run needs at least one step, but got {steps=}.")
-        if facts_of(candidate, load_strategies(list(candidate.choices))).parallel is None:
+        if facts_of(candidate).parallel is None:
             raise BadInputError(
                 "A run on several ranks needs a choice that says how each rank wraps the model "
                 f"(a strategy whose facts name a parallel wrap), but got choices "
