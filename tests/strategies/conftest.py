@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -23,21 +20,9 @@ from memadvisor.schema.profile import (
     Profile,
     StepProfile,
 )
+from tests.fixtures.examples import load_example
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MIB = 2**20
-
-
-def load_example(name: str) -> ModuleType:
-    """examples/<name>.py as a module (registered, so pickling its classes works)."""
-    module_name = f"memadvisor_example_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_profile(

@@ -32,6 +32,7 @@ from strategies.compile import (
     parse_choice,
     try_compile,
 )
+from tests.fixtures.examples import load_example
 from tests.fixtures.steps import applied
 
 COMPILE = Compile()
@@ -310,15 +311,17 @@ def test_activation_memory_budget_makes_the_compiled_graph_keep_less() -> None:
 # -- on a card ----------------------------------------------------------------------------------
 
 
-def _gpt_workload(gpt_example, **overrides: int) -> Workload:
-    built = gpt_example.build(batch_size=8, **overrides)
+def _gpt_workload(**overrides: int) -> Workload:
+    # The example loaded here, not by the folder's fixture: on the card (pytest 9.0.3, the
+    # project installed editable) the folder's conftest fixtures were not found.
+    built = load_example("gpt").build(batch_size=8, **overrides)
     return Workload(built["model"], built["sample_batch"], loss_fn=built["loss_fn"])
 
 
 @pytest.mark.gpu
-def test_cuda_trial_compiles_the_gpt_example_with_checkpointed_blocks(gpt_example) -> None:
+def test_cuda_trial_compiles_the_gpt_example_with_checkpointed_blocks() -> None:
     """On CUDA: block checkpointing and bf16 autocast compile with the model, few breaks."""
-    workload = _gpt_workload(gpt_example)
+    workload = _gpt_workload()
     blocks = [f"h.{i}" for i in range(len(workload.model.h))]
     candidate = Candidate(batch_size=8, choices={"precision": "bf16", "checkpointing": blocks})
     result = try_compile(workload, "default", candidate=candidate, device="cuda")
@@ -344,13 +347,13 @@ def _cuda_peak_bytes(model: nn.Module, workload: Workload, batch: int) -> int:
 
 
 @pytest.mark.gpu
-def test_cuda_partitioner_budget_lowers_the_compiled_peak(gpt_example) -> None:
+def test_cuda_partitioner_budget_lowers_the_compiled_peak() -> None:
     """Budget 0 recomputes what it can: the compiled step's peak is below the default's.
 
     A small vocabulary, so the blocks' activations (what the partitioner decides about)
     dominate the peak rather than the logits.
     """
-    workload = _gpt_workload(gpt_example, vocab_size=256, n_embd=256, block_size=128)
+    workload = _gpt_workload(vocab_size=256, n_embd=256, block_size=128)
     peaks = {}
     for choice in ("default", {"activation_memory_budget": 0.0}):
         model = applied(COMPILE, copy.deepcopy(workload.model), choice, None)
@@ -359,7 +362,7 @@ def test_cuda_partitioner_budget_lowers_the_compiled_peak(gpt_example) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_probe_process_applies_compile_by_entry_point(gpt_example, examples_dir) -> None:
+def test_cuda_probe_process_applies_compile_by_entry_point(examples_dir) -> None:
     """A fresh-process probe rebuilds the workload and compiles the candidate (shared cache)."""
     from memadvisor.device.cuda import CudaDevice
     from strategies._compile_cache import shared_compile_cache
@@ -369,7 +372,7 @@ def test_cuda_probe_process_applies_compile_by_entry_point(gpt_example, examples
     try:
         with shared_compile_cache():
             measured = device.run(
-                _gpt_workload(gpt_example),
+                _gpt_workload(),
                 Candidate(batch_size=8, choices={"compile": "default"}),
                 3,
             )
@@ -483,10 +486,10 @@ def test_regional_advice_names_the_models_container(profile_factory) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_regional_trial_of_the_gpt_example_with_checkpointed_blocks(gpt_example) -> None:
+def test_cuda_regional_trial_of_the_gpt_example_with_checkpointed_blocks() -> None:
     """On CUDA with inductor: each GPT block compiled (checkpointed inside, bf16 autocast
     outside) compiles and matches eager's loss."""
-    workload = _gpt_workload(gpt_example)
+    workload = _gpt_workload()
     blocks = [f"h.{i}" for i in range(len(workload.model.h))]
     candidate = Candidate(batch_size=8, choices={"precision": "bf16", "checkpointing": blocks})
     result = try_compile(workload, REGIONAL, candidate=candidate, device="cuda")

@@ -52,7 +52,7 @@ def _profiled(workload: Workload):
 def small_gpt(request) -> tuple[Workload, object]:
     """examples/gpt.py narrowed (2 layers, 32 wide, 16 tokens, a 2048-token vocabulary) and
     profiled."""
-    from tests.strategies.conftest import load_example
+    from tests.fixtures.examples import load_example
 
     workload = _gpt(load_example("gpt"))
     return workload, _profiled(workload)
