@@ -130,6 +130,7 @@ class _AtBatch:
         "step_backward_ms",
         "untracked",
         "largest_allocation",
+        "largest_block_allocation",
     )
 
     def __init__(self, lines: _Lines, b: int) -> None:
@@ -151,6 +152,11 @@ class _AtBatch:
         self.untracked = {ph: (_pos(x, b), held) for ph, (x, held) in lines.untracked.items()}
         self.largest_allocation = (
             None if lines.largest_allocation is None else _pos(lines.largest_allocation, b)
+        )
+        self.largest_block_allocation = (
+            None
+            if lines.largest_block_allocation is None
+            else _pos(lines.largest_block_allocation, b)
         )
 
 
@@ -181,6 +187,7 @@ class _Lines:
         "step_backward_ms",
         "untracked",
         "largest_allocation",
+        "largest_block_allocation",
         "batches",
     )
 
@@ -208,6 +215,7 @@ class _Lines:
         self.step_backward_ms = (step.backward_ms.per_sample_ms, step.backward_ms.constant_ms)
         self.untracked = {u.phase: (_line(u.untracked), u.profiled_bytes) for u in step.untracked}
         self.largest_allocation = _line(step.largest_allocation)
+        self.largest_block_allocation = _line(step.largest_block_allocation)
         self.batches: dict[int, _AtBatch] = {}
 
     def at(self, b: int) -> _AtBatch:
@@ -267,6 +275,7 @@ class StepModel:
         "extra_ms",
         "held_share",
         "weight_copies",
+        "largest_allocation_cap",
         "forward_ms",
         "backward_ms",
         "optimizer_ms",
@@ -285,6 +294,7 @@ class StepModel:
         self.extra_ms = 0.0
         self.held_share = 1.0  # of the weights, gradients and optimizer state (the breakdown)
         self.weight_copies = True  # autocast copies the weights (when the step has copies)
+        self.largest_allocation_cap: int | None = None
         self.use_precision("fp32")
 
     # -- verbs strategies use ---------------------------------------------------------------
@@ -350,6 +360,14 @@ class StepModel:
         blocks' were freed by their backward, the root's after the head's); a checkpointed
         block then frees, and its recompute brings back, its activations alone."""
         self.weight_copies = False
+
+    def cap_largest_allocation(self, nbytes: int) -> None:
+        """This step allocates no single tensor larger than ``nbytes`` (a chunked loss never
+        makes the whole logits): what a memory cap can strand beyond the allocated peak
+        (:attr:`Estimate.reserved_peak_bytes`) is at most that. Only ever lowers it."""
+        nbytes = max(0, int(nbytes))
+        cap = self.largest_allocation_cap
+        self.largest_allocation_cap = nbytes if cap is None else min(cap, nbytes)
 
     def drop_activations(self, nbytes: int) -> None:
         """Bytes the profiled step saved for backward that this one does not save at all (a
@@ -569,6 +587,8 @@ class StepModel:
     def _reserved(self, peak: int) -> int | None:
         largest = self.numbers.largest_allocation
         if largest is not None:
+            if self.largest_allocation_cap is not None:
+                largest = min(largest, self.largest_allocation_cap)
             return peak + largest
         ratio = self.profile.fragmentation_ratio
         return int(peak * ratio) if ratio else None

@@ -31,6 +31,12 @@ Known limitations (the estimate's effect):
       chunk's recompute makes its own, within the chunk's transient.
     * The recomputed head is priced at the forward's time times the head's share of the
       parameters: matmul time follows parameters for a dense LM, not for others.
+    * What a memory cap strands beyond the allocated peak (the estimate's reserved bytes:
+      the step's largest allocation) becomes the larger of one fp32 chunk of logits and the
+      blocks' largest tensor. A tensor outside the blocks larger than both (an embedding's
+      output wider than any block's) is not seen; the probes measure the truth. Before this,
+      the whole logits stayed in that term and held a 0.35B decoder at 8 GiB to batch 6 by
+      the estimate where batch 15 ran (docs/design.md, "The card rows (issue 28)").
 """
 
 from __future__ import annotations
@@ -247,6 +253,11 @@ class LossHead(Strategy, Checked, HandTried, Described):
         head -= param_bytes // 2 if low else 0
         model.add_backward_bytes([0] * len(model.checkpointed), head=head - nums.head_peak - saved)
         model.drop_activations(saved)
+        # The whole logits were the step's largest allocation, which a memory cap can strand
+        # beyond the allocated peak; now a chunk of them is, or the blocks' largest tensor.
+        inside = nums.largest_block_allocation
+        if inside is not None:
+            model.cap_largest_allocation(max(chunk, inside))
         if profile.param_bytes:
             model.add_ms(model.forward_ms * min(1.0, param_bytes / profile.param_bytes))
 

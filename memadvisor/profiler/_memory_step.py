@@ -81,6 +81,10 @@ class MemoryMeasurement:
     # grows with the batch (logits). Fake tensors planned for a card fit
     # StepProfile.largest_allocation from it.
     largest_allocation: int = 0
+    # The largest storage made inside the blocks (autocast's weight copies aside): what the
+    # step's largest allocation becomes where a strategy removes a larger one outside them
+    # (the chunked loss's whole logits).
+    largest_block_allocation: int = 0
     # For what no submodule made (<loss>, <other>): owner -> op name -> saved bytes, and the
     # submodule whose forward had finished last when the largest of them was made.
     outside_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -466,6 +470,10 @@ class MemoryStep:
             phase_tracked=dict(peaks.tracked),
             largest_allocation=max(
                 (r.nbytes for r in self.records.values() if not r.cast_weight), default=0
+            ),
+            largest_block_allocation=max(
+                (r.nbytes for r in self.records.values() if r.block >= 0 and not r.cast_weight),
+                default=0,
             ),
             outside_ops=self.outside_ops,
             outside_after=self.outside_after,

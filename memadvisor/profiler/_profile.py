@@ -573,6 +573,9 @@ class _Pass:
             untracked_batch_sizes=untracked[0] if untracked else None,
             untracked=untracked[1] if untracked else [],
             largest_allocation=self.largest_allocation.get(precision) or self._fake_largest(mem),
+            largest_block_allocation=self._bytes(
+                mem[0].largest_block_allocation, mem[1].largest_block_allocation
+            ),
         )
 
     def _fake_largest(self, mem: list[MemoryMeasurement]) -> LinearBytes | None:

@@ -274,6 +274,13 @@ class StepProfile(_Model):
         "and stranded, so the allocator reserves about that much beyond its allocated peak "
         "(the estimate's reserved_peak_bytes); None where not measured.",
     )
+    largest_block_allocation: LinearBytes | None = Field(
+        None,
+        description="The largest single tensor the blocks made (autocast's weight copies "
+        "aside), as the metered steps saw it: what the step's largest allocation becomes "
+        "where a strategy removes a larger one outside the blocks (a chunked loss's whole "
+        "logits). None in profiles made before it was measured.",
+    )
 
 
 class StepFlops(_Model):

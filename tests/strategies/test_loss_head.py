@@ -357,3 +357,41 @@ def test_train_step_runs_the_rewritten_step(gpt_example) -> None:
     first = train_step(run, run.model, optimizer, workload.sample_batch)
     second = train_step(run, run.model, optimizer, workload.sample_batch)
     assert float(second) < float(first)
+
+
+def test_a_chunked_loss_no_longer_counts_the_whole_logits_as_stranded(gpt_example) -> None:
+    """Under a memory cap the estimate's reserved bytes are the allocated peak plus the
+    step's largest allocation (what the allocator can strand). With the loss in chunks the
+    whole logits are never allocated: that term becomes the larger of one fp32 chunk of
+    logits and the blocks' largest tensor, and the estimate's largest batch at a budget the
+    logits bound grows. examples/gpt.py narrowed, profiled as fake tensors (as a plan for a
+    card without one is): on an H200 at 8 GiB the whole-logits term held a 0.35B decoder to
+    batch 6 by the estimate where batch 15 ran."""
+    from memadvisor.api import profile as profile_model
+    from memadvisor.planner._space import largest_batch
+
+    workload = _gpt(gpt_example, batch_size=2, block_size=64, vocab_size=8192)
+    profile = profile_model(
+        workload.model, workload.sample_batch, loss_fn=workload.loss_fn, device="estimate"
+    )
+    strategy = LossHead()
+    b = 16
+    step = profile.steps["fp32"]
+    assert step.largest_allocation is not None and step.largest_block_allocation is not None
+
+    def stranded(chunks: object) -> int:
+        est = estimate(profile, Candidate(batch_size=b, choices={"loss_head": chunks}), [strategy])
+        return est.reserved_peak_bytes - est.peak_bytes
+
+    logits = loss_activity(step).activation.at(b)  # one fp32 copy of the logits
+    assert stranded("off") >= 0.99 * logits  # the loss activity holds a scalar or two more
+    inside = step.largest_block_allocation.at(b)
+    assert inside < logits // 4  # the logits dominate this model's largest tensors
+    for chunks in CHUNKS:
+        assert stranded(chunks) == max(-(-logits // chunks), inside), chunks
+
+    limit = estimate(profile, Candidate(batch_size=b, choices={"loss_head": "off"}), [strategy])
+    budget = limit.limit_bytes  # the plain step's cap at batch 16
+    plain = largest_batch(profile, {"loss_head": "off"}, [strategy], budget, 4096)
+    chunked = largest_batch(profile, {"loss_head": 8}, [strategy], budget, 4096)
+    assert plain == b and chunked > 2 * b, (plain, chunked)
