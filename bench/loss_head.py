@@ -208,7 +208,20 @@ def _plan_cell(workload: Any, target: str, config: Any, profile: Any) -> dict[st
         "loss_head_checks": offered,
         "stages": [s.summary for s in plan.stages],
         "plan_wall_s": round(plan.plan_wall_ms / 1e3, 1),
+        # The device runs (batch, fits, stage, choices other than the pick's) and the notes:
+        # where the batch was decided.
+        "plan_probes": [
+            [p.batch_size, p.fits, p.stage, _differs(p.candidate, pick)] for p in plan.probes
+        ],
+        "plan_notes": plan.notes,
     }
+
+
+def _differs(ran: Any, pick: Any) -> dict[str, Any]:
+    """The choices of ``ran`` (a probe's candidate) that are not ``pick``'s."""
+    if ran is None:
+        return {}
+    return {k: v for k, v in ran.choices.items() if pick.choices.get(k) != v}
 
 
 def cells(args: argparse.Namespace) -> None:
