@@ -37,6 +37,11 @@ and the head's peak before the first block. A candidate moves that walk:
   ``drop_weight_copies``) loses each copy once, where the walk held it: all of them in
   forward and at the head, blocks ``0..k``'s while block ``k``'s backward runs; a
   checkpointed block then frees (and recomputes) its activations alone.
+* A step whose blocks' inputs arrive cast to 2 bytes (FSDP2 casts each unit's floating
+  inputs to its bf16 ``param_dtype``: ``cast_block_inputs``) keeps, for a checkpointed
+  block, ``input_low`` of its input where the profile's step kept ``input`` (fp32 where the
+  residual stream followed fp32 weights under autocast): the difference comes off what the
+  predecessor keeps for it when that is checkpointed, else off what the block frees.
 * Gradient accumulation holds the gradients through the next micro-batches' forward and
   backward.
 
@@ -68,6 +73,15 @@ Known limitations (what a card adds that tensor bytes do not show; the measureme
     * The CUDA context is outside both, as it is outside the budget.
     * A checkpointed block whose input no op of its own saved keeps that input in
       addition (rare: most blocks start with a norm or a matmul, which save it).
+    * ``cast_block_inputs`` changes what checkpointed blocks keep, nothing else: what the
+      blocks' ops save and what a recompute brings back stay the profiled step's (fp32
+      weights under autocast), high under FSDP2's bf16 weights; where a cast input's
+      maker is not a checkpointed block (block 0: the embedding), the walk still counts it
+      whole at that block's own backward. An fp32 input every block shares (a mask) is no
+      block's input (counted once, to its maker), though each unit casts, and a
+      checkpointed one keeps, a bf16 copy of its own: low by those copies. The 1B at 2
+      ranks (docs/design.md, issue 31): 10.997 GiB predicted before, 10.318 now, 10.3125
+      measured.
 """
 
 from __future__ import annotations
@@ -116,6 +130,7 @@ class _AtBatch:
     __slots__ = (
         "activation",
         "inputs",
+        "inputs_low",
         "outputs",
         "transient",
         "forward_ms",
@@ -136,6 +151,7 @@ class _AtBatch:
     def __init__(self, lines: _Lines, b: int) -> None:
         self.activation = [_pos(x, b) for x in lines.activation]
         self.inputs = [_pos(x, b) for x in lines.inputs]
+        self.inputs_low = [None if x is None else _pos(x, b) for x in lines.inputs_low]
         self.outputs = [_pos(x, b) for x in lines.outputs]
         self.transient = [_pos(x, b) for x in lines.transient]
         self.forward_ms = [max(0.0, a * b + c) for a, c in lines.forward_ms]
@@ -171,6 +187,7 @@ class _Lines:
     __slots__ = (
         "activation",
         "inputs",
+        "inputs_low",
         "outputs",
         "transient",
         "forward_ms",
@@ -195,6 +212,7 @@ class _Lines:
         blocks = step.blocks
         self.activation = [_line(b.activation) for b in blocks]
         self.inputs = [_line(b.input) for b in blocks]
+        self.inputs_low = [_line(b.input_low) for b in blocks]
         self.outputs = [_line(b.output) for b in blocks]
         self.transient = [_line(b.forward_transient) for b in blocks]
         self.forward_ms = [(b.forward_ms.per_sample_ms, b.forward_ms.constant_ms) for b in blocks]
@@ -276,6 +294,7 @@ class StepModel:
         "held_share",
         "weight_copies",
         "largest_allocation_cap",
+        "low_inputs",
         "forward_ms",
         "backward_ms",
         "optimizer_ms",
@@ -295,6 +314,7 @@ class StepModel:
         self.held_share = 1.0  # of the weights, gradients and optimizer state (the breakdown)
         self.weight_copies = True  # autocast copies the weights (when the step has copies)
         self.largest_allocation_cap: int | None = None
+        self.low_inputs: list[bool] | None = None  # blocks whose inputs arrive cast to 2 bytes
         self.use_precision("fp32")
 
     # -- verbs strategies use ---------------------------------------------------------------
@@ -369,6 +389,18 @@ class StepModel:
         cap = self.largest_allocation_cap
         self.largest_allocation_cap = nbytes if cap is None else min(cap, nbytes)
 
+    def cast_block_inputs(self, block_indices: Iterable[int]) -> None:
+        """These blocks' floating inputs reach them cast to a 2-byte dtype (FSDP2's
+        ``MixedPrecisionPolicy(param_dtype=bf16)`` casts each unit's forward inputs): a
+        checkpointed one keeps its input at that size (``BlockActivity.input_low``) where the
+        profile's step kept it as it came (fp32 where the residual stream followed fp32
+        weights under autocast). Blocks whose profile lacks ``input_low`` are left as they
+        are."""
+        low = self.low_inputs or [False] * len(self.checkpointed)
+        for i in block_indices:
+            low[i] = True
+        self.low_inputs = low
+
     def drop_activations(self, nbytes: int) -> None:
         """Bytes the profiled step saved for backward that this one does not save at all (a
         chunked loss's logits): out of the activations the breakdown holds and offload
@@ -441,6 +473,8 @@ class StepModel:
                 top = transient[k] - cast
                 recompute_top[k] = top if top > 0 else 0
                 recompute_ms += ms[k]
+            if self.low_inputs is not None:
+                freed_activations += self._low_inputs_freed(freed)
         freed_total = sum(freed)
         activations = max(
             0, nums.activation_total - freed_activations - self.dropped_activation_bytes
@@ -572,6 +606,31 @@ class StepModel:
                 "optimizer": optimizer_top,
             },
         )
+
+    def _low_inputs_freed(self, freed: list[int]) -> int:
+        """Add to ``freed`` what checkpointed blocks keep less of their inputs when these
+        arrive cast to 2 bytes (:meth:`cast_block_inputs`); returns the bytes added.
+
+        The profile's step kept block ``k``'s input as it came (``input``); cast, the
+        checkpoint keeps ``input_low`` of it. Where the predecessor is checkpointed the
+        difference comes off what it keeps for ``k`` (its outputs, freed until its own
+        backward); otherwise off what ``k`` frees (the input was counted to its maker, the
+        outside or an uncheckpointed block, and is held until ``k``'s backward: at that
+        moment itself the walk still counts it whole, high).
+        """
+        nums, ckpt, low = self.numbers, self.checkpointed, self.low_inputs or ()
+        added = 0
+        for k, cast in enumerate(low):
+            kept_low = nums.inputs_low[k]
+            if not (cast and ckpt[k]) or kept_low is None:
+                continue
+            less = nums.inputs[k] - kept_low
+            if less <= 0:
+                continue
+            at = k - 1 if k > 0 and ckpt[k - 1] else k
+            freed[at] += less
+            added += less
+        return added
 
     def _copies_not_held(self, by_block: Sequence[int], dropped: int) -> list[int]:
         """``by_block`` plus, at each block's backward, the weight copies the profile's step

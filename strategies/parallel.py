@@ -34,13 +34,18 @@ What a rank holds (the estimate's edit, :meth:`Parallel.effect`):
   reduce_dtype=fp32)``: the units are gathered in that dtype and autocast, meeting weights
   already in its dtype, makes no copies: :meth:`StepModel.drop_weight_copies` takes away
   each copy the profile's step held, once (the checkpointed blocks' copies are already
-  gone from the walk; taking them away again made the 1B's head 1.8 GiB too low).
+  gone from the walk; taking them away again made the 1B's head 1.8 GiB too low). And
+  each unit's floating inputs are cast to that dtype (the policy's ``cast_forward_inputs``,
+  on by default): a checkpointed unit keeps its input, the residual stream, at 2 bytes an
+  element (:meth:`StepModel.cast_block_inputs`, from the profile's ``input_low``), where the
+  profile's autocast step, its weights fp32, kept it in fp32.
 
 Arithmetic for examples/llama.py's 1b at 2 ranks, batch 6, bf16, every block checkpointed,
 kept gathered (the fake profile's figures, GiB): the head holds 2.05 of sharded weights,
-4.10 of AdamW state, 2.05 of gathered units (22 x 0.082 and the root's 0.244), 1.88 of
-activations, the logits' gradients 1.47 and 0.07 fixed: 11.61; the optimizer step 2.05 +
-2.05 + 4.10 + 2.05 of AdamW's temporaries + 0.07 = 10.32 (docs/design.md, issue 31).
+4.10 of AdamW state, 2.05 of gathered units (22 x 0.082 and the root's 0.244), 1.37 of
+activations (of them the 22 kept block inputs in bf16, 22 x 0.023; in fp32 they made
+1.88), the logits' gradients 1.47 and 0.07 fixed: 11.10; the optimizer step 2.05 + 2.05 +
+4.10 + 2.05 of AdamW's temporaries + 0.07 = 10.32 (docs/design.md, issue 31).
 
 Known limitations:
     * Communication time is not measured. Only ``reshard_after_forward=True``'s extra
@@ -53,12 +58,17 @@ Known limitations:
     * The optimizer step under FSDP2 is the single card's scaled by 1/N (its batch, a few
       KiB to MiB, is not sharded but is scaled with the rest).
     * Buffers (BatchNorm statistics) are not sharded by FSDP2 and are counted whole.
-    * The activations are the profile's autocast step's, whose weights were fp32. Under a
-      bf16 ``param_dtype`` the forward meets bf16 weights: what follows an fp32 weight
-      there (an embedding's output, the residual stream after it, a norm's output) is bf16
-      on the ranks. Errs high (safe): the tiny Llama's activations by the fake profiler,
-      2324 MiB with fp32 weights, 1918 with bf16 (batch 309); its card row was +20%. A
-      profiled step with the weights in the low dtype would remove it.
+    * The activations are the profile's autocast step's, whose weights were fp32, but for
+      what checkpointed units keep (their inputs, counted cast to 2 bytes). Under a bf16
+      ``param_dtype`` the forward meets bf16 weights: what the blocks' own ops save after
+      an fp32 weight (a norm's output) and what an uncheckpointed block saves of its input
+      are bf16 on the ranks, fp32 in the estimate; a checkpointed block's recompute is the
+      profile's too. Errs high (safe). The 1B at 2 ranks, batch 8, resharded (2 x H200):
+      10.997 GiB predicted with the kept inputs in fp32, 10.318 now (fake profile), 10.3125
+      measured. The tiny Llama at batch 309 (4 blocks checkpointed), fake profile: 0.858
+      GiB before, 0.783 now, against about 0.703 held (inferred from its card row): its
+      peak is a recompute, whose activations stay the fp32-weight step's. A profiled step
+      with the weights in the low dtype would remove the rest.
 """
 
 from __future__ import annotations
@@ -283,11 +293,15 @@ def _fsdp2_effect(profile: Profile, c: dict[str, Any], model: StepModel) -> None
     reshard = c["reshard_after_forward"]
     low = _low_precision(model.precision)
     ratio = 0.5 if low else 1.0  # the gathered units' dtype against fp32 weights
+    blocks = profile.blocks
     if low:
         # The units are gathered in the low dtype: they replace autocast's weight copies,
         # which the walk then drops wherever it held them (once, checkpointing or not).
         model.drop_weight_copies()
-    blocks = profile.blocks
+        # And each unit's floating inputs are cast to it (cast_forward_inputs): a
+        # checkpointed unit keeps its input, the residual stream, in bf16.
+        index = {b.name: i for i, b in enumerate(blocks)}
+        model.cast_block_inputs(index[u] for u in c["units"] if u in index)
     block_params = [b.param_bytes for b in blocks]
     root = max(0, profile.param_bytes - sum(block_params))
     units = [int(p * ratio) for p in block_params]

@@ -12,7 +12,7 @@ from memadvisor.device._autocast import cuda_autocast_policy
 from memadvisor.device.simulated import SimulatedDevice
 from memadvisor.estimate import StepModel, estimate
 from memadvisor.profiler import profile_workload
-from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.candidate import Candidate, Estimate
 from memadvisor.schema.profile import (
     BlockActivity,
     BlockInfo,
@@ -46,7 +46,12 @@ def _mib(per_sample: float, constant: float = 0.0) -> LinearBytes:
 
 
 def _walk_profile(
-    *, transient: float = 2.0, cast_mib: float = 0.0, kind: str = "cpu", walk: bool = True
+    *,
+    transient: float = 2.0,
+    cast_mib: float = 0.0,
+    kind: str = "cpu",
+    walk: bool = True,
+    input_low: float | None = None,
 ) -> Profile:
     starts = [(-14, 6), (-6, 3), (2, 0)]
     blocks = [
@@ -54,6 +59,7 @@ def _walk_profile(
             name=f"blocks.{i}",
             activation=_mib(8),
             input=_mib(2),
+            input_low=None if input_low is None else _mib(input_low),
             output=_mib(2),
             output_kept=(_mib(2) if i < 2 else _mib(0)) if walk else None,
             forward_transient=_mib(transient),
@@ -158,6 +164,43 @@ def test_without_weight_copies_a_step_is_estimated_as_one_measured_without_them(
     dropped = model.result()
     assert (dropped.peak_bytes, dropped.peak_at) == (without.peak_bytes, without.peak_at)
     assert (dropped.peak_bytes, dropped.peak_at) == (peak_mib * MIB, peak_at)
+
+
+@pytest.mark.parametrize(
+    ("checkpointed", "less_mib", "backward_mib", "backward_at"),
+    [
+        # No block keeps its input as such: what their ops saved is the profile's.
+        ((), 0, 162, "backward: head"),
+        # 1b less, off what block 1 frees (block 0, its input's maker, keeps it whole).
+        ((1,), 4, 134, "backward: head"),
+        # 1b less each: block 0's input off itself, 1's and 2's off what 0 and 1 keep. Block 2
+        # runs at E + 4b - 15b = 98; block 0's own backward, where the walk still counts its
+        # input whole (1b high: 96 by hand), is the top: E - 12b + 6 = 100.
+        ((0, 1, 2), 12, 100, "backward: blocks.0"),
+    ],
+)
+def test_a_checkpointed_block_whose_input_arrives_cast_keeps_it_at_two_bytes(
+    checkpointed: tuple[int, ...], less_mib: int, backward_mib: int, backward_at: str
+) -> None:
+    """FSDP2 with a bf16 param_dtype casts each unit's floating inputs to bf16 (and its
+    bf16 weights keep the residual stream there): a checkpointed block keeps its input at
+    ``input_low`` (1 MiB a sample here, its 2 MiB fp32 input at half), so the moments
+    before its backward, the end of forward among them, hold 1b MiB less per checkpointed
+    block, and the activations as much less. A profile that did not measure ``input_low``
+    (older ones) is estimated as before."""
+
+    def cast(profile: Profile) -> Estimate:
+        model = StepModel(profile, 4)
+        model.checkpoint(checkpointed)
+        model.cast_block_inputs(range(3))
+        return model.result()
+
+    plain, low = _peak(_walk_profile(), 4, checkpointed), cast(_walk_profile(input_low=1.0))
+    forward_less = plain.phase_peak_bytes["forward"] - low.phase_peak_bytes["forward"]
+    assert forward_less == less_mib * MIB
+    assert plain.breakdown["activations"] - low.breakdown["activations"] == less_mib * MIB
+    assert (low.phase_peak_bytes["backward"], low.peak_at) == (backward_mib * MIB, backward_at)
+    assert cast(_walk_profile()).phase_peak_bytes == plain.phase_peak_bytes
 
 
 def test_accumulation_holds_the_gradients_through_the_next_micro_batch() -> None:

@@ -67,6 +67,9 @@ class MemoryMeasurement:
     grad_bytes: int
     tracked_peak_bytes: int
     allocator_peak_bytes: int | None
+    # Each block's input with its floating-point tensors at 2 bytes an element: what a unit
+    # whose inputs are cast to bf16/fp16 (FSDP2's MixedPrecisionPolicy) holds of it.
+    block_input_low: list[int] = dataclasses.field(default_factory=list)
     # The backward walk (memadvisor.profiler._walk), relative to end_of_forward.
     block_cast: list[int] = dataclasses.field(default_factory=list)
     block_output_kept: list[int] = dataclasses.field(default_factory=list)
@@ -247,6 +250,7 @@ class MemoryStep:
         self.window: list[int] | None = None  # [live at start, peak] of the running block
         self.windows: list[list[tuple[int, int]]] = [[] for _ in range(self.n_blocks)]
         self.inputs: list[dict[StorageId, int]] = [{} for _ in range(self.n_blocks)]
+        self.inputs_low: list[dict[StorageId, int]] = [{} for _ in range(self.n_blocks)]
         self.outputs: list[dict[StorageId, int]] = [{} for _ in range(self.n_blocks)]
         self.saved: dict[int, torch.UntypedStorage] = {}
         self.grads: dict[str, int] = {}
@@ -335,7 +339,9 @@ class MemoryStep:
             for t in tensors_in((args, kwargs)):
                 sid = self._step_storage(t)
                 if sid is not None:
-                    self.inputs[block][sid] = self.records[sid[0]].nbytes
+                    nbytes = self.records[sid[0]].nbytes
+                    self.inputs[block][sid] = nbytes
+                    self.inputs_low[block][sid] = _at_two_bytes(t, nbytes)
 
         return hook
 
@@ -433,7 +439,10 @@ class MemoryStep:
         if not hasattr(self, "block_activation"):
             self._attribute()  # no loss was captured: nothing was saved
         shared = _shared_inputs(self.inputs)
-        block_input = [sum(n for sid, n in ins.items() if sid not in shared) for ins in self.inputs]
+        block_input, block_input_low = (
+            [sum(n for sid, n in ins.items() if sid not in shared) for ins in inputs]
+            for inputs in (self.inputs, self.inputs_low)
+        )
         transient = [
             max([0] + [peak - start - self.block_activation[b] for start, peak in self.windows[b]])
             for b in range(self.n_blocks)
@@ -448,6 +457,7 @@ class MemoryStep:
         return MemoryMeasurement(
             block_activation=self.block_activation,
             block_input=block_input,
+            block_input_low=block_input_low,
             block_output=[sum(o.values()) for o in self.outputs],
             block_transient=transient,
             outside=self.outside,
@@ -478,6 +488,15 @@ class MemoryStep:
             outside_ops=self.outside_ops,
             outside_after=self.outside_after,
         )
+
+
+def _at_two_bytes(t: torch.Tensor, nbytes: int) -> int:
+    """``nbytes`` of ``t``'s storage as they would be cast to a 2-byte floating dtype (what
+    FSDP2's ``cast_forward_inputs`` makes of a unit's floating inputs); other dtypes as they
+    are."""
+    if not t.is_floating_point():
+        return nbytes
+    return nbytes * 2 // t.element_size()
 
 
 def _shared_inputs(inputs: list[dict[StorageId, int]]) -> set[StorageId]:

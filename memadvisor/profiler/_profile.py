@@ -499,6 +499,7 @@ class _Pass:
                 name=name,
                 activation=self._bytes(m1.block_activation[i], m2.block_activation[i]),
                 input=self._bytes(m1.block_input[i], m2.block_input[i]),
+                input_low=self._walk_bytes(mem, lambda m, i=i: m.block_input_low[i]),
                 output=self._bytes(m1.block_output[i], m2.block_output[i]),
                 forward_transient=self._bytes(m1.block_transient[i], m2.block_transient[i]),
                 forward_ms=ms(lambda t, i=i: t.block_forward_ms[i]),
@@ -593,7 +594,8 @@ class _Pass:
     def _walk_bytes(
         self, mem: list[MemoryMeasurement], read: Callable[[MemoryMeasurement], int | None]
     ) -> LinearBytes | None:
-        """A backward-walk number fitted over both sizes; None where either lacks it."""
+        """A number of the backward walk (or ``input_low``) fitted over both sizes; None where
+        either measurement lacks it."""
         try:
             values = [read(m) for m in mem]
         except IndexError:  # a measurement without the walk

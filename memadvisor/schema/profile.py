@@ -134,6 +134,13 @@ class BlockActivity(_Model):
         "created (its input is counted to whoever made it)."
     )
     input: LinearBytes = Field(description="The block's input: all a checkpointed block keeps.")
+    input_low: LinearBytes | None = Field(
+        None,
+        description="The block's input with each floating-point tensor at 2 bytes an element: "
+        "what a checkpointed block keeps when its inputs are cast to bf16/fp16 (FSDP2's "
+        "MixedPrecisionPolicy casts every unit's floating inputs to its param_dtype). None: "
+        "not measured (older profiles).",
+    )
     forward_ms: LinearMs = Field(default_factory=LinearMs)
     backward_ms: LinearMs = Field(default_factory=LinearMs)
     forward_transient: LinearBytes = Field(

@@ -29,6 +29,9 @@ from memadvisor.workload import Workload
 
 TARGET = "tests.fixtures.factories:residual_mlp"
 TOLERANCE = 0.05
+# The decoder's per-rank error is the edit's alone at the profile's dtypes, and its largest
+# term, the residual stream each checkpointed unit keeps, is counted in bf16 as it is held.
+DECODER_TOLERANCE = 0.03
 BATCH = 64
 STRATEGIES = load_strategies(["precision", "checkpointing", "parallel"])
 
@@ -81,10 +84,12 @@ def test_a_decoder_s_rank_peaks_at_the_head_with_no_weight_copies(reshard: bool)
     """examples/llama.py narrowed (8 blocks of 256, a 4096-token vocabulary), every block
     checkpointed, bf16: a rank peaks in the loss's backward, holding its shards, the units
     gathered there in bf16 (all of them kept gathered; the root and the last resharded) and
-    the logits' gradients, and no autocast weight copy. The estimate is within 5% of each
-    rank's peak (gathered +2.6%, resharded +4.8% when written; resharded was +9.5% while the
-    root was resharded too); the edit that took the checkpointed blocks' copies away twice
-    was 10% under. ~30 s each: the profile.
+    the logits' gradients, its checkpointed blocks' inputs in bf16 (FSDP2 casts each unit's
+    inputs), and no autocast weight copy. The estimate is within 3% of each rank's peak
+    (gathered +0.3%, resharded +2.1% when written). It was +2.6% and +4.8% while the kept
+    inputs were counted in fp32, as the profile's autocast step (fp32 weights) kept them;
+    +9.5% resharded while the root was resharded too; 10% under while the edit took the
+    checkpointed blocks' weight copies away twice. ~30 s each: the profile.
     """
     build = load_factory(f"{Path(__file__).resolve().parents[2] / 'examples'}/llama.py:build")
     shape = {"n_layers": 8, "dim": 256, "ffn_dim": 688, "n_heads": 4, "n_kv_heads": 2}
@@ -104,7 +109,7 @@ def test_a_decoder_s_rank_peaks_at_the_head_with_no_weight_copies(reshard: bool)
         measured = Ranks(2**30, 2, profile=profile).run(workload, candidate, steps=2)
     assert measured.rank_peak_bytes is not None
     for rank, peak in enumerate(measured.rank_peak_bytes):
-        assert abs(predicted.peak_bytes - peak) <= TOLERANCE * peak, (rank, predicted, peak)
+        assert abs(predicted.peak_bytes - peak) <= DECODER_TOLERANCE * peak, (rank, predicted, peak)
 
 
 def test_sharding_leaves_each_rank_less_than_a_replica(

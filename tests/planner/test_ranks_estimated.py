@@ -179,13 +179,15 @@ def test_kept_gathered_a_rank_holds_every_unit_at_the_head_resharded_one(
 ) -> None:
     # The loss's backward (the head) holds the logits' gradients. Units kept gathered after
     # forward are all there (22 x 84 MB in bf16); resharded, only the last, prefetched. The
-    # per-rank peaks there differ by 21 units, not by the whole model.
+    # per-rank peaks there differ by 21 units, not by the whole model. At batch 8 (the
+    # 2 x H200 pick): at 6, with the kept block inputs in bf16, resharded's backward tops
+    # at layers.1's recompute, 33 MiB above its head.
     strategies = load_strategies(None)
-    kept = estimate(profile, _rank(profile, 2, reshard=False), strategies)
-    resharded = estimate(profile, _rank(profile, 2, reshard=True), strategies)
+    kept = estimate(profile, _rank(profile, 2, reshard=False, batch=8), strategies)
+    resharded = estimate(profile, _rank(profile, 2, reshard=True, batch=8), strategies)
     units = [b.param_bytes // 2 for b in profile.blocks]  # gathered in bf16
     assert len(units) == 22 and min(units) > 0
-    assert kept.peak_at == "backward: head"
+    assert kept.peak_at == resharded.peak_at == "backward: head"
     gap = kept.phase_peak_bytes["backward"] - resharded.phase_peak_bytes["backward"]
     assert abs(gap - (sum(units) - units[-1])) <= len(units)
 
@@ -193,12 +195,13 @@ def test_kept_gathered_a_rank_holds_every_unit_at_the_head_resharded_one(
 def test_the_card_s_pick_peaks_at_the_head_above_the_optimizer_step(profile: Profile) -> None:
     # Every block checkpointed and gathered in bf16: autocast makes no weight copies, and
     # the loss's backward holds 2.05 GiB of sharded weights, 4.10 of AdamW state, 2.05 of
-    # gathered units and the logits' gradients: more than the optimizer step (2.5 x 4.10 GiB).
+    # gathered units, 1.37 of activations (the kept block inputs in bf16) and the logits'
+    # gradients, 1.47: 11.10 GiB, more than the optimizer step (2.5 x 4.10 GiB, 10.32).
     # An edit that took the checkpointed blocks' copies away twice (1.8 GiB) put the peak at
     # the optimizer step instead (10.28 GiB predicted for the card's 11.3 GiB; docs/design.md).
     e = estimate(profile, _rank(profile, 2), load_strategies(None))
     assert e.peak_at == "backward: head"
-    assert e.peak_bytes > e.phase_peak_bytes["optimizer"] + gib_to_bytes(1)
+    assert e.peak_bytes > e.phase_peak_bytes["optimizer"] + gib_to_bytes(0.5)
     shards = (profile.param_bytes + profile.optimizer_state_bytes) // 2
     gathered = profile.param_bytes // 2  # every unit and the root, in bf16
     assert e.peak_bytes > shards + gathered

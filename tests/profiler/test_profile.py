@@ -125,11 +125,13 @@ def test_block_inputs_skip_the_batch_and_transients_are_the_dropped_linear_outpu
     stack_profile,
 ) -> None:
     """Block 0's input is the batch (it existed before the step: 0); the others keep one
-    row per sample. A Linear+ReLU block briefly holds its Linear output: b rows above what
-    it saves."""
+    row per sample, half a row cast to 2 bytes (``input_low``: what a unit whose inputs
+    FSDP2 casts to bf16 keeps). A Linear+ReLU block briefly holds its Linear output: b rows
+    above what it saves."""
     blocks = stack_profile.steps["fp32"].blocks
     b = 4
     assert [blk.input.at(b) for blk in blocks] == [0, b * ROW, b * ROW]
+    assert [blk.input_low.at(b) for blk in blocks] == [0, b * ROW // 2, b * ROW // 2]
     assert [blk.output.at(b) for blk in blocks] == [b * ROW, b * ROW, b * ROW]
     assert blocks[0].forward_transient.at(b) == b * ROW
     assert blocks[2].forward_transient.at(b) == b * ROW
