@@ -21,6 +21,7 @@ from memadvisor import files
 from memadvisor.cli._app import check_output_paths, write_text
 from memadvisor.errors import BadInputError
 from memadvisor.files import check_writable, write_text_atomic
+from tests.fixtures.other_user import as_nobody, folder_nobody_can_read_only, nobody_env
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_PLAN = ROOT / "tests" / "report" / "_gpt_plan.py"
@@ -252,19 +253,44 @@ def test_two_writers_to_one_path_never_fail(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
+# check_writable as the other user: exit 3 and the message when it refuses.
+CHECK_AS_USER = """
+import sys
+from memadvisor.errors import BadInputError
+from memadvisor.files import check_writable
+try:
+    check_writable(sys.argv[1], "--json")
+except BadInputError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
 def test_the_early_check_refuses_a_folder_that_cannot_be_written(tmp_path: Path) -> None:
-    """A folder without write permission fails the check before planning (for root, whom
-    permissions do not stop, a read-only bind mount is what the CLI test uses)."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    folder.chmod(0o555)
-    try:
-        if os.geteuid() == 0:
-            pytest.skip("root writes into a 0555 folder; tests/cli covers read-only mounts")
-        with pytest.raises(BadInputError, match="not writable"):
-            check_writable(folder / "plan.json", "--json")
-    finally:
-        folder.chmod(0o755)
+    """A folder without write permission fails the check before planning. Root, whom
+    permissions do not stop, checks it as user nobody through setpriv."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        try:
+            with pytest.raises(BadInputError, match="not writable"):
+                check_writable(folder / "plan.json", "--json")
+        finally:
+            folder.chmod(0o755)
+        return
+    prefix = as_nobody()
+    with folder_nobody_can_read_only() as folder:
+        done = subprocess.run(
+            [*prefix, sys.executable, "-c", CHECK_AS_USER, str(folder / "plan.json")],
+            env=nobody_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert list(folder.iterdir()) == []
+    assert done.returncode == 3, (done.stdout, done.stderr[-3000:])
+    assert "not writable" in done.stdout and "Permission denied" in done.stdout
 
 
 def test_the_early_check_leaves_nothing_behind(tmp_path: Path) -> None:

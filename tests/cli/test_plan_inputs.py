@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.other_user import as_nobody, folder_nobody_can_read_only
+
 ROOT = Path(__file__).resolve().parents[2]
 FACTORIES = Path(__file__).resolve().parent / "factories.py"
 
@@ -96,24 +98,12 @@ def test_json_on_a_read_only_file_system_exits_2_before_planning() -> None:
     assert seconds < 30
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None,
-    reason="running as another user needs root and setpriv",
-)
 def test_json_into_a_folder_the_user_cannot_write_exits_2_before_planning() -> None:
     """As an unprivileged user (nobody, through setpriv), --json into a 0555 folder: exit 2 at
     once, not after the plan."""
-    folder = Path(tempfile.mkdtemp(prefix="memadvisor-unwritable-"))
-    try:
-        folder.chmod(0o555)
-        prefix = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-        probe = subprocess.run([*prefix, sys.executable, "-c", "import memadvisor"])
-        if probe.returncode != 0:
-            pytest.skip("user nobody cannot import memadvisor from this checkout")
+    prefix = as_nobody()
+    with folder_nobody_can_read_only() as folder:
         done, seconds = _run_cli(prefix, _cli_args(f"{folder}/plan.json"))
-    finally:
-        folder.chmod(0o755)
-        shutil.rmtree(folder, ignore_errors=True)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "not writable" in done.stderr and "Permission denied" in done.stderr
     assert "Profiling" not in done.stderr
