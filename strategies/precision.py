@@ -47,7 +47,14 @@ from memadvisor.strategy import (
 from strategies import _forward
 from strategies._autocast import AutocastForward, grad_scaler_for
 from strategies._format import how_known, loss_line, mib
-from strategies._numerics import NUMERICS_MAX_BATCH, ROUNDING, check_numerics
+from strategies._numerics import (
+    NUMERICS_MAX_BATCH,
+    NUMERICS_MIN_STEPS,
+    NUMERICS_STEPS,
+    ROUNDING,
+    FP32Runs,
+    check_numerics,
+)
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -210,14 +217,22 @@ class Precision(Strategy, TimedEachChoice, Described, HandTried, Checked):
         with a GradScaler) is checked in its place; TF32 is checked on its own."""
         self.rejected = set()
         checks: list[Check] = []
+        # One pass: the fp32 runs are the same for every precision checked here, and the
+        # spread runs only as long as each verdict needs (the same verdicts: _numerics.py).
+        how = {
+            "device": _check_device(),
+            "steps": _screen_steps(profile),
+            "spread": "needed",
+            "fp32": FP32Runs(),
+        }
         for precision in self._low(profile):
-            check = check_numerics(workload, precision, device=_check_device())
+            check = check_numerics(workload, precision, **how)
             checks.append(check)
             if check.passed or config.checks == "report":
                 break
             self.rejected.add(precision)
         if _supported(profile, "tf32"):
-            check = check_numerics(workload, "tf32", device=_check_device())
+            check = check_numerics(workload, "tf32", **how)
             checks.append(check)
             if not check.passed and config.checks != "report":
                 self.rejected.add("tf32")
@@ -374,6 +389,19 @@ scaler.step(optimizer)  # skips the step if gradients overflowed
 scaler.update()
 optimizer.zero_grad(set_to_none=True)
 """
+
+
+def _screen_steps(profile: Profile) -> int:
+    """How many steps the screen's checks train: all of them where the copies train on a card
+    or the plan's runs cost more than their steps (processes, contexts: a card's plan of
+    100-450 s), else the fewest the check takes. On the CPU every stage of a plan is steps of
+    this model in this process (profile, probes, verification: plans of 5-90 s), so the
+    check's steps are a share of the plan's whatever they cost, and 8 of each run there were
+    11-24% of the README examples' plans (docs/design.md, "Precision check")."""
+    on_a_card = _check_device() is not None
+    if on_a_card or profile.device.capabilities.runs_cost_more_than_steps:
+        return NUMERICS_STEPS
+    return NUMERICS_MIN_STEPS
 
 
 def _check_device() -> torch.device | None:
