@@ -28,6 +28,21 @@ worse than B is: inf/nan where fp32 is finite; a higher loss over the last steps
 :data:`DIRECTION_SPREADS` times fp32's own distance. A *lower* loss never fails: converging
 faster is not a numerics problem.
 
+What a plan runs (issue 26: the check costs at most 10% of the plan's wall). Each limit is
+a multiple of B's spread plus a floor of a few roundoffs, so a spread can only widen a
+limit. Where L is within a rule's floor, no spread can fail it, and B's steps for that rule
+change nothing: the plan's screen (``spread="needed"``) runs B not at all where L is within
+every floor, only its first step where just the gradient direction is beyond its floor (that
+rule reads the first step alone; a run of k steps is the first k steps of a longer one),
+and whole where the loss or the norm rule needs fp32's spread: the verdict a whole B gives,
+by construction, with the spreads not run left out of the report (it names the floor
+that decided instead). On the CPU every stage of a plan is steps of the model, so the
+check's share is its steps' share whatever they cost; the screen there takes
+:data:`CPU_PLAN_STEPS` (4) steps where a card's takes 8, the fewest the time bound already
+allowed (with 8, the README's CNN and GPT-2 spent 21% and 24% of their CPU plans in the
+check). One screen's checks share their fp32 runs (:class:`FP32Runs`): A is the same for
+every precision.
+
 Known limitations:
     The spread is one perturbed run, so it is a sample, not a bound: the multipliers (and the
     floors under them, a few roundoffs of the loss and gradient) leave room for its scatter;
@@ -37,6 +52,12 @@ Known limitations:
     perturbed, so a model whose activations alone lose their meaning in the low precision
     fails it through the loss or the gradient, not through B. B holds one more copy of the
     weights on the device while it steps (the exact ones, put back before the update).
+    A plan on the CPU checks 4 steps where a card's checks 8: over the zoo's 120 checks the
+    verdicts were the same at 4 as at 8, the closest to a limit 0.19 and 0.58 of it (bf16,
+    fp16) against 0.18 and 0.58 (docs/design.md), and every planted failure fails at 4. But
+    a failure that shows only from the 5th step on is caught on a card, not in a CPU plan,
+    and the loss rule's floor weighs more against a gap that has had 3 updates to grow than
+    against one that has had 7.
 """
 
 from __future__ import annotations
@@ -61,7 +82,7 @@ from strategies._autocast import AutocastForward, grad_scaler_for
 if TYPE_CHECKING:
     from memadvisor.workload import Workload
 
-__all__ = ["ROUNDING", "FP32Runs", "check_numerics", "tf32_matmuls"]
+__all__ = ["CPU_PLAN_STEPS", "ROUNDING", "FP32Runs", "check_numerics", "tf32_matmuls"]
 
 #: Unit roundoff (half the spacing of the numbers just above 1) of each precision checked:
 #: bf16 keeps 8 significant bits, fp16 11, TF32's matmul inputs 11.
@@ -83,14 +104,22 @@ LOSS_FLOOR_ROUNDOFFS = 4.0
 DIRECTION_FLOOR_ROUNDOFFS = 8.0
 
 # 8 steps at up to 8 samples: enough for a curve to show where it goes, cheap at 3 runs
-# (24 small steps). Where steps are slow (a model on the CPU) run A stops once its steps
-# after the first (which carries one-off costs: allocator, cuBLAS, autotuning) have taken
-# NUMERICS_TIME_S and at least NUMERICS_MIN_STEPS are done, and B and L take as many: the
-# check stays under 10% of a plan's wall time (docs/design.md, "Precision check").
+# (24 small steps) on a card. Where steps are slow run A stops once its steps after the
+# first (which carries one-off costs: allocator, cuBLAS, autotuning) have taken
+# NUMERICS_TIME_S and at least NUMERICS_MIN_STEPS are done, and B and L take as many.
 NUMERICS_STEPS = 8
 NUMERICS_MIN_STEPS = 4
 NUMERICS_MAX_BATCH = 8
 NUMERICS_TIME_S = 2.0
+# A plan on the CPU checks this many steps, the fewest the time bound above allows, and
+# runs the spread only as long as the verdict needs: there every stage of the plan is steps
+# of the model, so the check's share of the plan is its steps' share however fast they are.
+# With 8 the README's CNN spent 21% of its plan in the check, with 4 ~9% (docs/design.md,
+# "Precision check"). Over the zoo's 120 checks and the planted failures the verdicts at 4
+# steps were those at 8. 3 was tried and is too few: a model whose low precision draws
+# other dropout masks (a card's kernels) was refused for 1 of 10 seeds, at 2.2x its limit,
+# where 4 and 8 passed all 10, none above 0.61 of it.
+CPU_PLAN_STEPS = NUMERICS_MIN_STEPS
 # The last steps whose losses are compared: where training has gone, not the first step,
 # which starts from the same weights in every run.
 LOSS_WINDOW = 0.25

@@ -19,7 +19,10 @@ in fp32, in fp32 perturbed by the low precision's rounding (fp32's own spread), 
 low precision, and fails the low precision only where it is worse than that spread. It
 decides: before the search, :meth:`Precision.screen` checks what the device offers, and one
 that fails is not offered (fp16 with a GradScaler instead of bf16 where the device has it
-and it passes, else fp32), unless the config says ``checks="report"``.
+and it passes, else fp32), unless the config says ``checks="report"``. The screen runs the
+check at the cost a plan can bear (issue 26: at most 10% of its wall): spread runs only as
+long as the verdict needs (the same verdicts), one fp32 reference for every precision
+checked, and on the CPU, where the plan itself is steps of the model, 4 steps instead of 8.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ from strategies import _forward
 from strategies._autocast import AutocastForward, grad_scaler_for
 from strategies._format import how_known, loss_line, mib
 from strategies._numerics import (
+    CPU_PLAN_STEPS,
     NUMERICS_MAX_BATCH,
-    NUMERICS_MIN_STEPS,
     NUMERICS_STEPS,
     ROUNDING,
     FP32Runs,
@@ -392,16 +395,16 @@ optimizer.zero_grad(set_to_none=True)
 
 
 def _screen_steps(profile: Profile) -> int:
-    """How many steps the screen's checks train: all of them where the copies train on a card
-    or the plan's runs cost more than their steps (processes, contexts: a card's plan of
-    100-450 s), else the fewest the check takes. On the CPU every stage of a plan is steps of
-    this model in this process (profile, probes, verification: plans of 5-90 s), so the
-    check's steps are a share of the plan's whatever they cost, and 8 of each run there were
-    11-24% of the README examples' plans (docs/design.md, "Precision check")."""
+    """How many steps the screen's checks train: 8 where the copies train on a card or the
+    plan's runs cost more than their steps (processes, contexts: a card's plan of 100-450 s),
+    else :data:`CPU_PLAN_STEPS`. On the CPU every stage of a plan is steps of this model in
+    this process (profile, probes, verification: plans of 4-90 s), so the check's steps are a
+    share of the plan's whatever they cost: 8 of each run there were 10-25% of the README
+    examples' plans (docs/design.md, "Precision check")."""
     on_a_card = _check_device() is not None
     if on_a_card or profile.device.capabilities.runs_cost_more_than_steps:
         return NUMERICS_STEPS
-    return NUMERICS_MIN_STEPS
+    return CPU_PLAN_STEPS
 
 
 def _check_device() -> torch.device | None:

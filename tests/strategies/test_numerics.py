@@ -17,7 +17,7 @@ from memadvisor.profiler._device import Target
 from memadvisor.schema.config import PlanConfig
 from memadvisor.workload import Workload
 from strategies._numerics import (
-    NUMERICS_MIN_STEPS,
+    CPU_PLAN_STEPS,
     _compare,
     _Run,
     _spread_steps_needed,
@@ -244,7 +244,7 @@ def test_the_check_refuses_what_it_cannot_compare() -> None:
 
 
 def _as_a_cpu_plan_checks(workload: Workload, precision: str, **more):
-    return check_numerics(workload, precision, steps=NUMERICS_MIN_STEPS, spread="needed", **more)
+    return check_numerics(workload, precision, steps=CPU_PLAN_STEPS, spread="needed", **more)
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -252,7 +252,7 @@ def test_as_a_cpu_plan_checks_it_bf16_is_not_refused_either(name: str) -> None:
     """Rule: no false alarm in the plan's cheaper check (4 steps, spread runs as needed)."""
     check = _as_a_cpu_plan_checks(_built(name), "bf16")
     assert check.passed, check.summary
-    assert check.metrics["steps"] == NUMERICS_MIN_STEPS
+    assert check.metrics["steps"] == CPU_PLAN_STEPS
 
 
 @pytest.mark.parametrize(("factory", "precision", "scaler"), PLANTED)
@@ -327,13 +327,13 @@ def _counted_cnn(cnn_example) -> Workload:
 def test_on_the_cpu_the_plans_check_trains_under_half_the_samples_its_profile_does(
     cnn_example,
 ) -> None:
-    """Rule: the check costs at most a tenth of a plan's wall, counted as work, not timed.
-    On the CPU every stage of a plan is steps of the model, so the check's share is its
-    steps' share. The profile alone trains 14 steps at the sample batch and twice it, each
-    metered (slower than the check's plain ones); the README's cnn plan spends 2 s there of
-    5 s. The check on the README's cnn trains 4 steps of fp32 and of bf16 and B's first
-    step, under half the profile's samples (docs/design.md has the wall it comes to: ~8% of
-    the plan; it was 8 steps of each run, 1.2 profiles and 21%)."""
+    """Rule: the check costs at most a tenth of a plan's wall, counted as work, not timed
+    (a loaded 2-core box times nothing reliably). On the CPU every stage of a plan is steps
+    of the model, so the check's share is its steps' share. On the README's cnn the profile
+    trains 14 metered steps at the sample batch and twice it (176 samples, 2.0 s of a 4.2 s
+    plan); the screen's check trains 4 steps of fp32 and of bf16 and B's first step at the
+    sample batch (72 samples, 0.4 s: ~9% of the plan, docs/design.md). It used to train 8
+    steps of each run (192 samples, 1.05 s: 21%)."""
     from memadvisor.profiler import profile_workload
 
     workload = _counted_cnn(cnn_example)
@@ -345,7 +345,7 @@ def test_on_the_cpu_the_plans_check_trains_under_half_the_samples_its_profile_do
     check = checks[0].metrics
     b, steps = int(check["batch_size"]), int(check["steps"])
     spread = int(check["spread_steps"] * check["spread_runs"])
-    assert steps == NUMERICS_MIN_STEPS
+    assert steps == CPU_PLAN_STEPS
     assert sorted(set(_COUNTED)) == [("bfloat16", b), ("highest", b)]
     ran = [p for p, _ in _COUNTED]
     assert ran.count("bfloat16") == steps  # L
