@@ -398,7 +398,7 @@ def _screen_steps(profile: Profile) -> int:
     """How many steps the screen's checks train: 8 where the copies train on a card or the
     plan's runs cost more than their steps (processes, contexts: a card's plan of 100-450 s),
     else :data:`CPU_PLAN_STEPS`. On the CPU every stage of a plan is steps of this model in
-    this process (profile, probes, verification: plans of 4-90 s), so the check's steps are a
+    this process (profile, probes, verification: plans of 4-40 s), so the check's steps are a
     share of the plan's whatever they cost: 8 of each run there were 10-25% of the README
     examples' plans (docs/design.md, "Precision check")."""
     on_a_card = _check_device() is not None
