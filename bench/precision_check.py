@@ -12,6 +12,8 @@ it; then the planted failures, fp16 without a scaler among them, which must be r
     python bench/precision_check.py                     # on a card: the table above, 8 GiB
     python bench/precision_check.py --device cpu --tiny  # smoke: tiny configs, on the CPU
     python bench/precision_check.py --device cpu --tiny --seeds 5  # false-alarm sweep
+    python bench/precision_check.py --device cpu --tiny --seeds 5 --steps 4 --spread needed
+                                                         # the same, as a CPU plan checks
 
 It prints a progress line per check and a table at the end, and writes one JSON line per
 check (model, precision, verdict, fp32_spread, low_precision_gap, check_s, device, and the
@@ -175,6 +177,7 @@ def _row(model: str, label: str, check: Any, device_name: str) -> dict[str, Any]
         "grad_distance": m.get("grad_distance"),
         "grad_distance_limit": m.get("grad_distance_limit"),
         "spread_runs": m.get("spread_runs"),  # 2: judged against another dropout draw
+        "spread_steps": m.get("spread_steps"),  # fewer than steps: the floors decided the rest
         "steps": m.get("steps"),
         "samples": m.get("batch_size"),
         "check_s": round(m["wall_ms"] / 1e3, 2),
@@ -199,6 +202,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2, help="the sample batch's rows")
     parser.add_argument("--models", default="", help="comma-separated subset")
     parser.add_argument("--seeds", type=int, default=1, help="check each with seeds 0..N-1")
+    parser.add_argument("--steps", type=int, default=8, help="the check's steps (a CPU plan: 4)")
+    parser.add_argument(
+        "--spread",
+        choices=["all", "needed"],
+        default="all",
+        help="spread runs as long as the check's ('all': every spread reported) or only as "
+        "the verdict needs ('needed', a plan's screen: the same verdicts)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -240,7 +251,15 @@ def main() -> None:
     ) -> None:
         label = precision if scaler or precision != "fp16" else "fp16 (no scaler)"
         try:
-            check = check_numerics(workload, precision, seed=seed, device=device, scaler=scaler)
+            check = check_numerics(
+                workload,
+                precision,
+                steps=args.steps,
+                seed=seed,
+                device=device,
+                scaler=scaler,
+                spread=args.spread,
+            )
         except torch.OutOfMemoryError as e:
             # The check's fp32 runs hold more than the plan's pick (fp32, and the exact weights
             # beside the perturbed ones): a model near the budget can fail them. A row, not a
@@ -275,7 +294,7 @@ def main() -> None:
     recorder.close()
 
     columns = ["model", "precision", "verdict", "fp32_spread", "low_precision_gap", "loss_limit",
-               "grad_distance_fp32", "grad_distance", "spread_runs", "steps",
+               "grad_distance_fp32", "grad_distance", "spread_runs", "spread_steps", "steps",
                "check_s"]  # fmt: skip
     print()
     print(" | ".join(columns))

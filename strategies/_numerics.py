@@ -28,6 +28,21 @@ worse than B is: inf/nan where fp32 is finite; a higher loss over the last steps
 :data:`DIRECTION_SPREADS` times fp32's own distance. A *lower* loss never fails: converging
 faster is not a numerics problem.
 
+What a plan runs (issue 26: the check costs at most 10% of the plan's wall). Each limit is
+a multiple of B's spread plus a floor of a few roundoffs, so a spread can only widen a
+limit. Where L is within a rule's floor, no spread can fail it, and B's steps for that rule
+change nothing: the plan's screen (``spread="needed"``) runs B not at all where L is within
+every floor, only its first step where just the gradient direction is beyond its floor (that
+rule reads the first step alone; a run of k steps is the first k steps of a longer one),
+and whole where the loss or the norm rule needs fp32's spread: the verdict a whole B gives,
+by construction, with the spreads not run left out of the report (it names the floor
+that decided instead). On the CPU every stage of a plan is steps of the model, so the
+check's share is its steps' share whatever they cost; the screen there takes
+:data:`CPU_PLAN_STEPS` (4) steps where a card's takes 8, the fewest the time bound already
+allowed (with 8, the README's CNN and GPT-2 spent 21% and 24% of their CPU plans in the
+check). One screen's checks share their fp32 runs (:class:`FP32Runs`): A is the same for
+every precision.
+
 Known limitations:
     The spread is one perturbed run, so it is a sample, not a bound: the multipliers (and the
     floors under them, a few roundoffs of the loss and gradient) leave room for its scatter;
@@ -37,6 +52,12 @@ Known limitations:
     perturbed, so a model whose activations alone lose their meaning in the low precision
     fails it through the loss or the gradient, not through B. B holds one more copy of the
     weights on the device while it steps (the exact ones, put back before the update).
+    A plan on the CPU checks 4 steps where a card's checks 8: over the zoo's 120 checks the
+    verdicts were the same at 4 as at 8, the closest to a limit 0.19 and 0.58 of it (bf16,
+    fp16) against 0.18 and 0.58 (docs/design.md), and every planted failure fails at 4. But
+    a failure that shows only from the 5th step on is caught on a card, not in a CPU plan,
+    and the loss rule's floor weighs more against a gap that has had 3 updates to grow than
+    against one that has had 7.
 """
 
 from __future__ import annotations
@@ -45,9 +66,9 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -61,7 +82,7 @@ from strategies._autocast import AutocastForward, grad_scaler_for
 if TYPE_CHECKING:
     from memadvisor.workload import Workload
 
-__all__ = ["ROUNDING", "check_numerics", "tf32_matmuls"]
+__all__ = ["CPU_PLAN_STEPS", "ROUNDING", "FP32Runs", "check_numerics", "tf32_matmuls"]
 
 #: Unit roundoff (half the spacing of the numbers just above 1) of each precision checked:
 #: bf16 keeps 8 significant bits, fp16 11, TF32's matmul inputs 11.
@@ -83,14 +104,22 @@ LOSS_FLOOR_ROUNDOFFS = 4.0
 DIRECTION_FLOOR_ROUNDOFFS = 8.0
 
 # 8 steps at up to 8 samples: enough for a curve to show where it goes, cheap at 3 runs
-# (24 small steps). Where steps are slow (a model on the CPU) run A stops once its steps
-# after the first (which carries one-off costs: allocator, cuBLAS, autotuning) have taken
-# NUMERICS_TIME_S and at least NUMERICS_MIN_STEPS are done, and B and L take as many: the
-# check stays under 10% of a plan's wall time (docs/design.md, "Precision check").
+# (24 small steps) on a card. Where steps are slow run A stops once its steps after the
+# first (which carries one-off costs: allocator, cuBLAS, autotuning) have taken
+# NUMERICS_TIME_S and at least NUMERICS_MIN_STEPS are done, and B and L take as many.
 NUMERICS_STEPS = 8
 NUMERICS_MIN_STEPS = 4
 NUMERICS_MAX_BATCH = 8
 NUMERICS_TIME_S = 2.0
+# A plan on the CPU checks this many steps, the fewest the time bound above allows, and
+# runs the spread only as long as the verdict needs: there every stage of the plan is steps
+# of the model, so the check's share of the plan is its steps' share however fast they are.
+# With 8 the README's CNN spent 21% of its plan in the check, with 4 ~9% (docs/design.md,
+# "Precision check"). Over the zoo's 120 checks and the planted failures the verdicts at 4
+# steps were those at 8. 3 was tried and is too few: a model whose low precision draws
+# other dropout masks (a card's kernels) was refused for 1 of 10 seeds, at 2.2x its limit,
+# where 4 and 8 passed all 10, none above 0.61 of it.
+CPU_PLAN_STEPS = NUMERICS_MIN_STEPS
 # The last steps whose losses are compared: where training has gone, not the first step,
 # which starts from the same weights in every run.
 LOSS_WINDOW = 0.25
@@ -252,61 +281,119 @@ class _Verdict:
     passed: bool
     why: str
     metrics: dict[str, float]
+    failed: frozenset[str] = frozenset()  # the rules L broke: "loss", "norm", "direction"
 
 
-def _compare(precision: str, a: _Run, b: _Run, low: _Run) -> _Verdict:
-    """L against A, in units of B's distance from A."""
+def _compare(precision: str, a: _Run, b: _Run | None, low: _Run) -> _Verdict:
+    """L against A, in units of B's distance from A.
+
+    ``b`` may have run fewer steps than A (its first: the gradient direction's spread only)
+    or be None (no spread run): a spread it did not measure counts as 0, so that rule's limit
+    is its floor, and the spread is not in the metrics. That is the verdict of a whole B only
+    where L is within those floors (every limit is its floor plus a multiple of a spread, so
+    a measured spread only widens it): :func:`_spread_steps_needed` runs B that short only
+    there.
+    """
     u = ROUNDING[precision]
     n = len(a.losses)
     w = _window(a, n)
     ref = a.losses[w]
-    loss_spread = _mean([abs(x - y) for x, y in zip(b.losses[w], ref, strict=True)])
+    whole = b is not None and len(b.losses) == n  # the loss and norm spreads measured
+    first = b is not None and bool(b.grads)  # the direction's spread measured
+    loss_spread = (
+        _mean([abs(x - y) for x, y in zip(b.losses[w], ref, strict=True)]) if whole else 0.0
+    )
     loss_gap = _mean([x - y for x, y in zip(low.losses[w], ref, strict=True)])
     loss_floor = LOSS_FLOOR_ROUNDOFFS * u * _mean([abs(y) for y in ref])
     loss_limit = LOSS_SPREADS * loss_spread + loss_floor
 
-    dir_spread = _distance(b.grads, a.grads)
+    dir_spread = _distance(b.grads, a.grads) if first else 0.0
     dir_gap = _distance(low.grads, a.grads)
     dir_limit = DIRECTION_SPREADS * dir_spread + DIRECTION_FLOOR_ROUNDOFFS * u
 
     norm_a = max(a.grad_norms)
-    norm_spread = abs(math.log(max(b.grad_norms) / norm_a)) if norm_a > 0 else 0.0
+    norm_spread = abs(math.log(max(b.grad_norms) / norm_a)) if whole and norm_a > 0 else 0.0
     norm_gap = math.log(max(low.grad_norms) / norm_a) if norm_a > 0 else 0.0
     norm_limit = NORM_SPREADS * norm_spread + math.log(2.0)
 
     metrics = {
-        "loss_spread_fp32": loss_spread,
         "loss_gap": loss_gap,
         "loss_limit": loss_limit,
-        "grad_distance_fp32": dir_spread,
         "grad_distance": dir_gap,
         "grad_distance_limit": dir_limit,
-        "grad_norm_log_ratio_fp32": norm_spread,
         "grad_norm_log_ratio": norm_gap,
         "grad_norm_log_limit": norm_limit,
         "loss_fp32_first": a.losses[0],
         "loss_fp32_last": a.losses[-1],
-        "loss_fp32_perturbed_last": b.losses[-1],
         f"loss_{precision}_last": low.losses[-1],
         "rounding": u,
     }
-    failures = []
+    if whole:
+        metrics["loss_spread_fp32"] = loss_spread
+        metrics["grad_norm_log_ratio_fp32"] = norm_spread
+        metrics["loss_fp32_perturbed_last"] = b.losses[-1]
+    if first:
+        metrics["grad_distance_fp32"] = dir_spread
+    failures: dict[str, str] = {}
     if loss_gap > loss_limit:
-        failures.append(
+        failures["loss"] = (
             f"its loss over the last {w.stop - w.start} steps is {loss_gap:.4g} above fp32's, "
             f"beyond the limit {loss_limit:.3g} (fp32's own spread {loss_spread:.3g})"
         )
     if norm_gap > norm_limit:
-        failures.append(
+        failures["norm"] = (
             f"its gradient norm grows to {math.exp(norm_gap):.3g}x fp32's (limit "
             f"{math.exp(norm_limit):.3g}x)"
         )
     if dir_gap > dir_limit:
-        failures.append(
+        failures["direction"] = (
             f"its first gradient is {dir_gap:.3g} of fp32's norm away from fp32's, beyond "
             f"the limit {dir_limit:.3g} (fp32's own distance {dir_spread:.3g})"
         )
-    return _Verdict(not failures, "; ".join(failures), metrics)
+    return _Verdict(not failures, "; ".join(failures.values()), metrics, frozenset(failures))
+
+
+def _spread_steps_needed(precision: str, a: _Run, low: _Run) -> int:
+    """How many steps of a spread run decide the same verdict as a whole one: 0 where L is
+    within every rule's floor (a spread only widens a limit), 1 where only the gradient
+    direction is not (its spread is the first step's), else all of A's."""
+    floors = _compare(precision, a, None, low).failed
+    if not floors:
+        return 0
+    return 1 if floors == {"direction"} else len(a.losses)
+
+
+class FP32Runs:
+    """The fp32 runs of one workload's checks, kept for the next precision's.
+
+    A plan's screen checks up to three precisions of one model (bf16, fp16 where bf16
+    failed, TF32 beside them) whose weights do not change in between. A, the fp32 reference,
+    is the same run for each (same weights, batch, seed and steps; fp32 stays fp32 whatever
+    precision is checked), and a spread run depends only on the rounding (fp16 and TF32 share
+    2^-11) and the seed; a run of k steps is the first k steps of a longer one. So one
+    precision's check after another trains its own precision and only the spread steps not
+    yet run. Pass one object to the checks of one model, in one screen.
+    """
+
+    def __init__(self) -> None:
+        self._reference: dict[tuple, tuple[Any, _Run]] = {}
+        self._spreads: dict[tuple, _Run] = {}
+
+    def reference(self, key: tuple, make: Callable[[], tuple[Any, _Run]]) -> tuple[Any, _Run]:
+        """The batch and A for ``key``, made once."""
+        if key not in self._reference:
+            self._reference[key] = make()
+        return self._reference[key]
+
+    def spread(self, key: tuple, steps: int, train: Callable[[int], _Run]) -> _Run:
+        """The spread run for ``key`` cut to ``steps`` steps, trained only if no run of as
+        many steps is kept."""
+        kept = self._spreads.get(key)
+        if kept is None or len(kept.losses) < steps:
+            kept = self._spreads[key] = train(steps)
+        return _Run(
+            losses=kept.losses[:steps], grad_norms=kept.grad_norms[:steps], grads=kept.grads
+        )
 
 
 def check_numerics(
@@ -318,19 +405,31 @@ def check_numerics(
     time_s: float | None = NUMERICS_TIME_S,
     device: torch.device | str | None = None,
     scaler: bool = True,
+    spread: Literal["all", "needed"] = "all",
+    fp32: FP32Runs | None = None,
 ) -> Check:
     """Whether training in ``precision`` ('bf16', 'fp16' or 'tf32') is worse than fp32 is
-    with itself: three runs of ``steps`` steps (fp32, fp32 perturbed by the precision's
-    rounding, the precision), a fourth (another dropout draw) where the third fails against
-    the second, compared as this module's docstring says.
+    with itself: runs of ``steps`` steps in fp32 (A), in the precision (L) and in fp32
+    perturbed by the precision's rounding (B), and B with another dropout draw (B') where L
+    fails against B, compared as this module's docstring says.
+
+    ``spread``: 'all' runs the spread runs as long as A and reports every spread; 'needed'
+    (a plan's screen, where the check's steps are a share of the plan's) runs them only as
+    far as the verdict needs (:func:`_spread_steps_needed`): none where L is within every
+    rule's rounding floor, B's first step where only the gradient direction's spread can
+    decide. Both give the same verdict: a spread only widens a limit above its floor. The
+    report then names the spreads measured and the floors that decided the others.
+    ``fp32``: where one precision's check follows another's on the same model, the fp32
+    runs already made (:class:`FP32Runs`).
 
     ``scaler=False`` checks fp16 without a GradScaler (the plan's advice always has one;
     this is for a loop that does not). The copies train on ``device`` (default: where the
     model is); the user's model, optimizer and RNG are untouched. Its wall time is in the
-    metrics (``wall_ms``).
+    metrics (``wall_ms``), and the steps each run took (``steps``, ``spread_steps``).
 
     Raises:
-        BadInputError: ``precision`` is not one of :data:`ROUNDING`, or ``steps`` < 1.
+        BadInputError: ``precision`` is not one of :data:`ROUNDING`, ``steps`` < 1, or
+            ``spread`` is neither 'all' nor 'needed'.
     """
     if precision not in ROUNDING:
         raise BadInputError(
@@ -338,44 +437,79 @@ def check_numerics(
         )
     if steps < 1:
         raise BadInputError(f"The numerics check needs at least one step, but got {steps=}.")
+    if spread not in ("all", "needed"):
+        raise BadInputError(f"spread is 'all' or 'needed', but got {spread=}.")
     b = batch_size or min(workload.sample_batch_size, NUMERICS_MAX_BATCH)
     where = torch.device(device) if device is not None else workload.device
+    runs = fp32 if fp32 is not None else FP32Runs()
     started = time.perf_counter()
-    with torch.random.fork_rng(devices=_cuda(where)):  # a make_batch may draw: not from yours
-        batch = workload.batch(b, device=where)  # one batch for the three runs
+
+    def reference() -> tuple[Any, _Run]:
+        with torch.random.fork_rng(devices=_cuda(where)):  # a make_batch may draw: not yours
+            batch = workload.batch(b, device=where)  # one batch for every run
+        return batch, _train(
+            workload, "fp32", steps, seed=seed, time_s=time_s, batch=batch, device=where
+        )
+
+    # The model's identity in the keys: one FP32Runs passed to another model's check trains anew.
+    model = id(workload.model)
+    batch, a = runs.reference((model, seed, steps, b, str(where), time_s), reference)
     common = {"batch": batch, "device": where}
-    a = _train(workload, "fp32", steps, seed=seed, time_s=time_s, **common)
-    steps = len(a.losses)  # fewer than asked where steps are slow: B and L take as many
+    steps = len(a.losses)  # fewer than asked where steps are slow: the others take as many
     low = _train(workload, precision, steps, seed=seed, scaler=scaler, **common)
     comparable = a.finite and low.finite and len(low.losses) == steps
     u = ROUNDING[precision]
-    verdict, draw = None, None
+
+    def spread_run(draw: int, k: int) -> _Run:
+        def train(k: int) -> _Run:
+            return _train(workload, "fp32", k, seed=draw, jitter=u, **common)
+
+        return runs.spread((model, draw, u, b, str(where)), k, train)
+
+    verdict, draw, spread_runs, spread_steps = None, None, 0, 0
     if comparable:
-        same = _train(workload, "fp32", steps, seed=seed, jitter=u, **common)
-        verdict = _compare(precision, a, same, low)
+        spread_steps = steps if spread == "all" else _spread_steps_needed(precision, a, low)
+        verdict = _compare(precision, a, None, low)  # the floors alone: passes where k is 0
+        if spread_steps:
+            same = spread_run(seed, spread_steps)
+            spread_runs = 1
+            verdict = _compare(precision, a, same, low)
         if not verdict.passed:
             # L may differ from A by a dropout draw (on a card its kernels draw their own
             # masks): judged again against fp32's spread over another draw. A model without
             # dropout gets the same spread again, and the same verdict.
             first = verdict.metrics
-            other = _train(workload, "fp32", steps, seed=seed + 1, jitter=u, **common)
+            other = spread_run(seed + 1, spread_steps)
+            spread_runs = 2
             verdict = _compare(precision, a, other, low)
             draw = {
-                "loss_spread_fp32_same_draw": first["loss_spread_fp32"],
-                "grad_distance_fp32_same_draw": first["grad_distance_fp32"],
+                f"{k}_same_draw": first[k]
+                for k in ("loss_spread_fp32", "grad_distance_fp32")
+                if k in first
             }
     wall_ms = (time.perf_counter() - started) * 1e3
     name = f"{precision} without a GradScaler" if precision == "fp16" and not scaler else precision
+    perturbed = f"fp32 with weights perturbed by {u:.3g} ({precision}'s rounding)"
+    if not spread_runs and comparable:
+        against = f"within every rule's rounding floor, so {perturbed} was not run"
+    elif 0 < spread_steps < steps:
+        against = (
+            f"against {perturbed} over its first step (the rounding floors decide the loss "
+            "and gradient-norm rules)"
+        )
+    else:
+        against = f"against fp32 vs {perturbed}"
     what = (
         f"{name} vs fp32 over {steps} training steps from the same weights on {b} samples, "
-        f"against fp32 vs fp32 with weights perturbed by {u:.3g} ({precision}'s rounding)"
+        + against
         + (" and, as that failed it, another dropout draw" if draw else "")
     )
     metrics = {
         "steps": float(steps),
         "batch_size": float(b),
         "wall_ms": wall_ms,
-        "spread_runs": 0.0 if verdict is None else 1.0 if draw is None else 2.0,
+        "spread_runs": float(spread_runs),
+        "spread_steps": float(spread_steps),
     }
     if low.skipped:
         metrics["skipped_steps"] = float(low.skipped)
@@ -404,15 +538,30 @@ def check_numerics(
             f"2^{16 - low.skipped} (the gradients overflow fp16 at every scale it tried).",
         )
     m = {**verdict.metrics, **(draw or {})}
+    perturbed_last = (
+        f"{m['loss_fp32_perturbed_last']:.4g} perturbed, "
+        if "loss_fp32_perturbed_last" in m
+        else ""
+    )
     summary = (
-        f"{what}: loss {m['loss_fp32_last']:.4g} in fp32, {m['loss_fp32_perturbed_last']:.4g} "
-        f"perturbed, {m[f'loss_{precision}_last']:.4g} in {name}; "
+        f"{what}: loss {m['loss_fp32_last']:.4g} in fp32, {perturbed_last}"
+        f"{m[f'loss_{precision}_last']:.4g} in {name}; "
     )
     if verdict.passed:
+        loss_spread = (
+            f"fp32's own spread {m['loss_spread_fp32']:.3g}"
+            if "loss_spread_fp32" in m
+            else "its rounding floor"
+        )
+        dir_spread = (
+            f"fp32's own {m['grad_distance_fp32']:.3g}"
+            if "grad_distance_fp32" in m
+            else f"within its rounding floor {m['grad_distance_limit']:.3g}"
+        )
         summary += (
-            f"{name}'s loss gap {m['loss_gap']:.3g} is within {m['loss_limit']:.3g} (fp32's own "
-            f"spread {m['loss_spread_fp32']:.3g}) and its first gradient is "
-            f"{m['grad_distance']:.3g} away (fp32's own {m['grad_distance_fp32']:.3g})."
+            f"{name}'s loss gap {m['loss_gap']:.3g} is within {m['loss_limit']:.3g} "
+            f"({loss_spread}) and its first gradient is {m['grad_distance']:.3g} away "
+            f"({dir_spread})."
         )
     else:
         summary += verdict.why + "."

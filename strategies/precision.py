@@ -19,7 +19,10 @@ in fp32, in fp32 perturbed by the low precision's rounding (fp32's own spread), 
 low precision, and fails the low precision only where it is worse than that spread. It
 decides: before the search, :meth:`Precision.screen` checks what the device offers, and one
 that fails is not offered (fp16 with a GradScaler instead of bf16 where the device has it
-and it passes, else fp32), unless the config says ``checks="report"``.
+and it passes, else fp32), unless the config says ``checks="report"``. The screen runs the
+check at the cost a plan can bear (issue 26: at most 10% of its wall): spread runs only as
+long as the verdict needs (the same verdicts), one fp32 reference for every precision
+checked, and on the CPU, where the plan itself is steps of the model, 4 steps instead of 8.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ from memadvisor.strategy import (
 from strategies import _forward
 from strategies._autocast import AutocastForward, grad_scaler_for
 from strategies._format import how_known, loss_line, mib
-from strategies._numerics import NUMERICS_MAX_BATCH, ROUNDING, check_numerics
+from strategies._numerics import (
+    CPU_PLAN_STEPS,
+    NUMERICS_MAX_BATCH,
+    NUMERICS_STEPS,
+    ROUNDING,
+    FP32Runs,
+    check_numerics,
+)
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -210,14 +220,22 @@ class Precision(Strategy, TimedEachChoice, Described, HandTried, Checked):
         with a GradScaler) is checked in its place; TF32 is checked on its own."""
         self.rejected = set()
         checks: list[Check] = []
+        # One pass: the fp32 runs are the same for every precision checked here, and the
+        # spread runs only as long as each verdict needs (the same verdicts: _numerics.py).
+        how = {
+            "device": _check_device(),
+            "steps": _screen_steps(profile),
+            "spread": "needed",
+            "fp32": FP32Runs(),
+        }
         for precision in self._low(profile):
-            check = check_numerics(workload, precision, device=_check_device())
+            check = check_numerics(workload, precision, **how)
             checks.append(check)
             if check.passed or config.checks == "report":
                 break
             self.rejected.add(precision)
         if _supported(profile, "tf32"):
-            check = check_numerics(workload, "tf32", device=_check_device())
+            check = check_numerics(workload, "tf32", **how)
             checks.append(check)
             if not check.passed and config.checks != "report":
                 self.rejected.add("tf32")
@@ -374,6 +392,19 @@ scaler.step(optimizer)  # skips the step if gradients overflowed
 scaler.update()
 optimizer.zero_grad(set_to_none=True)
 """
+
+
+def _screen_steps(profile: Profile) -> int:
+    """How many steps the screen's checks train: 8 where the copies train on a card or the
+    plan's runs cost more than their steps (processes, contexts: a card's plan of 100-450 s),
+    else :data:`CPU_PLAN_STEPS`. On the CPU every stage of a plan is steps of this model in
+    this process (profile, probes, verification: plans of 4-40 s), so the check's steps are a
+    share of the plan's whatever they cost: 8 of each run there were 10-25% of the README
+    examples' plans (docs/design.md, "Precision check")."""
+    on_a_card = _check_device() is not None
+    if on_a_card or profile.device.capabilities.runs_cost_more_than_steps:
+        return NUMERICS_STEPS
+    return CPU_PLAN_STEPS
 
 
 def _check_device() -> torch.device | None:

@@ -16,7 +16,13 @@ from memadvisor.errors import BadInputError
 from memadvisor.profiler._device import Target
 from memadvisor.schema.config import PlanConfig
 from memadvisor.workload import Workload
-from strategies._numerics import _compare, _Run, check_numerics
+from strategies._numerics import (
+    CPU_PLAN_STEPS,
+    _compare,
+    _Run,
+    _spread_steps_needed,
+    check_numerics,
+)
 from strategies.precision import TF32_OFF, TF32_ON, Precision, TF32Matmuls, precision_of
 from tests.fixtures import precision_failures as planted
 from tests.fixtures import tiny_hf, zoo
@@ -230,6 +236,148 @@ def test_the_check_refuses_what_it_cannot_compare() -> None:
         check_numerics(workload, "fp32")
     with pytest.raises(BadInputError, match="steps"):
         check_numerics(workload, "bf16", steps=0)
+
+
+# -- the plan's check: what it costs, and the same verdicts --------------------------------------
+# A CPU plan screens with 4 steps and spread runs only as long as the verdict needs
+# (Precision.screen); these rows are the ones above, checked that way.
+
+
+def _as_a_cpu_plan_checks(workload: Workload, precision: str, **more):
+    return check_numerics(workload, precision, steps=CPU_PLAN_STEPS, spread="needed", **more)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_as_a_cpu_plan_checks_it_bf16_is_not_refused_either(name: str) -> None:
+    """Rule: no false alarm in the plan's cheaper check (4 steps, spread runs as needed)."""
+    check = _as_a_cpu_plan_checks(_built(name), "bf16")
+    assert check.passed, check.summary
+    assert check.metrics["steps"] == CPU_PLAN_STEPS
+
+
+@pytest.mark.parametrize(("factory", "precision", "scaler"), PLANTED)
+def test_as_a_cpu_plan_checks_it_a_planted_failure_still_fails(
+    factory: str, precision: str, scaler: bool
+) -> None:
+    check = _as_a_cpu_plan_checks(Workload(**getattr(planted, factory)()), precision, scaler=scaler)
+    assert not check.passed, check.summary
+
+
+@pytest.mark.parametrize(
+    ("factory", "expected"), [(lambda: _built("hf-resnet"), True), (planted.offset, False)]
+)
+def test_as_a_cpu_plan_checks_it_the_verdict_is_the_same_over_ten_seeds(factory, expected) -> None:
+    """Rule: the plan's cheaper check does not hang on the dropout draw or the perturbation
+    either: ten runs with seeds 0..9 say what the whole check says."""
+    made = factory()
+    workload = made if isinstance(made, Workload) else Workload(**made)
+    verdicts = {_as_a_cpu_plan_checks(workload, "bf16", seed=seed).passed for seed in range(10)}
+    assert verdicts == {expected}
+
+
+def test_a_spread_run_only_as_long_as_the_verdict_needs_gives_the_same_verdict() -> None:
+    """Rule: a spread only widens a limit above its floor, so where L is within a rule's
+    floor that rule needs no spread: none for a pass within every floor, B's first step
+    where only the gradient direction exceeds its floor, all of B where the loss or the norm
+    does; each cut B judges exactly as the whole B."""
+    fp32 = _run([5, 4, 3, 2.0, 1.9, 1.8, 1.7, 1.6], grad=1.0)
+    whole = _run([5, 4, 3, 2.1, 1.8, 1.9, 1.8, 1.5], norm=1.2, grad=1.02)
+    cases = {  # L -> the spread steps it needs
+        "within every floor": (_run([5, 4, 3, 2.0, 1.9, 1.8, 1.7, 1.6], grad=1.001), 0),
+        "gradient elsewhere": (_run([5, 4, 3, 2.0, 1.9, 1.8, 1.7, 1.6], grad=1.1), 1),
+        "loss higher": (_run([5, 4, 3, 2.2, 2.1, 2.0, 1.9, 1.8], grad=1.001), 8),
+        "norm grows": (_run([5, 4, 3, 2.0, 1.9, 1.8, 1.7, 1.6], norm=3.0, grad=1.001), 8),
+    }
+    for what, (low, needed) in cases.items():
+        assert _spread_steps_needed("bf16", fp32, low) == needed, what
+        cut = None if needed == 0 else _run(whole.losses[:needed], norm=1.2, grad=1.02)
+        assert (
+            _compare("bf16", fp32, cut, low).passed == _compare("bf16", fp32, whole, low).passed
+        ), what
+
+
+def test_as_a_cpu_plan_checks_it_a_dropout_draw_is_still_judged_against_another() -> None:
+    """Rule: the second draw (B') is run, as long as the verdict needs, where L fails
+    against B: the dtype-dependent draws still pass, and offset still fails."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    workload = Workload(
+        model=_DropoutDrawsByDtype(), sample_batch=(x, x[:, :1]), loss_fn=planted._mse
+    )
+    check = _as_a_cpu_plan_checks(workload, "bf16")
+    assert check.passed and check.metrics["spread_runs"] == 2, check.summary
+    offset = _as_a_cpu_plan_checks(Workload(**planted.offset()), "bf16")
+    assert not offset.passed and offset.metrics["spread_runs"] == 2
+
+
+_COUNTED: list[tuple[str, int]] = []  # (precision, samples) of each forward, copies' too
+
+
+class _Counted(nn.Module):
+    """The cnn example's model, counting the samples of each forward with the precision it
+    ran in (autocast's dtype, else the fp32 matmul setting: 'high' is TF32)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            precision = str(torch.get_autocast_dtype(x.device.type)).removeprefix("torch.")
+        else:
+            precision = torch.get_float32_matmul_precision()
+        _COUNTED.append((precision, x.shape[0]))
+        return self.model(x)
+
+
+def _counted_cnn(cnn_example) -> Workload:
+    built = cnn_example.build()
+    _COUNTED.clear()
+    return Workload(**{**built, "model": _Counted(built["model"])})
+
+
+def test_on_the_cpu_the_plans_check_trains_under_half_the_samples_its_profile_does(
+    cnn_example,
+) -> None:
+    """Rule: the check costs at most a tenth of a plan's wall, counted as work, not timed
+    (a loaded 2-core box times nothing reliably). On the CPU every stage of a plan is steps
+    of the model, so the check's share is its steps' share. On the README's cnn the profile
+    trains 14 metered steps at the sample batch and twice it (176 samples, 2.0 s of a 4.5 s
+    plan); the screen's check trains 4 steps of fp32 and of bf16 and B's first step at the
+    sample batch (72 samples, 0.4 s: ~9% of the plan, docs/design.md). It used to train 8
+    steps of each run (192 samples, 1.05 s: 21%)."""
+    from memadvisor.profiler import profile_workload
+
+    workload = _counted_cnn(cnn_example)
+    profile = profile_workload(workload, device="cpu")
+    profiled = sum(n for _, n in _COUNTED)
+    _COUNTED.clear()
+    checks = Precision().screen(workload, profile, CONFIG)
+    assert [c.choice for c in checks] == ["bf16"] and checks[0].passed
+    check = checks[0].metrics
+    b, steps = int(check["batch_size"]), int(check["steps"])
+    spread = int(check["spread_steps"] * check["spread_runs"])
+    assert steps == CPU_PLAN_STEPS
+    assert sorted(set(_COUNTED)) == [("bfloat16", b), ("highest", b)]
+    ran = [p for p, _ in _COUNTED]
+    assert ran.count("bfloat16") == steps  # L
+    assert ran.count("highest") == steps + spread <= steps + 1  # A, and B's first step
+    assert 2 * sum(n for _, n in _COUNTED) < profiled
+
+
+def test_one_screen_trains_fp32_once_for_every_precision_it_checks(
+    cnn_example, profile_factory
+) -> None:
+    """Rule: the fp32 reference is one run for every precision a screen checks (bf16, then
+    TF32 beside it): each precision adds its own run and only the spread steps it needs."""
+    workload = _counted_cnn(cnn_example)
+    checks = Precision().screen(workload, _with_tf32(profile_factory([(10, 2, 1)])), CONFIG)
+    assert [c.choice for c in checks] == ["bf16", "tf32"] and all(c.passed for c in checks)
+    steps = int(checks[0].metrics["steps"])
+    spread = sum(int(c.metrics["spread_steps"] * c.metrics["spread_runs"]) for c in checks)
+    ran = [p for p, _ in _COUNTED]
+    assert ran.count("bfloat16") == ran.count("high") == steps  # L of each
+    assert ran.count("highest") == steps + spread  # one A
 
 
 # -- TF32 ------------------------------------------------------------------------------------
