@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from memadvisor.process_state import environ_set
 
 __all__ = ["add_cache_flags", "cold_cache", "cold_cache_env"]
 
@@ -47,15 +48,8 @@ def cold_cache(name: str, cold: bool) -> Iterator[None]:
         yield
         return
     scratch = tempfile.mkdtemp(prefix=f"cold-cache-{name}-")
-    env = cold_cache_env(scratch)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        yield
+        with environ_set(cold_cache_env(scratch)):
+            yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(scratch, ignore_errors=True)

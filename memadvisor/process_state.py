@@ -4,7 +4,8 @@ The caller's weights, gradients and optimizer state are never written (every sta
 copies); this guards what lives in the process rather than in the model: the torch, CUDA,
 Python and NumPy random generators (dropout, ``randn`` in a probe draw from them), each
 submodule's train/eval flag (profilers and strategies may call ``eval()``), and the fp32
-matmul precision (TF32 is process-wide). Restored in a
+matmul precision (TF32 is process-wide), and environment variables set for a while
+(:func:`environ_set`). Restored in a
 ``finally``, as Lightning's batch-size finder restores its trainer. The profiler's passes
 and the whole plan both use :func:`rng_restored`; the plan adds the flags
 (:func:`preserved_state`).
@@ -13,8 +14,9 @@ and the whole plan both use :func:`rng_restored`; the plan adds the flags
 from __future__ import annotations
 
 import contextlib
+import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,6 +31,22 @@ def _numpy_random() -> Any | None:
     except ImportError:
         return None
     return numpy.random
+
+
+@contextlib.contextmanager
+def environ_set(values: Mapping[str, str]) -> Iterator[None]:
+    """Run a block with ``values`` in ``os.environ`` (processes started inside inherit them)
+    and put back what the caller had: the old value, or no variable where there was none."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextlib.contextmanager

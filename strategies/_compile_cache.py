@@ -37,6 +37,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from memadvisor import _torch_private
+from memadvisor.process_state import environ_set
 
 __all__ = [
     "CompileCacheReport",
@@ -140,13 +141,5 @@ def shared_compile_cache(cache_dir: str | Path | None = None) -> Iterator[Shared
     """
     env = cache_env(cache_dir)
     directory = Path(env["TORCHINDUCTOR_CACHE_DIR"])
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environ_set(env):
         yield SharedCompileCache(directory, directory_bytes(directory), time.perf_counter())
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

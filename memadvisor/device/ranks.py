@@ -41,6 +41,7 @@ from memadvisor.device._base import Device
 from memadvisor.device._lifetime import die_with_parent, private_dir, remove_private_dir
 from memadvisor.errors import BadInputError, PlanningError, SimulatedOutOfMemoryError, is_oom
 from memadvisor.memory import MemoryMeter
+from memadvisor.process_state import environ_set
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.device import SIMULATED, card_capabilities
@@ -171,16 +172,9 @@ def start_isolated(processes: Sequence[Any]) -> None:
     Known limitations:
         * Python 3.10 ignores the variable (it came in 3.11).
     """
-    before = os.environ.get("PYTHONSAFEPATH")
-    os.environ["PYTHONSAFEPATH"] = "1"
-    try:
+    with environ_set({"PYTHONSAFEPATH": "1"}):
         for p in processes:
             p.start()
-    finally:
-        if before is None:
-            del os.environ["PYTHONSAFEPATH"]
-        else:
-            os.environ["PYTHONSAFEPATH"] = before
 
 
 class _Job:
