@@ -35,6 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "device" / "zygote_runner.py"
 FACTORIES = ROOT / "tests" / "cli" / "factories.py"
+sys.path.insert(0, str(ROOT))  # tests.fixtures
+
+from tests.fixtures.procs import alive, children  # noqa: E402
+
 SCRIPT = """
 import sys
 from types import SimpleNamespace
@@ -58,28 +62,6 @@ try:
 except KeyboardInterrupt:
     _exit_now(130)
 """
-
-
-def _stat(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return _stat(pid)[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(_stat(int(stat.parent.name))[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def _sigint_default() -> None:
@@ -111,14 +93,14 @@ def probe(signum: int) -> tuple[float, float, bool]:
         while not (started.exists() and started.read_text()):
             time.sleep(0.05)
         child = int(started.read_text())
-        processes = [child, *_children(planner.pid)]  # the zygote and the janitor
+        processes = [child, *children(planner.pid)]  # the zygote and the janitor
         t0 = time.monotonic()
         os.kill(planner.pid, signum)
         exited = None
         while time.monotonic() - t0 < 30:
             if exited is None and planner.poll() is not None:
                 exited = time.monotonic() - t0
-            if not any(_alive(p) for p in processes) and exited is not None:
+            if not any(alive(p) for p in processes) and exited is not None:
                 break
             time.sleep(0.01)
         gone = time.monotonic() - t0
@@ -129,7 +111,7 @@ def probe(signum: int) -> tuple[float, float, bool]:
         time.sleep(max(0.0, 5 - gone))
         left = any(tmp.glob("memadvisor-*"))
         for pid in processes:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         return exited, gone, left
 

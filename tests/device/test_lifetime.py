@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import procs
+
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc"),
@@ -50,19 +52,6 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp), **extra}
 
 
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (an orphan's zombie waits for a reaper this test cannot be)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def _ctrl_c_as_in_a_terminal() -> None:
     """SIGINT's default action in the planner, as a terminal's Ctrl-C finds it. A test run
     started in the background (``cmd &`` in a script) inherits SIGINT ignored, and Python
@@ -73,19 +62,9 @@ def _ctrl_c_as_in_a_terminal() -> None:
 def _plan_processes(planner: int) -> tuple[list[int], int]:
     """Every process the planner started, its children's children too (read from /proc), and
     among them its janitor: the child run as ``python -I -S`` (memadvisor/device/_lifetime.py)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            children.setdefault(_ppid(int(stat.parent.name)), []).append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue  # ended while this was reading
-    found, todo = [], [planner]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            found.append(pid)
-            todo.append(pid)
+    found = procs.descendants(planner)
     janitors = []
-    for pid in children.get(planner, []):
+    for pid in procs.children(planner):
         with contextlib.suppress(OSError):
             if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-I", b"-S"]:
                 janitors.append(pid)
@@ -110,7 +89,7 @@ def _gone_within(pids: list[int], folder: Path, timeout_s: float) -> tuple[list[
     deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = [p for p in pids if _alive(p)]
+        alive = [p for p in pids if procs.alive(p)]
         # Only ours: torch makes its own cache folders (torchinductor_USER) under TMPDIR.
         left = sorted(p.name for p in folder.glob("memadvisor-*"))
         if (not alive and not left) or time.monotonic() > deadline:
@@ -166,8 +145,8 @@ def test_a_signal_to_the_planner_mid_probe_leaves_no_process_and_no_folder(
         preexec_fn=_ctrl_c_as_in_a_terminal,
     )
     child = int(_wait_for(started, planner, START_TIMEOUT_S))
-    zygote = _ppid(child)
-    assert zygote != planner.pid and _ppid(zygote) == planner.pid
+    zygote = procs.ppid(child)
+    assert zygote != planner.pid and procs.ppid(zygote) == planner.pid
     assert [p.name[:16] for p in tmp.glob("memadvisor-*")] == ["memadvisor-cuda-"]
     processes, janitor = _plan_processes(planner.pid)
     assert {child, zygote, janitor} <= set(processes)
@@ -230,7 +209,7 @@ def test_killing_the_planner_ends_its_simulated_ranks_and_removes_their_folder(
         assert planner.poll() is None, planner.communicate()
         time.sleep(0.1)
     ranks = [int(p.name) for p in started.iterdir()]
-    assert len(ranks) == 2 and all(_ppid(r) == planner.pid for r in ranks)
+    assert len(ranks) == 2 and all(procs.ppid(r) == planner.pid for r in ranks)
     assert [p.name[:17] for p in tmp.glob("memadvisor-*")] == ["memadvisor-ranks-"]
     processes, janitor = _plan_processes(planner.pid)
     assert {*ranks, janitor} <= set(processes)

@@ -15,6 +15,7 @@ import pytest
 
 from memadvisor.device._zygote import ForkServer, ZygoteDied
 from memadvisor.schema.candidate import Candidate
+from tests.fixtures.procs import processes
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -109,15 +110,7 @@ def test_a_process_the_child_left_behind_does_not_hold_up_the_answer(
 
 def _live_members(group: int) -> list[int]:
     """Pids of the process group's members that are not zombies (Linux /proc)."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":  # state, ppid, pgrp
-            live.append(int(stat.parent.name))
-    return live
+    return [pid for pid, fields in processes() if int(fields[2]) == group and fields[0] != "Z"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
