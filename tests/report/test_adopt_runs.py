@@ -6,11 +6,8 @@ card; a card's plan's code moves the model and the batch."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,34 +19,25 @@ from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.device import capabilities_of_kind
 from memadvisor.schema.plan import ModelFingerprint, Plan
 from memadvisor.workload import Workload
+from tests.fixtures.examples import load_example
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BATCH, ACCUMULATION, STEPS = 2, 2, 2
 
 
-def _example(name: str) -> ModuleType:
-    module_name = f"memadvisor_example_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
 def _job(name: str) -> dict[str, Any]:
     """The example's factory output at a tiny size (8 rows in the sample batch)."""
     if name == "cnn":
-        return _example("cnn").build(batch_size=8)
+        return load_example("cnn").build(batch_size=8)
     if name == "gpt":
-        return _example("gpt").build(batch_size=8, vocab_size=256, n_layer=2, n_embd=32)
+        return load_example("gpt").build(batch_size=8, vocab_size=256, n_layer=2, n_embd=32)
     if name == "llama":
-        return _example("llama").build(batch_size=8, seq_len=16, n_layers=2)
+        return load_example("llama").build(batch_size=8, seq_len=16, n_layers=2)
     if name == "llama_lora":
-        return _example("llama_lora").build(batch_size=8, seq_len=16, preset="tiny", n_layers=2)
+        return load_example("llama_lora").build(batch_size=8, seq_len=16, preset="tiny", n_layers=2)
     if name == "hf_gpt2":
         pytest.importorskip("transformers")
-        return _example("hf_gpt2").build(
+        return load_example("hf_gpt2").build(
             n_layer=2, n_embd=32, n_head=2, vocab_size=128, seq_len=16, batch_size=8
         )
     raise AssertionError(name)
