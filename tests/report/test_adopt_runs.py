@@ -7,7 +7,6 @@ card; a card's plan's code moves the model and the batch."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +20,6 @@ from memadvisor.schema.plan import ModelFingerprint, Plan
 from memadvisor.workload import Workload
 from tests.fixtures.examples import load_example
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BATCH, ACCUMULATION, STEPS = 2, 2, 2
 
 
