@@ -11,7 +11,10 @@ The device's best alone then finishes its batch search (``Prober.confirm``).
 Known limitations:
     * A candidate that ran out at its estimated batch gets one retry the margin below, and
       none when a candidate of the same guarded choices (the same precision) ran out twice:
-      the estimate is taken to be as far off for the rest of that group.
+      the estimate is taken to be as far off for the rest of that group. Only the estimate's
+      best of such a group gets its batch search continued (when it could still beat the
+      winner at half the batch it ran out at: ``_rescued``); the group's other candidates
+      are not run.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ def best_on_device(
         first = _first_runs(prober, timed, measured_times)
         best = _device_best(prober, timed, first, measured_times)
         twice_out: set[str] = set()  # groups whose retry ran out too
+        rescue: list[tuple[Scored, int]] = []  # each such group's first: (it, its retry)
         for s in timed:  # the estimate's order
             if first.get(s.choices_json, "not run") is not None:
                 continue  # it fitted, or was not run (the estimate ranks it below one that fitted)
@@ -142,10 +146,12 @@ def best_on_device(
             first[s.choices_json] = _timing(prober, s, below)
             if first[s.choices_json] is None:
                 twice_out.add(group)
+                rescue.append((s, below))
             best = _device_best(prober, timed, first, measured_times)
         winner = None
         if best is not None:
             winner = prober.confirm(best[0], stage="probe")
+            winner = _rescued(prober, rescue, winner, notes)
         for s in timed if winner is None else ():
             winner = prober.confirm(s, stage="probe")
             if winner is not None:
@@ -175,6 +181,58 @@ def best_on_device(
             f"best candidate that fitted and did not run {skipped} ranked below it."
         )
     return winner
+
+
+def _rescued(
+    prober: Prober, rescue: Sequence[tuple[Scored, int]], winner: Confirmed | None, notes: list[str]
+) -> Confirmed | None:
+    """The winner, or a candidate of a group whose estimate was far off, searched down.
+
+    A group (one precision) that ran out at its estimated batch and again the margin below
+    is not retried at its other candidates: its estimate is as far off for them. But where
+    the best that fitted is far behind (a bare configuration at batch 1, beside checkpointed
+    ones that ran out at 17), keeping it costs more than the group's error: the estimate's
+    best of that group continues its batch search (``Prober.confirm``, from the runs it
+    already has), when at half the batch it last ran out at it would still beat the winner
+    by the estimate. At most one such search. The faster confirmed is kept (for
+    ``largest_batch``, the larger batch); within :data:`TIE_FRACTION`, the winner.
+    """
+    if winner is None:
+        return winner
+    space = prober.space
+    ran = (winner.scored, _Timing(winner.candidate, winner.measured))
+    for scored, failed in rescue:
+        half = max(failed // 2, 1)
+        if half >= failed or not _could_beat(space, scored, half, ran):
+            continue
+        other = prober.confirm(scored, stage="probe")
+        if other is None:
+            return winner
+        if space.config.objective == "largest_batch":
+            better = other.candidate.batch_size > winner.candidate.batch_size
+        else:
+            floor = (1.0 + TIE_FRACTION) * winner.measured.samples_per_s
+            better = other.measured.samples_per_s > floor
+        kept, dropped = (other, winner) if better else (winner, other)
+        notes.append(
+            f"Batch {failed} of the estimate's best {_group_words(space, scored)} "
+            f"configuration ran out after its estimated batch did (the estimate was "
+            f"optimistic there), leaving a pick of {winner.measured.samples_per_s:.4g} "
+            f"samples/s at batch {winner.candidate.batch_size}; its batch search went on "
+            f"down: {other.measured.samples_per_s:.4g} samples/s at batch "
+            f"{other.candidate.batch_size}, so the pick is "
+            f"{'that' if better else 'unchanged'} ({dropped.measured.samples_per_s:.4g} "
+            "samples/s for the other)."
+        )
+        return kept
+    return winner
+
+
+def _group_words(space: SearchSpace, scored: Scored) -> str:
+    """The guarded choices of ``scored`` in words ("bf16"), for a note."""
+    guarded = {s.name for s in space.strategies if isinstance(s, TimedEachChoice)}
+    words = [str(scored.candidate.choices.get(n)) for n in sorted(guarded)]
+    return "/".join(w for w in words if w != "None") or "plain"
 
 
 def alternatives_notes(
