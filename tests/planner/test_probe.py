@@ -156,3 +156,28 @@ def test_probe_records_the_candidate_and_steps(fake_device, workload) -> None:
     record, _ = probe(device, workload, Candidate(batch_size=11), steps=4)
     assert (record.fits, record.peak_bytes) == (False, None)
     assert isinstance(torch.OutOfMemoryError("x"), RuntimeError)
+
+
+def test_a_batch_above_one_that_ran_out_is_not_run_again(
+    fake_device, workload, profile, strategies
+) -> None:
+    """Rule: once batch 12 of some choices ran out, a larger batch of the same choices is
+    answered as out of memory without a device run (the batch search treats a failure as the
+    edge); other choices, and batches below it, still run."""
+    from memadvisor.planner._prober import Prober
+    from memadvisor.planner._space import SearchSpace
+    from memadvisor.schema.config import PlanConfig
+
+    config = PlanConfig(budget_bytes=100 * 2**20, probe_steps=2, timing_steps=2, verify_steps=4)
+    space = SearchSpace(profile, strategies, config)
+    device = fake_device(10)
+    prober = Prober(device, workload, space, config)
+    bf16 = {"precision": "bf16"}
+    assert prober.run(Candidate(batch_size=12, choices=bf16), prober.steps, "probe") is None
+    assert prober.run(Candidate(batch_size=13, choices=bf16), prober.steps, "probe") is None
+    assert prober.run(Candidate(batch_size=20, choices=bf16), prober.steps, "probe") is None
+    assert len(device.calls) == 1
+    assert prober.run(Candidate(batch_size=9, choices=bf16), prober.steps, "probe") is not None
+    fp32 = {"precision": "fp32"}
+    assert prober.run(Candidate(batch_size=13, choices=fp32), prober.steps, "probe") is None
+    assert [b for b, _, _ in device.calls] == [12, 9, 13]
