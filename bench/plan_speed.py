@@ -57,7 +57,18 @@ STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
 
 
 def _child(target: str, budget_gib: float, compile_policy: str, out: Path, device: str) -> None:
+    import logging
+
     from memadvisor.planner import plan_workload
+
+    # Each stage, probe and note as a timed line on stderr as it happens: rich's bars draw
+    # nothing outside a terminal until they end, so a plan ended by --timeout-s said nothing
+    # of where it was.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(relativeCreated)7.0f ms] %(message)s"))
+    memadvisor_log = logging.getLogger("memadvisor")
+    memadvisor_log.addHandler(handler)
+    memadvisor_log.setLevel(logging.DEBUG)
     from memadvisor.schema.config import PlanConfig
     from memadvisor.target import load_target
 
@@ -65,7 +76,7 @@ def _child(target: str, budget_gib: float, compile_policy: str, out: Path, devic
         budget_bytes=int(budget_gib * 2**30), device=device, options={"compile": compile_policy}
     )
     workload = load_target(target)
-    plan = plan_workload(workload, config, target=target, progress=True)
+    plan = plan_workload(workload, config, target=target, progress=False)
     out.write_text(plan.model_dump_json())
 
 
