@@ -134,7 +134,10 @@ class CheckpointedForward(_forward.ForwardWrapper):
         if not (self.module.training and torch.is_grad_enabled()):
             return self.call_inner(*args, **kwargs)
         args, kwargs = _without_mutable_cache(self.module, args, kwargs)
-        if _holds_container((args, kwargs)):
+        # The arguments themselves, not the kwargs dict every call has: the wrapper below
+        # mutates itself, which dynamo refuses inside a compiled checkpoint ("HOP: Unsafe side
+        # effect"), so taking it for every call left every compiled checkpointed block eager.
+        if _holds_container(args) or any(_holds_container(v) for v in kwargs.values()):
             run: Any = _ArgumentsAsCalled(self.call_inner, args, kwargs)
         else:
             # Keyword arguments (attention masks, position ids) travel in a partial so none
