@@ -23,9 +23,11 @@ therefore measures compiled variants of several eager combinations, not only of 
    the line where it matters, and the batch search's start. Then, budget left, a candidate
    whose only run ran out gets one at half that batch.
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
-   from its predicted batch, then, where the search form is not the offered one, the offered
-   form (the whole model compiled: 4-13% faster steady, ``docs/design.md``) is confirmed
-   from that batch: the plan's pick is what the device ran.
+   from its predicted batch; the plan's pick is what the device ran, in the form searched.
+   With :attr:`CompileSearch.confirm_offered`, where the search form is not the offered one,
+   the offered form (the whole model compiled) is confirmed from that batch too and the
+   faster kept: off by default, as on a card that cost a cold whole-model compile per batch
+   for a pick no faster (``docs/design.md``, "Searching under compile").
 
 Every run counts against :attr:`CompileSearch.max_runs` (the two confirmations included:
 runs are held back for them) and, before a run starts, :attr:`CompileSearch.max_seconds`.
@@ -105,7 +107,16 @@ class CompileSearch(BaseModel):
     regional: bool = Field(
         True,
         description="Measure candidates with each repeated block compiled, where the "
-        "profile's blocks repeat, and confirm the offered form at the winner's batch.",
+        "profile's blocks repeat.",
+    )
+    confirm_offered: bool = Field(
+        False,
+        description="After a regional search, also run the offered form (the whole model "
+        "compiled) from the winner's batch and keep the faster. Off: the pick is the form "
+        "searched. On a card (lm350m at 8 GiB, H200, docs/design.md) the whole model's "
+        "confirmation cost 90 s of a 171 s compile stage, a cold whole-model compile for each "
+        "batch it tried, and ran 111.3 samples/s at batch 9 against the regional pick's 112.6 "
+        "at batch 10.",
     )
 
 
@@ -114,7 +125,7 @@ class Variant:
     """One compiled configuration the search measures, and what its runs taught."""
 
     choices: dict[str, JsonValue]  # the eager choices and compile's search form
-    final_choices: dict[str, JsonValue]  # the same with compile's offered form
+    final_choices: dict[str, JsonValue]  # the form confirmed last (offered, or the searched)
     label: str  # 'checkpoint 12/24 blocks'
     start_batch: int  # pass 1's batch
     eager: EagerLines
@@ -196,7 +207,10 @@ def search_variants(
         form = search_form(choice, profile, settings)
         variant = Variant(
             choices={**choices, COMPILE: form.to_json()},
-            final_choices={**choices, COMPILE: choice.to_json()},
+            final_choices={
+                **choices,
+                COMPILE: (choice if settings.confirm_offered else form).to_json(),
+            },
             label=label(choices, form, len(profile.blocks), strategies),
             start_batch=start,
             eager=EagerLines.of(profile, choices, stage.strategies, start),

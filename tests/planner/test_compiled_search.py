@@ -121,9 +121,10 @@ def test_the_search_reaches_a_compiled_configuration_the_eager_pick_does_not_hav
     """The issue's decoder: eager checkpoints 2 blocks (more frees nothing under the logits'
     floor); compiled, the logits are gone and all 4 blocks checkpointed hold about 4.6x the
     eager batch. The plan reaches that configuration (another checkpointed set, a larger
-    batch), in the offered form, within 3% of the best compiled configuration's throughput."""
+    batch), in the offered form when asked to confirm it, within 3% of the best compiled
+    configuration's throughput."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    plan = _plan(workload, profile, strategies, device)
+    plan = _plan(workload, profile, strategies, device, search=CompileSearch(confirm_offered=True))
 
     stage = plan.stages[0]
     eager = stage.eager_candidate
@@ -235,9 +236,29 @@ def test_the_regional_form_is_kept_where_the_whole_model_is_not_faster(
     device = linear_device(
         EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, regional_speed=1.1
     )
-    plan = _plan(workload, profile, strategies, device)
+    plan = _plan(workload, profile, strategies, device, search=CompileSearch(confirm_offered=True))
     assert plan.stages[0].picked and plan.candidate.choices["compile"] == REGIONAL
     assert plan.stages[0].variants[-1].choices["compile"] == "default"  # tried, and lost
+
+
+def test_by_default_the_pick_is_the_searched_form_and_no_whole_model_runs(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: by default (``confirm_offered`` off) no run compiles the whole model: every
+    compiled run, the confirmation included, is the regional form, and the pick is the
+    regional configuration at the batch the device confirmed, within 3% of the best
+    regional configuration (all 4 blocks checkpointed, as in the test above)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    plan = _plan(workload, profile, strategies, device)
+    forms = [p.candidate.choices["compile"] for p in _compile_runs(plan)]
+    assert forms and all(isinstance(f, dict) and f.get("regional") for f in forms), forms
+    assert plan.stages[0].picked and plan.candidate.choices["compile"] == REGIONAL
+    assert _blocks(plan.candidate.choices) == BLOCKS
+    edge = device.edge(Candidate(batch_size=1, choices=plan.candidate.choices))
+    best_rate = (
+        edge / device.step_ms(Candidate(batch_size=edge, choices=plan.candidate.choices)) * 1e3
+    )
+    assert plan.verified is not None and plan.verified.samples_per_s >= 0.97 * best_rate
 
 
 def test_progress_says_which_candidate_the_plan_waits_on(
