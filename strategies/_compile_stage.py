@@ -25,7 +25,8 @@ which searches compiled configurations through the planner's
    a line of its compiled memory and time from them (:class:`~memadvisor.schema.plan.StepFit`),
    the best by its line confirmed by the batch search eager candidates get
    (``PickStage.confirm``) from the batch its line predicts (and, only with
-   ``CompileSearch.confirm_offered``, the offered whole-model form at that batch); all within :class:`~strategies._compile_search.CompileSearch`'s budget of runs,
+   ``CompileSearch.confirm_offered``, the offered whole-model form at that batch); all
+   within :class:`~strategies._compile_search.CompileSearch`'s budget of runs,
    inside one shared inductor cache (:func:`~strategies._compile_cache.shared_compile_cache`).
 4. Verdict. The best confirmed compiled configuration replaces the eager pick only when its
    measured steady-state throughput beats eager's by :data:`MIN_SPEEDUP` (objective

@@ -21,6 +21,14 @@ Known limitations:
     * A buffer the block's forward mutated only on a later call than its first (a
       conditional update) is recomputed, in that call, from the value forward left rather
       than the one it read; it is still updated once.
+    * Under torch.compile the buffer guard is left out (the checkpoint is traced into the
+      graph, and AOTAutograd's recompute replays no buffer write). A dynamo backend that runs
+      the captured graph without AOTAutograd (``backend="eager"``) would recompute eagerly and
+      write a block's buffers twice; inductor, the default and the one the compile strategy
+      uses, does not.
+    * A call whose arguments hold a list or dict keeps its recompute wrapper under compile
+      too, which dynamo refuses inside a checkpoint: such a block (DenseNet's layers) runs
+      eager, a graph break each.
 """
 
 from __future__ import annotations
@@ -143,7 +151,10 @@ class CheckpointedForward(_forward.ForwardWrapper):
             # Keyword arguments (attention masks, position ids) travel in a partial so none
             # of their names can collide with checkpoint()'s own keywords.
             run = functools.partial(self.call_inner, **kwargs) if kwargs else self.call_inner
-        if any(True for _ in self.module.buffers()):
+        if any(True for _ in self.module.buffers()) and not torch.compiler.is_compiling():
+            # Under dynamo the checkpoint is traced into the graph, which updates each buffer
+            # once (the recompute is the compiled backward's, of the traced forward); the
+            # guard, an object that mutates itself, would break the graph at every block.
             run = _BufferGuard(self, run)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 

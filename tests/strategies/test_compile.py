@@ -523,3 +523,59 @@ def test_checkpointed_blocks_compile_without_a_graph_break(monkeypatch, choice) 
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class _NormBlock(nn.Module):
+    """A block with buffers (BatchNorm's running statistics), as a ResNet's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+class _NormStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_NormBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("choice", ["default", REGIONAL], ids=["whole", "regional"])
+def test_checkpointed_blocks_with_buffers_compile_and_update_them_once(monkeypatch, choice) -> None:
+    """Rule: checkpointed blocks that update buffers (BatchNorm) compile without a graph
+    break, and one training step updates each running statistic once, as eager does, with
+    eager's gradients. Eager checkpointing needs a guard so the recompute does not update them
+    twice; under dynamo the checkpoint is traced (AOTAutograd's recompute replays no buffer
+    write), and the guard, an object that mutates itself, broke the graph at every block."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from strategies.checkpointing import ActivationCheckpointing
+
+    monkeypatch.setattr(
+        "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: aot_eager
+    )
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    torch.manual_seed(0)
+    model = _NormStack()
+    eager = copy.deepcopy(model)
+    applied(ActivationCheckpointing(), model, [f"layers.{i}" for i in range(3)], None)
+    applied(Compile(choices=[choice]), model, choice, None)
+    x = torch.randn(2, 8, 6, 6)
+    model(x).sum().backward()
+    eager(x).sum().backward()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    for mine, theirs in zip(model.layers, eager.layers, strict=True):
+        assert mine.norm.num_batches_tracked.item() == theirs.norm.num_batches_tracked.item() == 1
+        torch.testing.assert_close(mine.norm.running_mean, theirs.norm.running_mean)
+        torch.testing.assert_close(mine.norm.running_var, theirs.norm.running_var)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
