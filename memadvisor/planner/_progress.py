@@ -7,13 +7,18 @@ and end (with its wall time) and each bar's description go to the ``memadvisor``
 stage's wall time is kept either way (:attr:`Progress.stage_log`; a plan's part of it
 becomes ``Plan.stage_wall_ms``), so a plan says where its time went whether or not anyone
 watched the bars.
+
+Outside a terminal (a log file, a pipe, CI) rich would draw a bar only when it stops, so a
+stage of minutes showed nothing while it ran: there each stage's start, every new
+description ("compiling candidate 2/4 (...): batch 10 running") and its end are printed as
+lines, each with the seconds since the plan started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -58,9 +63,15 @@ def stage_totals(log: list[tuple[str, float]]) -> dict[str, float]:
 class Stage:
     """One stage's bar: ``advance()`` after each unit of work, ``describe()`` to say what."""
 
-    def __init__(self, bar: _RichProgress | None, task: int | None) -> None:
+    def __init__(
+        self,
+        bar: _RichProgress | None,
+        task: int | None,
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
         self._bar, self._task = bar, task
         self._said = ""  # the last description logged: a bar redrawn with it logs nothing
+        self._echo = echo  # a line per new description, where no bar can be drawn
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None and self._task is not None:
@@ -81,6 +92,8 @@ class Stage:
         if text != self._said:
             self._said = text
             logger.debug("%s", plain(text))
+            if self._echo is not None:
+                self._echo(plain(text))
 
 
 class Progress:
@@ -93,6 +106,7 @@ class Progress:
         # (stage name, wall ms) of every stage block that ended, in order.
         self.stage_log: list[tuple[str, float]] = []
         self._noted: set[str] = set()
+        self._started = time.perf_counter()
 
     def note(self, text: str) -> None:
         """One line the user should see (e.g. that the plan is for the simulated device);
@@ -138,6 +152,18 @@ class Progress:
         if not self.enabled:
             yield Stage(None, None)
             return
+        if not self.console.is_terminal:
+            # Rich draws a bar outside a terminal only when it stops: a log file or a pipe
+            # would show nothing of a stage that takes minutes (a slow compile). Lines instead,
+            # as things happen.
+            self._line(f"{description} ...")
+            started = time.perf_counter()
+            try:
+                yield Stage(None, None, echo=lambda text: self._line(f"  {text}"))
+            finally:
+                took = fmt_ms((time.perf_counter() - started) * 1e3)
+                self._line(f"{description} took {took}")
+            return
         bar = _RichProgress(
             SpinnerColumn(),
             TextColumn("[progress.description]{task.description}"),
@@ -153,3 +179,7 @@ class Progress:
             yield stage
             if total is not None:
                 bar.update(task, completed=bar.tasks[task].total)
+
+    def _line(self, text: str) -> None:
+        elapsed = time.perf_counter() - self._started
+        self.console.print(f"[{elapsed:6.1f}s] {text}", markup=False, highlight=False)

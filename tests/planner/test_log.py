@@ -42,3 +42,26 @@ def test_the_logger_is_silent_until_the_application_configures_logging() -> None
         [sys.executable, "-c", configured], capture_output=True, text=True, timeout=120
     )
     assert "INFO:memadvisor:a note" in done.stderr
+
+
+def test_outside_a_terminal_each_stage_and_description_is_a_line_as_it_happens() -> None:
+    """Rule: where the console is not a terminal (a pipe, a log file, CI), a stage's start and
+    each new description are printed as lines while the stage runs, not when it ends (rich's
+    bar drew nothing there until it stopped), each with the seconds since the plan began."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    ui = Progress(console=Console(file=out, force_terminal=False))
+    with ui.stage("compile", total=None) as bar:
+        bar.describe("compiling candidate 1/4 (checkpoint 4/4 blocks): batch 10 running")
+        so_far = out.getvalue()
+        bar.describe("compiling candidate 1/4 (checkpoint 4/4 blocks): batch 10 running")
+    lines = out.getvalue().splitlines()
+    assert "compile ..." in so_far
+    assert "compiling candidate 1/4 (checkpoint 4/4 blocks): batch 10 running" in so_far
+    assert len(lines) == 3, lines  # the repeated description printed once
+    assert all(re.match(r"\[\s*\d+\.\ds\] ", line) for line in lines), lines
+    assert re.search(r"compile took \S+", lines[-1])
