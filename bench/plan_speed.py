@@ -86,7 +86,12 @@ def _child(target: str, budget_gib: float, compile_policy: str, out: Path, devic
 def _commit() -> str:
     try:
         done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+            # --dirty: a copy of a working tree (the device tool's) whose HEAD is older than
+            # the files that ran says so, instead of naming a commit that did not run.
+            ["git", "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
         )
         return done.stdout.strip() or "unknown"
     except OSError:
