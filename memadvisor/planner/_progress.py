@@ -72,6 +72,7 @@ class Stage:
         self._bar, self._task = bar, task
         self._said = ""  # the last description logged: a bar redrawn with it logs nothing
         self._echo = echo  # a line per new description, where no bar can be drawn
+        self._echoed = ""
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None and self._task is not None:
@@ -84,15 +85,19 @@ class Stage:
 
     def report(self, description: str, done: int, total: int) -> None:
         """Set the bar outright: ``progress(description, done, total)`` callbacks land here."""
-        self._log(f"{description} ({done}/{total})")
+        self._log(f"{description} ({done}/{total})", echo_key=description)
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, description=description, completed=done, total=total)
 
-    def _log(self, text: str) -> None:
+    def _log(self, text: str, echo_key: str | None = None) -> None:
         if text != self._said:
             self._said = text
             logger.debug("%s", plain(text))
-            if self._echo is not None:
+            # A line per new description: a step reported as it begins and as it ends is
+            # one line, not two.
+            key = text if echo_key is None else echo_key
+            if self._echo is not None and key != self._echoed:
+                self._echoed = key
                 self._echo(plain(text))
 
 

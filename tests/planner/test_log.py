@@ -65,3 +65,22 @@ def test_outside_a_terminal_each_stage_and_description_is_a_line_as_it_happens()
     assert len(lines) == 3, lines  # the repeated description printed once
     assert all(re.match(r"\[\s*\d+\.\ds\] ", line) for line in lines), lines
     assert re.search(r"compile took \S+", lines[-1])
+
+
+def test_outside_a_terminal_a_step_reported_as_it_begins_and_ends_is_one_line() -> None:
+    """Rule: ``report`` calls that keep the description (a profiling step's begin and end)
+    print one line; a new description prints the next."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    ui = Progress(console=Console(file=out, force_terminal=False))
+    with ui.stage("profiling", total=2) as bar:
+        bar.report("profiling: warm-up step, fp32, batch 16", 0, 2)
+        bar.report("profiling: warm-up step, fp32, batch 16", 1, 2)
+        bar.report("profiling: metered step, fp32, batch 8", 1, 2)
+        bar.report("profiling: metered step, fp32, batch 8", 2, 2)
+    steps = [line for line in out.getvalue().splitlines() if "step," in line]
+    assert len(steps) == 2, steps
+    assert steps[0].endswith("warm-up step, fp32, batch 16 (0/2)")
