@@ -77,6 +77,11 @@ class Run:
     steps: int
     measured: Measurement | None
 
+    def ran_out_within(self, steps: int) -> bool:
+        """Whether it ran out before completing ``steps`` steps (so a run of ``steps`` of the
+        same candidate, or of a larger batch of its choices, would too)."""
+        return self.measured is None and self.steps < steps
+
 
 class Prober:
     """Runs candidates on the device, logs every run, and steps down when one runs out.
@@ -112,7 +117,7 @@ class Prober:
         if known is not None:
             if known.measured is not None and known.steps >= steps:
                 return known.measured
-            if known.measured is None and known.steps < steps:
+            if known.ran_out_within(steps):
                 return None  # it ran out within the steps asked for now
         elif self._ran_out_below(candidate, steps):
             return None  # a smaller batch of the same choices ran out: no run to learn that
@@ -145,10 +150,9 @@ class Prober:
         for key, run in self._runs.items():
             batch, accumulation, choices = json.loads(key)
             if (
-                run.measured is None
+                run.ran_out_within(steps)
                 and accumulation == 1
                 and batch < candidate.batch_size
-                and run.steps <= steps
                 and choices == candidate.choices
             ):
                 return True
