@@ -60,6 +60,8 @@ def _child(target: str, budget_gib: float, compile_policy: str, out: Path, devic
     import logging
 
     from memadvisor.planner import plan_workload
+    from memadvisor.schema.config import PlanConfig
+    from memadvisor.target import load_target
 
     # Each stage, probe and note as a timed line on stderr as it happens: rich's bars draw
     # nothing outside a terminal until they end, so a plan ended by --timeout-s said nothing
@@ -69,8 +71,6 @@ def _child(target: str, budget_gib: float, compile_policy: str, out: Path, devic
     memadvisor_log = logging.getLogger("memadvisor")
     memadvisor_log.addHandler(handler)
     memadvisor_log.setLevel(logging.DEBUG)
-    from memadvisor.schema.config import PlanConfig
-    from memadvisor.target import load_target
 
     config = PlanConfig(
         budget_bytes=int(budget_gib * 2**30), device=device, options={"compile": compile_policy}
