@@ -15,6 +15,7 @@ import pickle
 
 import pytest
 import torch
+from pydantic import JsonValue
 from torch import nn
 
 from memadvisor.errors import BadInputError
@@ -505,24 +506,33 @@ def test_checkpointed_blocks_compile_without_a_graph_break(monkeypatch, choice) 
     the kwargs dict itself for containers), which dynamo refuses inside the checkpoint
     ("HOP: Unsafe side effect"): each checkpointed block then ran eager, regional compile
     captured no graph at all, and a card plan measured eager runs as compiled ones."""
-    from strategies.checkpointing import ActivationCheckpointing
-
     graphs = _counting_backend(monkeypatch)
-    counters = torch._dynamo.utils.counters
-    counters.clear()
     torch.manual_seed(0)
     built = load_example("llama").build(batch_size=2, seq_len=16)
-    model, tokens = built["model"], built["sample_batch"][0]
+    _checkpointed_compiled_like_eager(built["model"], choice, built["sample_batch"][0])
+    assert len(graphs) >= 1
+
+
+def _checkpointed_compiled_like_eager(
+    model: nn.Module, choice: JsonValue, inputs: torch.Tensor
+) -> tuple[nn.Module, nn.Module]:
+    """``model`` with every layer of ``model.layers`` checkpointed and ``choice`` compiled,
+    and an eager copy, each after one backward of ``inputs``: asserts no graph break and
+    eager's gradients; returns (model, eager)."""
+    from strategies.checkpointing import ActivationCheckpointing
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     eager = copy.deepcopy(model)
     names = [f"layers.{i}" for i in range(len(model.layers))]
     applied(ActivationCheckpointing(), model, names, None)
     applied(Compile(choices=[choice]), model, choice, None)
-    model(tokens).float().sum().backward()
-    eager(tokens).float().sum().backward()
-    assert len(graphs) >= 1
+    model(inputs).float().sum().backward()
+    eager(inputs).float().sum().backward()
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+    return model, eager
 
 
 class _NormBlock(nn.Module):
@@ -556,26 +566,13 @@ def test_checkpointed_blocks_with_buffers_compile_and_update_them_once(monkeypat
     write), and the guard, an object that mutates itself, broke the graph at every block."""
     from torch._dynamo.backends.debugging import aot_eager
 
-    from strategies.checkpointing import ActivationCheckpointing
-
     monkeypatch.setattr(
         "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: aot_eager
     )
     torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
     torch.manual_seed(0)
-    model = _NormStack()
-    eager = copy.deepcopy(model)
-    applied(ActivationCheckpointing(), model, [f"layers.{i}" for i in range(3)], None)
-    applied(Compile(choices=[choice]), model, choice, None)
-    x = torch.randn(2, 8, 6, 6)
-    model(x).sum().backward()
-    eager(x).sum().backward()
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    model, eager = _checkpointed_compiled_like_eager(_NormStack(), choice, torch.randn(2, 8, 6, 6))
     for mine, theirs in zip(model.layers, eager.layers, strict=True):
         assert mine.norm.num_batches_tracked.item() == theirs.norm.num_batches_tracked.item() == 1
         torch.testing.assert_close(mine.norm.running_mean, theirs.norm.running_mean)
         torch.testing.assert_close(mine.norm.running_var, theirs.norm.running_var)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
