@@ -436,6 +436,31 @@ def inductor_backend(mode: str, activation_memory_budget: float | None = None) -
     return _BACKENDS[key]
 
 
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """``torch._dynamo.maybe_mark_dynamic``: compile ``tensor``'s ``dim`` symbolic unless
+    dynamo must specialise it (no error then, unlike ``mark_dynamic``).
+
+    Raises:
+        TorchPrivateAPIError: this torch has no such call.
+    """
+    try:
+        from torch._dynamo import maybe_mark_dynamic as mark
+    except ImportError as e:  # pragma: no cover - moved in a future torch
+        raise _missing("torch._dynamo.maybe_mark_dynamic", e) from e
+    mark(tensor, dim)
+
+
+def compile_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX graph cache and AOTAutograd's cache so far in this
+    process (dynamo's counters; cumulative: compare two readings). (0, 0) where this torch
+    counts neither."""
+    counters = dynamo_counters()
+    inductor, aot = counters.get("inductor", {}), counters.get("aot_autograd", {})
+    hits = inductor.get("fxgraph_cache_hit", 0) + aot.get("autograd_cache_hit", 0)
+    misses = inductor.get("fxgraph_cache_miss", 0) + aot.get("autograd_cache_miss", 0)
+    return hits, misses
+
+
 def dynamo_counters() -> dict[str, dict[str, int]]:
     """A copy of ``torch._dynamo.utils.counters`` (graphs, graph breaks, cache hits so far).
 

@@ -109,6 +109,14 @@ class CompileSearch(BaseModel):
         description="Measure candidates with each repeated block compiled, where the "
         "profile's blocks repeat.",
     )
+    dynamic_batch: bool = Field(
+        True,
+        description="Measure candidates with a dynamic batch dimension: one graph per "
+        "candidate in inductor's cache serves every batch its runs try, where a static one "
+        "compiles again for each new batch in each probe process. The pick is handed on in "
+        "its static form, which the plan's verification runs (docs/design.md, 'A dynamic "
+        "batch while searching').",
+    )
     confirm_offered: bool = Field(
         False,
         description="After a regional search, also run the offered form (the whole model "
@@ -125,7 +133,8 @@ class Variant:
     """One compiled configuration the search measures, and what its runs taught."""
 
     choices: dict[str, JsonValue]  # the eager choices and compile's search form
-    final_choices: dict[str, JsonValue]  # the form confirmed last (offered, or the searched)
+    # The form handed on: the offered one (confirm_offered), else the searched one, static.
+    final_choices: dict[str, JsonValue]
     label: str  # 'checkpoint 12/24 blocks'
     start_batch: int  # pass 1's batch
     eager: EagerLines
@@ -138,6 +147,15 @@ class Variant:
     def form(self) -> JsonValue:
         return self.choices[COMPILE]
 
+    @property
+    def final_differs(self) -> bool:
+        """Whether the form handed on differs from the searched one in more than a static
+        batch: then it gets a run of its own (``Search.confirm_final``)."""
+        searched, final = parse_choice(self.form), parse_choice(self.final_choices[COMPILE])
+        same = searched is not None and final is not None and searched.static() == final
+        others = {n: c for n, c in self.choices.items() if n != COMPILE}
+        return not same or others != {n: c for n, c in self.final_choices.items() if n != COMPILE}
+
 
 def blocks_repeat(profile: Profile) -> bool:
     """Whether two or more of the profile's blocks are of one type (a transformer's layers):
@@ -147,10 +165,14 @@ def blocks_repeat(profile: Profile) -> bool:
 
 
 def search_form(choice: CompileChoice, profile: Profile, settings: CompileSearch) -> CompileChoice:
-    """The form a candidate is measured in: regional where the settings ask and blocks repeat."""
+    """The form a candidate is measured in: regional where the settings ask and blocks
+    repeat, with a dynamic batch where they ask for it."""
+    update: dict[str, bool] = {}
     if settings.regional and not choice.regional and blocks_repeat(profile):
-        return choice.model_copy(update={"regional": True})
-    return choice
+        update["regional"] = True
+    if settings.dynamic_batch and not choice.dynamic_batch:
+        update["dynamic_batch"] = True
+    return choice.model_copy(update=update) if update else choice
 
 
 def search_variants(
@@ -209,7 +231,7 @@ def search_variants(
             choices={**choices, COMPILE: form.to_json()},
             final_choices={
                 **choices,
-                COMPILE: (choice if settings.confirm_offered else form).to_json(),
+                COMPILE: (choice if settings.confirm_offered else form).static().to_json(),
             },
             label=label(choices, form, len(profile.blocks), strategies),
             start_batch=start,
@@ -340,9 +362,7 @@ class Search:
         None. A retry comes last: a configuration that runs out of memory compiled where eager
         fits is rarely the best one."""
         objective = self.stage.config.objective
-        reserve = CONFIRM_RUNS + (
-            FINAL_FORM_RUNS if any(v.final_choices != v.choices for v in variants) else 0
-        )
+        reserve = CONFIRM_RUNS + (FINAL_FORM_RUNS if any(v.final_differs for v in variants) else 0)
         total = len(variants)
         number = {id(v): i for i, v in enumerate(variants, 1)}
         for v in variants:

@@ -48,6 +48,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -190,7 +191,7 @@ def compiled_pick(
         found = final = None
         final_why = ""
         if winner is not None:
-            differs = winner.final_choices != winner.choices
+            differs = winner.final_differs
             found = search.confirm(winner, FINAL_FORM_RUNS if differs else 0)
             if found is not None and differs:
                 final, final_why = search.confirm_final(winner, found)
@@ -205,7 +206,7 @@ def compiled_pick(
         index = variants.index(winner)
         records[index] = _confirmed_record(records[index], found)
         confirmed.append((records[index], found))
-        if winner.final_choices != winner.choices:
+        if winner.final_differs:
             record = _final_record(stage, winner, final, final_why, runs_before)
             records.append(record)
             if final is not None:
@@ -250,8 +251,22 @@ def compiled_pick(
         notes.append(cache_report.note)
     if not picked or best is None:
         return Refinement(pick=eager_best, outcome=outcome, notes=notes)
-    _record_gain(strategy, best[1], eager_best)
-    return Refinement(pick=best[1], outcome=outcome, notes=notes)
+    pick = _handed_on(best[1])
+    _record_gain(strategy, pick, eager_best)
+    return Refinement(pick=pick, outcome=outcome, notes=notes)
+
+
+def _handed_on(found: Confirmed) -> Confirmed:
+    """``found`` with its compile choice static: the form the plan verifies and the user
+    runs. The search measured a dynamic batch (one graph for every batch it tried); the
+    verification compiles the static graph and measures it from a clean state."""
+    parsed = _parse(found.candidate.choices[COMPILE])
+    if parsed is None or not parsed.dynamic_batch:
+        return found
+    choices = {**found.candidate.choices, COMPILE: parsed.static().to_json()}
+    return dataclasses.replace(
+        found, candidate=found.candidate.model_copy(update={"choices": choices})
+    )
 
 
 def _key(choice: JsonValue) -> str:
@@ -297,7 +312,7 @@ def _pick_words(candidate: Candidate) -> str:
     parsed = _parse(candidate.choices.get(COMPILE))
     if parsed is None:
         return ""
-    return f"torch.compile ({parsed.words()})"
+    return f"torch.compile ({parsed.static().words()})"
 
 
 # -- what was measured, as the plan keeps it ---------------------------------------------------
@@ -665,11 +680,12 @@ def _verdict(
 
 
 def _label(choices: dict[str, JsonValue]) -> str:
-    """``'default mode, 3 blocks checkpointed'``: a variant in a few words."""
+    """``'default mode, 3 blocks checkpointed'``: a variant in a few words (its static form:
+    a dynamic batch is how the search measured it, not a setting the user takes)."""
     parsed = _parse(choices.get(COMPILE))
     if parsed is None:
         return "eager"
-    words = parsed.words()
+    words = parsed.static().words()
     blocks = facts_of(Candidate(batch_size=1, choices=choices)).recomputed_blocks
     if blocks:
         words += f", {len(blocks)} blocks checkpointed"

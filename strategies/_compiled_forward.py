@@ -72,16 +72,31 @@ class CompileChoice(BaseModel):
         "head) runs eager. A model with no repeated block is compiled whole.",
     )
 
+    dynamic_batch: bool = Field(
+        False,
+        description="Compile with the first dimension of each tensor argument of a compiled "
+        "module symbolic (dynamo's maybe_mark_dynamic): one graph, cached on disk, serves every "
+        "batch, where a static graph compiles again for each new batch in each new process. "
+        "The compile search measures in this form; the pick the user runs is static "
+        "(docs/design.md, 'A dynamic batch while searching').",
+    )
+
     def to_json(self) -> JsonValue:
         """The plan's JSON for this choice: the mode alone when nothing else is set."""
-        if self.activation_memory_budget is None and not self.regional:
+        if self.activation_memory_budget is None and not self.regional and not self.dynamic_batch:
             return self.mode
         out: dict[str, JsonValue] = {"mode": self.mode}
         if self.activation_memory_budget is not None:
             out["activation_memory_budget"] = self.activation_memory_budget
         if self.regional:
             out["regional"] = True
+        if self.dynamic_batch:
+            out["dynamic_batch"] = True
         return out
+
+    def static(self) -> CompileChoice:
+        """This choice with a static batch (the form a training run compiles)."""
+        return self.model_copy(update={"dynamic_batch": False}) if self.dynamic_batch else self
 
     def words(self) -> str:
         """``'default mode, each repeated block, activation memory budget 0.5'``."""
@@ -90,6 +105,8 @@ class CompileChoice(BaseModel):
             text += ", each repeated block"
         if self.activation_memory_budget is not None:
             text += f", activation memory budget {self.activation_memory_budget:g}"
+        if self.dynamic_batch:
+            text += ", dynamic batch"
         return text
 
 
@@ -135,7 +152,10 @@ def parse_choice(choice: JsonValue) -> CompileChoice | None:
     """
     if choice in (None, False, "off"):
         return None
-    example = '"default" or {"mode": "default", "activation_memory_budget": 0.5, "regional": true}'
+    example = (
+        '"default" or {"mode": "default", "activation_memory_budget": 0.5, "regional": true, '
+        '"dynamic_batch": true}'
+    )
     try:
         if isinstance(choice, str):
             return CompileChoice(mode=choice)
@@ -234,10 +254,12 @@ class CompiledForward(_forward.ForwardWrapper):
         inner: Any,
         mode: str = "default",
         activation_memory_budget: float | None = None,
+        dynamic_batch: bool = False,
     ) -> None:
         super().__init__(module, inner)
         self.mode = mode
         self.activation_memory_budget = activation_memory_budget
+        self.dynamic_batch = dynamic_batch
 
     @property
     def choice(self) -> CompileChoice:
@@ -248,4 +270,19 @@ class CompiledForward(_forward.ForwardWrapper):
         fn = per_class.get((self.mode, self.activation_memory_budget)) if per_class else None
         if fn is None:
             fn = compiled_call(type(self.module), self.choice)
+        if self.dynamic_batch:
+            _mark_batch_dynamic(args, kwargs)
         return fn(self.module, *args, **kwargs)
+
+
+def _mark_batch_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Dim 0 of each tensor argument (top level) symbolic where dynamo allows it.
+
+    The batch is dim 0 of a module's inputs by the convention every strategy here assumes
+    (``Workload.batch``); other tensors with a dim 0 (a sequence's positions) become
+    symbolic too, which costs a more general graph, not a wrong one. A dim of size 1 is
+    specialised by dynamo as usual (batch 1 is a graph of its own).
+    """
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            _torch_private.maybe_mark_dynamic(value, 0)

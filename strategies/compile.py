@@ -200,6 +200,7 @@ class Compile(Strategy, Measured, Described, Checked):
                 CompiledForward,
                 mode=parsed.mode,
                 activation_memory_budget=parsed.activation_memory_budget,
+                dynamic_batch=parsed.dynamic_batch,
             )
         return step
 
@@ -226,10 +227,17 @@ class Compile(Strategy, Measured, Described, Checked):
             return None
         return advice(
             parsed,
-            self.results.get(parsed),
+            self._result_for(parsed),
             self.gains.get(parsed),
             form=profile.call_form if profile is not None else None,
             blocks=_repeated_container(profile) if profile is not None else None,
+        )
+
+    def _result_for(self, parsed: CompileChoice) -> CompileResult | None:
+        """The trial kept for ``parsed``, or for its dynamic-batch form: the plan's trial
+        compiles the searched form, the same model and graph breaks as the static pick's."""
+        return self.results.get(parsed) or self.results.get(
+            parsed.model_copy(update={"dynamic_batch": True})
         )
 
     def plan_scope(
@@ -269,7 +277,7 @@ class Compile(Strategy, Measured, Described, Checked):
         parsed = parse_choice(choice)
         if parsed is None:
             return None
-        result = self.results.get(parsed)
+        result = self._result_for(parsed)
         if result is None:
             device = "cuda" if torch.cuda.is_available() else None
             result = self.trial(workload, choice, device=device)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from memadvisor import _torch_private
 from memadvisor.errors import is_oom
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import samples_per_s
@@ -67,6 +68,7 @@ def train_candidate(
     base_allocated = torch.cuda.memory_allocated(device)
     base_reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
+    hits_before, misses_before = _torch_private.compile_cache_counts()
     times_ms: list[float] = []
     try:
         model = copy.deepcopy(workload.model) if copy_model else workload.model
@@ -92,10 +94,16 @@ def train_candidate(
     # The first step creates the optimizer state and warms up kernels: not a steady step.
     step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
     samples = candidate.batch_size * candidate.accumulation_steps
+    hits, misses = _torch_private.compile_cache_counts()
+    hits, misses = hits - hits_before, misses - misses_before
+    compiled = hits + misses > 0
     return Measurement(
         steps=steps,
         peak_bytes=peak,
         reserved_peak_bytes=max(reserved, 0),
         step_ms=step_ms,
         samples_per_s=samples_per_s(samples, step_ms),
+        first_step_ms=times_ms[0],
+        compile_cache_hits=hits if compiled else None,
+        compile_cache_misses=misses if compiled else None,
     )

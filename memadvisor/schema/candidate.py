@@ -81,6 +81,18 @@ class Measurement(BaseModel):
     )
     step_ms: float = Field(description="Median step time (the first step excluded when >1).")
     samples_per_s: float
+    first_step_ms: float | None = Field(
+        None,
+        description="The first step, which compiles a compiled model (None: not recorded).",
+    )
+    compile_cache_hits: int | None = Field(
+        None,
+        description="Graphs this run loaded from inductor's FX graph and AOTAutograd caches; "
+        "with compile_cache_misses, None when the run compiled nothing.",
+    )
+    compile_cache_misses: int | None = Field(
+        None, description="Graphs this run compiled afresh (those caches missed)."
+    )
     rank_peak_bytes: list[int] | None = Field(
         None,
         description="Runs on several ranks (DDP, FSDP2): each rank's peak, rank 0 first; "

@@ -50,8 +50,12 @@ def _config(**overrides) -> PlanConfig:
     return PlanConfig(**{"budget_bytes": 100 * MIB, **fast, **overrides})
 
 
+# The search form of "default" (runs measure it; the pick is "default" again).
+DYNAMIC = {"mode": "default", "dynamic_batch": True}
+
+
 def _compiling_device(fake_device, speedup: dict[str, float], *, writes=True, **kwargs):
-    """The fake device, its compiled runs ``speedup[choice as JSON]`` times faster; with
+    """The fake device, its compiled runs ``speedup[static choice as JSON]`` times faster; with
     ``writes`` each compiled run writes 1 KiB of "kernels" where a probe's inductor would."""
 
     class CompilingDevice(fake_device):
@@ -61,7 +65,9 @@ def _compiling_device(fake_device, speedup: dict[str, float], *, writes=True, **
             if choice is not None and writes:
                 cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
                 (cache / f"kernel-{len(self.calls)}.so").write_bytes(b"k" * 1024)
-            factor = speedup.get(json.dumps(choice), 1.0) if choice is not None else 1.0
+            # The search's dynamic batch runs as its static form does here (same graph).
+            static = parse_choice(choice).static().to_json() if choice is not None else None
+            factor = speedup.get(json.dumps(static), 1.0) if choice is not None else 1.0
             return m.model_copy(
                 update={"step_ms": m.step_ms / factor, "samples_per_s": m.samples_per_s * factor}
             )
@@ -140,7 +146,9 @@ def test_a_faster_compiled_variant_is_the_pick_with_its_compile_time(
     assert pick.measured.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
     runs = _compile_runs(prober)
     assert runs and runs[0].batch_size == eager.found_batch
-    assert all(r.candidate.choices["compile"] == "default" for r in runs)
+    # The runs measured a dynamic batch (one cached graph for every batch); the pick handed
+    # on to the verification and the user is the static form.
+    assert all(r.candidate.choices["compile"] == DYNAMIC for r in runs)
     assert outcome is not None and outcome.picked
     assert outcome.one_off_ms == pytest.approx(TRIAL_FIRST_MS - TRIAL_STEADY_MS)
     # The device runs saw the shared cache in their environment, and it was measured.
@@ -254,7 +262,7 @@ def test_the_partitioner_budget_replaces_block_checkpointing_at_the_picks_kept_s
     budget = {"mode": "default", "activation_memory_budget": 0.6}
     speedup = {'"default"': 1.1, json.dumps(budget): 1.4}
     device = _compiling_device(fake_device, speedup, threshold=40)
-    search = CompileSearch(regional=False)
+    search = CompileSearch(regional=False, dynamic_batch=False)
     prober, eager, strategy = _setup(profile, strategies, device, workload, eager_choices, search)
     stage = ProberStage(prober, "compile", QUIET)
 

@@ -28,6 +28,8 @@ from strategies.compile import Compile, CompileResult, CompileSearch, parse_choi
 MIB = 2**20
 BLOCKS = 4
 REGIONAL = {"mode": "default", "regional": True}
+# What the search runs: the regional form with a dynamic batch (the pick is REGIONAL).
+SEARCHED = {**REGIONAL, "dynamic_batch": True}
 
 # A decoder's step in bf16, MiB a sample by checkpointed blocks: eager never holds less than
 # the loss's fp32 logits (1.3 MiB a sample), however many blocks recompute, so past two
@@ -155,7 +157,7 @@ def test_a_candidates_compiled_memory_is_fitted_from_its_runs(
     plan = _plan(workload, profile, strategies, device)
     stage = plan.stages[0]
     assert stage.picked
-    winner = next(v for v in stage.variants if v.confirmed and v.choices["compile"] == REGIONAL)
+    winner = next(v for v in stage.variants if v.confirmed and v.choices["compile"] == SEARCHED)
     fit = winner.fit
     assert fit is not None and fit.basis == "fitted" and len(fit.batches) >= 2
     fixed, per_sample = device.line(Candidate(batch_size=1, choices=winner.choices))
@@ -182,12 +184,12 @@ def test_the_device_runs_stay_within_the_search_budget(
     runs = _compile_runs(plan)
     assert 1 <= len(runs) <= max_runs
     measured = {
-        str(p.candidate.choices) for p in runs if p.candidate.choices["compile"] == REGIONAL
+        str(p.candidate.choices) for p in runs if p.candidate.choices["compile"] == SEARCHED
     }
     assert len(measured) <= max_candidates
     stage = plan.stages[0]
     assert stage.details["search"]["runs"] == len(runs)
-    assert len([v for v in stage.variants if v.choices["compile"] == REGIONAL]) <= max_candidates
+    assert len([v for v in stage.variants if v.choices["compile"] == SEARCHED]) <= max_candidates
     if max_runs >= 8:  # enough for a second run of the winner and its confirmation
         assert stage.picked and _blocks(plan.candidate.choices) == BLOCKS
 
@@ -200,7 +202,7 @@ def test_a_seconds_budget_stops_further_candidates(
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
     plan = _plan(workload, profile, strategies, device, CompileSearch(max_seconds=1e-9))
     stage = plan.stages[0]
-    first, *others = [v for v in stage.variants if v.choices["compile"] == REGIONAL]
+    first, *others = [v for v in stage.variants if v.choices["compile"] == SEARCHED]
     assert first.measured is not None and first.error is None
     assert others and all(v.measured is None and "s were spent" in v.error for v in others)
     assert "not run:" in stage.summary

@@ -12,7 +12,7 @@ import torch
 
 from memadvisor.planner import find_batch, safe_below
 from memadvisor.planner._probe import probe
-from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.candidate import Candidate, Measurement
 
 MARGIN = 0.08
 
@@ -181,3 +181,19 @@ def test_a_batch_above_one_that_ran_out_is_not_run_again(
     fp32 = {"precision": "fp32"}
     assert prober.run(Candidate(batch_size=13, choices=fp32), prober.steps, "probe") is None
     assert [b for b, _, _ in device.calls] == [12, 9, 13]
+
+
+def test_a_compiled_runs_progress_says_its_first_step_and_the_cache() -> None:
+    """A run that compiled says what its first step waited on (the first step's seconds and
+    the graphs loaded from the cache against those compiled); an eager run or one that ran
+    out adds nothing."""
+    from memadvisor.planner._prober import _compiled_words
+
+    eager = Measurement(steps=3, peak_bytes=1, step_ms=10.0, samples_per_s=100.0)
+    assert _compiled_words(eager) == "" and _compiled_words(None) == ""
+    compiled = eager.model_copy(
+        update={"first_step_ms": 12_345.0, "compile_cache_hits": 4, "compile_cache_misses": 1}
+    )
+    assert _compiled_words(compiled) == (
+        " (first step 12.3 s: 4 graphs from the compile cache, 1 compiled)"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -422,6 +423,8 @@ def _counting_backend(monkeypatch) -> list[int]:
     monkeypatch.setattr(
         "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: backend
     )
+    # Functions compiled before (under another backend) are made again, through this one.
+    monkeypatch.setattr("strategies._compiled_forward._COMPILED", weakref.WeakKeyDictionary())
     torch._dynamo.reset()
     return graphs
 
@@ -466,6 +469,28 @@ def test_regional_compiles_one_graph_for_every_layer_and_trains_like_eager(monke
     whole = _mlp()
     applied(COMPILE, whole, REGIONAL, None)
     assert _forward.find_wrapper(whole, CompiledForward) is not None
+
+
+def test_a_dynamic_batch_compiles_one_graph_for_every_batch(monkeypatch) -> None:
+    """The search form (a dynamic batch) compiles one graph, symbolic in the batch, for
+    batches 3, 5 and 7; the static form compiles batch 3's graph and another when the batch
+    changes. (Across processes the one graph is what inductor's cache serves every probe:
+    docs/design.md, 'A dynamic batch while searching'.) The JSON keeps the flag, and its
+    static form drops it."""
+    dynamic = {**REGIONAL, "dynamic_batch": True}
+    parsed = parse_choice(dynamic)
+    assert parsed is not None and parsed.to_json() == dynamic
+    assert parsed.static().to_json() == REGIONAL and "dynamic batch" in parsed.words()
+    counts = {}
+    for name, choice in (("static", REGIONAL), ("dynamic", dynamic)):
+        graphs = _counting_backend(monkeypatch)
+        torch.manual_seed(0)
+        model = _Stack()
+        applied(Compile(choices=[choice]), model, choice, None)
+        for batch in (3, 5, 7):
+            model(torch.randn(batch, 16)).sum().backward()
+        counts[name] = len(graphs)
+    assert counts == {"static": 2, "dynamic": 1}, counts
 
 
 def test_a_regional_trial_compiles_one_graph_for_the_layers(monkeypatch) -> None:
