@@ -523,13 +523,28 @@ def _trial_forms(
     stage: PickStage, strategy: Compile, variants: Sequence[Variant], start_batch: int
 ) -> dict[str, _Trial]:
     """Each search form among ``variants`` trialled once (:func:`_trial`), by its JSON, with
-    the choices of the first candidate in that form."""
+    the choices of the first candidate in that form. A dynamic-batch form that fails is
+    trialled static, and where that compiles its candidates are searched static."""
     out: dict[str, _Trial] = {}
+    static_for: dict[str, JsonValue] = {}  # a dynamic form that failed -> its static form
     for v in variants:
         key = _key(v.form)
         if key not in out:
             batch = v.start_batch if v.start_batch else start_batch
             out[key] = _trial(stage, strategy, v.choices, batch)
+            parsed = _parse(v.form)
+            if not out[key].ok and parsed is not None and parsed.dynamic_batch:
+                # A model whose graph a symbolic batch breaks is still searched, statically
+                # (a compile per batch, as before the dynamic form).
+                static = parsed.static().to_json()
+                tried = _trial(stage, strategy, {**v.choices, COMPILE: static}, batch)
+                if tried.ok:
+                    why = out[key].error or out[key].sentence
+                    sentence = f"{tried.sentence} Searched with a static batch: {why}"
+                    out[key] = out[_key(static)] = dataclasses.replace(tried, sentence=sentence)
+                    static_for[key] = static
+        if key in static_for:
+            v.choices = {**v.choices, COMPILE: static_for[key]}
     return out
 
 

@@ -247,6 +247,41 @@ def test_largest_batch_objective_takes_a_compiled_variant_that_fits_more(
     assert outcome is not None and outcome.picked
 
 
+def test_a_model_a_dynamic_batch_breaks_is_searched_static(
+    profile, strategies, workload, fake_device, monkeypatch, tmp_path
+) -> None:
+    """Where the dynamic-batch form does not compile (a graph that a symbolic batch breaks),
+    the form is trialled static and its candidates are searched static; the note says why."""
+    tried: list = []
+
+    def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
+        tried.append(choice)
+        dynamic = parse_choice(choice).dynamic_batch
+        return CompileResult(
+            choice=parse_choice(choice).to_json(),
+            ok=not dynamic,
+            error="symbolic batch: a guard failed" if dynamic else None,
+            batch_size=candidate.batch_size,
+            steps=3,
+            eager_step_ms=10.0,
+            first_step_ms=TRIAL_FIRST_MS,
+            compiled_step_ms=TRIAL_STEADY_MS,
+            graphs=1,
+            loss_rel_diff=1e-6,
+        )
+
+    monkeypatch.setattr("strategies.compile.try_compile", stand_in)
+    device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)
+    prober, eager, _ = _setup(profile, strategies, device, workload, {"precision": "bf16"})
+    pick, outcome = _refine(prober, eager, [], cache_dir=tmp_path)
+    assert tried[:2] == [DYNAMIC, "default"]
+    runs = _compile_runs(prober)
+    assert runs and all(r.candidate.choices["compile"] == "default" for r in runs)
+    assert pick.candidate.choices == {"precision": "bf16", "compile": "default"}
+    assert outcome is not None and outcome.picked
+    assert any("Searched with a static batch" in v.trial for v in outcome.variants)
+
+
 # -- which variants ---------------------------------------------------------------------------
 
 
