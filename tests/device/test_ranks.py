@@ -5,6 +5,11 @@ The profile is measured at batches 32 and 64 and the runs are at 64: the estimat
 there is the per-rank edit's alone (the single card's extrapolation to batches far from the
 profile's is bench/estimate_accuracy.py's subject). Tolerance 5%: the edit counts the
 all-gather's buffers as a whole unit even where they do not meet the peak (conservative).
+In bf16 the estimate is +1.0% over both ranks' usual 5,261,284 B (it was -4.0% while the
+reduce-scatter's fp32 input was counted as a bf16 unit); a rank whose gloo thread still holds
+an all-gather output FSDP2 dropped measures up to one bf16 unit more (5,376,612 seen: -1.2%;
+5,442,788 reachable: -2.4%), a backend's timing the estimate does not count
+(docs/design.md, "The reduce-scatter's input is fp32 under bf16").
 """
 
 from __future__ import annotations
