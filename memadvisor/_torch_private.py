@@ -450,15 +450,18 @@ def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     mark(tensor, dim)
 
 
-def compile_cache_counts() -> tuple[int, int]:
-    """(hits, misses) of inductor's FX graph cache and AOTAutograd's cache so far in this
-    process (dynamo's counters; cumulative: compare two readings). (0, 0) where this torch
-    counts neither."""
+def compile_cache_counts() -> tuple[int, int, int]:
+    """(hits, misses, bypasses) of inductor's FX graph cache and AOTAutograd's cache so far in
+    this process (dynamo's counters; cumulative: compare two readings). A bypass is a graph
+    the cache would not take (neither looked up nor saved). Zeros where this torch counts
+    none of them."""
     counters = dynamo_counters()
     inductor, aot = counters.get("inductor", {}), counters.get("aot_autograd", {})
-    hits = inductor.get("fxgraph_cache_hit", 0) + aot.get("autograd_cache_hit", 0)
-    misses = inductor.get("fxgraph_cache_miss", 0) + aot.get("autograd_cache_miss", 0)
-    return hits, misses
+
+    def both(what: str) -> int:
+        return inductor.get(f"fxgraph_cache_{what}", 0) + aot.get(f"autograd_cache_{what}", 0)
+
+    return both("hit"), both("miss"), both("bypass")
 
 
 def dynamo_counters() -> dict[str, dict[str, int]]:

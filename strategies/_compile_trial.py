@@ -69,6 +69,9 @@ class CompileResult(BaseModel):
     break_reasons: list[str] = Field(default_factory=list, description="The first few reasons.")
     cache_hits: int = Field(0, description="Graphs inductor loaded from its on-disk cache.")
     cache_misses: int = Field(0, description="Graphs inductor generated and compiled.")
+    cache_bypasses: int = Field(
+        0, description="Graphs inductor compiled that its cache would not take (not saved)."
+    )
     loss_rel_diff: float | None = Field(None, description="First step's loss vs eager, relative.")
     grad_rel_diff: float | None = Field(
         None, description="First step's gradients vs eager, relative L2 over all parameters."
@@ -92,7 +95,8 @@ class CompileResult(BaseModel):
             f"torch.compile {_label(self.choice)} {where}: the first step took "
             f"{(self.first_step_ms or 0.0) / 1e3:.1f} s (about {compile_s:.1f} s of it compiling, "
             f"once per process and input shape; {self.cache_hits} of "
-            f"{self.cache_hits + self.cache_misses} graphs from the on-disk cache), then "
+            f"{self.cache_hits + self.cache_misses} graphs from the on-disk cache"
+            f"{f', {self.cache_bypasses} it would not take' if self.cache_bypasses else ''}), then "
             f"{self.compiled_step_ms:.1f} ms a step vs {self.eager_step_ms:.1f} ms eager; "
             f"{self.graphs} graph(s), {self.graph_breaks} graph break(s)"
         )
@@ -337,6 +341,7 @@ def _what_dynamo_did(
         "break_reasons": [r.splitlines()[0][:200] for r in list(breaks)[:5]],
         "cache_hits": delta("inductor", "fxgraph_cache_hit"),
         "cache_misses": delta("inductor", "fxgraph_cache_miss"),
+        "cache_bypasses": delta("inductor", "fxgraph_cache_bypass"),
     }
 
 

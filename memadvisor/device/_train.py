@@ -68,7 +68,7 @@ def train_candidate(
     base_allocated = torch.cuda.memory_allocated(device)
     base_reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
-    hits_before, misses_before = _torch_private.compile_cache_counts()
+    cache_before = _torch_private.compile_cache_counts()
     times_ms: list[float] = []
     try:
         model = copy.deepcopy(workload.model) if copy_model else workload.model
@@ -94,9 +94,11 @@ def train_candidate(
     # The first step creates the optimizer state and warms up kernels: not a steady step.
     step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
     samples = candidate.batch_size * candidate.accumulation_steps
-    hits, misses = _torch_private.compile_cache_counts()
-    hits, misses = hits - hits_before, misses - misses_before
-    compiled = hits + misses > 0
+    hits, misses, bypasses = (
+        after - before
+        for after, before in zip(_torch_private.compile_cache_counts(), cache_before, strict=True)
+    )
+    compiled = hits + misses + bypasses > 0
     return Measurement(
         steps=steps,
         peak_bytes=peak,
@@ -106,4 +108,5 @@ def train_candidate(
         first_step_ms=times_ms[0],
         compile_cache_hits=hits if compiled else None,
         compile_cache_misses=misses if compiled else None,
+        compile_cache_bypasses=bypasses if compiled else None,
     )

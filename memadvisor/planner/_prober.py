@@ -352,11 +352,14 @@ def verify_steps(device: Device, config: PlanConfig) -> int:
 
 def _compiled_words(measured: Measurement | None) -> str:
     """' (first step 9.8 s: 2 graphs from the compile cache, 1 compiled)' for a run that
-    compiled (what a slow compiled run waited on), else ''."""
+    compiled (what a slow compiled run waited on; graphs the cache would not take are
+    counted apart), else ''."""
     if measured is None or measured.compile_cache_hits is None:
         return ""
     first = f"first step {fmt_ms(measured.first_step_ms)}: " if measured.first_step_ms else ""
+    bypassed = measured.compile_cache_bypasses
+    uncached = f", {bypassed} the cache would not take" if bypassed else ""
     return (
         f" ({first}{measured.compile_cache_hits} graphs from the compile cache, "
-        f"{measured.compile_cache_misses} compiled)"
+        f"{measured.compile_cache_misses} compiled{uncached})"
     )

@@ -93,6 +93,11 @@ class Measurement(BaseModel):
     compile_cache_misses: int | None = Field(
         None, description="Graphs this run compiled afresh (those caches missed)."
     )
+    compile_cache_bypasses: int | None = Field(
+        None,
+        description="Graphs this run compiled that those caches would not take (so no later "
+        "process loads them).",
+    )
     rank_peak_bytes: list[int] | None = Field(
         None,
         description="Runs on several ranks (DDP, FSDP2): each rank's peak, rank 0 first; "

@@ -197,3 +197,5 @@ def test_a_compiled_runs_progress_says_its_first_step_and_the_cache() -> None:
     assert _compiled_words(compiled) == (
         " (first step 12.3 s: 4 graphs from the compile cache, 1 compiled)"
     )
+    uncached = compiled.model_copy(update={"compile_cache_bypasses": 2})
+    assert _compiled_words(uncached).endswith(", 1 compiled, 2 the cache would not take)")
