@@ -31,6 +31,7 @@ from strategies._compiled_forward import (
     CompileChoice,
     CompiledForward,
     compile_targets,
+    mark_batch_dynamic,
     new_compiled_function,
     parse_choice,
 )
@@ -123,12 +124,18 @@ class _FreshCompiledForward(CompiledForward):
     def __init__(
         self, module: nn.Module, inner: Any, choice: CompileChoice, fn: Any = None
     ) -> None:
-        super().__init__(module, inner, choice.mode, choice.activation_memory_budget)
+        super().__init__(
+            module, inner, choice.mode, choice.activation_memory_budget, choice.dynamic_batch
+        )
         # Regional: the blocks of one class share one fresh function, as they share one
         # compiled code object in the user's model.
         self.fn = fn or new_compiled_function(type(module), choice, own_backend=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The graph the probes compile (a dynamic batch marked as theirs is), so the on-disk
+        # cache this trial fills is the one their processes look up.
+        if self.dynamic_batch:
+            mark_batch_dynamic(args, kwargs)
         return self.fn(self.module, *args, **kwargs)
 
 

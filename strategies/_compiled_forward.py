@@ -38,6 +38,7 @@ __all__ = [
     "CompiledForward",
     "compile_targets",
     "compiled_call",
+    "mark_batch_dynamic",
     "new_compiled_function",
     "parse_choice",
     "repeated_blocks",
@@ -271,11 +272,11 @@ class CompiledForward(_forward.ForwardWrapper):
         if fn is None:
             fn = compiled_call(type(self.module), self.choice)
         if self.dynamic_batch:
-            _mark_batch_dynamic(args, kwargs)
+            mark_batch_dynamic(args, kwargs)
         return fn(self.module, *args, **kwargs)
 
 
-def _mark_batch_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def mark_batch_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Dim 0 of each tensor argument (top level) symbolic where dynamo allows it.
 
     The batch is dim 0 of a module's inputs by the convention every strategy here assumes

@@ -493,6 +493,29 @@ def test_a_dynamic_batch_compiles_one_graph_for_every_batch(monkeypatch) -> None
     assert counts == {"static": 2, "dynamic": 1}, counts
 
 
+def test_a_trial_of_the_dynamic_form_compiles_the_graph_the_probes_compile(monkeypatch) -> None:
+    """The plan's trial fills the on-disk cache for the probes: a trial of the dynamic-batch
+    form compiles the graph symbolic in the batch, as the probes' CompiledForward does (a
+    static trial graph is another cache entry, and every probe compiled again)."""
+    symbolic: list[bool] = []
+
+    def backend(gm, example_inputs):
+        # A symbolic batch reaches the backend as a SymInt input beside the tensors.
+        symbolic.append(any(isinstance(t, torch.SymInt) for t in example_inputs))
+        return gm.forward
+
+    monkeypatch.setattr(
+        "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: backend
+    )
+    torch._dynamo.reset()
+    result = try_compile(_workload(_Stack()), {**REGIONAL, "dynamic_batch": True}, steps=2)
+    assert result.ok, result.summary
+    assert symbolic == [True], symbolic
+    symbolic.clear()
+    torch._dynamo.reset()
+    assert try_compile(_workload(_Stack()), REGIONAL, steps=2).ok and symbolic == [False]
+
+
 def test_a_regional_trial_compiles_one_graph_for_the_layers(monkeypatch) -> None:
     """The trial compiles as the user's model will: the layers share one fresh function, so
     one graph (a function per instance would compile five)."""
