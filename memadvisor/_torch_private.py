@@ -366,6 +366,49 @@ def _gone(what: str, error: Exception) -> ImportError:
     )
 
 
+# -- fp32 matmul precision: read and restored exactly ----------------------------------------
+
+# The per-backend settings of torch's newer precision API that the legacy
+# torch.set_float32_matmul_precision writes (torch 2.9 on); (object path, attribute).
+_PRECISION_FIELDS = (("backends", "fp32_precision"), ("backends.cuda.matmul", "fp32_precision"))
+
+
+def _field_owner(path: str) -> Any:
+    """``torch.<path>`` (``"backends.cuda.matmul"``), or None where this torch lacks it."""
+    owner: Any = torch
+    for name in path.split("."):
+        owner = getattr(owner, name, None)
+        if owner is None:
+            return None
+    return owner
+
+
+def matmul_precision_state() -> tuple[str, tuple[str | None, ...]]:
+    """The process's fp32 matmul precision, as :func:`restore_matmul_precision` puts it back:
+    the legacy setting and the newer API's per-backend fields.
+
+    Why both: ``torch.set_float32_matmul_precision("highest")`` after "high" leaves
+    ``torch.backends.cuda.matmul.fp32_precision`` at "ieee" where a fresh process has "none"
+    (torch 2.13), and inductor keys its on-disk FX graph cache on that field, so a process
+    that restored the legacy setting alone compiles graphs no fresh process finds.
+    """
+    fields = tuple(
+        getattr(owner, attr, None) if (owner := _field_owner(path)) is not None else None
+        for path, attr in _PRECISION_FIELDS
+    )
+    return torch.get_float32_matmul_precision(), fields
+
+
+def restore_matmul_precision(state: tuple[str, tuple[str | None, ...]]) -> None:
+    """Put back what :func:`matmul_precision_state` read."""
+    legacy, fields = state
+    torch.set_float32_matmul_precision(legacy)
+    for (path, attr), value in zip(_PRECISION_FIELDS, fields, strict=True):
+        owner = _field_owner(path)
+        if value is not None and owner is not None and getattr(owner, attr, value) != value:
+            setattr(owner, attr, value)
+
+
 # -- torch.compile: modes, the inductor backend, dynamo's counters, the on-disk cache ------
 
 

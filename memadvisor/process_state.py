@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memadvisor import _torch_private
+
 __all__ = ["preserved_state", "rng_restored"]
 
 
@@ -82,7 +84,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
     """Run the block, then restore RNG states, every submodule's training flag and the
     process's fp32 matmul precision (a TF32 candidate applied in this process sets it)."""
     modes = [(m, m.training) for m in model.modules()]
-    matmul = torch.get_float32_matmul_precision()
+    matmul = _torch_private.matmul_precision_state()
     # Reading CUDA's generators initialises CUDA: planning on a card does that anyway.
     with rng_restored(uses_cuda=torch.cuda.is_available()):
         try:
@@ -90,4 +92,4 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
         finally:
             for m, training in modes:
                 m.training = training  # the flag alone: train() would recurse and run user hooks
-            torch.set_float32_matmul_precision(matmul)
+            _torch_private.restore_matmul_precision(matmul)

@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from memadvisor import _torch_private
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
 from memadvisor.workload import train_step
@@ -135,12 +136,13 @@ def tf32_matmuls(enabled: bool = True) -> Iterator[None]:
     """fp32 matmuls in TF32 (``torch.set_float32_matmul_precision("high")``) inside the
     block, or in full fp32 (``"highest"``) with ``enabled=False``; the process's previous
     setting restored after. A no-op on the CPU, whose matmuls have no TF32."""
-    before = torch.get_float32_matmul_precision()
+    before = _torch_private.matmul_precision_state()
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        # Exactly as found: a fresh process's state, where it was one (the compile cache's key).
+        _torch_private.restore_matmul_precision(before)
 
 
 @dataclass

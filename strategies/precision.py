@@ -34,6 +34,7 @@ import torch
 from pydantic import JsonValue
 from torch import nn
 
+from memadvisor import _torch_private
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.facts import Facts
@@ -106,7 +107,7 @@ class TF32Matmuls(_forward.ForwardWrapper):
 
     def __init__(self, module: nn.Module, inner: Any) -> None:
         super().__init__(module, inner)
-        self.found = torch.get_float32_matmul_precision()
+        self.found = _torch_private.matmul_precision_state()
         torch.set_float32_matmul_precision("high")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -115,7 +116,10 @@ class TF32Matmuls(_forward.ForwardWrapper):
 
     def restore(self) -> None:
         """Put back the process-wide setting this wrapper found when installed."""
-        torch.set_float32_matmul_precision(self.found)
+        if isinstance(self.found, str):  # a wrapper pickled before the newer API's fields
+            torch.set_float32_matmul_precision(self.found)
+        else:
+            _torch_private.restore_matmul_precision(self.found)
 
 
 def precision_of(model: nn.Module) -> str:

@@ -494,3 +494,18 @@ def test_on_a_card_the_planted_failures_fail() -> None:
         workload = Workload(**getattr(planted, factory)())
         check = check_numerics(workload, precision, device="cuda", scaler=scaler)
         assert not check.passed, (factory, precision, check.summary)
+
+
+def test_tf32_is_put_back_exactly_as_a_fresh_process_has_it() -> None:
+    """After TF32 on and off again, the process's matmul precision is what it was, the newer
+    API's per-backend fields included: torch.set_float32_matmul_precision("highest") alone
+    leaves torch.backends.cuda.matmul.fp32_precision at "ieee" where a fresh process has
+    "none", and inductor keys its on-disk FX graph cache on it (a card's plan trialled its
+    compile after the TF32 check, and no probe process found the trial's graphs)."""
+    from memadvisor import _torch_private
+    from strategies._numerics import tf32_matmuls
+
+    before = _torch_private.matmul_precision_state()
+    with tf32_matmuls():
+        assert torch.get_float32_matmul_precision() == "high"
+    assert _torch_private.matmul_precision_state() == before
