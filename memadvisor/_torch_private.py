@@ -366,6 +366,25 @@ def _gone(what: str, error: Exception) -> ImportError:
     )
 
 
+# -- what torch's compile writes into its own process's environment ------------------------
+
+#: Variables inductor and triton set in ``os.environ`` of the process that compiles, for
+#: themselves and their workers (torch 2.11-2.13: triton's cache directory, derived from
+#: inductor's; the compile pool's warm-up switch; the toolchain's paths; a pointer for loaded
+#: C++ kernels). A process that compiles later derives the same values itself.
+COMPILE_SET_ENVIRONMENT = frozenset(
+    {
+        "TRITON_CACHE_DIR",
+        "TORCH_WARM_POOL",
+        "TRITON_PTXAS_PATH",
+        "TRITON_LIBDEVICE_PATH",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+        "KMP_DUPLICATE_LIB_OK",
+        "CUDA_HOME",
+    }
+)
+
+
 # -- fp32 matmul precision: read and restored exactly ----------------------------------------
 
 # The per-backend settings of torch's newer precision API that the legacy

@@ -53,6 +53,8 @@ from typing import Any, Literal
 
 import torch
 
+from memadvisor import _torch_private
+from memadvisor._log import logger
 from memadvisor.device._base import Device
 from memadvisor.device._lifetime import (
     absolute_sys_path,
@@ -69,7 +71,7 @@ from memadvisor.schema.device import DeviceCapabilities, card_capabilities
 from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload
 
-__all__ = ["IN_PROCESS_NOTE_START", "CudaDevice", "save_workload"]
+__all__ = ["IN_PROCESS_NOTE_START", "CudaDevice", "environment_changed", "save_workload"]
 
 # How the in-process fallback's note begins: the planner finds it and puts it first.
 IN_PROCESS_NOTE_START = "Probes ran in this process, not in fresh ones,"
@@ -97,6 +99,26 @@ def save_workload(parts: dict[str, Any], path: Path) -> None:
 def _get_fraction(index: int) -> float:
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     return float(getter(index)) if getter is not None else 1.0
+
+
+def environment_changed(started: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The variables whose change means a fork server started with ``started`` no longer
+    runs children as this process would (sorted; empty: it does).
+
+    A variable torch's compile set in this process after the server started
+    (``_torch_private.COMPILE_SET_ENVIRONMENT``: triton's cache directory, inductor's pool
+    switch) is not one: a child derives the same value when it compiles. Restarting for it
+    cost the first compiled run after the compile trial a new server on a card (10-14 s:
+    imports and the model's build again; docs/design.md, 'A dynamic batch while searching').
+    A variable of that set that changed from a value the server had still counts.
+    """
+    names = set(started) | set(now)
+    return sorted(
+        name
+        for name in names
+        if started.get(name) != now.get(name)
+        and not (name not in started and name in _torch_private.COMPILE_SET_ENVIRONMENT)
+    )
 
 
 class CudaDevice(Device):
@@ -246,9 +268,11 @@ class CudaDevice(Device):
     def _run_forked(self, candidate: Candidate, steps: int) -> Measurement | None:
         """The run in a forked child of the zygote; None when this device fell back instead."""
         zygote = self._zygote
-        if zygote is not None and zygote.parent_env != dict(os.environ):
+        changed = environment_changed(zygote.parent_env, dict(os.environ)) if zygote else []
+        if changed:
             # Its children would run with the environment it started with, not this one
             # (the compile stage points inductor's cache somewhere): start one that has it.
+            logger.debug("a new fork server: the environment changed (%s)", ", ".join(changed))
             self._stop_zygote()
             zygote = None
         try:

@@ -176,3 +176,24 @@ def test_a_child_forked_after_autograd_started_its_threads_is_unforkable() -> No
     )
     assert _error_answer(RuntimeError(message))["status"] == "unforkable"
     assert _error_answer(RuntimeError("shape mismatch"))["status"] == "error"
+
+
+def test_the_fork_server_restarts_for_the_users_environment_not_for_what_compile_set() -> None:
+    """A variable torch's compile writes into this process as it compiles (triton's cache
+    directory, inductor's pool switch) is no reason to start a new fork server: a child
+    derives the same value. A changed inductor cache, or any variable the server started
+    with that changed, is (its children would run with the old one)."""
+    from memadvisor.device.cuda import environment_changed
+
+    started = {"PATH": "/bin", "TORCHINDUCTOR_CACHE_DIR": "/tmp/a", "TRITON_CACHE_DIR": "/t"}
+    compiled = {**started, "TORCH_WARM_POOL": "0", "TRITON_PTXAS_PATH": "/p"}
+    assert environment_changed(started, compiled) == []
+    assert environment_changed(started, {**compiled, "TORCHINDUCTOR_CACHE_DIR": "/tmp/b"}) == [
+        "TORCHINDUCTOR_CACHE_DIR"
+    ]
+    assert environment_changed(started, {**started, "TRITON_CACHE_DIR": "/u"}) == [
+        "TRITON_CACHE_DIR"
+    ]
+    assert environment_changed(started, {**started, "MY_FLAG": "1"}) == ["MY_FLAG"]
+    without = {k: v for k, v in started.items() if k != "PATH"}
+    assert environment_changed(started, without) == ["PATH"]
