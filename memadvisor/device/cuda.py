@@ -107,10 +107,12 @@ def environment_changed(started: dict[str, str], now: dict[str, str]) -> list[st
 
     A variable torch's compile set in this process after the server started
     (``_torch_private.COMPILE_SET_ENVIRONMENT``: triton's cache directory, inductor's pool
-    switch) is not one: a child derives the same value when it compiles. Restarting for it
-    cost the first compiled run after the compile trial a new server on a card (10-14 s:
-    imports and the model's build again; docs/design.md, 'A dynamic batch while searching').
-    A variable of that set that changed from a value the server had still counts.
+    switch) is not one: a child derives the same value when it compiles. A restart costs a
+    server's imports and the model's build again; on a card the first compiled run after the
+    compile trial took 20-23 s where later ones took 7-10 s, which such a restart would
+    explain (inferred, not yet seen in the log this writes; docs/design.md, 'A dynamic batch
+    while searching'). A variable of that set that changed from a value the server had
+    still counts.
     """
     names = set(started) | set(now)
     return sorted(
