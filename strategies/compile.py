@@ -234,11 +234,15 @@ class Compile(Strategy, Measured, Described, Checked):
         )
 
     def _result_for(self, parsed: CompileChoice) -> CompileResult | None:
-        """The trial kept for ``parsed``, or for its dynamic-batch form: the plan's trial
-        compiles the searched form, the same model and graph breaks as the static pick's."""
-        return self.results.get(parsed) or self.results.get(
-            parsed.model_copy(update={"dynamic_batch": True})
-        )
+        """The trial kept for ``parsed``, or for its dynamic-batch form (the plan's trial
+        compiles the searched form, the same model and graph breaks as the static pick's),
+        or for either without a partitioner budget (which changes what backward recomputes,
+        not what is computed; the compile stage trials a budget form only where no such
+        trial ran)."""
+        forms = [parsed, parsed.model_copy(update={"dynamic_batch": True})]
+        if parsed.activation_memory_budget is not None:  # its trial may stand for it
+            forms += [f.model_copy(update={"activation_memory_budget": None}) for f in forms]
+        return next((self.results[f] for f in forms if f in self.results), None)
 
     def plan_scope(
         self, config: PlanConfig, device: DeviceCapabilities

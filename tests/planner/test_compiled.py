@@ -322,6 +322,30 @@ def test_the_partitioner_budget_replaces_block_checkpointing_at_the_picks_kept_s
     assert outcome is not None and all(v.ok for v in outcome.variants)
 
 
+def test_a_budget_form_is_not_trialled_where_its_budget_free_form_was(
+    profile, strategies, workload, fake_device, trials, tmp_path
+) -> None:
+    """The partitioner budget changes what backward recomputes, not what is computed: its
+    form is not compiled again in the planner's process where the form without it was
+    trialled (the trial stands for it, said in its record), and the strategy's check of a
+    budget pick reuses that trial instead of compiling."""
+    eager_choices = {"checkpointing": ["b0", "b1"]}
+    budget = {"mode": "default", "activation_memory_budget": 0.6}
+    device = _compiling_device(
+        fake_device, {'"default"': 1.1, json.dumps(budget): 1.4}, threshold=40
+    )
+    search = CompileSearch(regional=False)
+    prober, eager, strategy = _setup(profile, strategies, device, workload, eager_choices, search)
+    pick, outcome = _refine(prober, eager, [], cache_dir=tmp_path)
+    assert [t["choice"] for t in trials] == [DYNAMIC]  # one trial, the budget-free form
+    assert pick.candidate.choices == {"compile": budget}
+    assert outcome is not None and outcome.picked
+    budgeted = [v for v in outcome.variants if "activation_memory_budget" in json.dumps(v.choices)]
+    assert budgeted and all(v.ok and v.trial.startswith("not trialled") for v in budgeted)
+    check = strategy.check(workload, budget)
+    assert check is not None and check.passed and len(trials) == 1
+
+
 def test_compile_is_weighed_only_when_asked_and_measurable(
     profile, strategies, workload, fake_device, trials
 ) -> None:
