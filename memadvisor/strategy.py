@@ -205,6 +205,12 @@ class PickStage(ABC):
         """Say on the progress line what the stage is doing now; the device runs that follow
         say their batch after it (``compiling candidate 2/4 (...): batch 8 running``)."""
 
+    def below_failure(self, choices: dict[str, JsonValue], failed: int) -> int:
+        """The largest batch a pick of ``choices`` may take under ``failed``, a batch of them
+        that ran out of memory: the plan's margin below a failure (default: the batch
+        under it)."""
+        return failed - 1
+
     @contextlib.contextmanager
     def progress(self) -> Iterator[None]:
         """The stage's own progress line, while its device runs happen (default: none)."""

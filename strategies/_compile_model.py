@@ -104,6 +104,7 @@ def fit_step(
     limit_bytes: int,
     max_batch: int,
     lowest_failure: int | None = None,
+    below_failure: int | None = None,
 ) -> StepFit | None:
     """The lines of a configuration from its ``runs`` (batch -> (held bytes, step ms)) that
     fitted, and what they predict under ``limit_bytes``; None without a run.
@@ -115,6 +116,11 @@ def fit_step(
         limit_bytes: the most a pick's peak may be.
         max_batch: no batch above this is predicted.
         lowest_failure: the lowest batch of the configuration that ran out of memory.
+        below_failure: the largest batch a pick may take under ``lowest_failure`` (the
+            plan's margin below a failure); default the batch under it. A line that puts
+            the edge past a batch that ran out is off near the edge (the allocator's
+            fragmentation is not in it): a batch one under the failure mostly ran out too
+            (gpt, hf_gpt2 and lm350m on a card, docs/design.md).
     """
     if not runs:
         return None
@@ -130,6 +136,8 @@ def fit_step(
     if time is None or time.per_sample <= 0:
         time, time_ratio = _scaled_ms(top_batch, top_ms, eager.ms)
     largest = predicted(memory, limit_bytes, max_batch, lowest_failure)
+    if lowest_failure is not None and below_failure is not None:
+        largest = max(0, min(largest, below_failure))
     return StepFit(
         fixed_bytes=round(memory.fixed),
         per_sample_bytes=round(memory.per_sample),

@@ -438,12 +438,14 @@ class Search:
             v.lowest_failure = batch if v.lowest_failure is None else min(v.lowest_failure, batch)
         else:
             v.runs[batch] = m
+        failure = v.lowest_failure
         v.fit = fit_step(
             {b: (self.stage.held_bytes(r), r.step_ms) for b, r in v.runs.items()},
             v.eager,
             limit_bytes=self.stage.limit_bytes,
             max_batch=self.stage.config.max_batch,
-            lowest_failure=v.lowest_failure,
+            lowest_failure=failure,
+            below_failure=self.stage.below_failure(v.choices, failure) if failure else None,
         )
         return m is not None
 

@@ -145,6 +145,9 @@ class ProberStage(PickStage):
     def held_bytes(self, measured: Measurement) -> int:
         return self._prober.held(measured)
 
+    def below_failure(self, choices: dict[str, JsonValue], failed: int) -> int:
+        return self._prober.below(choices, failed)
+
     @property
     def limit_bytes(self) -> int:
         return int(self._prober.pick_limit_bytes({}, 0))

@@ -15,6 +15,7 @@ import re
 from collections import Counter
 
 import pytest
+import torch
 
 from memadvisor.planner import Progress, plan_workload
 from memadvisor.planner._prober import Prober
@@ -23,6 +24,7 @@ from memadvisor.planner._stage import ProberStage
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Plan
+from strategies._compile_search import Search, search_variants
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
 
 MIB = 2**20
@@ -300,3 +302,36 @@ def test_a_bounded_batch_search_answers_from_its_runs(
     assert len(prober.probes) == 2 and not prober.probes[-1].fits
     assert found is not None and found.candidate.batch_size == 10
     assert prober.runs_left is None  # the bound ends with the search
+
+
+def test_a_candidates_line_stays_the_plans_margin_below_its_failure(
+    workload, profile, strategies, linear_device
+) -> None:
+    """The stage's margin below a failure is the prober's (what the planner's batch search
+    takes under a batch that ran out), so a compiled candidate's line, and the confirmation
+    that starts from it, stay that far below the failure, not one batch under it."""
+    device = linear_device(EAGER_FLAT)
+    space = SearchSpace(profile, [*strategies, Compile()], _config())
+    prober = Prober(device, workload, space, space.config)
+    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    choices = {"precision": "bf16"}
+    edge = device.edge(Candidate(batch_size=1, choices=choices))
+    assert stage.run(choices, edge // 2) is not None and stage.run(choices, edge + 1) is None
+    margin = stage.below_failure(choices, edge + 1)
+    assert margin == prober.below(choices, edge + 1) and margin < edge
+    # A compiled candidate whose run ran out: its line's batch is the margin below.
+    eager = prober.confirm(space.score_choices(choices))
+    settings = CompileSearch()
+    variants, _ = search_variants(stage, eager, ["default"], settings, lambda c, b: 0.5)
+    v, search = variants[0], Search(stage, settings, eager)
+    compiled_edge = device.edge(Candidate(batch_size=1, choices=v.choices))
+    # Two runs that fit: the line is the device's own; then the card runs out a little
+    # below where that line puts the limit (fragmentation the line does not know).
+    assert search._run(v, compiled_edge // 3, 1, 1) and search._run(v, compiled_edge // 2, 1, 1)
+    assert v.fit is not None
+    failed = v.fit.largest_batch - 2
+    device.error, device.error_at = torch.OutOfMemoryError("fake: fragmented"), failed
+    assert search._run(v, failed, 1, 1) is False
+    assert v.fit is not None and v.fit.lowest_failure == failed
+    margin = stage.below_failure(v.choices, failed)
+    assert margin < failed - 1 and v.fit.largest_batch == margin

@@ -81,6 +81,22 @@ def test_the_prediction_stays_below_a_failure_and_the_largest_batch() -> None:
     assert predicted(Line(200 * MIB, MIB), LIMIT, 1000, None) == 0  # not even one sample
 
 
+def test_a_failure_caps_the_prediction_at_the_plans_margin_below_it() -> None:
+    """With the plan's margin below the failure given (what its batch search takes under a
+    batch that ran out), the prediction stays there, not one under the failure: on a card
+    the batch one under a failure that a line had put within the limit ran out too."""
+    runs = {b: _run(b, 12 * MIB, 0.7 * MIB, 1.5, 0.06) for b in (10, 40)}
+    margin = fit_step(
+        runs, EAGER, limit_bytes=LIMIT, max_batch=1000, lowest_failure=100, below_failure=94
+    )
+    assert margin is not None and margin.largest_batch == 94 and margin.lowest_failure == 100
+    # A margin above the line's own prediction changes nothing.
+    loose = fit_step(
+        runs, EAGER, limit_bytes=LIMIT, max_batch=80, lowest_failure=100, below_failure=94
+    )
+    assert loose is not None and loose.largest_batch == 80
+
+
 def test_runs_whose_bytes_do_not_rise_are_scaled_from_the_largest() -> None:
     """Two runs whose bytes fall with the batch (noise at the same peak) give no slope: the
     line is eager's scaled through the larger batch's run, and says so."""
