@@ -184,8 +184,11 @@ class Prober:
         if self.bar is not None:
             self.bar.describe(text)
 
-    def largest(self, scored: Scored, stage: str) -> tuple[BatchSearch, dict[int, Measurement]]:
-        """Probe the largest micro-batch of ``scored``'s choices, bracketed by its estimate."""
+    def largest(
+        self, scored: Scored, stage: str, floor: int = 0
+    ) -> tuple[BatchSearch, dict[int, Measurement]]:
+        """Probe the largest micro-batch of ``scored``'s choices, bracketed by its estimate
+        (``floor``: a batch of them known to fit, :func:`find_batch`)."""
         cfg = self.config
         choices = scored.candidate.choices
         measured: dict[int, Measurement] = {}
@@ -231,6 +234,7 @@ class Prober:
             # on the estimate's slope, could not: a pessimistic estimate costs a run, not batch.
             max_extrapolations=3 if cfg.measured_margin else 1,
             descend=cfg.measured_margin,
+            floor=floor,
         )
         return found, measured
 
@@ -271,12 +275,14 @@ class Prober:
         samples = max(1, math.ceil(HEADROOM_FRACTION * cfg.budget_bytes / slope))
         return max(0, failed - samples)
 
-    def confirm(self, scored: Scored, stage: str = "probe") -> Confirmed | None:
+    def confirm(self, scored: Scored, stage: str = "probe", floor: int = 0) -> Confirmed | None:
         """The candidate at the batch the device allows, timed; None when batch 1 fails.
 
-        The batch search continues from whatever this prober already ran of the same choices.
+        The batch search continues from whatever this prober already ran of the same choices
+        (a run already made answers without the device; ``floor``, a batch of them known to
+        fit, bounds its descent, :func:`find_batch`).
         """
-        found, measured = self.largest(scored, stage)
+        found, measured = self.largest(scored, stage, floor)
         if found.batch < 1:
             return None
         batch, accumulation = self.space.batch_for(found.batch)

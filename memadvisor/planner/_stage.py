@@ -107,7 +107,19 @@ class ProberStage(PickStage):
                 return Confirmed(
                     candidate=candidate, found_batch=b, measured=m, scored=scored, search=search
                 )
-        return self._prober.confirm(scored, stage=self._name)
+        floor = self._known_fit(scored.candidate.choices)
+        return self._prober.confirm(scored, stage=self._name, floor=floor)
+
+    def _known_fit(self, choices: dict[str, JsonValue]) -> int:
+        """The largest batch of ``choices`` that fitted within the pick's limit, below the
+        margin under their lowest failure (0: none): where a measured stage's batch search
+        may stop descending (its earlier runs, e.g. the compile search's passes)."""
+        prober = self._prober
+        fitted, failure = prober.measured_runs(choices)
+        cap = prober.below(choices, failure) if failure is not None else None
+        limit = prober.pick_limit_bytes(choices, 0)
+        ok = [b for b, m in fitted.items() if prober.held(m) <= limit and (cap is None or b <= cap)]
+        return max(ok, default=0)
 
     def _best_measured(self, scored: Scored) -> Confirmed | None:
         """The largest batch of ``scored``'s choices that fitted within the pick's limit, below
@@ -115,12 +127,10 @@ class ProberStage(PickStage):
         the objective's batch there needs accumulation, which no run measured)."""
         prober, choices = self._prober, scored.candidate.choices
         fitted, failure = prober.measured_runs(choices)
-        cap = prober.below(choices, failure) if failure is not None else None
-        limit = prober.pick_limit_bytes(choices, 0)
-        ok = [b for b, m in fitted.items() if prober.held(m) <= limit and (cap is None or b <= cap)]
-        if not ok:
+        known = self._known_fit(choices)
+        if not known:
             return None
-        batch, accumulation = prober.space.batch_for(max(ok))
+        batch, accumulation = prober.space.batch_for(known)
         if accumulation != 1 or batch not in fitted:
             return None
         tried = [(b, True) for b in sorted(fitted)] + ([(failure, False)] if failure else [])

@@ -335,3 +335,22 @@ def test_a_candidates_line_stays_the_plans_margin_below_its_failure(
     assert v.fit is not None and v.fit.lowest_failure == failed
     margin = stage.below_failure(v.choices, failed)
     assert margin < failed - 1 and v.fit.largest_batch == margin
+
+
+def test_a_confirmation_never_descends_below_a_batch_that_fitted(
+    workload, profile, strategies, linear_device
+) -> None:
+    """The stage's batch search after a failure bisects down to the largest batch of the
+    same choices an earlier run fitted (within the limit), not below it."""
+    device = linear_device(EAGER_FLAT)
+    space = SearchSpace(profile, [*strategies, Compile()], _config())
+    prober = Prober(device, workload, space, space.config)
+    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    choices = {"precision": "bf16"}
+    edge = device.edge(Candidate(batch_size=1, choices=choices))
+    known = edge - 6
+    assert stage.run(choices, known) is not None
+    found = stage.confirm(choices, edge + 30)
+    tried = [p.batch_size for p in prober.probes]
+    assert min(tried[1:]) > known, tried
+    assert found is not None and known <= found.candidate.batch_size <= edge

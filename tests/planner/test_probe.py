@@ -199,3 +199,30 @@ def test_a_compiled_runs_progress_says_its_first_step_and_the_cache() -> None:
     )
     uncached = compiled.model_copy(update={"compile_cache_bypasses": 2})
     assert _compiled_words(uncached).endswith(", 1 compiled, 2 the cache would not take)")
+
+
+def test_a_known_fit_is_the_floor_of_the_descent() -> None:
+    """A batch of the same choices known to fit (an earlier run) bounds the search after a
+    failure: it bisects between that fit and the failure instead of halving below it (a
+    compiled confirmation ran 167 after 335 failed, below a 302 that had fitted), and a
+    start at or below it costs no run."""
+    edge = 320
+
+    def run_log(tried: list[int]):
+        def fits(b: int) -> bool:
+            tried.append(b)
+            return b <= edge
+
+        return fits
+
+    blind: list[int] = []
+    find_batch(run_log(blind), 397, 400, 0.08, 10_000, below=lambda b: b - 10, descend=True)
+    assert min(blind) < 302  # without the floor the descent went below the known fit
+    known: list[int] = []
+    found = find_batch(
+        run_log(known), 397, 400, 0.08, 10_000, below=lambda b: b - 10, descend=True, floor=302
+    )
+    assert min(known) > 302 and 302 <= found.batch <= edge, known
+    low: list[int] = []
+    found = find_batch(run_log(low), 250, 400, 0.08, 10_000, descend=True, floor=302)
+    assert low[0] == 302 and found.batch >= 302  # the start is the floor, not below it
