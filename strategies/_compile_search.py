@@ -13,7 +13,9 @@ therefore measures compiled variants of several eager combinations, not only of 
    :attr:`CompileSearch.max_candidates`. Each is compiled in its *search form*: each
    repeated block compiled (``regional``) where the profile's blocks repeat, which compiles
    about as many times faster as there are blocks (7 s against 46 s for 24 layers,
-   ``docs/design.md``, "What a compile costs, by form").
+   ``docs/design.md``, "What a compile costs, by form"), and with a dynamic batch
+   (:attr:`CompileSearch.dynamic_batch`), so one graph in inductor's cache serves every
+   batch the candidate's runs try; the pick is handed on static.
 2. Pass 1: one run each, at the batch eager allows it (the estimate's, corrected by what the
    device found for the eager pick), so each gets a line of its compiled memory
    (:func:`~strategies._compile_model.fit_step`; from one run, eager's per-sample bytes
@@ -39,6 +41,11 @@ Known limitations:
       eager pick's.
     * The seconds budget is checked before a run starts; the confirmations are bounded in
       runs only.
+    * On torch 2.11 (CUDA) inductor's caches do not take a graph with checkpointed blocks:
+      every run of such a candidate compiles its blocks again, dynamic batch or not
+      (``docs/design.md``, "A dynamic batch while searching"; torch 2.13 on a CPU caches it).
+    * The dynamic graph is measured, the static one verified: where they differ in memory
+      the verification steps the batch down.
 """
 
 from __future__ import annotations

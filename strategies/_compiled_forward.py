@@ -249,6 +249,9 @@ class CompiledForward(_forward.ForwardWrapper):
     class, mode and budget, and again when dynamo's guards fail (a new input shape, eval()).
     """
 
+    # A class default as well: a wrapper pickled before the field existed loads static.
+    dynamic_batch: bool = False
+
     def __init__(
         self,
         module: nn.Module,

@@ -491,6 +491,11 @@ def test_a_dynamic_batch_compiles_one_graph_for_every_batch(monkeypatch) -> None
             model(torch.randn(batch, 16)).sum().backward()
         counts[name] = len(graphs)
     assert counts == {"static": 2, "dynamic": 1}, counts
+    # A wrapper pickled before the field existed (no dynamic_batch in its state) is static.
+    old = CompiledForward.__new__(CompiledForward)
+    old.__dict__.update({"module": None, "inner": None, "mode": "default"})
+    old.__dict__["activation_memory_budget"] = None
+    assert old.dynamic_batch is False
 
 
 def test_a_trial_of_the_dynamic_form_compiles_the_graph_the_probes_compile(monkeypatch) -> None:
