@@ -226,7 +226,9 @@ def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_mo
     runs = [p for p in result.probes if p.stage in ("timing", "probe", "verify")]
     picked = {k: v for k, v in result.candidate.choices.items() if k != "batch_size"}
     winner = [p for p in runs if p.candidate.choices == picked]  # batch_size: the pick's record
-    tried = [(p.stage, p.batch_size, p.fits) for p in runs]
+    # Short enough that a failure prints every run (pytest cut a list of tuples at six):
+    # "timing b442 fits; probe b582 OOM; ...", each with its choices.
+    tried = "; ".join(_run_words(p) for p in runs)
     timed = [p for p in runs if p.stage == "timing"]
     assert len(timed) <= 5 and len(runs) <= 11 and len(winner) <= 7, tried
     # The edge was measured (a run ran out), and the pick stays below its own choices' edge.
@@ -239,6 +241,16 @@ def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_mo
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= allocated
     assert torch.cuda.memory_reserved() <= reserved
+
+
+def _run_words(p) -> str:
+    """``'probe b582 OOM precision=bf16 checkpointing=4'``: a run in a few words."""
+    choices = " ".join(
+        f"{k}={len(v) if isinstance(v, list) else v}"
+        for k, v in sorted(p.candidate.choices.items())
+        if k != "optimizer_habits"
+    )
+    return f"{p.stage} b{p.batch_size} {'fits' if p.fits else 'OOM'} {choices}"
 
 
 @gpu
