@@ -107,15 +107,18 @@ class ProberStage(PickStage):
                 return Confirmed(
                     candidate=candidate, found_batch=b, measured=m, scored=scored, search=search
                 )
-        floor = self._known_fit(scored.candidate.choices)
+        choices = scored.candidate.choices
+        floor = self._known_fit(choices, *self._prober.measured_runs(choices))
         return self._prober.confirm(scored, stage=self._name, floor=floor)
 
-    def _known_fit(self, choices: dict[str, JsonValue]) -> int:
-        """The largest batch of ``choices`` that fitted within the pick's limit, below the
-        margin under their lowest failure (0: none): where a measured stage's batch search
-        may stop descending (its earlier runs, e.g. the compile search's passes)."""
+    def _known_fit(
+        self, choices: dict[str, JsonValue], fitted: dict[int, Measurement], failure: int | None
+    ) -> int:
+        """Of ``choices``' runs that fitted (``fitted``, by batch; ``failure``, their lowest
+        that ran out: :meth:`Prober.measured_runs`), the largest batch within the pick's
+        limit, below the margin under the failure (0: none): where a measured stage's batch
+        search may stop descending (its earlier runs, e.g. the compile search's passes)."""
         prober = self._prober
-        fitted, failure = prober.measured_runs(choices)
         cap = prober.below(choices, failure) if failure is not None else None
         limit = prober.pick_limit_bytes(choices, 0)
         ok = [b for b, m in fitted.items() if prober.held(m) <= limit and (cap is None or b <= cap)]
@@ -127,7 +130,7 @@ class ProberStage(PickStage):
         the objective's batch there needs accumulation, which no run measured)."""
         prober, choices = self._prober, scored.candidate.choices
         fitted, failure = prober.measured_runs(choices)
-        known = self._known_fit(choices)
+        known = self._known_fit(choices, fitted, failure)
         if not known:
             return None
         batch, accumulation = prober.space.batch_for(known)

@@ -75,6 +75,24 @@ def _compiling_device(fake_device, speedup: dict[str, float], *, writes=True, **
     return CompilingDevice(**kwargs)
 
 
+def _trial_result(choice, candidate, **changes) -> CompileResult:
+    """A trial of ``choice`` that compiled in 2 s and matched eager (``changes`` say else)."""
+    return CompileResult(
+        **{
+            "choice": parse_choice(choice).to_json(),
+            "ok": True,
+            "batch_size": candidate.batch_size,
+            "steps": 3,
+            "eager_step_ms": 10.0,
+            "first_step_ms": TRIAL_FIRST_MS,
+            "compiled_step_ms": TRIAL_STEADY_MS,
+            "graphs": 1,
+            "loss_rel_diff": 1e-6,
+            **changes,
+        }
+    )
+
+
 @pytest.fixture
 def trials(monkeypatch) -> list[dict]:
     """try_compile replaced: every choice compiles at once; the calls are listed."""
@@ -82,17 +100,7 @@ def trials(monkeypatch) -> list[dict]:
 
     def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
         calls.append({"choice": choice, "candidate": candidate, "device": device})
-        return CompileResult(
-            choice=parse_choice(choice).to_json(),
-            ok=True,
-            batch_size=candidate.batch_size,
-            steps=3,
-            eager_step_ms=10.0,
-            first_step_ms=TRIAL_FIRST_MS,
-            compiled_step_ms=TRIAL_STEADY_MS,
-            graphs=1,
-            loss_rel_diff=1e-6,
-        )
+        return _trial_result(choice, candidate)
 
     monkeypatch.setattr("strategies.compile.try_compile", stand_in)
     return calls
@@ -257,18 +265,8 @@ def test_a_model_a_dynamic_batch_breaks_is_searched_static(
     def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
         tried.append(choice)
         dynamic = parse_choice(choice).dynamic_batch
-        return CompileResult(
-            choice=parse_choice(choice).to_json(),
-            ok=not dynamic,
-            error="symbolic batch: a guard failed" if dynamic else None,
-            batch_size=candidate.batch_size,
-            steps=3,
-            eager_step_ms=10.0,
-            first_step_ms=TRIAL_FIRST_MS,
-            compiled_step_ms=TRIAL_STEADY_MS,
-            graphs=1,
-            loss_rel_diff=1e-6,
-        )
+        error = "symbolic batch: a guard failed" if dynamic else None
+        return _trial_result(choice, candidate, ok=not dynamic, error=error)
 
     monkeypatch.setattr("strategies.compile.try_compile", stand_in)
     device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)

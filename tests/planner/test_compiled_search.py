@@ -286,15 +286,20 @@ def test_progress_says_which_candidate_the_plan_waits_on(
     assert any(m.startswith("compile: confirming checkpoint 4/4 blocks from batch") for m in lines)
 
 
+def _stage(workload, profile, strategies, linear_device):
+    """(device, space, prober, the compile stage's PickStage) over EAGER_FLAT's device."""
+    device = linear_device(EAGER_FLAT)
+    space = SearchSpace(profile, [*strategies, Compile()], _config())
+    prober = Prober(device, workload, space, space.config)
+    return device, space, prober, ProberStage(prober, "compile", Progress(enabled=False))
+
+
 def test_a_bounded_batch_search_answers_from_its_runs(
     workload, profile, strategies, linear_device
 ) -> None:
     """PickStage.confirm with max_runs: the search stops when its runs are spent and answers
     with the largest batch that fitted within the limit, below every failure."""
-    device = linear_device(EAGER_FLAT)
-    space = SearchSpace(profile, [*strategies, Compile()], _config())
-    prober = Prober(device, workload, space, space.config)
-    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    device, space, prober, stage = _stage(workload, profile, strategies, linear_device)
     choices = {"precision": "bf16"}
     edge = device.edge(Candidate(batch_size=1, choices=choices))
     assert stage.run(choices, 10) is not None  # a run before the search: it answers for free
@@ -310,10 +315,7 @@ def test_a_candidates_line_stays_the_plans_margin_below_its_failure(
     """The stage's margin below a failure is the prober's (what the planner's batch search
     takes under a batch that ran out), so a compiled candidate's line, and the confirmation
     that starts from it, stay that far below the failure, not one batch under it."""
-    device = linear_device(EAGER_FLAT)
-    space = SearchSpace(profile, [*strategies, Compile()], _config())
-    prober = Prober(device, workload, space, space.config)
-    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    device, space, prober, stage = _stage(workload, profile, strategies, linear_device)
     choices = {"precision": "bf16"}
     edge = device.edge(Candidate(batch_size=1, choices=choices))
     assert stage.run(choices, edge // 2) is not None and stage.run(choices, edge + 1) is None
@@ -342,10 +344,7 @@ def test_a_confirmation_never_descends_below_a_batch_that_fitted(
 ) -> None:
     """The stage's batch search after a failure bisects down to the largest batch of the
     same choices an earlier run fitted (within the limit), not below it."""
-    device = linear_device(EAGER_FLAT)
-    space = SearchSpace(profile, [*strategies, Compile()], _config())
-    prober = Prober(device, workload, space, space.config)
-    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    device, space, prober, stage = _stage(workload, profile, strategies, linear_device)
     choices = {"precision": "bf16"}
     edge = device.edge(Candidate(batch_size=1, choices=choices))
     known = edge - 6

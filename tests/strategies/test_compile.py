@@ -412,12 +412,13 @@ class _Stack(nn.Module):
         return self.head(x)
 
 
-def _counting_backend(monkeypatch) -> list[int]:
-    """Every graph compiled is counted (then run as captured); returns the list of counts."""
-    graphs: list[int] = []
+def _counting_backend(monkeypatch, measure=lambda gm, example_inputs: len(gm.graph.nodes)):
+    """Every graph compiled is recorded, ``measure(gm, example_inputs)`` of it (its node
+    count by default), then run as captured; returns the list of records."""
+    graphs: list = []
 
     def backend(gm, example_inputs):
-        graphs.append(len(gm.graph.nodes))
+        graphs.append(measure(gm, example_inputs))
         return gm.forward
 
     monkeypatch.setattr(
@@ -502,17 +503,10 @@ def test_a_trial_of_the_dynamic_form_compiles_the_graph_the_probes_compile(monke
     """The plan's trial fills the on-disk cache for the probes: a trial of the dynamic-batch
     form compiles the graph symbolic in the batch, as the probes' CompiledForward does (a
     static trial graph is another cache entry, and every probe compiled again)."""
-    symbolic: list[bool] = []
-
-    def backend(gm, example_inputs):
-        # A symbolic batch reaches the backend as a SymInt input beside the tensors.
-        symbolic.append(any(isinstance(t, torch.SymInt) for t in example_inputs))
-        return gm.forward
-
-    monkeypatch.setattr(
-        "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: backend
+    # A symbolic batch reaches the backend as a SymInt input beside the tensors.
+    symbolic = _counting_backend(
+        monkeypatch, lambda gm, inputs: any(isinstance(t, torch.SymInt) for t in inputs)
     )
-    torch._dynamo.reset()
     result = try_compile(_workload(_Stack()), {**REGIONAL, "dynamic_batch": True}, steps=2)
     assert result.ok, result.summary
     assert symbolic == [True], symbolic
