@@ -272,8 +272,29 @@ class Prober:
         slope = self.sample_bytes(choices, failed) if cfg.measured_margin else 0.0
         if slope <= 0:
             return safe_below(failed, cfg.margin_fraction)
+        slope = max(slope, self._edge_slope(choices, failed))
         samples = max(1, math.ceil(HEADROOM_FRACTION * cfg.budget_bytes / slope))
         return max(0, failed - samples)
+
+    def _edge_slope(self, choices: dict[str, JsonValue], failed: int) -> float:
+        """The least a sample of ``choices`` adds near their edge: between the largest batch
+        of them that fitted below ``failed`` and ``failed``, which needed more than the
+        budget, the peak climbed at least the budget less what that fit held (0: no fit).
+
+        Where a step's peak is a fixed phase (the optimizer's update) until the activations
+        overtake it near the edge, the runs that fitted hold the same bytes whatever their
+        batch, and their slope, or the estimate's, says a sample costs little: the headroom
+        in samples then reached far below the failure (lm350m's compiled candidate, 13 fitted
+        at 7.28 GB and 2 at 7.39 GB under 8 GiB, 17 ran out: its line fell to batch 2 on a
+        card). The climb the failure proves bounds the slope from below.
+        """
+        fitted = self._fitted.get(json.dumps(choices, sort_keys=True), {})
+        fits = [b for b in fitted if b < failed]
+        if not fits:
+            return 0.0
+        batch = max(fits)
+        held = _held(fitted[batch], self.config.measured_margin)
+        return max(0.0, (self.config.budget_bytes - held) / (failed - batch))
 
     def confirm(self, scored: Scored, stage: str = "probe", floor: int = 0) -> Confirmed | None:
         """The candidate at the batch the device allows, timed; None when batch 1 fails.

@@ -217,7 +217,9 @@ class LinearDevice(FakeDevice):
     (precision, checkpointed blocks)); a compiled run (choices with a compile choice) holds
     ``compiled_ratio`` of eager's per sample (or ``compiled_per_sample``'s MiB) and
     ``compiled_fixed_bytes`` more fixed, whatever its form (regional or whole), as fusion frees
-    per-sample intermediates. Time:
+    per-sample intermediates. A run's measured peak is at least ``step_peak_bytes`` (a fixed
+    phase, the optimizer's update, that the activations overtake only near the edge); what
+    fits is the line's alone. Time:
     ``1 ms + b * per_sample_ms * (1 + recompute * blocks / BLOCKS)``, ``per_sample_ms`` halved
     in bf16; compiled ``speedup`` times faster, its regional form ``regional_speed`` of that.
     """
@@ -230,6 +232,7 @@ class LinearDevice(FakeDevice):
         compiled_ratio: float = 0.7,
         compiled_per_sample: dict[tuple[str, int], float] | None = None,
         compiled_fixed_bytes: int = 0,
+        step_peak_bytes: int = 0,
         speedup: float = 1.3,
         regional_speed: float = 0.95,
         per_sample_ms: float = 0.1,
@@ -241,6 +244,7 @@ class LinearDevice(FakeDevice):
         self.eager_per_sample = eager_per_sample
         self.compiled_per_sample = compiled_per_sample
         self.fixed_bytes, self.compiled_fixed_bytes = fixed_bytes, compiled_fixed_bytes
+        self.step_peak_bytes = step_peak_bytes
         self.compiled_ratio, self.speedup, self.regional_speed = (
             compiled_ratio,
             speedup,
@@ -296,7 +300,7 @@ class LinearDevice(FakeDevice):
         step_ms = self.step_ms(candidate)
         return Measurement(
             steps=steps,
-            peak_bytes=fixed + per_sample * candidate.batch_size,
+            peak_bytes=max(self.step_peak_bytes, fixed + per_sample * candidate.batch_size),
             step_ms=step_ms,
             samples_per_s=candidate.batch_size * candidate.accumulation_steps / step_ms * 1e3,
         )

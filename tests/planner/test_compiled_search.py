@@ -353,3 +353,34 @@ def test_a_confirmation_never_descends_below_a_batch_that_fitted(
     tried = [p.batch_size for p in prober.probes]
     assert min(tried[1:]) > known, tried
     assert found is not None and known <= found.candidate.batch_size <= edge
+
+
+def test_a_flat_peak_below_the_edge_keeps_the_line_next_to_its_failure(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Where every run's peak is a fixed phase (the optimizer's update) that the activations
+    overtake only near the edge, the runs' slope says nothing of a sample's cost; a failure
+    proves the peak climbed the rest of the budget since the largest fit, so the margin below
+    it stays a few samples and a confirmation from above bisects down to that fit, not below
+    it (lm350m's compiled candidate on a card: 13 fitted at 7.28 GB, 2 at 7.39 GB, 17 ran out
+    under 8 GiB, and its confirmation fell to batch 2). A sample costs the device 20 MiB,
+    the estimate 2.7: its slope alone puts the headroom (30 MiB) 12 samples down."""
+    device = linear_device({("bf16", 0): 20.0, ("fp32", 0): 40.0})
+    device.budget_bytes = 1000 * MIB
+    space = SearchSpace(profile, [*strategies, Compile()], _config(budget_bytes=1000 * MIB))
+    prober = Prober(device, workload, space, space.config)
+    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    choices = {"precision": "bf16"}
+    edge = device.edge(Candidate(batch_size=1, choices=choices))
+    fixed, per_sample = device.line(Candidate(batch_size=1, choices=choices))
+    device.step_peak_bytes = fixed + per_sample * (edge - 3)
+    known = edge - 4
+    small, large = stage.run(choices, 2), stage.run(choices, known)
+    assert small is not None and large is not None and small.peak_bytes == large.peak_bytes
+    assert stage.run(choices, edge + 1) is None
+    line = stage.below_failure(choices, edge + 1)
+    assert known <= line <= edge, (known, line, edge)
+    found = stage.confirm(choices, edge + 1)
+    tried = [p.batch_size for p in prober.probes][3:]
+    assert all(b > known for b in tried), tried
+    assert found is not None and known <= found.candidate.batch_size <= edge
