@@ -454,12 +454,23 @@ def train_step(
     accumulation_steps: int = 1,
     scaler: torch.amp.GradScaler | None = None,
     on_phase: PhaseCallback | None = None,
+    held: list[Any] | None = None,
 ) -> torch.Tensor:
     """One optimizer step: forward, loss, backward (x accumulation), step, ``zero_grad``.
 
     ``batch`` is one micro-batch; with ``accumulation_steps`` > 1 it is used that many times
     before the optimizer steps, as gradient accumulation would. Gradients are freed with
     ``zero_grad(set_to_none=True)`` at the end, so the next step starts without them.
+
+    The model's output stays referenced through backward and the optimizer's step, as a
+    user's loop keeps it: ``logits = model(x); loss = f(logits, y); loss.backward()`` (the
+    README's loop) and ``out = model(**batch); out.loss.backward()`` (Hugging Face's) hold
+    it until the name is bound again. ``held``, a one-slot list the caller's loop keeps
+    across steps, models that rebinding too: the previous output is dropped only when the
+    next forward has returned, so it is alive through that forward, and the last stays in
+    ``held[0]``. A language model's logits are the largest tensor of its step (the GPT
+    example at 8 GiB: 1.81 GiB at batch 302, where a plan that freed them before backward
+    picked a batch the user's loop ran out of memory at).
 
     Returns:
         The last micro-batch's loss, detached (a tensor, not a float: reading its value would
@@ -482,10 +493,11 @@ def train_step(
             phase = "forward"
             notify("forward")
             output = workload.forward(model, batch)
+            if held is not None:
+                held[:] = [output]  # the previous output, alive through this forward, goes
             phase = "loss"
             notify("loss")
             loss = workload.loss(output, batch)
-            output = None
             if accumulation_steps > 1:
                 loss = loss / accumulation_steps
             phase = "backward"
@@ -508,6 +520,7 @@ def train_step(
     notify("zero_grad")
     optimizer.zero_grad(set_to_none=True)
     notify("end")
+    del output  # the caller's ``held`` keeps it where its loop would
     return loss_value
 
 

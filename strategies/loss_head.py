@@ -240,7 +240,13 @@ class LossHead(Strategy, Checked, HandTried, Described):
         param_bytes, grad_bytes = _head_bytes(profile, fp32.after)
         low = model.precision != "fp32"
         nums = model.numbers
-        eof = nums.end_of_forward
+        # The profiled step keeps the model's output, the logits, from the end of forward
+        # through backward and the optimizer's step, as a user's loop does
+        # (memadvisor.workload.train_step); the chunked step returns the hidden states, which
+        # the head's chunks save anyway, so the logits' bytes (the log-softmax's saved output
+        # is their size) leave those moments too.
+        held = saved
+        eof = nums.end_of_forward - held
         at_loss = nums.phases.get("forward", eof) - eof  # the forward's top above its end
         forward = int((FORWARD_CHUNKS_LOW if low else FORWARD_CHUNKS) * chunk)
         model.add_bytes("forward", min(0, forward - at_loss - saved))
@@ -252,6 +258,8 @@ class LossHead(Strategy, Checked, HandTried, Described):
         head += nums.outputs[-1] if nums.outputs else 0
         head -= param_bytes // 2 if low else 0
         model.add_backward_bytes([0] * len(model.checkpointed), head=head - nums.head_peak - saved)
+        model.add_bytes("backward", -held)
+        model.add_bytes("optimizer", -held)
         model.drop_activations(saved)
         # The whole logits were the step's largest allocation, which a memory cap can strand
         # beyond the allocated peak; now a chunk of them is, or the blocks' largest tensor.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -218,3 +219,45 @@ def test_a_callable_option_that_is_not_callable_is_refused_naming_the_value(name
         BadInputError, match=rf"{name} must be a function {name}\(.*{name}=3 \(int\)"
     ):
         Workload(nn.Linear(2, 1), torch.randn(2, 2), **{name: 3})
+
+
+def test_the_output_is_alive_through_backward_and_with_held_through_the_next_forward() -> None:
+    """Rule: a measured step keeps the model's output as a user's loop keeps it
+    (``logits = model(x); loss = f(logits); loss.backward()``): alive through backward and
+    the optimizer's step, and with ``held`` (a loop's variable across steps) until the next
+    forward has returned. A plan whose step freed it before backward picked a batch the
+    README's loop ran out of memory at (the GPT example's 1.81 GiB of logits at batch 302)."""
+    seen: dict[str, list[bool]] = {"backward": [], "optimizer": [], "forward": []}
+    outputs: list[weakref.ref] = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen["forward"].append(bool(outputs) and outputs[-1]() is not None)
+            out = self.fc(x)
+            out.register_hook(lambda g: seen["backward"].append(outputs[-1]() is not None))
+            outputs.append(weakref.ref(out))
+            return out
+
+    model = Probe()
+    workload = Workload(model=model, sample_batch=torch.randn(2, 4), loss_fn=lambda o, b: o.sum())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = optimizer.step
+
+    def step_and_look(*args, **kwargs):
+        seen["optimizer"].append(outputs[-1]() is not None)
+        return step(*args, **kwargs)
+
+    optimizer.step = step_and_look  # type: ignore[method-assign]
+    batch = workload.batch(2)
+    train_step(workload, model, optimizer, batch)
+    assert seen["backward"] == [True] and seen["optimizer"] == [True]
+    assert outputs[-1]() is None  # no holder: the step drops it at its end
+    held: list = []
+    for _ in range(2):
+        train_step(workload, model, optimizer, batch, held=held)
+    assert seen["forward"] == [False, False, True]  # the second held step saw the first's
+    assert held and held[0] is outputs[-1]()

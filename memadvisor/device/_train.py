@@ -78,10 +78,16 @@ def train_candidate(
         model = run.model
         optimizer = run.make_optimizer(model)
         batch = run.batch(candidate.batch_size, device)
+        held: list = []  # the last output, alive into the next step as a user's loop keeps it
         for _ in range(steps):
             t0 = time.perf_counter()
             train_step(
-                run, model, optimizer, batch, accumulation_steps=candidate.accumulation_steps
+                run,
+                model,
+                optimizer,
+                batch,
+                accumulation_steps=candidate.accumulation_steps,
+                held=held,
             )
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)

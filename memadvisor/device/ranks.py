@@ -331,10 +331,11 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
     optimizer = run.make_optimizer(model)
     batch = run.batch(candidate.batch_size, device)
     times_ms: list[float] = []
+    held: list = []  # the last output, kept into the next step as a loop does
     if cuda:
         for _ in range(job.steps):
             t0 = time.perf_counter()
-            train_step(run, model, optimizer, batch, accumulation_steps=_acc(candidate))
+            train_step(run, model, optimizer, batch, accumulation_steps=_acc(candidate), held=held)
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)
             steps_done[0] += 1
@@ -349,7 +350,9 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
         with meter:
             for _ in range(job.steps):
                 t0 = time.perf_counter()
-                train_step(run, model, optimizer, batch, accumulation_steps=_acc(candidate))
+                train_step(
+                    run, model, optimizer, batch, accumulation_steps=_acc(candidate), held=held
+                )
                 times_ms.append((time.perf_counter() - t0) * 1e3)
                 steps_done[0] += 1
         peak, reserved = meter.peak_bytes, None

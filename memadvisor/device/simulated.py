@@ -157,6 +157,7 @@ class SimulatedDevice(Device):
                 meter.adopt(tensor_leaves(batch))
                 if meter.live_bytes > self.budget_bytes:
                     raise SimulatedOutOfMemoryError(meter.live_bytes, 0, self.budget_bytes)
+                held: list = []  # the last output, kept into the next step as a loop does
                 with self._policy(), meter:
                     for _ in range(steps):
                         t0 = time.perf_counter()
@@ -166,6 +167,7 @@ class SimulatedDevice(Device):
                             optimizer,
                             batch,
                             accumulation_steps=candidate.accumulation_steps,
+                            held=held,
                         )
                         times_ms.append((time.perf_counter() - t0) * 1e3)
         except Exception as e:

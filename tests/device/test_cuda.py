@@ -229,6 +229,7 @@ def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_mo
     # Short enough that a failure prints every run (pytest cut a list of tuples at six):
     # "timing b442 fits; probe b582 OOM; ...", each with its choices.
     tried = "; ".join(_run_words(p) for p in runs)
+    print(f"runs: {tried}")  # for the card's log (pytest -s), pass or fail
     timed = [p for p in runs if p.stage == "timing"]
     assert len(timed) <= 5 and len(runs) <= 11 and len(winner) <= 7, tried
     # The edge was measured (a run ran out), and the pick stays below its own choices' edge.
@@ -236,7 +237,10 @@ def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_mo
     failed = [p.batch_size for p in winner if not p.fits]
     assert not failed or result.candidate.batch_size < min(failed), tried
     stepped_down = any("stepped down" in n for n in result.notes)
-    assert stepped_down or not [p for p in runs if p.stage == "verify"]
+    # A compiled pick was searched with a dynamic batch and is verified static: a run of its
+    # own (the card's run of 2026-11-26: the regional compile at 555 after probes of eager).
+    compiled = "compile" in result.candidate.choices
+    assert stepped_down or compiled or not [p for p in runs if p.stage == "verify"], tried
     assert not any("fresh process each" in n for n in result.notes), result.notes
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= allocated

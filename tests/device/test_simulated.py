@@ -39,15 +39,16 @@ def _linear_workload(n: int = 64, batch: int = 8, optimizer=None) -> Workload:  
 def test_a_linear_layer_under_adamw_peaks_in_the_optimizer_step_by_hand_count() -> None:
     """y = x W^T, loss = y.sum(), AdamW (CPU: one parameter at a time), 4-byte floats.
 
-    The peak is in the optimizer step: W, its gradient, the batch x, AdamW's two state
-    tensors, and two W-sized temporaries (sqrt(exp_avg_sq) and its division by the bias
-    correction, alive together for a moment), plus the 4-byte loss and AdamW's 4-byte step
-    counter.
+    The peak is in the optimizer step: W, its gradient, the batch x, the output y (held
+    through the step as a user's loop holds it, memadvisor.workload.train_step), AdamW's two
+    state tensors, and two W-sized temporaries (sqrt(exp_avg_sq) and its division by the
+    bias correction, alive together for a moment), plus the 4-byte loss and AdamW's 4-byte
+    step counter.
     """
     n, b = 64, 8
     measured = SimulatedDevice(2**30).run(_linear_workload(n, b), Candidate(batch_size=b), 2)
-    weight = 4 * n * n
-    assert measured.peak_bytes == weight + weight + 4 * b * n + 2 * weight + 2 * weight + 4 + 4
+    weight, rows = 4 * n * n, 4 * b * n
+    assert measured.peak_bytes == weight + weight + rows + rows + 2 * weight + 2 * weight + 4 + 4
 
 
 def test_the_caller_s_model_gradients_and_rng_are_untouched(cnn: Workload) -> None:
