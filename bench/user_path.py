@@ -56,6 +56,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -163,6 +164,10 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     steady = times[spec["warmup"] :]
     if steady:
         out["samples_per_s"] = cand.batch_size * k * len(steady) / sum(steady)
+        # The plan's rate is a median of its steps; the mean above is what the user gets. A
+        # gap between the two is slow steps (an allocator freeing its cache at the cap).
+        out["samples_per_s_median"] = cand.batch_size * k / statistics.median(steady)
+        out["slowest_step_s"] = max(steady)
     out["first_step_s"] = times[0] if times else None
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_reserved() / GIB
