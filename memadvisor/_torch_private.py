@@ -512,12 +512,15 @@ def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     mark(tensor, dim)
 
 
-def compile_cache_counts() -> tuple[int, int, int]:
+def compile_cache_counts(
+    counters: dict[str, dict[str, int]] | None = None,
+) -> tuple[int, int, int]:
     """(hits, misses, bypasses) of inductor's FX graph cache and AOTAutograd's cache so far in
-    this process (dynamo's counters; cumulative: compare two readings). A bypass is a graph
-    the cache would not take (neither looked up nor saved). Zeros where this torch counts
-    none of them."""
-    counters = dynamo_counters()
+    this process (dynamo's counters, or ``counters``, a :func:`dynamo_counters` reading;
+    cumulative: compare two readings). A bypass is a graph the cache would not take (neither
+    looked up nor saved). Zeros where this torch counts none of them. The one definition a
+    compile trial and a compiled run both report."""
+    counters = dynamo_counters() if counters is None else counters
     inductor, aot = counters.get("inductor", {}), counters.get("aot_autograd", {})
 
     def both(what: str) -> int:

@@ -623,3 +623,21 @@ def test_checkpointed_blocks_with_buffers_compile_and_update_them_once(monkeypat
         assert mine.norm.num_batches_tracked.item() == theirs.norm.num_batches_tracked.item() == 1
         torch.testing.assert_close(mine.norm.running_mean, theirs.norm.running_mean)
         torch.testing.assert_close(mine.norm.running_var, theirs.norm.running_var)
+
+
+def test_a_trial_counts_the_compile_caches_as_a_compiled_run_does() -> None:
+    """A trial's 'graphs from the on-disk cache' and a compiled run's are one number: inductor's
+    FX graph cache and AOTAutograd's together (the trial counted the FX cache alone, so one
+    plan's output said 2 for the trial where its runs said 3 of the same graphs)."""
+    from memadvisor import _torch_private
+    from strategies._compile_trial import _what_dynamo_did
+
+    before = {"inductor": {"fxgraph_cache_hit": 1}, "aot_autograd": {"autograd_cache_bypass": 1}}
+    after = {
+        "inductor": {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 1},
+        "aot_autograd": {"autograd_cache_hit": 1, "autograd_cache_bypass": 2},
+    }
+    did = _what_dynamo_did(before, after)
+    counts = _torch_private.compile_cache_counts
+    run = [a - b for a, b in zip(counts(after), counts(before), strict=True)]
+    assert [did["cache_hits"], did["cache_misses"], did["cache_bypasses"]] == run == [3, 1, 1]
