@@ -542,6 +542,19 @@ def dynamo_counters() -> dict[str, dict[str, int]]:
     return {group: dict(counts) for group, counts in counters.items()}
 
 
+def inductor_default_cache_dir() -> str:
+    """Inductor's cache directory where ``$TORCHINDUCTOR_CACHE_DIR`` is not set (what a
+    process derives, and what inductor writes into the variable when it first asks)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # pragma: no cover - moved in a future torch: its documented default
+        import getpass
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return os.path.abspath(default_cache_dir())
+
+
 def inductor_cache_dir() -> str:
     """Where inductor keeps its on-disk caches: ``$TORCHINDUCTOR_CACHE_DIR``, else its default.
 
@@ -551,14 +564,7 @@ def inductor_cache_dir() -> str:
     configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if configured:
         return os.path.abspath(configured)
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # pragma: no cover - moved in a future torch: its documented default
-        import getpass
-        import tempfile
-
-        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    return os.path.abspath(default_cache_dir())
+    return inductor_default_cache_dir()
 
 
 def flop_formulas() -> dict[Any, Callable[..., int]]:

@@ -28,7 +28,9 @@ stderr):
 * parent -> zygote, stdin: ``{"setup": {...}}`` once (the worker's request fields: target
   or saved workload, target files, sys.path, profile path, strategies, budget, device
   index, and optionally ``runner``), then ``{"run": {"id", "candidate", "steps"}}`` per
-  run, and ``{"exit": true}`` or end-of-file to stop.
+  run, and ``{"exit": true}`` or end-of-file to stop. A run may carry ``profile_path``:
+  the zygote loads that profile once, for this run and the next (a zygote started before
+  the plan's profile existed, :meth:`ForkServer.spawn`).
 * zygote -> parent: ``{"status": "ready"}`` (or ``unloadable`` / ``error`` as the worker
   answers) after setup, then one answer per run, in order, with its ``id``: ``ok``, ``oom``
   and ``error`` as :mod:`memadvisor.device._worker` answers; ``crashed`` (the child died
@@ -201,6 +203,7 @@ class _State:
     context: RunContext
     answers: IO[str]
     parent_pid: int | None = None  # the planner that started this zygote
+    profile_path: str | None = None  # the profile the context holds (setup's or a run's)
 
 
 def _say(out: IO[str], answer: dict[str, Any]) -> None:
@@ -239,6 +242,7 @@ def _setup(setup: dict[str, Any], answers: IO[str]) -> _State | None:
         context=context,
         answers=answers,
         parent_pid=int(parent) if parent else None,
+        profile_path=setup.get("profile_path"),
     )
 
 
@@ -278,6 +282,16 @@ def _warm_up() -> None:
     import torch
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
+def _take_profile(state: _State, path: str | None) -> None:
+    """Load the profile at ``path`` for the runs from now on, once per path."""
+    if not path or path == state.profile_path:
+        return
+    from memadvisor.schema.profile import Profile
+
+    state.context.profile = Profile.model_validate_json(Path(path).read_text())
+    state.profile_path = path
 
 
 def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
@@ -377,6 +391,7 @@ def main() -> int:
             if state is None:
                 _say(answers, {"status": "error", "type": "ZygoteDied", "message": "no setup"})
                 return 1
+            _take_profile(state, message["run"].get("profile_path"))
             answer = _serve(state, message["run"])
             _say(answers, {**answer, "id": message["run"].get("id")})
         elif message.get("exit"):
@@ -425,6 +440,18 @@ class ForkServer:
             ZygoteDied: it exited before answering.
             TimeoutError: it did not answer within ``timeout_s`` (it is killed).
         """
+        self.spawn()
+        return self.ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the zygote and send the setup without waiting: its imports and the model's
+        build go on beside whatever this process does next (the plan's profile), and
+        :meth:`ready` collects the answer. A run's ``profile_path`` gives it the profile
+        that did not exist yet.
+
+        Raises:
+            ZygoteDied: it stopped reading before the setup was sent.
+        """
         with self.stderr_path.open("ab") as stderr:
             self.process = subprocess.Popen(
                 # Not ``-m``: the working directory must not be first on its sys.path.
@@ -437,13 +464,28 @@ class ForkServer:
                 start_new_session=True,  # its own process group: a kill takes its children too
             )
         self._send({"setup": self.setup})
+
+    def ready(self, timeout_s: float) -> dict[str, Any]:
+        """The setup's answer (``ready``, ``unloadable``, ...); a zygote not ready is closed.
+
+        Raises:
+            ZygoteDied: it exited before answering.
+            TimeoutError: it did not answer within ``timeout_s`` (it is killed).
+        """
         answer = self._answer(timeout_s)
         if answer.get("status") != "ready":
             self.close()
         return answer
 
-    def run(self, candidate: dict[str, Any], steps: int, timeout_s: float) -> dict[str, Any]:
-        """One run in a fresh child; its answer.
+    def run(
+        self,
+        candidate: dict[str, Any],
+        steps: int,
+        timeout_s: float,
+        profile_path: str | None = None,
+    ) -> dict[str, Any]:
+        """One run in a fresh child; its answer (``profile_path``: the profile the zygote
+        takes from this run on, where its setup had none or another).
 
         Raises:
             ZygoteDied: the zygote is gone, or died before answering.
@@ -454,7 +496,10 @@ class ForkServer:
         self._next_id += 1
         run_id = self._next_id
         self._in_flight = True
-        self._send({"run": {"id": run_id, "candidate": candidate, "steps": steps}})
+        run: dict[str, Any] = {"id": run_id, "candidate": candidate, "steps": steps}
+        if profile_path is not None:
+            run["profile_path"] = profile_path
+        self._send({"run": run})
         answer = self._answer(timeout_s)
         self._in_flight = False
         if answer.get("id") != run_id:

@@ -112,14 +112,26 @@ def environment_changed(started: dict[str, str], now: dict[str, str]) -> list[st
     compile trial took 20-23 s where later ones took 7-10 s, which such a restart would
     explain (inferred, not yet seen in the log this writes; docs/design.md, 'A dynamic batch
     while searching'). A variable of that set that changed from a value the server had
-    still counts.
+    still counts. So does ``TORCHINDUCTOR_CACHE_DIR`` appearing with inductor's default
+    value: inductor writes it there when this process first asks for its cache (the
+    profiler does), and a child without it derives the same directory.
     """
     names = set(started) | set(now)
+    default: list[str] = []  # inductor's default directory, read once if needed
+
+    def derived(name: str) -> bool:
+        if name in started:
+            return False
+        if name in _torch_private.COMPILE_SET_ENVIRONMENT:
+            return True
+        if name != "TORCHINDUCTOR_CACHE_DIR":
+            return False
+        if not default:
+            default.append(_torch_private.inductor_default_cache_dir())
+        return os.path.abspath(now[name]) == default[0]
+
     return sorted(
-        name
-        for name in names
-        if started.get(name) != now.get(name)
-        and not (name not in started and name in _torch_private.COMPILE_SET_ENVIRONMENT)
+        name for name in names if started.get(name) != now.get(name) and not derived(name)
     )
 
 
@@ -184,6 +196,7 @@ class CudaDevice(Device):
         self._baseline_allocated: int | None = None
         self._zygote: ForkServer | None = None
         self._zygote_finalizer: weakref.finalize | None = None
+        self._pending = False  # the zygote was spawned (prestart) and has not answered ready
         self._card: DeviceCapabilities | None = None
 
     @property
@@ -248,17 +261,23 @@ class CudaDevice(Device):
             "for fresh-process probes."
         )
 
+    def _profile_file(self) -> str | None:
+        """The profile, saved for the children (None: no profile yet)."""
+        if self.profile is None:
+            return None
+        path = self._dir / "profile.json"
+        if not path.exists():
+            path.write_text(self.profile.model_dump_json())
+        return str(path)
+
     def _setup(self) -> dict[str, Any]:
         """What a child needs besides the candidate: the worker's request, less the run."""
-        profile_path = self._dir / "profile.json"
-        if self.profile is not None and not profile_path.exists():
-            profile_path.write_text(self.profile.model_dump_json())
         return {
             "budget_bytes": self.budget_bytes,
             "device_index": self.index,
             "target": self.target,
             "workload_path": str(self._workload_path) if self._workload_path else None,
-            "profile_path": str(profile_path) if self.profile is not None else None,
+            "profile_path": self._profile_file(),
             "strategies": self.strategy_names,
             # Appended after the child's own stdlib and site-packages, never before them.
             "sys_path": absolute_sys_path(),
@@ -266,6 +285,33 @@ class CudaDevice(Device):
         }
 
     # -- fork server --------------------------------------------------------------------------
+
+    def prestart(self, workload: Workload) -> None:
+        """Start the fork server now, without waiting for it: its imports and the model's
+        build (8-14 s on a card for a 0.35B model, paid by the plan's first probe before)
+        overlap what the planner does next, its profile and screening. The profile reaches
+        the server with the first run. A no-op unless runs fork, or if one is running.
+
+        The environment must be the one the runs use: the caller enters what sets it (a
+        strategy's ``plan_scope``) first, or the first run starts another server.
+        """
+        if self.mode != "fork_server" or self._zygote is not None:
+            return
+        if self.target is None and self._workload_path is None:
+            self._save_workload(workload)
+            if self.mode != "fork_server":
+                return
+        zygote = ForkServer(
+            {**self._setup(), "runner": self.runner}, stderr_path=self._dir / "zygote.stderr"
+        )
+        try:
+            zygote.spawn()
+        except ZygoteDied as e:
+            zygote.kill()
+            self._to_fresh_processes(f"the fork server did not start ({e})")
+            return
+        self._adopt(zygote)
+        self._pending = True
 
     def _run_forked(self, candidate: Candidate, steps: int) -> Measurement | None:
         """The run in a forked child of the zygote; None when this device fell back instead."""
@@ -278,11 +324,18 @@ class CudaDevice(Device):
             self._stop_zygote()
             zygote = None
         try:
-            if zygote is None or not zygote.alive:
+            if zygote is not None and self._pending:
+                zygote = self._await_ready(zygote)
+            elif zygote is None or not zygote.alive:
                 zygote = self._start_zygote()
-                if zygote is None:
-                    return None
-            answer = zygote.run(candidate.model_dump(mode="json"), steps, self.timeout_s)
+            if zygote is None:
+                return None
+            answer = zygote.run(
+                candidate.model_dump(mode="json"),
+                steps,
+                self.timeout_s,
+                profile_path=self._profile_file(),
+            )
         except TimeoutError as e:
             self._stop_zygote()  # killed with its child; the next run starts a new one
             raise PlanningError(
@@ -310,7 +363,18 @@ class CudaDevice(Device):
         setup = {**self._setup(), "runner": self.runner}
         zygote = ForkServer(setup, stderr_path=self._dir / "zygote.stderr")
         try:
-            answer = zygote.start(self.timeout_s)
+            zygote.spawn()
+        except ZygoteDied as e:
+            zygote.kill()
+            self._to_fresh_processes(f"the fork server did not start ({e})")
+            return None
+        return self._await_ready(zygote)
+
+    def _await_ready(self, zygote: ForkServer) -> ForkServer | None:
+        """``zygote`` once its setup answered ready, or None when this device fell back."""
+        self._pending = False
+        try:
+            answer = zygote.ready(self.timeout_s)
         except (ZygoteDied, TimeoutError) as e:
             zygote.kill()
             self._to_fresh_processes(
@@ -320,15 +384,30 @@ class CudaDevice(Device):
             return None
         if answer["status"] != "ready":
             # The workload did not load there: a fresh process would fail alike.
+            self._forget_zygote()
             _measurement(answer, None, self._fall_back)
             return None
-        self._zygote = zygote
-        self._zygote_finalizer = weakref.finalize(self, zygote.kill)
+        self._adopt(zygote)
         return zygote
 
+    def _adopt(self, zygote: ForkServer) -> None:
+        if self._zygote is zygote:
+            return
+        self._zygote = zygote
+        self._zygote_finalizer = weakref.finalize(self, zygote.kill)
+
+    def _forget_zygote(self) -> None:
+        """Drop the handle on a zygote that already closed itself."""
+        self._zygote = None
+        if self._zygote_finalizer is not None:
+            self._zygote_finalizer.detach()
+            self._zygote_finalizer = None
+
     def _stop_zygote(self) -> None:
+        pending, self._pending = self._pending, False
         if self._zygote is not None:
-            self._zygote.close()
+            # One still in its setup reads no exit request until the setup ends: kill it.
+            self._zygote.kill() if pending else self._zygote.close()
             self._zygote = None
         if self._zygote_finalizer is not None:
             self._zygote_finalizer.detach()

@@ -152,6 +152,29 @@ def plan_workload(
             chosen = (
                 list(strategies) if strategies is not None else load_strategies(config.strategies)
             )
+            # What a strategy sets up for the whole plan, before the device starts processes
+            # that inherit it (compile: one inductor cache that every probe compiles into).
+            for s in chosen:
+                if not isinstance(s, Measured):
+                    continue
+                plan_scope = s.plan_scope(config, caps)
+                if plan_scope is not None:
+                    scope.enter_context(plan_scope)
+            if device is None and caps.runs_cost_more_than_steps and config.world_size == 1:
+                # Where a run's start dwarfs its steps (a card's fork server), the device
+                # starts now: its imports and the model's build overlap the profile and the
+                # screening (the first probe waited 8-14 s for them before); the profile
+                # reaches its processes with that probe.
+                device = owned = make_device(
+                    caps,
+                    config.budget_bytes,
+                    target=target,
+                    profile=profile,
+                    strategy_names=config.strategies,
+                )
+                prestart = getattr(device, "prestart", None)
+                if prestart is not None:
+                    prestart(workload)
             if profile is None:
                 profile = _profile(workload, caps, ui)
                 if device is None and not caps.step_times_rank:
@@ -176,14 +199,8 @@ def plan_workload(
             space = SearchSpace(profile, chosen, config)
             ranked = ranked_or_infeasible(space, ui)
 
-            # What a strategy sets up for the whole plan, before the device starts processes
-            # that inherit it (compile: one inductor cache that every probe compiles into).
-            for s in chosen:
-                if not isinstance(s, Measured):
-                    continue
-                plan_scope = s.plan_scope(config, caps)
-                if plan_scope is not None:
-                    scope.enter_context(plan_scope)
+            if owned is not None and getattr(owned, "profile", profile) is None:
+                owned.profile = profile  # type: ignore[attr-defined]
             if device is None:
                 device = owned = make_device(
                     caps,

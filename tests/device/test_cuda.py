@@ -6,6 +6,7 @@ python -m pytest tests/device/test_cuda.py -m gpu -v
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -363,6 +364,62 @@ def test_the_fork_server_path_of_cuda_device_on_the_cpu(monkeypatch, tmp_path: P
         assert device.notes == []
     finally:
         device.close()
+
+
+def test_a_prestarted_fork_server_serves_the_first_run_and_gets_the_profile_then(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Rule: prestart() starts the fork server without waiting (its imports and the model's
+    build overlap the plan's profiling); the first run waits for it, uses that same server
+    (no second start) and hands it the profile set on the device after it started."""
+    from types import SimpleNamespace
+
+    from memadvisor.profiler import profile_workload
+
+    helpers = Path(__file__).resolve().parent / "zygote_runner.py"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    card = SimpleNamespace(name="fake card", total_memory=80 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    device = _device(GIB, target=f"{helpers}:build", runner=f"{helpers}:run", timeout_s=120)
+    workload = load_target(f"{helpers}:build")
+    try:
+        device.prestart(workload)
+        zygote = device._zygote
+        assert zygote is not None and zygote.alive and device._pending
+        profile = profile_workload(workload, device="cpu", precisions=["fp32"])
+        device.profile = profile
+        # The stub runner answers batch 321 with its profile's name length.
+        first = device.run(workload, Candidate(batch_size=321), steps=1)
+        assert device._zygote is zygote and not device._pending
+        assert first.reserved_peak_bytes == len(profile.model_name) > 0
+        assert device.run(workload, Candidate(batch_size=3), steps=2).steps == 2
+        assert device._zygote is zygote and device.notes == []
+    finally:
+        device.close()
+    assert zygote.process is not None and zygote.process.poll() is not None
+
+
+def test_closing_a_device_whose_fork_server_is_still_starting_kills_it_at_once(
+    monkeypatch,
+) -> None:
+    """A plan that fails during profiling closes a server still in its setup: killed, not
+    asked to exit (it reads no request until its setup ends)."""
+    from types import SimpleNamespace
+
+    helpers = Path(__file__).resolve().parent / "zygote_runner.py"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    card = SimpleNamespace(name="fake card", total_memory=80 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    device = _device(GIB, target=f"{helpers}:build", runner=f"{helpers}:run", timeout_s=120)
+    device.prestart(load_target(f"{helpers}:build"))
+    zygote = device._zygote
+    assert zygote is not None
+    t0 = time.perf_counter()
+    device.close()
+    assert zygote.process is not None and zygote.process.poll() is not None
+    assert time.perf_counter() - t0 < 2.0
 
 
 def test_a_childs_user_code_error_is_bad_input_in_the_parent_whatever_its_subclass() -> None:

@@ -197,3 +197,13 @@ def test_the_fork_server_restarts_for_the_users_environment_not_for_what_compile
     assert environment_changed(started, {**started, "MY_FLAG": "1"}) == ["MY_FLAG"]
     without = {k: v for k, v in started.items() if k != "PATH"}
     assert environment_changed(started, without) == ["PATH"]
+    # Inductor writes its default cache directory into the variable when first asked (the
+    # profiler asks): a child derives the same; another directory is a change.
+    from memadvisor import _torch_private
+
+    unset = {"PATH": "/bin"}
+    default = _torch_private.inductor_default_cache_dir()
+    assert environment_changed(unset, {**unset, "TORCHINDUCTOR_CACHE_DIR": default}) == []
+    assert environment_changed(unset, {**unset, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}) == [
+        "TORCHINDUCTOR_CACHE_DIR"
+    ]

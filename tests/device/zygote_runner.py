@@ -21,6 +21,9 @@ KILLED_BATCH = 666  # the child kills itself with SIGKILL before answering
 LINGERING_BATCH = 777  # the child leaves a forked process holding its answer pipe open
 SLOW_BATCH = 555  # the child says it started (its pid to $MEMADVISOR_TEST_STARTED), then sleeps
 OOM_FROM = 1000  # from here on the child runs out of memory after one step
+PROFILE_BATCH = (
+    321  # answers with the profile the child got: reserved_peak_bytes, its name's length
+)
 _touched = {"runs": 0}  # a module global each child changes: the next child must not see it
 
 
@@ -49,6 +52,12 @@ def run(workload, candidate, steps, context) -> Measurement:
     _touched["runs"] += 1
     if batch_size == BUG_BATCH:
         raise KeyError("the model's own bug")
+    if batch_size == PROFILE_BATCH:
+        named = len(context.profile.model_name) if context.profile is not None else 0
+        return Measurement(
+            steps=steps, peak_bytes=os.getpid(), reserved_peak_bytes=named, step_ms=1.0,
+            samples_per_s=1.0,
+        )  # fmt: skip
     if batch_size == KILLED_BATCH:
         os.kill(os.getpid(), signal.SIGKILL)
     if batch_size == SLOW_BATCH:
