@@ -171,6 +171,8 @@ def plan_workload(
                     target=target,
                     profile=profile,
                     strategy_names=config.strategies,
+                    world_size=config.world_size,
+                    parallel=config.parallel,
                 )
                 prestart = getattr(device, "prestart", None)
                 if prestart is not None:
