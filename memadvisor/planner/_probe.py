@@ -77,6 +77,7 @@ def find_batch(
     max_extrapolations: int = 1,
     descend: bool = False,
     floor: int = 0,
+    within: float = 0.0,
 ) -> BatchSearch:
     """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
 
@@ -107,6 +108,10 @@ def find_batch(
             never below it, where it would otherwise halve from nothing (a compiled
             confirmation ran 167 after 335 failed, below a 302 that had fitted; gpt on a
             card). 0: nothing known.
+        within: stop bisecting once the batch the pick may take is at most this fraction
+            (of the largest fit) above that fit: a bench's search for the largest batch
+            that holds needs no run to gain the last percent (each run of a compiled hand
+            cell compiles afresh). 0, the planner's: bisect to the sample.
 
     Returns:
         The search; ``batch == 0`` when not even batch 1 fits.
@@ -163,6 +168,8 @@ def find_batch(
     failures_before_a_fit = 1
     while stepping_down and lo < cap(hi):
         target = cap(hi)
+        if lo > 0 and target - lo <= within * lo:
+            break  # close enough: the largest fit stands
         if straight_to_target:
             b, straight_to_target = target, False
         elif lo == 0 and failures_before_a_fit <= _MARGIN_DESCENTS:

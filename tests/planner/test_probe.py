@@ -226,3 +226,27 @@ def test_a_known_fit_is_the_floor_of_the_descent() -> None:
     low: list[int] = []
     found = find_batch(run_log(low), 250, 400, 0.08, 10_000, descend=True, floor=302)
     assert low[0] == 302 and found.batch >= 302  # the start is the floor, not below it
+
+
+def test_within_stops_the_bisection_once_the_fit_is_that_close_to_the_failure() -> None:
+    """``within``: the search stops bisecting when the batch the pick may take is at most that
+    fraction above the largest fit, with fewer runs and a fit that close to the edge; 0 (the
+    planner's) bisects to the sample. The GPT example's hand cell on a card: 286, 381 OOM,
+    380 OOM, 333 OOM, 309, 321 OOM, 315 OOM, 312, 313, 314 (10 runs) for an edge at 314."""
+
+    def search(within: float) -> tuple[int, int]:
+        tried: list[int] = []
+
+        def fits(b: int) -> bool:
+            tried.append(b)
+            return b <= 314
+
+        found = find_batch(
+            fits, 286, 287, 0.0, 10_000, extrapolate=lambda b: 381 if b < 381 else None,
+            below=lambda failed: failed - 1, max_extrapolations=4, descend=True, within=within,
+        )  # fmt: skip
+        return found.batch, len(tried)
+
+    exact, exact_runs = search(0.0)
+    close, close_runs = search(0.01)
+    assert exact == 314 and 0.99 * 314 <= close <= 314 and close_runs < exact_runs
