@@ -655,3 +655,52 @@ def test_the_measured_margin_takes_the_batch_the_runs_allow(
     assert [(p.batch_size, p.fits) for p in probes] == runs
     assert _headroom_kept(probes, pick)
     assert pick >= 0.95 * threshold
+
+
+def test_where_a_run_costs_more_than_its_steps_the_device_starts_before_the_profile(
+    monkeypatch,
+) -> None:
+    """Rule: where a run's start dwarfs its steps (a card's fork server), plan_workload makes
+    the device and prestarts it before profiling, so the start overlaps the profile; the
+    profile reaches the device before its first run. (A simulated device stands in for the
+    card: its capabilities say a run costs more than its steps.)"""
+    import torch
+    from torch import nn
+
+    import memadvisor.planner._plan as planning
+    from memadvisor.device.simulated import SimulatedDevice
+    from memadvisor.schema.device import SIMULATED
+    from memadvisor.workload import Workload
+
+    events: list[str] = []
+    caps = SIMULATED.model_copy(update={"runs_cost_more_than_steps": True})
+
+    class Prestarting(SimulatedDevice):
+        def prestart(self, workload) -> None:
+            events.append("prestart")
+
+        def run(self, workload, candidate, steps):
+            events.append("run with a profile" if self.profile is not None else "run bare")
+            return super().run(workload, candidate, steps)
+
+    def make(capabilities, budget_bytes, *, profile, strategy_names, **kwargs):
+        events.append("device")
+        return Prestarting(budget_bytes, profile=profile, strategy_names=strategy_names)
+
+    real_profile = planning._profile
+
+    def profiled(*args, **kwargs):
+        events.append("profile")
+        return real_profile(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "planned_capabilities", lambda asked, device=None: caps)
+    monkeypatch.setattr(planning, "make_device", make)
+    monkeypatch.setattr(planning, "_profile", profiled)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    workload = Workload(
+        model=model, sample_batch=torch.randn(4, 8), loss_fn=lambda out, batch: out.square().mean()
+    )
+    plan_workload(workload, _config(strategies=[]), progress=False, measure_comparison=False)
+    assert events[:3] == ["device", "prestart", "profile"], events
+    assert events.count("device") == 1 and "run bare" not in events, events
