@@ -160,12 +160,10 @@ def plan_workload(
                 plan_scope = s.plan_scope(config, caps)
                 if plan_scope is not None:
                     scope.enter_context(plan_scope)
-            if device is None and caps.runs_cost_more_than_steps and config.world_size == 1:
-                # Where a run's start dwarfs its steps (a card's fork server), the device
-                # starts now: its imports and the model's build overlap the profile and the
-                # screening (the first probe waited 8-14 s for them before); the profile
-                # reaches its processes with that probe.
-                device = owned = make_device(
+            ours = device is None  # the plan makes (and closes) its own device
+
+            def own_device() -> Device:
+                return make_device(
                     caps,
                     config.budget_bytes,
                     target=target,
@@ -174,12 +172,19 @@ def plan_workload(
                     world_size=config.world_size,
                     parallel=config.parallel,
                 )
+
+            if ours and caps.runs_cost_more_than_steps and config.world_size == 1:
+                # Where a run's start dwarfs its steps (a card's fork server), the device
+                # starts now: its imports and the model's build overlap the profile and the
+                # screening (the first probe waited 8-14 s for them before); the profile
+                # reaches its processes with that probe.
+                device = owned = own_device()
                 prestart = getattr(device, "prestart", None)
                 if prestart is not None:
                     prestart(workload)
             if profile is None:
                 profile = _profile(workload, caps, ui)
-                if device is None and not caps.step_times_rank:
+                if ours and not caps.step_times_rank:
                     # CPU times jitter past the gaps between candidates: rank by a model of
                     # the step's FLOPs instead, so the same inputs give the same plan.
                     profile, steady_note = with_times_that_rank(workload, profile)
@@ -204,15 +209,7 @@ def plan_workload(
             if owned is not None and getattr(owned, "profile", profile) is None:
                 owned.profile = profile  # type: ignore[attr-defined]
             if device is None:
-                device = owned = make_device(
-                    caps,
-                    config.budget_bytes,
-                    target=target,
-                    profile=profile,
-                    strategy_names=config.strategies,
-                    world_size=config.world_size,
-                    parallel=config.parallel,
-                )
+                device = owned = own_device()
             prober = Prober(device, workload, space, config)
             guard = device.capabilities.step_times_rank and config.objective != "largest_batch"
             timed = timed_candidates(space, ranked, guard)

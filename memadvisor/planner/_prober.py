@@ -168,12 +168,17 @@ class Prober:
         """The bytes of ``measured`` the pick's margin reads (:func:`_held`)."""
         return _held(measured, self.config.measured_margin)
 
+    def _fits(self, choices: dict[str, JsonValue]) -> dict[int, Measurement]:
+        """The runs of ``choices`` (no accumulation) that fitted, by batch (this prober's
+        record: not to be changed)."""
+        return self._fitted.get(json.dumps(choices, sort_keys=True), {})
+
     def measured_runs(
         self, choices: dict[str, JsonValue]
     ) -> tuple[dict[int, Measurement], int | None]:
         """The runs of ``choices`` (no accumulation) that fitted, by batch, and the lowest
         batch of them that ran out (None: none did)."""
-        fitted = dict(self._fitted.get(json.dumps(choices, sort_keys=True), {}))
+        fitted = dict(self._fits(choices))
         failed = [
             p.batch_size
             for p in self.probes
@@ -266,7 +271,7 @@ class Prober:
         and fits far below the largest may sit in a fixed phase of the step (the optimizer's
         update) that the activations overtake only near the edge, where a slope to them says
         a sample costs nothing."""
-        fitted = self._fitted.get(json.dumps(choices, sort_keys=True), {})
+        fitted = self._fits(choices)
         if len(fitted) < 2:
             return 0.0
         held = self.config.measured_margin
@@ -321,7 +326,7 @@ class Prober:
         larger just past it grow a little, so their slope stands and is low; the line then
         reaches further below the failure than the headroom needs (safe, not the largest).
         """
-        fitted = self._fitted.get(json.dumps(choices, sort_keys=True), {})
+        fitted = self._fits(choices)
         fits = [b for b in fitted if b < failed]
         if not fits:
             return 0.0

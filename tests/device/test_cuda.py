@@ -34,6 +34,20 @@ def _device(budget_bytes: int, **kwargs):
     return CudaDevice(budget_bytes, **kwargs)
 
 
+def _stub_runner_device(monkeypatch) -> tuple:
+    """(a CudaDevice on a fake 80 GiB card whose children run tests/device/zygote_runner.py's
+    CPU runner, that file): the fork server's protocol without a card."""
+    from types import SimpleNamespace
+
+    helpers = Path(__file__).resolve().parent / "zygote_runner.py"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    card = SimpleNamespace(name="fake card", total_memory=80 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    device = _device(GIB, target=f"{helpers}:build", runner=f"{helpers}:run", timeout_s=120)
+    return device, helpers
+
+
 def _picklable_workload(batch: int = 8, width: int = 16) -> Workload:
     """Every part importable by name (torch.nn.functional.l1_loss): torch.save can send it."""
     torch.manual_seed(0)
@@ -332,16 +346,9 @@ def test_the_fork_server_path_of_cuda_device_on_the_cpu(monkeypatch, tmp_path: P
     is_oom accepts with the steps that finished, a child's own error and a child killed by a
     signal are PlanningErrors, the same zygote serves every run until the environment
     changes, and close() ends it."""
-    from types import SimpleNamespace
-
     from memadvisor.errors import PlanningError
 
-    helpers = Path(__file__).resolve().parent / "zygote_runner.py"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    card = SimpleNamespace(name="fake card", total_memory=80 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
-    device = _device(GIB, target=f"{helpers}:build", runner=f"{helpers}:run", timeout_s=120)
+    device, helpers = _stub_runner_device(monkeypatch)
     workload = load_target(f"{helpers}:build")
     try:
         measured = device.run(workload, Candidate(batch_size=3), steps=2)
@@ -372,16 +379,9 @@ def test_a_prestarted_fork_server_serves_the_first_run_and_gets_the_profile_then
     """Rule: prestart() starts the fork server without waiting (its imports and the model's
     build overlap the plan's profiling); the first run waits for it, uses that same server
     (no second start) and hands it the profile set on the device after it started."""
-    from types import SimpleNamespace
-
     from memadvisor.profiler import profile_workload
 
-    helpers = Path(__file__).resolve().parent / "zygote_runner.py"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    card = SimpleNamespace(name="fake card", total_memory=80 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
-    device = _device(GIB, target=f"{helpers}:build", runner=f"{helpers}:run", timeout_s=120)
+    device, helpers = _stub_runner_device(monkeypatch)
     workload = load_target(f"{helpers}:build")
     try:
         device.prestart(workload)
@@ -405,14 +405,7 @@ def test_closing_a_device_whose_fork_server_is_still_starting_kills_it_at_once(
 ) -> None:
     """A plan that fails during profiling closes a server still in its setup: killed, not
     asked to exit (it reads no request until its setup ends)."""
-    from types import SimpleNamespace
-
-    helpers = Path(__file__).resolve().parent / "zygote_runner.py"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    card = SimpleNamespace(name="fake card", total_memory=80 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
-    device = _device(GIB, target=f"{helpers}:build", runner=f"{helpers}:run", timeout_s=120)
+    device, helpers = _stub_runner_device(monkeypatch)
     device.prestart(load_target(f"{helpers}:build"))
     zygote = device._zygote
     assert zygote is not None

@@ -286,10 +286,14 @@ def test_progress_says_which_candidate_the_plan_waits_on(
     assert any(m.startswith("compile: confirming checkpoint 4/4 blocks from batch") for m in lines)
 
 
-def _stage(workload, profile, strategies, linear_device):
-    """(device, space, prober, the compile stage's PickStage) over EAGER_FLAT's device."""
-    device = linear_device(EAGER_FLAT)
-    space = SearchSpace(profile, [*strategies, Compile()], _config())
+def _stage(workload, profile, strategies, linear_device, eager=EAGER_FLAT, budget_bytes=None):
+    """(device, space, prober, the compile stage's PickStage) over a device with ``eager``'s
+    MiB a sample (EAGER_FLAT's), the plan and the card under ``budget_bytes`` (100 MiB)."""
+    device = linear_device(eager)
+    budget = {} if budget_bytes is None else {"budget_bytes": budget_bytes}
+    if budget_bytes is not None:
+        device.budget_bytes = budget_bytes
+    space = SearchSpace(profile, [*strategies, Compile()], _config(**budget))
     prober = Prober(device, workload, space, space.config)
     return device, space, prober, ProberStage(prober, "compile", Progress(enabled=False))
 
@@ -365,11 +369,10 @@ def test_a_flat_peak_below_the_edge_keeps_the_line_next_to_its_failure(
     it (lm350m's compiled candidate on a card: 13 fitted at 7.28 GB, 2 at 7.39 GB, 17 ran out
     under 8 GiB, and its confirmation fell to batch 2). A sample costs the device 20 MiB,
     the estimate 2.7: its slope alone puts the headroom (30 MiB) 12 samples down."""
-    device = linear_device({("bf16", 0): 20.0, ("fp32", 0): 40.0})
-    device.budget_bytes = 1000 * MIB
-    space = SearchSpace(profile, [*strategies, Compile()], _config(budget_bytes=1000 * MIB))
-    prober = Prober(device, workload, space, space.config)
-    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    device, space, prober, stage = _stage(
+        workload, profile, strategies, linear_device,
+        eager={("bf16", 0): 20.0, ("fp32", 0): 40.0}, budget_bytes=1000 * MIB,
+    )  # fmt: skip
     choices = {"precision": "bf16"}
     edge = device.edge(Candidate(batch_size=1, choices=choices))
     fixed, per_sample = device.line(Candidate(batch_size=1, choices=choices))
@@ -393,11 +396,10 @@ def test_a_samples_bytes_near_the_edge_come_from_every_fit_there_not_two_neighbo
     slope the margin below a failure reads is fitted through every run near the largest fit
     (the GPT example at 1 GiB on a card: 533, 539, 540 and 543 fitted, and the margin moved
     by tens of samples between neighbours)."""
-    device = linear_device({("bf16", 0): 2.0, ("fp32", 0): 4.0})
-    device.budget_bytes = 1000 * MIB
-    space = SearchSpace(profile, [*strategies, Compile()], _config(budget_bytes=1000 * MIB))
-    prober = Prober(device, workload, space, space.config)
-    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    device, space, prober, stage = _stage(
+        workload, profile, strategies, linear_device,
+        eager={("bf16", 0): 2.0, ("fp32", 0): 4.0}, budget_bytes=1000 * MIB,
+    )  # fmt: skip
     choices = {"precision": "bf16"}
     edge = device.edge(Candidate(batch_size=1, choices=choices))
     _, per_sample = device.line(Candidate(batch_size=1, choices=choices))
@@ -420,11 +422,10 @@ def test_a_fit_far_below_in_a_flat_phase_does_not_flatten_the_slope_near_the_edg
 ) -> None:
     """Where the step's peak is a fixed phase until near the edge, a fit far below the rest
     says nothing of a sample's cost there: the slope comes from the fits near the largest."""
-    device = linear_device({("bf16", 0): 20.0, ("fp32", 0): 40.0})
-    device.budget_bytes = 1000 * MIB
-    space = SearchSpace(profile, [*strategies, Compile()], _config(budget_bytes=1000 * MIB))
-    prober = Prober(device, workload, space, space.config)
-    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    device, space, prober, stage = _stage(
+        workload, profile, strategies, linear_device,
+        eager={("bf16", 0): 20.0, ("fp32", 0): 40.0}, budget_bytes=1000 * MIB,
+    )  # fmt: skip
     choices = {"precision": "bf16"}
     edge = device.edge(Candidate(batch_size=1, choices=choices))
     fixed, per_sample = device.line(Candidate(batch_size=1, choices=choices))
