@@ -222,7 +222,15 @@ def compiled_pick(
             f"the plan added {fmt_bytes(cache_report.added_bytes)} to inductor's cache in "
             f"{cache_report.cache_dir}"
         )
-    summary = _verdict(records, best, eager_best, picked)
+    unconfirmed = None
+    if winner is not None and found is None:
+        unconfirmed = (
+            f"its confirmation failed ({winner.error})"
+            if winner.error
+            else "its confirmation found no batch of it within the budget's margin before the "
+            f"search's {settings.max_runs} device runs were spent"
+        )
+    summary = _verdict(records, best, eager_best, picked, unconfirmed)
     summary += " " + _searched(search, variants, left_out, best[0] if best else None)
     outcome = StageOutcome(
         strategy=COMPILE,
@@ -673,7 +681,10 @@ def _verdict(
     winner: tuple[StageVariant, Confirmed] | None,
     eager: Confirmed,
     picked: bool,
+    unconfirmed: str | None = None,
 ) -> str:
+    """The compile stage's sentence: what it picked and why (``unconfirmed``: why the best
+    configuration by its line is not the pick, where its confirmation found nothing)."""
     eager_rate = eager.measured.samples_per_s
     eager_batch = eager.candidate.batch_size
     eager_words = f"the eager pick's {eager_rate:.1f} samples/s at batch {eager_batch}"
@@ -687,6 +698,14 @@ def _verdict(
             best = max(lines, key=lambda r: r.fit.samples_per_s if r.fit else 0.0)
             assert best.fit is not None
             rate = best.fit.samples_per_s
+            if unconfirmed is not None:
+                return (
+                    "Planned eager because no compiled configuration was confirmed: the best "
+                    f"by the line through its runs, torch.compile ({_label(best.choices)}), "
+                    f"predicted at {rate:.1f} samples/s at batch {best.fit.largest_batch} "
+                    f"({rate / eager_rate:.2f}x {eager_words}), is not the pick because "
+                    f"{unconfirmed}."
+                )
             return (
                 "Planned eager because compiling did not pay: the best compiled configuration, "
                 f"torch.compile ({_label(best.choices)}), was predicted at {rate:.1f} samples/s "

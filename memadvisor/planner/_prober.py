@@ -259,10 +259,16 @@ class Prober:
         return slope if slope > 0 else self.space.bytes_per_sample(choices, batch)
 
     def _measured_slope(self, choices: dict[str, JsonValue]) -> float:
+        """Bytes a sample of ``choices`` adds near their edge, from the runs that fitted
+        (:meth:`_slope_and_basis`'s slope)."""
+        return self._slope_and_basis(choices)[0]
+
+    def _slope_and_basis(self, choices: dict[str, JsonValue]) -> tuple[float, bool]:
         """Bytes a sample of ``choices`` adds near their edge, from the runs that fitted: the
         least-squares slope of the peaks of those within :data:`_SLOPE_WINDOW` of the largest
         where there are two, else the slope between the two largest (0: fewer than two fits,
-        or a peak that did not grow).
+        or a peak that did not grow); and whether the slope came from fits near the edge
+        (the window's), not from two fits far apart.
 
         Why a window and a fit of its points: two fits a sample apart differ by the
         allocator's rounding as much as by their samples (the GPT example at 1 GiB on a card
@@ -273,17 +279,18 @@ class Prober:
         a sample costs nothing."""
         fitted = self._fits(choices)
         if len(fitted) < 2:
-            return 0.0
+            return 0.0, False
         held = self.config.measured_margin
         high = max(fitted)
         near = [b for b in fitted if b >= high * (1.0 - _SLOPE_WINDOW)]
-        if len(near) < 2:
+        windowed = len(near) >= 2
+        if not windowed:
             near = sorted(fitted, reverse=True)[:2]
         mean_b = sum(near) / len(near)
         mean_y = sum(_held(fitted[b], held) for b in near) / len(near)
         spread = sum((b - mean_b) ** 2 for b in near)
         cov = sum((b - mean_b) * (_held(fitted[b], held) - mean_y) for b in near)
-        return max(0.0, cov / spread)
+        return max(0.0, cov / spread), windowed
 
     def pick_limit_bytes(self, choices: dict[str, JsonValue], batch: int) -> float:
         """The most a run's measured peak (:func:`_held`) may be for its batch to be the
@@ -302,7 +309,8 @@ class Prober:
         slope = self.sample_bytes(choices, failed) if cfg.measured_margin else 0.0
         if slope <= 0:
             return safe_below(failed, cfg.margin_fraction)
-        if self._measured_slope(choices) <= 0:
+        measured, near_edge = self._slope_and_basis(choices)
+        if measured <= 0 or not near_edge:
             slope = max(slope, self._edge_slope(choices, failed))
         samples = max(1, math.ceil(HEADROOM_FRACTION * cfg.budget_bytes / slope))
         return max(0, failed - samples)
@@ -318,13 +326,15 @@ class Prober:
         in samples then reached far below the failure (lm350m's compiled candidate, 13 fitted
         at 7.28 GB and 2 at 7.39 GB under 8 GiB, 17 ran out: its line fell to batch 2 on a
         card). The climb the failure proves bounds the slope from below. :meth:`below` takes
-        it only where the runs' peaks did not grow: a failure can also be the allocator's
-        fragmentation at the cap (the GPT example at 1 GiB: 543 fitted at 963 MB allocated,
-        552 ran out), where the bound would be the fragmentation's bytes, not a sample's.
-
-        Known limitations: two fits of which the smaller sits in the fixed phase and the
-        larger just past it grow a little, so their slope stands and is low; the line then
-        reaches further below the failure than the headroom needs (safe, not the largest).
+        it only where the runs' peaks did not grow, or where their slope comes from two fits
+        far apart (fewer than two within :data:`_SLOPE_WINDOW` of the largest): a failure can
+        also be the allocator's fragmentation at the cap (the GPT example at 1 GiB: 543
+        fitted at 963 MB allocated, 552 ran out), where the bound would be the
+        fragmentation's bytes, not a sample's, and fits near the edge measure the slope
+        better. Two fits far apart, the smaller in the fixed phase and the larger just past
+        it, grow a little: their slope is low and put the margin below every fit (lm350m's
+        compiled candidate on a card: 14 and 16 fitted, 19 ran out, and the plan kept eager
+        at half the compiled rate).
         """
         fitted = self._fits(choices)
         fits = [b for b in fitted if b < failed]

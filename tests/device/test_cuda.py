@@ -138,14 +138,18 @@ def test_an_out_of_memory_child_leaves_the_next_child_unchanged() -> None:
 @gpu
 def test_the_budget_is_enforced_in_the_child() -> None:
     """Past the budget the child runs out of memory and the parent raises an error is_oom
-    accepts, saying how many steps finished; below it the same workload fits."""
-    device = _device(256 * MIB, target=GPT)
+    accepts, saying how many steps finished; below it the same workload fits.
+
+    384 MiB: the GPT example's batch 1 peaked past 256 MiB on a card once its output was kept
+    through the next forward as a user's loop keeps it (session 12)."""
+    budget = 384 * MIB
+    device = _device(budget, target=GPT)
     workload = load_target(GPT)
     with pytest.raises(Exception) as caught:  # noqa: PT011 - the type is is_oom's to decide
         device.run(workload, Candidate(batch_size=512), steps=2)
     assert is_oom(caught.value)
     assert getattr(caught.value, "memadvisor_steps_completed", None) == 0
-    assert device.run(workload, Candidate(batch_size=1), steps=2).peak_bytes <= 256 * MIB
+    assert device.run(workload, Candidate(batch_size=1), steps=2).peak_bytes <= budget
 
 
 @gpu

@@ -433,3 +433,47 @@ def test_a_fit_far_below_in_a_flat_phase_does_not_flatten_the_slope_near_the_edg
     for b in (2, edge - 3, edge - 1):
         assert stage.run(choices, b) is not None
     assert prober.sample_bytes(choices, edge) == pytest.approx(per_sample, rel=0.01)
+
+
+def test_two_fits_far_apart_across_a_flat_phase_do_not_put_the_margin_below_every_fit(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Where the two fits a slope comes from lie far apart (none other within the window of
+    the largest), the smaller in the step's fixed phase and the larger just past it, their
+    slope is low; the climb the failure proves bounds it from below, so a search whose runs
+    are spent answers with the largest fit, not with nothing (lm350m's compiled candidate on
+    a card: 14 and 16 fitted, 19 ran out, and the plan kept eager at half the compiled
+    rate: its margin of 3% of the budget at the two fits' slope reached below 14)."""
+    device, space, prober, stage = _stage(
+        workload, profile, strategies, linear_device,
+        eager={("bf16", 0): 40.0, ("fp32", 0): 80.0}, budget_bytes=1000 * MIB,
+    )  # fmt: skip
+    choices = {"precision": "bf16"}
+    edge = device.edge(Candidate(batch_size=1, choices=choices))
+    fixed, per_sample = device.line(Candidate(batch_size=1, choices=choices))
+    small, large = edge - 7, edge - 3
+    assert small < large * 0.9  # the window around the largest fit holds only it
+    device.step_peak_bytes = fixed + round(per_sample * (large - 0.1))
+    runs = [stage.run(choices, small), stage.run(choices, large)]
+    assert all(r is not None for r in runs)
+    assert 0 < runs[1].peak_bytes - runs[0].peak_bytes < per_sample / 5  # the low slope
+    assert stage.run(choices, edge + 1) is None
+    assert small < stage.below_failure(choices, edge + 1) <= edge
+    found = stage.confirm(choices, edge + 1, max_runs=0)
+    assert found is not None and found.candidate.batch_size == large
+
+
+def test_a_winner_whose_confirmation_found_nothing_is_not_called_a_loss(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Where the best compiled configuration by its line is faster than eager but its
+    confirmation found no batch, the plan stays eager and says so: the sentence names the
+    confirmation, not "compiling did not pay" beside a prediction of twice eager's rate."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    monkeypatch.setattr(Search, "confirm", lambda self, winner, hold_back: None)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert not stage.picked and plan.candidate == stage.eager_candidate
+    assert "did not pay" not in stage.summary, stage.summary
+    assert stage.summary.startswith("Planned eager because no compiled configuration was")
+    assert "confirmation found no batch" in stage.summary
