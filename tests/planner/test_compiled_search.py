@@ -477,3 +477,36 @@ def test_a_winner_whose_confirmation_found_nothing_is_not_called_a_loss(
     assert "did not pay" not in stage.summary, stage.summary
     assert stage.summary.startswith("Planned eager because no compiled configuration was")
     assert "confirmation found no batch" in stage.summary
+
+
+def test_a_compiled_pick_slower_than_eager_in_its_verifying_run_is_not_handed_on(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """The compile stage picks on its search runs (dynamic batch); the pick's verifying run
+    (static) measured slower than the eager pick it replaced: the plan hands on the eager
+    pick with its own measured run, and the stage says why (the GPT example on a card beside
+    another plan: compiled searched at 1.04x eager, verified at 0.82x)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    real_run = device.run
+
+    def slow_static(workload, candidate, steps):
+        m = real_run(workload, candidate, steps)
+        form = candidate.choices.get("compile")
+        if isinstance(form, dict) and not form.get("dynamic_batch"):
+            step_ms = m.step_ms * 10
+            m = m.model_copy(
+                update={"step_ms": step_ms, "samples_per_s": candidate.batch_size / step_ms * 1e3}
+            )
+        return m
+
+    device.run = slow_static
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert "compile" not in plan.candidate.choices and plan.candidate == stage.eager_candidate
+    assert not stage.picked and stage.one_off_ms is None
+    assert plan.verified.samples_per_s == pytest.approx(stage.eager_samples_per_s)
+    forms = [p.candidate.choices.get("compile") for p in plan.probes]
+    statics = [f for f in forms if isinstance(f, dict) and not f.get("dynamic_batch")]
+    assert statics, "the compiled pick's verifying run happened"
+    assert "so the plan keeps that one" in stage.summary
+    assert stage.summary in plan.notes
