@@ -180,6 +180,25 @@ class PickStage(ABC):
         """One device run of ``choices`` at ``batch`` (None: it ran out of memory), logged;
         a run already made of the same is answered without the device."""
 
+    def run_many(
+        self, runs: Sequence[tuple[dict[str, JsonValue], int]]
+    ) -> list[Measurement | None | Exception]:
+        """Each ``(choices, batch)`` of ``runs`` as :meth:`run` makes it, on the device at once
+        where it can (:attr:`concurrent_runs`); per run, in order: its measurement, None (it
+        ran out), or the error of a run that failed otherwise. Default: one after another."""
+        answers: list[Measurement | None | Exception] = []
+        for choices, batch in runs:
+            try:
+                answers.append(self.run(choices, batch))
+            except Exception as e:  # noqa: BLE001 - every run's error is its answer
+                answers.append(e)
+        return answers
+
+    @property
+    def concurrent_runs(self) -> int:
+        """Runs :meth:`run_many` makes at once on the device (1: one after another)."""
+        return self.device.concurrent_runs
+
     @abstractmethod
     def score(self, choices: dict[str, JsonValue]) -> Estimated | None:
         """The estimate's view of ``choices`` (eager's, for a measured-only choice): the

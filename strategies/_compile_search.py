@@ -34,6 +34,13 @@ therefore measures compiled variants of several eager combinations, not only of 
 Every run counts against :attr:`CompileSearch.max_runs` (the two confirmations included:
 runs are held back for them) and, before a run starts, :attr:`CompileSearch.max_seconds`.
 
+Where the device makes several runs at once (``PickStage.concurrent_runs``: a card with room
+for several budgets, each run a process capped at the budget), each pass sends its runs in
+groups of that many (``PickStage.run_many``): their process starts and compiles, most of a
+compiled run's 9-19 s on a card, overlap; their timed steps are taken in turn. The same runs
+are made, in the same order, as one at a time; the confirmations are searches, one run after
+another.
+
 Known limitations:
     * One winner is confirmed: a second candidate whose line was close is not confirmed when
       the winner's confirmed batch falls short of its line.
@@ -46,6 +53,10 @@ Known limitations:
       (``docs/design.md``, "A dynamic batch while searching"; torch 2.13 on a CPU caches it).
     * The dynamic graph is measured, the static one verified: where they differ in memory
       the verification steps the batch down.
+    * Runs made at once time their steps in turn, but another run's first step (its compile
+      on the CPU, its kernels on the card) may overlap them: their step times, which rank the
+      candidates, are less sure than a lone run's. The winner's confirmation and the pick's
+      verification run alone, and a pick slower there than the eager pick is not handed on.
 """
 
 from __future__ import annotations
@@ -333,6 +344,17 @@ def _worth_of(objective: str, v: Variant) -> tuple:
     return (v.fit.samples_per_s,)
 
 
+@dataclass
+class _Asked:
+    """Each candidate's number among those searched ('candidate 2/4')."""
+
+    number: dict[int, int]
+    total: int
+
+    def of(self, v: Variant) -> tuple[int, int]:
+        return self.number[id(v)], self.total
+
+
 class Search:
     """The passes over the candidates, counting the stage's device runs and time."""
 
@@ -370,28 +392,31 @@ class Search:
         fits is rarely the best one."""
         objective = self.stage.config.objective
         reserve = CONFIRM_RUNS + (FINAL_FORM_RUNS if any(v.final_differs for v in variants) else 0)
-        total = len(variants)
         number = {id(v): i for i, v in enumerate(variants, 1)}
-        for v in variants:
-            if not (self.runs_left > 0 if number[id(v)] == 1 else self._may_run(reserve)):
-                v.error = v.error or self._spent(reserve)
-                continue
-            self._run(v, v.start_batch, number[id(v)], total)
+        ask = _Asked(number, len(variants))
+        # Pass 1: the first candidate runs whenever a run is left; the others within the
+        # runs not held back for the confirmations.
+        not_run = self._run_in_groups([(v, v.start_batch) for v in variants], ask, reserve, 1)
+        for v, _ in not_run:
+            v.error = v.error or self._spent(reserve)
         promising = [v for v in variants if could_beat(objective, v.fit, self.eager)]
+        second: list[tuple[Variant, int]] = []
         for v in sorted(promising, key=lambda v: _worth_of(objective, v), reverse=True):
             assert v.fit is not None
             batch = v.fit.largest_batch
             if v.fit.basis == "fitted" or batch in v.runs or v.error is not None:
                 continue
-            if not self._may_run(reserve):
-                break
-            self._run(v, batch, number[id(v)], total)
-        for v in variants:
-            if v.runs or v.lowest_failure is None or v.lowest_failure < 2 or v.error is not None:
-                continue
-            if not self._may_run(reserve):
-                break
-            self._run(v, v.lowest_failure // 2, number[id(v)], total)
+            second.append((v, batch))
+        self._run_in_groups(second, ask, reserve)
+        retries = [
+            (v, v.lowest_failure // 2)
+            for v in variants
+            if not v.runs
+            and v.lowest_failure is not None
+            and v.lowest_failure >= 2
+            and v.error is None
+        ]
+        self._run_in_groups(retries, ask, reserve)
         winner = self.best([v for v in variants if v.error is None or v.runs])
         if winner is None or not could_beat(objective, winner.fit, self.eager):
             return None
@@ -430,17 +455,56 @@ class Search:
             return None, first_line(e)
         return final, "" if final is not None else "no batch of it fitted within its runs"
 
+    def _run_in_groups(
+        self, runs: list[tuple[Variant, int]], ask: _Asked, reserve: int, free: int = 0
+    ) -> list[tuple[Variant, int]]:
+        """``runs`` in their order, as many at once as the device makes
+        (``PickStage.concurrent_runs``), while the budget allows: runs beyond ``reserve`` are
+        left, the first ``free`` of them whenever any is, and none starts once
+        :attr:`CompileSearch.max_seconds` have passed. Returns those not run."""
+        left = list(runs)
+        made = 0
+        while left:
+            allowed = self.runs_left - reserve if self._may_run(reserve) else 0
+            if made < free:
+                allowed = max(allowed, min(self.runs_left, free - made))
+            if allowed <= 0:
+                break
+            group = left[: min(max(1, self.stage.concurrent_runs), allowed)]
+            left = left[len(group) :]
+            made += len(group)
+            if len(group) == 1:
+                v, batch = group[0]
+                self._run(v, batch, *ask.of(v))
+                continue
+            self.stage.describe(
+                f"compiling candidates {', '.join(str(ask.of(v)[0]) for v, _ in group)}"
+                f"/{ask.total} at once ({'; '.join(v.label for v, _ in group)})"
+            )
+            answers = self.stage.run_many([(v.choices, batch) for v, batch in group])
+            for (v, batch), answer in zip(group, answers, strict=True):
+                self._take(v, batch, answer)
+        return left
+
     def _run(self, v: Variant, batch: int, index: int, total: int) -> bool | None:
         """One run of ``v`` at ``batch``, its line refitted: True fitted, False ran out, None
         failed otherwise (``v.error``)."""
         self.stage.describe(f"compiling candidate {index}/{total} ({v.label})")
         try:
-            m = self.stage.run(v.choices, batch)
+            answer: Measurement | None | Exception = self.stage.run(v.choices, batch)
         except Exception as e:  # noqa: BLE001 - a compiled run failing drops this candidate
-            if is_our_bug(e):
-                raise
-            v.error = first_line(e)
+            answer = e
+        return self._take(v, batch, answer)
+
+    def _take(self, v: Variant, batch: int, answer: Measurement | None | Exception) -> bool | None:
+        """What a run of ``v`` at ``batch`` answered, kept and its line refitted: True
+        fitted, False ran out, None failed otherwise (``v.error``; our own bug raises)."""
+        if isinstance(answer, Exception):
+            if is_our_bug(answer):
+                raise answer
+            v.error = first_line(answer)
             return None
+        m = answer
         if m is None:
             v.lowest_failure = batch if v.lowest_failure is None else min(v.lowest_failure, batch)
         else:

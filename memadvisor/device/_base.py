@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from memadvisor import errors
@@ -25,8 +26,10 @@ class Device(ABC):
 
     What the planner asks of a device besides ``run`` is its :attr:`capabilities` (what it
     can do: said once, read by every stage, never its kind), :meth:`is_oom`, :attr:`notes`
-    and :meth:`close`. A device (a test's, a third party's) states its capabilities as a class
-    attribute, sets them in ``__init__``, or computes them in a property (a card's free bytes).
+    and :meth:`close`; :meth:`run_many` where it has several runs to make (one after another
+    unless the device overrides it). A device (a test's, a third party's) states its
+    capabilities as a class attribute, sets them in ``__init__``, or computes them in a
+    property (a card's free bytes).
     """
 
     def __init__(self, budget_bytes: int, name: str) -> None:
@@ -68,3 +71,20 @@ class Device(ABC):
     @abstractmethod
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
         """Train ``candidate`` for ``steps`` steps on a copy of ``workload``'s model."""
+
+    def run_many(
+        self, workload: Workload, runs: Sequence[tuple[Candidate, int]]
+    ) -> list[Measurement | Exception]:
+        """Each ``(candidate, steps)`` of ``runs`` as :meth:`run` makes it, each from a clean
+        state; the answers in order, each the measurement or the error its run raised (an
+        out-of-memory is one). Default: one after another. A device whose capabilities say
+        ``concurrent_runs`` > 1 makes up to that many at once (their starts and compiles
+        overlapping) and takes their timed steps in turn, so each step time is its own.
+        """
+        answers: list[Measurement | Exception] = []
+        for candidate, steps in runs:
+            try:
+                answers.append(self.run(workload, candidate, steps))
+            except Exception as e:  # noqa: BLE001 - every run's error is its answer
+                answers.append(e)
+        return answers

@@ -3,14 +3,26 @@
 The same function runs in a fork-server child (:mod:`memadvisor.device._zygote`), in a
 fresh worker process (:mod:`memadvisor.device._worker`) and in the planner's own process
 (:class:`~memadvisor.device.cuda.CudaDevice`'s fallback), so the three measure one step.
+
+Runs made at once (``CudaDevice.run_many``: children of one fork server on one card) take
+their timed steps in turn: each compiles and warms up in its first step beside the others,
+then waits for a lock file (:func:`taking_turn`) before its second step and holds it through
+its last, so no other run's timed steps share the card with its own.
+
+Known limitations:
+    * Another run's first step (its compile on the CPU, its warm-up kernels on the card)
+      may overlap a run's timed steps: a concurrent run's step time is less sure than a lone
+      run's. The planner confirms a search's winner in a run of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -23,7 +35,7 @@ from memadvisor.step import base_step, running
 from memadvisor.strategy import Strategy, apply_candidate, load_strategies
 from memadvisor.workload import Workload, train_step
 
-__all__ = ["RESULT_MARKER", "train_candidate"]
+__all__ = ["RESULT_MARKER", "taking_turn", "train_candidate"]
 
 RESULT_MARKER = "MEMADVISOR_RESULT "  # prefixes the child's answer; the model may print too
 
@@ -43,6 +55,31 @@ def _apply(
     return running(workload, step)
 
 
+@contextlib.contextmanager
+def taking_turn(lock_path: str | None) -> Iterator[None]:
+    """Hold the turn of the runs sharing ``lock_path`` (an exclusive lock on that file,
+    created if missing) while the block runs; None: no turn to take, the block runs at once.
+
+    Waits while another process holds it. Released when the block ends, by an error too (the
+    file is closed), and by the kernel when the process dies holding it.
+
+    A POSIX record lock (``fcntl.lockf``), not ``flock``: it belongs to this process, so a
+    process this run forks while holding it (a compile worker, a data loader's pool left
+    behind) neither holds it nor keeps it held after this run ends.
+    """
+    if lock_path is None:
+        yield
+        return
+    import fcntl  # POSIX only; only fork-server runs (POSIX) have a lock to take
+
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def train_candidate(
     workload: Workload,
     candidate: Candidate,
@@ -53,12 +90,15 @@ def train_candidate(
     profile: Profile | None = None,
     copy_model: bool = True,
     strategies: Sequence[Strategy] | None = None,
+    turn_lock: str | None = None,
 ) -> Measurement:
     """Train ``candidate`` for ``steps`` steps on ``device`` and measure it.
 
     The peak is what this run added to what was allocated when it began (in a fresh process
     that is everything: weights, optimizer state, activations). ``strategies`` (instances)
-    spares loading them again; else they are loaded by ``strategy_names``.
+    spares loading them again; else they are loaded by ``strategy_names``. ``turn_lock``: the
+    lock file of runs made at once (:func:`taking_turn`); the first step (compile, warm-up)
+    runs without it, the timed steps after it hold it. None: a lone run, no lock.
 
     Raises:
         torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit;
@@ -79,18 +119,21 @@ def train_candidate(
         optimizer = run.make_optimizer(model)
         batch = run.batch(candidate.batch_size, device)
         held: list = []  # the last output, alive into the next step as a user's loop keeps it
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            train_step(
-                run,
-                model,
-                optimizer,
-                batch,
-                accumulation_steps=candidate.accumulation_steps,
-                held=held,
-            )
-            torch.cuda.synchronize(device)
-            times_ms.append((time.perf_counter() - t0) * 1e3)
+        with contextlib.ExitStack() as turn:  # the turn ends with the steps, by an error too
+            for done in range(steps):
+                if done == 1:  # before the first timed step; the wait is in no step's time
+                    turn.enter_context(taking_turn(turn_lock))
+                t0 = time.perf_counter()
+                train_step(
+                    run,
+                    model,
+                    optimizer,
+                    batch,
+                    accumulation_steps=candidate.accumulation_steps,
+                    held=held,
+                )
+                torch.cuda.synchronize(device)
+                times_ms.append((time.perf_counter() - t0) * 1e3)
     except Exception as e:
         if is_oom(e):
             e.memadvisor_steps_completed = len(times_ms)  # type: ignore[attr-defined]

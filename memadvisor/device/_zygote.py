@@ -28,18 +28,30 @@ stderr):
 * parent -> zygote, stdin: ``{"setup": {...}}`` once (the worker's request fields: target
   or saved workload, target files, sys.path, profile path, strategies, budget, device
   index, and optionally ``runner``), then ``{"run": {"id", "candidate", "steps"}}`` per
-  run, and ``{"exit": true}`` or end-of-file to stop. A run may carry ``profile_path``:
-  the zygote loads that profile once, for this run and the next (a zygote started before
-  the plan's profile existed, :meth:`ForkServer.spawn`).
+  run, or ``{"runs": [run, run, ...]}`` (each such a run) for runs made at once, and
+  ``{"exit": true}`` or end-of-file to stop. A run may carry ``profile_path``: the zygote
+  loads that profile once, for this run and the next (a zygote started before the plan's
+  profile existed, :meth:`ForkServer.spawn`).
 * zygote -> parent: ``{"status": "ready"}`` (or ``unloadable`` / ``error`` as the worker
   answers) after setup, then one answer per run, in order, with its ``id``: ``ok``, ``oom``
   and ``error`` as :mod:`memadvisor.device._worker` answers; ``crashed`` (the child died
   without answering: a signal, or an exit of its own); ``unforkable`` (CUDA could not start
-  in a forked child; the parent falls back to fresh processes).
+  in a forked child; the parent falls back to fresh processes). A ``runs`` message is
+  answered as its runs would be one by one: one line per run, in the order given.
+
+Runs made at once: for a ``runs`` message the zygote forks a child per run, all before
+collecting any (their starts, first steps and compiles overlap), makes one lock file for
+them and gives each child its path as the run's ``turn_lock``
+(:attr:`RunContext.turn_lock`); the runner takes that lock after its first step and holds
+it through its timed steps (:func:`memadvisor.device._train.taking_turn`), so their timed
+steps come in turn. A single ``run`` has no lock. The zygote removes the file once every
+child of the message is collected.
 
 A run's work is a *runner* ``f(workload, candidate, steps, context) -> Measurement``: by
 default :func:`cuda_runner`; ``setup["runner"]`` (``"file.py:function"``) names another,
-which is how the CPU tests drive the protocol without a card.
+which is how the CPU tests drive the protocol without a card. A runner passes
+``context.turn_lock`` on to ``train_candidate`` (or takes the turn itself with
+``taking_turn``) before its timed steps; None for a single run.
 
 Known limitations:
     * Needs ``os.fork`` (Linux, macOS); elsewhere CudaDevice starts a fresh process per run.
@@ -47,6 +59,11 @@ Known limitations:
       ``torch.cuda.init()``) or runs a backward cannot be forked: the first child answers
       ``unforkable`` and the device falls back to a fresh process per run.
     * A thread the factory started does not exist in the children.
+    * Runs made at once share the card: the parent asks for no more than it has room for
+      (``CudaDevice.capabilities.concurrent_runs``), each capped at the budget; another
+      child's first step may overlap a run's timed steps (``_train``'s limitations).
+    * A zygote killed while a ``runs`` message is in flight leaves its (empty) lock file in
+      the temporary directory.
 """
 
 from __future__ import annotations
@@ -58,8 +75,10 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -107,6 +126,9 @@ class RunContext:
     strategies: Any = None  # loaded strategy instances (None: the runner loads them)
     strategy_names: list[str] | None = None
     intra_op_threads: int = 1  # what the children restore (the zygote runs with one)
+    # The lock file of the runs forked with this one (a "runs" message), taken for the timed
+    # steps; set in the child only (its private copy), None for a single run.
+    turn_lock: str | None = None
 
 
 # -- the child's work -----------------------------------------------------------------------
@@ -141,6 +163,7 @@ def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) 
         strategies=context.strategies,
         profile=context.profile,
         copy_model=False,  # this child owns its copy-on-write copy of the model
+        turn_lock=context.turn_lock,
     )
 
 
@@ -165,14 +188,27 @@ def _error_answer(e: BaseException) -> dict[str, Any]:
     }
 
 
-def _child(state: _State, run: dict[str, Any], answer_fd: int, zygote_pid: int) -> None:
-    """In the forked child: run, write the answer to ``answer_fd``, and exit without cleanup."""
+def _child(
+    state: _State,
+    run: dict[str, Any],
+    answer_fd: int,
+    zygote_pid: int,
+    siblings: Sequence[int] = (),
+) -> None:
+    """In the forked child: run, write the answer to ``answer_fd``, and exit without cleanup.
+
+    ``siblings``: the zygote's read ends of the answer pipes of children forked before this
+    one (the same ``runs`` message): theirs to read, closed here.
+    """
     status = 1
     try:
         die_with_parent(zygote_pid)  # a fork does not inherit the zygote's parent-death signal
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the requests are the zygote's to read
         os.close(state.answers.fileno())  # and the answers its to write
+        for fd in siblings:
+            os.close(fd)
+        state.context.turn_lock = run.get("turn_lock")  # this child's copy of the context
         import torch
 
         from memadvisor.schema.candidate import Candidate
@@ -296,6 +332,36 @@ def _take_profile(state: _State, path: str | None) -> None:
 
 def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
     """Fork a child for ``run``, wait for it, and return its answer (or why there is none)."""
+    forked = _fork(state, run)
+    return forked if isinstance(forked, dict) else _answer_of(state, *forked)
+
+
+def _serve_many(state: _State, runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fork a child for each of ``runs``, all at once, sharing one turn lock; their answers
+    in the order given (each as :func:`_serve` answers it).
+
+    Collected one after another: a child that finished before the one waited for blocks in
+    its answer's write (a long one) or has exited, and is read in its turn.
+    """
+    handle, lock = tempfile.mkstemp(prefix="memadvisor-turn-", suffix=".lock")
+    os.close(handle)
+    forked: list[dict[str, Any] | tuple[int, int]] = []
+    try:
+        for run in runs:
+            _take_profile(state, run.get("profile_path"))
+            open_fds = [f[1] for f in forked if isinstance(f, tuple)]
+            forked.append(_fork(state, {**run, "turn_lock": lock}, open_fds))
+        return [f if isinstance(f, dict) else _answer_of(state, *f) for f in forked]
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+
+
+def _fork(
+    state: _State, run: dict[str, Any], siblings: Sequence[int] = ()
+) -> dict[str, Any] | tuple[int, int]:
+    """Fork a child for ``run``: (its pid, the read end of its answer pipe), or the answer
+    that says why none could be forked. ``siblings``: read ends the child must close."""
     import torch
 
     if torch.cuda.is_initialized():  # the flag only: asking the driver would start it
@@ -311,8 +377,13 @@ def _serve(state: _State, run: dict[str, Any]) -> dict[str, Any]:
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
-        _child(state, run, write_fd, zygote_pid)  # never returns
+        _child(state, run, write_fd, zygote_pid, siblings)  # never returns
     os.close(write_fd)
+    return pid, read_fd
+
+
+def _answer_of(state: _State, pid: int, read_fd: int) -> dict[str, Any]:
+    """Wait for the child ``pid`` and return its answer (or why there is none)."""
     data, status = _collect(pid, read_fd, state.parent_pid)
     os.close(read_fd)
     if data:
@@ -394,6 +465,13 @@ def main() -> int:
             _take_profile(state, message["run"].get("profile_path"))
             answer = _serve(state, message["run"])
             _say(answers, {**answer, "id": message["run"].get("id")})
+        elif "runs" in message:
+            if state is None:
+                _say(answers, {"status": "error", "type": "ZygoteDied", "message": "no setup"})
+                return 1
+            runs = message["runs"]
+            for run, answer in zip(runs, _serve_many(state, runs), strict=True):
+                _say(answers, {**answer, "id": run.get("id")})
         elif message.get("exit"):
             break
     return 0
@@ -491,21 +569,47 @@ class ForkServer:
             ZygoteDied: the zygote is gone, or died before answering.
             TimeoutError: no answer within ``timeout_s``; the zygote and the child are killed.
         """
-        if not self.alive:
-            raise ZygoteDied("the zygote is not running")
-        self._next_id += 1
-        run_id = self._next_id
+        run = self._numbered({"candidate": candidate, "steps": steps, "profile_path": profile_path})
         self._in_flight = True
-        run: dict[str, Any] = {"id": run_id, "candidate": candidate, "steps": steps}
-        if profile_path is not None:
-            run["profile_path"] = profile_path
         self._send({"run": run})
         answer = self._answer(timeout_s)
         self._in_flight = False
-        if answer.get("id") != run_id:
-            self.kill()
-            raise ZygoteDied(f"answer for run {answer.get('id')} arrived for run {run_id}")
+        self._check_id(answer, run)
         return answer
+
+    def run_many(self, runs: Sequence[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
+        """``runs`` at once, each in a fresh child, their timed steps in turn (the module
+        docstring); their answers in the order given, each as :meth:`run` answers it.
+
+        Args:
+            runs: each ``{"candidate": {...}, "steps": n}``, optionally with
+                ``profile_path`` (as :meth:`run`'s).
+            timeout_s: for the whole group: every answer must be in by then.
+
+        Raises:
+            ZygoteDied: the zygote is gone, or died before answering every run.
+            TimeoutError: not every answer came within ``timeout_s``; the zygote and its
+                children are killed (the answers already read are lost with them).
+        """
+        if not runs:
+            return []
+        sent = [self._numbered(run) for run in runs]
+        deadline = time.monotonic() + timeout_s
+        self._in_flight = True
+        self._send({"runs": sent})
+        answers: list[dict[str, Any]] = []
+        for run in sent:
+            try:
+                answer = self._answer(max(0.0, deadline - time.monotonic()))
+            except TimeoutError as e:
+                raise TimeoutError(
+                    f"{len(sent) - len(answers)} of {len(sent)} runs made at once had not "
+                    f"answered within {timeout_s:.0f} s"
+                ) from e
+            self._check_id(answer, run)
+            answers.append(answer)
+        self._in_flight = False
+        return answers
 
     def close(self) -> None:
         """Ask the zygote to exit; kill it (and any child) if it does not within a few seconds.
@@ -541,6 +645,30 @@ class ForkServer:
             process.wait()
         self._in_flight = False
         self._close_pipes()
+
+    def _numbered(self, run: dict[str, Any]) -> dict[str, Any]:
+        """``run`` (candidate, steps, profile_path) with the next id, as the zygote reads it.
+
+        Raises:
+            ZygoteDied: the zygote is not running (checked before an id is spent).
+        """
+        if not self.alive:
+            raise ZygoteDied("the zygote is not running")
+        self._next_id += 1
+        numbered: dict[str, Any] = {
+            "id": self._next_id,
+            "candidate": run["candidate"],
+            "steps": run["steps"],
+        }
+        if run.get("profile_path") is not None:
+            numbered["profile_path"] = run["profile_path"]
+        return numbered
+
+    def _check_id(self, answer: dict[str, Any], run: dict[str, Any]) -> None:
+        """Kill the zygote and raise ZygoteDied where ``answer`` is not ``run``'s."""
+        if answer.get("id") != run["id"]:
+            self.kill()
+            raise ZygoteDied(f"answer for run {answer.get('id')} arrived for run {run['id']}")
 
     def stderr_tail(self, chars: int = 2000) -> str:
         try:

@@ -32,9 +32,22 @@ workloads users write (``loss_fn=lambda out, b: F.cross_entropy(out, b[1])``) re
 processes. :attr:`CudaDevice.notes` says when a run fell back, and the planner puts that
 note first among ``Plan.notes``, where the report's first lines show it.
 
+Runs made at once (:meth:`CudaDevice.run_many`, fork server only): up to
+:attr:`~memadvisor.schema.device.DeviceCapabilities.concurrent_runs` children of the zygote
+at a time, as many as the card's free memory holds at the budget each. A compiled run's
+first step (10-20 s on an H100, mostly compiling on the CPU) then overlaps the others';
+their timed steps are taken in turn (a lock file, :mod:`memadvisor.device._train`), so no
+two runs' timed steps share the card. Each child caps its own allocator at the budget, so
+each measures its own peak.
+
 Known limitations:
     * A run still costs seconds, most of them the child's first step loading the CUDA
       kernels; the planner keeps the runs few.
+    * A run made at once with others may have another's first step (its compile on the
+      CPU, its warm-up on the card) beside its timed steps: its step time is less sure than
+      a lone run's; the planner confirms the winner in a run of its own. A card whose free
+      memory another program takes while the runs are under way can make a run that fits
+      its budget run out of the card's memory instead.
     * The budget caps *reserved* memory; the CUDA context is outside it, as it
       is outside what ``torch.cuda.mem_get_info`` reports a card can give to tensors.
 """
@@ -71,11 +84,31 @@ from memadvisor.schema.device import DeviceCapabilities, card_capabilities
 from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload
 
-__all__ = ["IN_PROCESS_NOTE_START", "CudaDevice", "environment_changed", "save_workload"]
+__all__ = [
+    "IN_PROCESS_NOTE_START",
+    "MAX_CONCURRENT_RUNS",
+    "PER_PROCESS_BYTES",
+    "RESERVE_BYTES",
+    "CudaDevice",
+    "environment_changed",
+    "save_workload",
+]
 
 # How the in-process fallback's note begins: the planner finds it and puts it first.
 IN_PROCESS_NOTE_START = "Probes ran in this process, not in fresh ones,"
 MIB = 2**20
+GIB = 2**30
+# Runs made at once, at most: their first steps compile on the CPU (inductor's own workers
+# too), so more than a few contend for the cores more than they overlap, and their timed
+# steps are taken in turn anyway.
+MAX_CONCURRENT_RUNS = 4
+# Left free on the card when runs are made at once: the planner's own process shares it
+# (its cached blocks, a profile's tensors, growth while the children run), and so may
+# whatever else runs there; a child that finds the card full runs out short of its budget.
+RESERVE_BYTES = 2 * GIB
+# Each child's card memory beyond its budget: its CUDA context (kernels, cuBLAS/cuDNN
+# handles; 0.5-1 GiB on an H100) and what its allocator's cap does not count.
+PER_PROCESS_BYTES = 1 * GIB
 
 
 def save_workload(parts: dict[str, Any], path: Path) -> None:
@@ -202,13 +235,22 @@ class CudaDevice(Device):
     @property
     def capabilities(self) -> DeviceCapabilities:  # type: ignore[override]
         """The card's (:data:`~memadvisor.schema.device.CUDA_CARD`: its times rank, a run's
-        fixed cost dwarfs its steps), its bytes free now, and fresh processes until runs fell
-        back to this one (a workload that cannot be saved)."""
+        fixed cost dwarfs its steps), its bytes free now, fresh processes until runs fell
+        back to this one (a workload that cannot be saved), and the runs :meth:`run_many`
+        makes at once: as many children of the fork server as the free bytes hold (each its
+        budget and :data:`PER_PROCESS_BYTES`, :data:`RESERVE_BYTES` left free), at most
+        :data:`MAX_CONCURRENT_RUNS`; 1 without a fork server."""
         if self._card is None:  # what does not change: read once
             self._card = card_capabilities(self.index)
         free = int(torch.cuda.mem_get_info(self.index)[0])
         fresh = self.mode != "in_process"
-        return self._card.model_copy(update={"free_bytes": free, "fresh_processes": fresh})
+        concurrent = 1
+        if self.mode == "fork_server":
+            room = (free - RESERVE_BYTES) // (self.budget_bytes + PER_PROCESS_BYTES)
+            concurrent = min(MAX_CONCURRENT_RUNS, max(1, room))
+        return self._card.model_copy(
+            update={"free_bytes": free, "fresh_processes": fresh, "concurrent_runs": concurrent}
+        )
 
     def close(self) -> None:
         """Stop the zygote; remove the saved workload and requests."""
@@ -218,8 +260,7 @@ class CudaDevice(Device):
     # -- the contract -----------------------------------------------------------------------
 
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
-        if self.mode != "in_process" and self.target is None and self._workload_path is None:
-            self._save_workload(workload)
+        self._send_workload(workload)
         if self.mode == "fork_server":
             answer = self._run_forked(candidate, steps)
             if answer is not None:
@@ -230,7 +271,40 @@ class CudaDevice(Device):
                 return answer
         return self._run_here(workload, candidate, steps)
 
+    def run_many(
+        self, workload: Workload, runs: Sequence[tuple[Candidate, int]]
+    ) -> list[Measurement | Exception]:
+        """Each ``(candidate, steps)`` of ``runs`` as :meth:`run` makes it; the answers in
+        order, each the measurement or the error its run raised (an out-of-memory is one).
+
+        With a fork server, in groups of at most ``capabilities.concurrent_runs`` runs made
+        at once by its children, their timed steps in turn (the module docstring); else, or
+        for a single run, one after another. A group's runs share one timeout, ``timeout_s``
+        per run. Where the fork server cannot serve a group (it died, or CUDA would not
+        start in a forked child) this device falls back to fresh processes, as :meth:`run`
+        does, and makes that group's runs without an answer one by one.
+        """
+        runs = list(runs)
+        if len(runs) > 1:
+            self._send_workload(workload)
+        if self.mode != "fork_server" or len(runs) < 2:
+            return super().run_many(workload, runs)
+        size = self.capabilities.concurrent_runs
+        answers: list[Measurement | Exception] = []
+        for start in range(0, len(runs), size):
+            group = runs[start : start + size]
+            if self.mode != "fork_server" or len(group) == 1:
+                answers += super().run_many(workload, group)
+            else:
+                answers += self._run_group(workload, group)
+        return answers
+
     # -- what the children need -------------------------------------------------------------
+
+    def _send_workload(self, workload: Workload) -> None:
+        """Save the workload for the children unless they rebuild it (a target) or have it."""
+        if self.mode != "in_process" and self.target is None and self._workload_path is None:
+            self._save_workload(workload)
 
     def _save_workload(self, workload: Workload) -> None:
         path = self._dir / "workload.pt"
@@ -313,8 +387,10 @@ class CudaDevice(Device):
         self._adopt(zygote)
         self._pending = True
 
-    def _run_forked(self, candidate: Candidate, steps: int) -> Measurement | None:
-        """The run in a forked child of the zygote; None when this device fell back instead."""
+    def _serving_zygote(self) -> ForkServer | None:
+        """The zygote to fork this process's runs from, ready: the one running (awaited if
+        prestarted), or a new one where there is none, it exited, or this process's
+        environment changed since it started; None when this device fell back instead."""
         zygote = self._zygote
         changed = environment_changed(zygote.parent_env, dict(os.environ)) if zygote else []
         if changed:
@@ -323,13 +399,18 @@ class CudaDevice(Device):
             logger.debug("a new fork server: the environment changed (%s)", ", ".join(changed))
             self._stop_zygote()
             zygote = None
+        if zygote is not None and self._pending:
+            return self._await_ready(zygote)
+        if zygote is None or not zygote.alive:
+            return self._start_zygote()
+        return zygote
+
+    def _run_forked(self, candidate: Candidate, steps: int) -> Measurement | None:
+        """The run in a forked child of the zygote; None when this device fell back instead."""
+        zygote = self._serving_zygote()
+        if zygote is None:
+            return None
         try:
-            if zygote is not None and self._pending:
-                zygote = self._await_ready(zygote)
-            elif zygote is None or not zygote.alive:
-                zygote = self._start_zygote()
-            if zygote is None:
-                return None
             answer = zygote.run(
                 candidate.model_dump(mode="json"),
                 steps,
@@ -343,8 +424,9 @@ class CudaDevice(Device):
                 "s and was killed; pass fewer probe_steps or a larger timeout."
             ) from e
         except ZygoteDied as e:
-            tail = zygote.stderr_tail(500) if zygote is not None else ""
-            self._to_fresh_processes(f"the fork server stopped ({e}); its stderr ends:\n{tail}")
+            self._to_fresh_processes(
+                f"the fork server stopped ({e}); its stderr ends:\n{zygote.stderr_tail(500)}"
+            )
             return None
         if answer["status"] == "unforkable":
             self._to_fresh_processes(
@@ -352,11 +434,68 @@ class CudaDevice(Device):
             )
             return None
         if answer["status"] == "crashed":
-            raise PlanningError(
-                f"A probe process (batch {candidate.batch_size}) died: {answer['message']}. "
-                f"Its stderr ends with:\n{self._zygote_stderr_tail()}"
-            )
+            raise self._crashed(answer, candidate)
         return _measurement(answer, candidate, self._fall_back)
+
+    def _run_group(
+        self, workload: Workload, group: list[tuple[Candidate, int]]
+    ) -> list[Measurement | Exception]:
+        """``group``'s runs at once in children of the zygote (:meth:`run_many`)."""
+        zygote = self._serving_zygote()
+        if zygote is None:
+            return super().run_many(workload, group)
+        profile_path = self._profile_file()
+        requests = [
+            {"candidate": c.model_dump(mode="json"), "steps": steps, "profile_path": profile_path}
+            for c, steps in group
+        ]
+        timeout_s = self.timeout_s * len(group)
+        try:
+            answers = zygote.run_many(requests, timeout_s)
+        except TimeoutError as e:
+            self._stop_zygote()  # killed with its children; the next run starts a new one
+            batches = ", ".join(str(c.batch_size) for c, _ in group)
+            timed_out: list[Measurement | Exception] = []
+            for _ in group:  # which of them overran, none can tell: each run's answer
+                error = PlanningError(
+                    f"Probe processes made at once (batches {batches}) ran past "
+                    f"{timeout_s:.0f} s together and were killed; pass fewer probe_steps or a "
+                    "larger timeout."
+                )
+                error.__cause__ = e
+                timed_out.append(error)
+            return timed_out
+        except ZygoteDied as e:
+            self._to_fresh_processes(
+                f"the fork server stopped ({e}); its stderr ends:\n{zygote.stderr_tail(500)}"
+            )
+            return super().run_many(workload, group)
+        unforkable = [a for a in answers if a["status"] == "unforkable"]
+        if unforkable:
+            self._to_fresh_processes(
+                f"CUDA did not start in a forked child ({unforkable[0].get('message')})"
+            )
+        out: list[Measurement | Exception | None] = []
+        for (candidate, _), answer in zip(group, answers, strict=True):
+            if unforkable and answer["status"] not in ("ok", "oom"):
+                out.append(None)  # made again below, in a fresh process
+            elif answer["status"] == "crashed":
+                out.append(self._crashed(answer, candidate))
+            else:
+                try:
+                    out.append(_measurement(answer, candidate, self._fall_back))
+                except Exception as e:  # noqa: BLE001 - every run's error is its answer
+                    out.append(e)
+        again = [run for run, answer in zip(group, out, strict=True) if answer is None]
+        made = iter(super().run_many(workload, again) if again else [])
+        return [next(made) if answer is None else answer for answer in out]
+
+    def _crashed(self, answer: dict[str, Any], candidate: Candidate) -> PlanningError:
+        """The error for a child that died without answering, its stderr's tail with it."""
+        return PlanningError(
+            f"A probe process (batch {candidate.batch_size}) died: {answer['message']}. "
+            f"Its stderr ends with:\n{self._zygote_stderr_tail()}"
+        )
 
     def _start_zygote(self) -> ForkServer | None:
         """A ready zygote, or None when this device fell back (the mode says to what)."""

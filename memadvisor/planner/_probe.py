@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from memadvisor.device import Device
+from memadvisor.errors import PlanningError
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
-__all__ = ["BatchSearch", "find_batch", "probe", "safe_below"]
+__all__ = ["BatchSearch", "find_batch", "probe", "probe_many", "safe_below"]
 
 TryBatch = Callable[[int], bool]
 Extrapolate = Callable[[int], "int | None"]
@@ -210,24 +211,77 @@ def probe(
     except Exception as e:
         if not device.is_oom(e):
             raise
-        text = str(e).strip()
-        message = text.splitlines()[0] if text else type(e).__name__
-        failure = (message, int(getattr(e, "memadvisor_steps_completed", 0)))
+        failure = _failure(e)
     if failure is not None:
         # Out of the except block the exception and its traceback are gone: the failed
         # step's frames and tensors can be freed now, before the next probe's clean start.
         gc.collect()
-        record = Probe(
-            batch_size=candidate.batch_size,
-            fits=False,
-            steps=failure[1],
-            error=failure[0][:500],
-            wall_ms=(time.perf_counter() - t0) * 1e3,
-            stage=stage,
-            candidate=candidate,
+        return _ran_out(candidate, failure, t0, stage), None
+    return _fitted(candidate, measured, t0, stage), measured
+
+
+def probe_many(
+    device: Device,
+    workload: Workload,
+    candidates: Sequence[Candidate],
+    steps: int,
+    *,
+    stage: str = "probe",
+) -> list[tuple[Probe | None, Measurement | None, Exception | None]]:
+    """Run ``candidates`` for ``steps`` steps each through ``device.run_many`` (at once where
+    the device can); per candidate, in order: its probe record and its measurement (None
+    when it ran out) and None, or (None, None, the error) for a run that failed otherwise,
+    which no record counts. Each record's wall time is the whole group's.
+
+    Raises:
+        PlanningError: the device answered a different number of runs than it was given.
+    """
+    t0 = time.perf_counter()
+    answers = device.run_many(workload, [(c, steps) for c in candidates])
+    if len(answers) != len(candidates):
+        raise PlanningError(
+            f"{type(device).__name__}.run_many answered {len(answers)} runs for "
+            f"{len(candidates)}: a device must answer every run, in order."
         )
-        return record, None
-    record = Probe(
+    out: list[tuple[Probe | None, Measurement | None, Exception | None]] = []
+    ran_out = False
+    for i, candidate in enumerate(candidates):
+        answer = answers[i]
+        if not isinstance(answer, Exception):
+            out.append((_fitted(candidate, answer, t0, stage), answer, None))
+        elif device.is_oom(answer):
+            out.append((_ran_out(candidate, _failure(answer), t0, stage), None, None))
+            answers[i] = None  # type: ignore[call-overload]  # its traceback goes (below)
+            ran_out = True
+        else:
+            out.append((None, None, answer))
+    if ran_out:
+        del answer
+        gc.collect()  # as probe: the failed steps' frames and tensors, before the next start
+    return out
+
+
+def _failure(error: BaseException) -> tuple[str, int]:
+    """An out-of-memory's first line and the steps its run finished."""
+    text = str(error).strip()
+    message = text.splitlines()[0] if text else type(error).__name__
+    return message, int(getattr(error, "memadvisor_steps_completed", 0))
+
+
+def _ran_out(candidate: Candidate, failure: tuple[str, int], t0: float, stage: str) -> Probe:
+    return Probe(
+        batch_size=candidate.batch_size,
+        fits=False,
+        steps=failure[1],
+        error=failure[0][:500],
+        wall_ms=(time.perf_counter() - t0) * 1e3,
+        stage=stage,
+        candidate=candidate,
+    )
+
+
+def _fitted(candidate: Candidate, measured: Measurement, t0: float, stage: str) -> Probe:
+    return Probe(
         batch_size=candidate.batch_size,
         fits=True,
         steps=measured.steps,
@@ -236,4 +290,3 @@ def probe(
         stage=stage,
         candidate=candidate,
     )
-    return record, measured

@@ -17,7 +17,7 @@ from pydantic import JsonValue
 
 from memadvisor import strategy
 from memadvisor.device import Device
-from memadvisor.planner._probe import BatchSearch, find_batch, probe, safe_below
+from memadvisor.planner._probe import BatchSearch, find_batch, probe, probe_many, safe_below
 from memadvisor.planner._progress import Stage
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -118,21 +118,82 @@ class Prober:
 
     def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
         """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
-        known = self._runs.get(_key(candidate))
-        if known is not None:
-            if known.measured is not None and known.steps >= steps:
-                return known.measured
-            if known.ran_out_within(steps):
-                return None  # it ran out within the steps asked for now
-        elif self._ran_out_below(candidate, steps):
-            return None  # a smaller batch of the same choices ran out: no run to learn that
-        if self.runs_left is not None:
-            if self.runs_left <= 0:
-                raise RunsSpent(f"no device run left for batch {candidate.batch_size}")
-            self.runs_left -= 1
+        known, answer = self._known(candidate, steps)
+        if known:
+            return answer
+        self._spend(1, candidate)
         doing = self.doing or stage
         self._describe(f"{doing}: batch {candidate.batch_size} running")
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
+        self._keep(candidate, steps, record, measured, doing)
+        return measured
+
+    def run_many(
+        self, candidates: list[Candidate], steps: int, stage: str
+    ) -> list[Measurement | None | Exception]:
+        """Each of ``candidates`` for ``steps`` steps, as :meth:`run` answers it: those no
+        earlier run answers go to the device together (``Device.run_many``: at once where it
+        can). Per candidate, in order: its measurement, None (it ran out), or the error of a
+        run that failed otherwise (not recorded, as :meth:`run` records none).
+
+        Raises:
+            RunsSpent: the runs left (:attr:`runs_left`) do not cover them; none ran.
+        """
+        answers: list[Measurement | None | Exception] = []
+        to_run: list[int] = []
+        for i, candidate in enumerate(candidates):
+            known, answer = self._known(candidate, steps)
+            answers.append(answer)
+            if not known:
+                to_run.append(i)
+        if not to_run:
+            return answers
+        self._spend(len(to_run), candidates[to_run[0]])
+        doing = self.doing or stage
+        batches = ", ".join(str(candidates[i].batch_size) for i in to_run)
+        self._describe(f"{doing}: batches {batches} running at once")
+        ran = probe_many(
+            self.device, self.workload, [candidates[i] for i in to_run], steps, stage=stage
+        )
+        for i, (record, measured, error) in zip(to_run, ran, strict=True):
+            if record is None:
+                answers[i] = error
+                continue
+            self._keep(candidates[i], steps, record, measured, doing)
+            answers[i] = measured
+        return answers
+
+    def _known(self, candidate: Candidate, steps: int) -> tuple[bool, Measurement | None]:
+        """(True, the answer) where an earlier run answers ``candidate`` for ``steps``
+        steps without the device; (False, None) where it must run."""
+        known = self._runs.get(_key(candidate))
+        if known is not None:
+            if known.measured is not None and known.steps >= steps:
+                return True, known.measured
+            if known.ran_out_within(steps):
+                return True, None  # it ran out within the steps asked for now
+        elif self._ran_out_below(candidate, steps):
+            return True, None  # a smaller batch of the same choices ran out: no run to learn that
+        return False, None
+
+    def _spend(self, runs: int, candidate: Candidate) -> None:
+        """Count ``runs`` device runs against :attr:`runs_left` (RunsSpent where they do not
+        fit in it)."""
+        if self.runs_left is None:
+            return
+        if self.runs_left < runs:
+            raise RunsSpent(f"no device run left for batch {candidate.batch_size}")
+        self.runs_left -= runs
+
+    def _keep(
+        self,
+        candidate: Candidate,
+        steps: int,
+        record: Probe,
+        measured: Measurement | None,
+        doing: str,
+    ) -> None:
+        """Log a device run and keep what it said."""
         self.probes.append(record)
         if measured is not None and candidate.accumulation_steps == 1:
             key = json.dumps(candidate.choices, sort_keys=True)
@@ -144,7 +205,6 @@ class Prober:
                 f"{doing}: batch {candidate.batch_size} {'fits' if record.fits else 'ran out'}"
                 f"{_compiled_words(measured)}"
             )
-        return measured
 
     def _ran_out_below(self, candidate: Candidate, steps: int) -> bool:
         """Whether a smaller batch of ``candidate``'s choices (no accumulation) ran out within

@@ -152,6 +152,16 @@ class ProberStage(PickStage):
         candidate = Candidate(batch_size=max(1, batch), choices=choices)
         return self._prober.run(candidate, self._prober.steps, self._name)
 
+    def run_many(
+        self, runs: Sequence[tuple[dict[str, JsonValue], int]]
+    ) -> list[Measurement | None | Exception]:
+        candidates = [Candidate(batch_size=max(1, b), choices=c) for c, b in runs]
+        return self._prober.run_many(candidates, self._prober.steps, self._name)
+
+    @property
+    def concurrent_runs(self) -> int:
+        return self._prober.device.capabilities.concurrent_runs
+
     def score(self, choices: dict[str, JsonValue]) -> Estimated | None:
         return self._prober.space.score_choices(choices)
 

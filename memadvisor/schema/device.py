@@ -131,6 +131,12 @@ class DeviceCapabilities(_Model):
         None,  # type: ignore[assignment]  # made below from tensor_device
         description="Its autocast. Default: on tensor_device, in no low precision.",
     )
+    concurrent_runs: int = Field(
+        1,
+        ge=1,
+        description="Runs it makes at once through Device.run_many: their starts and "
+        "compiles overlap, their timed steps are taken in turn. 1: one at a time.",
+    )
     total_bytes: int | None = Field(None, ge=0, description="A card's memory; None: not a card.")
     free_bytes: int | None = Field(
         None, ge=0, description="A card's free bytes when these were read; None: not a card."

@@ -266,6 +266,31 @@ def test_plan_on_cuda_is_verified_under_the_budget_and_the_allocator_holds_no_mo
     assert torch.cuda.memory_reserved() <= reserved
 
 
+@gpu
+def test_runs_made_at_once_on_the_card_measure_what_runs_alone_measure() -> None:
+    """Three runs of the GPT example made at once (children of one fork server, timed steps
+    in turn) each measure the allocated peak the same run measures alone, and one past the
+    budget runs out without touching the others."""
+    device = _device(512 * MIB, target=GPT)
+    workload = load_target(GPT)
+    try:
+        assert device.capabilities.concurrent_runs >= 3
+        alone = [device.run(workload, Candidate(batch_size=b), steps=3) for b in (4, 8)]
+        together = device.run_many(
+            workload,
+            [(Candidate(batch_size=4), 3), (Candidate(batch_size=4096), 3),
+             (Candidate(batch_size=8), 3)],
+        )  # fmt: skip
+    finally:
+        device.close()
+    assert is_oom(together[1]), together[1]
+    for single, joint in zip(alone, (together[0], together[2]), strict=True):
+        assert not isinstance(joint, Exception), joint
+        print(f"alone {single.peak_bytes} B {single.step_ms:.1f} ms; "
+              f"at once {joint.peak_bytes} B {joint.step_ms:.1f} ms")  # fmt: skip
+        assert joint.peak_bytes == single.peak_bytes
+
+
 def _run_words(p) -> str:
     """``'probe b582 OOM precision=bf16 checkpointing=4'``: a run in a few words."""
     choices = " ".join(
@@ -417,6 +442,147 @@ def test_closing_a_device_whose_fork_server_is_still_starting_kills_it_at_once(
     device.close()
     assert zygote.process is not None and zygote.process.poll() is not None
     assert time.perf_counter() - t0 < 2.0
+
+
+def _concurrent_stub_device(monkeypatch, tmp_path: Path, free_bytes: int = 70 * GIB) -> tuple:
+    """_stub_runner_device with the fake card's free bytes (for concurrent_runs) and the
+    stub's TURN_BATCHES runs recording their times under ``tmp_path``."""
+    from tests.device import zygote_runner
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free_bytes, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setenv(zygote_runner.TIMES_VARIABLE, str(tmp_path))
+    device, helpers = _stub_runner_device(monkeypatch)
+    return device, helpers, zygote_runner
+
+
+def test_run_many_makes_runs_at_once_through_the_fork_server(monkeypatch, tmp_path: Path) -> None:
+    """Rule: CudaDevice.run_many sends up to concurrent_runs runs to the fork server at once:
+    the answers come back in order, each its run's (a Measurement, an out-of-memory error
+    is_oom accepts with its steps, a PlanningError for a child killed by a signal), the
+    fitted runs from children of their own that started before either finished its first
+    step, all from the one zygote, and the device stays on it."""
+    from memadvisor.errors import PlanningError
+    from memadvisor.schema.candidate import Measurement
+
+    device, helpers, stub = _concurrent_stub_device(monkeypatch, tmp_path)
+    workload = load_target(f"{helpers}:build")
+    try:
+        assert device.capabilities.concurrent_runs == 4
+        runs = [(Candidate(batch_size=b), 2) for b in (40, 1000, 666, 41)]
+        answers = device.run_many(workload, runs)
+        assert len(answers) == 4
+        first, ran_out, killed, last = answers
+        assert isinstance(first, Measurement) and isinstance(last, Measurement), answers
+        assert isinstance(ran_out, torch.OutOfMemoryError) and is_oom(ran_out)
+        assert ran_out.memadvisor_steps_completed == 1
+        assert isinstance(killed, PlanningError) and "SIGKILL" in str(killed)
+        assert first.peak_bytes != last.peak_bytes  # the stub's pids
+        recorded = [stub.times(tmp_path, m.peak_bytes) for m in (first, last)]
+        assert [r["batch"] for r in recorded] == [40, 41]
+        assert max(r["started"] for r in recorded) < min(r["first_done"] for r in recorded)
+        assert len({r["lock"] for r in recorded}) == 1 and recorded[0]["lock"] is not None
+        zygote = device._zygote
+        assert zygote is not None and zygote.alive and device.mode == "fork_server"
+        assert device.run(workload, Candidate(batch_size=3), steps=2).steps == 2
+        assert device._zygote is zygote and device.notes == []
+    finally:
+        device.close()
+
+
+def test_run_many_makes_no_more_at_once_than_the_card_has_room_for(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Rule: concurrent_runs is what the card's free bytes hold beyond a reserve, at the budget
+    and a CUDA context each (at most MAX_CONCURRENT_RUNS; at least 1), and run_many makes
+    its runs in groups of that many: with room for 2 (1 GiB runs, 6 GiB free), the third of
+    three runs starts only after the first two ended."""
+    from memadvisor.device.cuda import MAX_CONCURRENT_RUNS, PER_PROCESS_BYTES, RESERVE_BYTES
+
+    free = RESERVE_BYTES + 2 * (GIB + PER_PROCESS_BYTES)
+    device, helpers, stub = _concurrent_stub_device(monkeypatch, tmp_path, free_bytes=free)
+    workload = load_target(f"{helpers}:build")
+    try:
+        assert device.capabilities.concurrent_runs == 2 < MAX_CONCURRENT_RUNS
+        answers = device.run_many(workload, [(Candidate(batch_size=b), 2) for b in (40, 41, 42)])
+        recorded = [stub.times(tmp_path, m.peak_bytes) for m in answers]
+        assert [r["batch"] for r in recorded] == [40, 41, 42]
+        assert recorded[1]["started"] < recorded[0]["first_done"]
+        assert recorded[2]["started"] > max(r["turn_to"] for r in recorded[:2])
+        assert recorded[2]["lock"] is None  # a group of one is a single run
+    finally:
+        device.close()
+
+
+def test_concurrent_runs_are_a_fork_servers_only(monkeypatch, tmp_path: Path) -> None:
+    """Rule: runs are made at once only by a fork server's children, and only as many as the
+    free bytes hold: 1 for a device of fresh processes or of this process, 1 on a card
+    without room for two, MAX_CONCURRENT_RUNS on an 80 GiB card at a 1 GiB budget."""
+    from memadvisor.device.cuda import MAX_CONCURRENT_RUNS, CudaDevice
+
+    _concurrent_stub_device(monkeypatch, tmp_path)[0].close()  # the fake card's patches
+    for kwargs in ({"fork_server": False}, {"fresh_process": False}):
+        device = CudaDevice(GIB, **kwargs)
+        try:
+            assert device.capabilities.concurrent_runs == 1, kwargs
+        finally:
+            device.close()
+    device = CudaDevice(GIB)
+    try:
+        assert device.capabilities.concurrent_runs == MAX_CONCURRENT_RUNS
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (3 * GIB, 80 * GIB))
+        assert device.capabilities.concurrent_runs == 1
+    finally:
+        device.close()
+
+
+def test_a_group_the_fork_server_cannot_fork_is_made_one_by_one_in_fresh_processes(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Rule: run_many sends the group to the fork server at once; where it answers
+    'unforkable' (its factory initialized CUDA), the device falls back to fresh processes,
+    as a single run does, with a note, and makes each run of the group again, one by one,
+    the answers in order."""
+    from memadvisor.device._zygote import ForkServer
+    from memadvisor.device.cuda import CudaDevice
+    from memadvisor.schema.candidate import Measurement
+
+    sent: list[int] = []
+    run_many = ForkServer.run_many
+
+    def spied(self, runs, timeout_s):
+        sent.append(len(runs))
+        return run_many(self, runs, timeout_s)
+
+    monkeypatch.setattr(ForkServer, "run_many", spied)
+
+    device, helpers, _ = _concurrent_stub_device(monkeypatch, tmp_path)
+    device.close()
+    device = CudaDevice(
+        GIB,
+        target=f"{helpers}:build_touching_cuda",
+        runner=f"{helpers}:run",
+        timeout_s=120,
+    )
+    made: list[int] = []
+
+    def fresh(candidate: Candidate, steps: int) -> Measurement:
+        made.append(candidate.batch_size)
+        return Measurement(steps=steps, peak_bytes=candidate.batch_size, step_ms=1.0,
+                           samples_per_s=1.0)  # fmt: skip
+
+    monkeypatch.setattr(device, "_run_child", fresh)
+    try:
+        answers = device.run_many(
+            load_target(f"{helpers}:build"), [(Candidate(batch_size=b), 2) for b in (4, 5, 6)]
+        )
+        assert sent == [3]
+        assert [a.peak_bytes for a in answers] == [4, 5, 6] and made == [4, 5, 6]
+        assert device.mode == "fresh_process" and device._zygote is None
+        assert any("CUDA did not start in a forked child" in n for n in device.notes)
+        assert device.capabilities.concurrent_runs == 1
+    finally:
+        device.close()
 
 
 def test_a_childs_user_code_error_is_bad_input_in_the_parent_whatever_its_subclass() -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from memadvisor.device._zygote import ForkServer, ZygoteDied
 from memadvisor.schema.candidate import Candidate
+from tests.device import zygote_runner as runner
 from tests.fixtures.procs import processes
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -43,9 +44,19 @@ def _candidate(batch: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def times_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the stub runner's runs of TURN_BATCHES record their times, one file per pid."""
+    return tmp_path_factory.mktemp("times")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, times_dir: Path):
     """One zygote for the module's tests (each test also checks it is still serving)."""
-    zygote = ForkServer(_setup(), stderr_path=tmp_path_factory.mktemp("zygote") / "stderr")
+    zygote = ForkServer(
+        _setup(),
+        stderr_path=tmp_path_factory.mktemp("zygote") / "stderr",
+        env={runner.TIMES_VARIABLE: str(times_dir)},
+    )
     answer = zygote.start(TIMEOUT_S)
     assert answer["status"] == "ready", (answer, zygote.stderr_tail())
     yield zygote
@@ -64,6 +75,163 @@ def test_answers_come_back_in_order_each_from_a_fresh_child(server: ForkServer) 
     pids = {m["peak_bytes"] for m in measured}  # the stub runner reports its pid there
     assert len(pids) == 3 and server.process is not None and server.process.pid not in pids
     assert [m["reserved_peak_bytes"] for m in measured] == [0, 0, 0]
+
+
+def _runs(*batches: int, steps: int = 2) -> list[dict]:
+    return [{"candidate": _candidate(b), "steps": steps} for b in batches]
+
+
+def test_runs_sent_together_are_made_at_once_each_in_its_own_child(
+    server: ForkServer, times_dir: Path
+) -> None:
+    """Rule: a "runs" message forks a child per run before collecting any: their first steps
+    overlap (every child started before any finished its first step, and the group took far
+    less than the runs one after another), and the answers come back one per run, in the
+    order sent, each with its id, each from a child of its own."""
+    t0 = time.perf_counter()
+    answers = server.run_many(_runs(40, 41, 42), timeout_s=TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    assert [a["status"] for a in answers] == ["ok"] * 3, answers
+    ids = [a["id"] for a in answers]
+    assert ids == list(range(ids[0], ids[0] + 3))
+    pids = [a["measurement"]["peak_bytes"] for a in answers]  # the stub reports its pid there
+    assert len(set(pids)) == 3 and server.process is not None and server.process.pid not in pids
+    recorded = [runner.times(times_dir, pid) for pid in pids]
+    assert [r["batch"] for r in recorded] == [40, 41, 42]
+    assert max(r["started"] for r in recorded) < min(r["first_done"] for r in recorded)
+    one_by_one = 3 * (runner.FIRST_STEP_S + runner.TURN_S)
+    assert wall < one_by_one - runner.FIRST_STEP_S / 2, (wall, one_by_one)
+    assert server.run(_candidate(2), steps=2, timeout_s=TIMEOUT_S)["status"] == "ok"
+
+
+def test_runs_made_at_once_take_their_timed_steps_in_turn(
+    server: ForkServer, times_dir: Path
+) -> None:
+    """Rule: the children of one "runs" message share one lock file (the run's turn_lock),
+    and the intervals they held it (their timed steps) never overlap, though all of them
+    finished their first steps at about the same time; the zygote removes the file after
+    the group. A single run gets no lock."""
+    answers = server.run_many(_runs(43, 44, 45), timeout_s=TIMEOUT_S)
+    assert [a["status"] for a in answers] == ["ok"] * 3, answers
+    recorded = [runner.times(times_dir, a["measurement"]["peak_bytes"]) for a in answers]
+    locks = {r["lock"] for r in recorded}
+    assert len(locks) == 1 and None not in locks
+    assert not Path(locks.pop()).exists()
+    held = sorted((r["turn_from"], r["turn_to"]) for r in recorded)
+    for (_, earlier_to), (later_from, _) in zip(held, held[1:], strict=False):
+        assert later_from >= earlier_to, held
+    # Without the turn all three would have held it at once, from their first steps' end.
+    assert held[-1][0] - held[0][0] >= 2 * runner.TURN_S * 0.9, held
+    alone = server.run(_candidate(46), steps=2, timeout_s=TIMEOUT_S)
+    assert runner.times(times_dir, alone["measurement"]["peak_bytes"])["lock"] is None
+
+
+def test_an_out_of_memory_run_among_runs_made_at_once_leaves_the_others_alone(
+    server: ForkServer,
+) -> None:
+    """Rule: each run of a "runs" message is answered as it would be alone: an out-of-memory
+    child answers 'oom' with its steps, a child's own error answers 'error', and the runs
+    beside them answer 'ok' from children of their own."""
+    answers = server.run_many(_runs(40, 1000, 13, 41, steps=3), timeout_s=TIMEOUT_S)
+    assert [a["status"] for a in answers] == ["ok", "oom", "error", "ok"], answers
+    assert answers[1]["message"] == "fake: batch 1000 does not fit"
+    assert answers[1]["steps_completed"] == 1 and answers[2]["type"] == "KeyError"
+    pids = {answers[i]["measurement"]["peak_bytes"] for i in (0, 3)}
+    assert len(pids) == 2 and [a["measurement"]["steps"] for a in answers[::3]] == [3, 3]
+
+
+def test_train_candidate_takes_the_turn_after_its_first_step_and_gives_it_back(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Rule: train_candidate runs its first step (compile, warm-up) outside the turn, takes
+    the turn (taking_turn on the run's lock file) before its second step, holds it through
+    its last, and gives it back after the steps, an out-of-memory among them too; without
+    a lock it takes none. (On the CPU: the CUDA calls around the steps are stubbed.)"""
+    import contextlib
+
+    import torch
+
+    from memadvisor.device import _train
+    from memadvisor.workload import Workload
+
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    for name in ("max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 1)
+    events: list[str] = []
+    taking_turn = _train.taking_turn
+
+    @contextlib.contextmanager
+    def recorded(lock_path):
+        try:
+            with taking_turn(lock_path):
+                events.append(f"turn {lock_path is not None}")
+                yield
+        finally:
+            events.append("back")
+
+    step = _train.train_step
+    oom_at: list[int] = []
+
+    def counted(*args, **kwargs):
+        if oom_at and events.count("step") == oom_at[0]:
+            raise torch.OutOfMemoryError("fake: does not fit")
+        events.append("step")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(_train, "taking_turn", recorded)
+    monkeypatch.setattr(_train, "train_step", counted)
+    built = runner.build()
+    workload = Workload(
+        model=built["model"], sample_batch=built["sample_batch"], loss_fn=runner._loss
+    )
+    lock = str(tmp_path / "turn.lock")
+
+    def train(turn_lock):
+        return _train.train_candidate(
+            workload, Candidate(batch_size=2), 3, device=torch.device("cpu"), strategies=[],
+            turn_lock=turn_lock,
+        )  # fmt: skip
+
+    assert train(lock).steps == 3
+    assert events == ["step", "turn True", "step", "step", "back"]
+    events.clear()
+    oom_at.append(2)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        train(lock)
+    assert events == ["step", "turn True", "step", "back"]
+    assert caught.value.memadvisor_steps_completed == 2
+    events.clear()
+    oom_at.clear()
+    assert train(None).steps == 3
+    assert events == ["step", "turn False", "step", "step", "back"]
+
+
+def test_the_turn_is_one_process_at_a_time_and_is_free_again_after_it(tmp_path: Path) -> None:
+    """Rule: taking_turn excludes other processes while held (a process asking for it waits)
+    and leaves the file free once the block ends."""
+    import subprocess
+    import sys
+
+    from memadvisor.device._train import taking_turn
+
+    lock = str(tmp_path / "turn.lock")
+    probe = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+        "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"
+    )
+
+    def free() -> bool:
+        done = subprocess.run([sys.executable, "-c", probe, lock], capture_output=True)
+        return done.returncode == 0
+
+    with taking_turn(lock):
+        assert not free()
+    assert free()
+    with taking_turn(None):  # no lock: nothing taken, nothing made
+        pass
 
 
 def test_an_exception_in_a_child_is_an_error_answer_and_the_next_run_works(

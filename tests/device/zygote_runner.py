@@ -1,14 +1,17 @@
 """A workload factory and a runner for the fork server's CPU tests (not a test module).
 
 The zygote loads both by path. The runner stands in for the CUDA one: special batches make
-the child fail in each way a real run can, and every other batch runs a real CPU step.
+the child fail in each way a real run can, or stand for a compiled run made at once with
+others (:data:`TURN_BATCHES`), and every other batch runs a real CPU step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,6 +27,13 @@ OOM_FROM = 1000  # from here on the child runs out of memory after one step
 PROFILE_BATCH = (
     321  # answers with the profile the child got: reserved_peak_bytes, its name's length
 )
+# A compiled run's shape: a first step (FIRST_STEP_S asleep, outside the turn), then its
+# timed steps (TURN_S asleep) in the turn of the runs made with it, taken as train_candidate
+# takes it; its times go to $MEMADVISOR_TEST_TIMES/<pid>.json where that is set.
+TURN_BATCHES = range(40, 50)
+FIRST_STEP_S = 1.0
+TURN_S = 0.25
+TIMES_VARIABLE = "MEMADVISOR_TEST_TIMES"
 _touched = {"runs": 0}  # a module global each child changes: the next child must not see it
 
 
@@ -52,6 +62,8 @@ def run(workload, candidate, steps, context) -> Measurement:
     _touched["runs"] += 1
     if batch_size == BUG_BATCH:
         raise KeyError("the model's own bug")
+    if batch_size in TURN_BATCHES:
+        return _in_turn(batch_size, steps, context)
     if batch_size == PROFILE_BATCH:
         named = len(context.profile.model_name) if context.profile is not None else 0
         return Measurement(
@@ -88,3 +100,41 @@ def run(workload, candidate, steps, context) -> Measurement:
         step_ms=step_ms,
         samples_per_s=batch_size / step_ms * 1e3,
     )
+
+
+def _in_turn(batch_size: int, steps: int, context) -> Measurement:
+    """A first step outside the turn, the timed steps in it (:data:`TURN_BATCHES`); records
+    when each began and ended (wall-clock seconds, comparable between processes) and the lock
+    it was given. peak_bytes carries this child's pid."""
+    from memadvisor.device._train import taking_turn
+
+    started = time.time()
+    time.sleep(FIRST_STEP_S)
+    first_done = time.time()
+    with taking_turn(context.turn_lock):
+        turn_from = time.time()
+        time.sleep(TURN_S)
+        turn_to = time.time()
+    folder = os.environ.get(TIMES_VARIABLE)
+    if folder:
+        record = {
+            "batch": batch_size,
+            "started": started,
+            "first_done": first_done,
+            "turn_from": turn_from,
+            "turn_to": turn_to,
+            "lock": context.turn_lock,
+        }
+        Path(folder, f"{os.getpid()}.json").write_text(json.dumps(record))
+    return Measurement(
+        steps=steps,
+        peak_bytes=os.getpid(),
+        step_ms=TURN_S * 1e3,
+        samples_per_s=batch_size / TURN_S,
+        first_step_ms=FIRST_STEP_S * 1e3,
+    )
+
+
+def times(folder: Path, pid: int) -> dict:
+    """What the run of :data:`TURN_BATCHES` in the child ``pid`` recorded in ``folder``."""
+    return json.loads((Path(folder) / f"{pid}.json").read_text())

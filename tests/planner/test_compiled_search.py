@@ -10,6 +10,7 @@ pay.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import Counter
@@ -24,7 +25,7 @@ from memadvisor.planner._stage import ProberStage
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Plan
-from strategies._compile_search import Search, search_variants
+from strategies._compile_search import CONFIRM_RUNS, Search, search_variants
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
 
 MIB = 2**20
@@ -510,3 +511,51 @@ def test_a_compiled_pick_slower_than_eager_in_its_verifying_run_is_not_handed_on
     assert statics, "the compiled pick's verifying run happened"
     assert "so the plan keeps that one" in stage.summary
     assert stage.summary in plan.notes
+
+
+def _concurrent(device, runs_at_once: int) -> list[list[int]]:
+    """``device`` made to run ``runs_at_once`` runs at once (its capabilities say so; its
+    run_many the base class's, one after another); returns the batches of each run_many
+    call, filled as the plan calls it."""
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": runs_at_once})
+    groups: list[list[int]] = []
+    real = device.run_many
+
+    def recorded(workload, runs):
+        groups.append([c.batch_size for c, _ in runs])
+        return real(workload, runs)
+
+    device.run_many = recorded
+    return groups
+
+
+@pytest.mark.parametrize("max_runs", [3, 8, 12])
+def test_runs_at_once_measure_the_same_candidates_as_one_at_a_time(
+    workload, profile, strategies, linear_device, trials, max_runs: int
+) -> None:
+    """Where the device makes several runs at once (a card with room for several budgets),
+    the compile search's passes go to it in groups: every candidate's first run in one group
+    (their compiles overlap on a card: 4 runs of 9-19 s each took 59 s one after another for
+    lm350m), within the same run budget, and the plan picks what it picks one at a time."""
+    alone = _plan(
+        workload,
+        profile,
+        strategies,
+        linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0),
+        CompileSearch(max_runs=max_runs),
+    )
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    groups = _concurrent(device, 4)
+    together = _plan(workload, profile, strategies, device, CompileSearch(max_runs=max_runs))
+    assert together.candidate == alone.candidate
+    assert together.verified == alone.verified
+    runs = _compile_runs(together)
+    assert len(runs) <= max_runs
+    # The same runs, fewer waits: every candidate's first run went to the device at once.
+    key = lambda p: (p.batch_size, json.dumps(p.candidate.choices, sort_keys=True))  # noqa: E731
+    assert sorted(map(key, runs)) == sorted(map(key, _compile_runs(alone)))
+    if max_runs - CONFIRM_RUNS < 2:  # one candidate's run before the confirmation's
+        assert groups == []
+    else:
+        assert len(groups[0]) == min(4, max_runs - CONFIRM_RUNS)
+        assert len(groups) < len(runs)

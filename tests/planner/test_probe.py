@@ -250,3 +250,54 @@ def test_within_stops_the_bisection_once_the_fit_is_that_close_to_the_failure() 
     exact, exact_runs = search(0.0)
     close, close_runs = search(0.01)
     assert exact == 314 and 0.99 * 314 <= close <= 314 and close_runs < exact_runs
+
+
+def test_runs_asked_together_are_answered_in_order_and_kept_as_one_at_a_time(
+    fake_device, workload, profile, strategies
+) -> None:
+    """Rule: Prober.run_many answers each candidate as run() would, in order: a run made
+    earlier (or a larger batch of choices that ran out) without the device, the rest in one
+    Device.run_many call; an out-of-memory is None and recorded, an error that is not one is
+    its answer and recorded nowhere; a bound on the runs left that cannot cover them runs
+    none."""
+    from memadvisor.planner._prober import Prober, RunsSpent
+    from memadvisor.planner._space import SearchSpace
+    from memadvisor.schema.config import PlanConfig
+
+    config = PlanConfig(budget_bytes=100 * 2**20, probe_steps=2, timing_steps=2, verify_steps=4)
+    space = SearchSpace(profile, strategies, config)
+    device = fake_device(10)
+    calls: list[list[int]] = []
+    real = device.run_many
+
+    def recorded(workload, runs):
+        calls.append([c.batch_size for c, _ in runs])
+        return real(workload, runs)
+
+    device.run_many = recorded
+    prober = Prober(device, workload, space, config)
+    bf16 = {"precision": "bf16"}
+    assert prober.run(Candidate(batch_size=4, choices=bf16), prober.steps, "probe") is not None
+    assert prober.run(Candidate(batch_size=12, choices=bf16), prober.steps, "probe") is None
+    asked = [Candidate(batch_size=b, choices=bf16) for b in (4, 6, 11, 13, 14)]
+    answers = prober.run_many(asked, prober.steps, "compile")
+    assert calls == [[6, 11]]  # 4 ran before; 13 and 14 are above 12, which ran out
+    assert isinstance(answers[0], Measurement) and isinstance(answers[1], Measurement)
+    assert answers[2] is None and answers[3] is None and answers[4] is None
+    assert [p.batch_size for p in prober.probes] == [4, 12, 6, 11]
+    assert [p.stage for p in prober.probes[2:]] == ["compile", "compile"]
+    # Asked again, everything is known: no device call.
+    assert prober.run_many(asked, prober.steps, "compile") == answers and len(calls) == 1
+    # An error that is not an out-of-memory is the answer, and no record.
+    device.error, device.error_at = ValueError("the model rejected the batch"), 8
+    fp32 = {"precision": "fp32"}
+    answers = prober.run_many(
+        [Candidate(batch_size=b, choices=fp32) for b in (2, 9)], prober.steps, "compile"
+    )
+    assert isinstance(answers[0], Measurement) and isinstance(answers[1], ValueError)
+    assert [p.batch_size for p in prober.probes][-1] == 2
+    # Two runs asked where one is left: none runs.
+    prober.runs_left = 1
+    with pytest.raises(RunsSpent):
+        prober.run_many([Candidate(batch_size=b, choices=fp32) for b in (3, 5)], 2, "compile")
+    assert len(calls) == 2 and prober.runs_left == 1
