@@ -14,8 +14,10 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
   probes ran (``probe_mode``), whether compile was weighed.
 * user loop: a fresh process builds the model, ``memadvisor.apply_plan(model, plan)``, caps
   the card at the budget and trains ``--steps`` (200) steps at the plan's batch and
-  accumulation with its own AdamW and the loss outside the model, as the README shows;
-  samples/s over the steps after ``--warmup`` (10), OOMs counted; ``loop_over_verified``.
+  accumulation with its own AdamW and the loss outside the model, as the README shows (a
+  plan whose step computes the loss another way, the chunked loss head, trains with
+  ``model.memadvisor_step(batch)`` as apply_plan says: ``trained_with``); samples/s over the
+  steps after ``--warmup`` (10), OOMs counted; ``loop_over_verified``.
 * torch.compile (``--plain``, the default): the same loop in a fresh process with
   ``torch.compile(model)`` under an outer autocast of the plan's precision, at the same
   batch. User loop and plain compile alternate ``--repeats`` (2) times; each figure is the
@@ -81,6 +83,7 @@ def _job(name: str) -> dict[str, Any]:
 
     job = dict(load_factory(MODELS[name])())
     loss = job.get("loss_fn")
+    job["own_loss_fn"] = loss  # what apply_plan gets where the plan changed the loss
     if loss is not None:
         job["loss_fn"] = lambda out, batch: loss(out, batch)  # a closure: no name to pickle
     return job
@@ -112,9 +115,15 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     precision = cand.choices.get("precision", "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(precision))
     model = workload.model
+    step = None
     if spec["mode"] == "apply":
-        model = memadvisor.apply_plan(model, plan).to(device)
+        model = memadvisor.apply_plan(model, plan, loss_fn=job.get("own_loss_fn")).to(device)
         outer = None
+        if model.memadvisor_step.loss_changed_by:
+            # The plan computes the loss another way (the head and the loss in chunks):
+            # apply_plan's documented loop trains with the step, not loss_fn(model(x)).
+            step = model.memadvisor_step
+            out_words = f"the plan's step ({', '.join(step.loss_changed_by)} changed the loss)"
     else:
         model = torch.compile(model.to(device), backend=spec["compile_backend"])
         outer = dtype
@@ -124,6 +133,8 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     k = cand.accumulation_steps
     times: list[float] = []
     out: dict[str, Any] = {"ooms": 0, "steps": 0}
+    if step is not None:
+        out["trained_with"] = out_words
 
     def sync() -> None:
         if cuda:
@@ -140,10 +151,14 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
                     else contextlib.nullcontext()
                 )
                 with around:
-                    output = workload.forward(model, batch)
+                    if step is not None:
+                        output = None
+                        loss = step(batch) / k
+                    else:
+                        output = workload.forward(model, batch)
                     if outer is not None:  # plain torch.compile: the loss under the autocast
                         loss = workload.loss(output, batch) / k
-                if outer is None:  # apply_plan: the loss outside, on the logits as they come
+                if outer is None and step is None:  # apply_plan: the loss outside, as it comes
                     loss = workload.loss(output, batch) / k
                 (scaler.scale(loss) if scaler else loss).backward()
                 del output, loss

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -206,9 +207,25 @@ class SkippedHead(_forward.ForwardWrapper):
         super().__init__(module, inner)
         self.skip = False
         self.autocast: tuple[str, torch.dtype] | None = None
+        self.warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.skip:
+            if not self.warned and torch.is_grad_enabled() and self.module.training:
+                # The README's loop (loss_fn(model(x), batch)) on a plan with the chunked
+                # loss: the whole logits, which the plan measured without, in a training
+                # step. A user's loop ran out of memory so on a card (lm350m at 8 GiB,
+                # batch 16: "Tried to allocate 1.95 GiB", the fp32 logits).
+                self.warned = True
+                warnings.warn(
+                    "This model's plan computes its head and the loss in chunks inside "
+                    "model.memadvisor_step(batch); called as model(...) while training, "
+                    "the head computes all of its logits, which the plan's measured peak "
+                    "does not hold and may run out of memory. Train with "
+                    "loss = model.memadvisor_step(batch); loss.backward() "
+                    "(apply_plan(model, plan, loss_fn=your_loss_fn)).",
+                    stacklevel=2,
+                )
             return self.call_inner(*args, **kwargs)
         hidden = args[0] if args else next(iter(kwargs.values()))
         device = hidden.device.type

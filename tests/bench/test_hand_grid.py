@@ -161,3 +161,34 @@ def test_user_path_joins_only_its_own_label_and_shows_the_last(user_path) -> Non
     assert user_path.joined(old, lines) is old
     shown = user_path.latest([*lines, joined])
     assert shown == [old, other, failed, joined]
+
+
+def test_the_user_loop_of_a_plan_that_changed_the_loss_trains_with_the_plans_step(
+    user_path, tmp_path, recwarn
+) -> None:
+    """A plan whose step computes the loss another way (the chunked loss head) is trained in
+    the user's loop as apply_plan says, ``loss = model.memadvisor_step(batch)``, not
+    ``loss_fn(model(x), batch)``, which computes the whole logits the plan measured without
+    (lm350m's loop ran out of memory so at its first step on a card); and that loop never
+    calls the model outside the step (no warning that it did)."""
+    import memadvisor
+    from memadvisor.target import load_target
+
+    w = load_target(user_path.MODELS["gpt"])
+    plan = memadvisor.plan(
+        w.model, w.sample_batch, loss_fn=w.loss_fn, budget_gb=0.3, device="estimate",
+        progress=False,
+    )  # fmt: skip
+    assert plan.candidate.choices.get("loss_head"), plan.candidate.choices
+    small = plan.model_copy(
+        update={"candidate": plan.candidate.model_copy(update={"batch_size": 2})}
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(small.model_dump_json())
+    out = user_path.user_loop(
+        {"plan": str(path), "model": "gpt", "device": "cpu", "budget_bytes": 2**30,
+         "mode": "apply", "compile_backend": "eager", "steps": 2, "warmup": 1}
+    )  # fmt: skip
+    assert out["ooms"] == 0 and out["steps"] == 2
+    assert "loss_head" in out["trained_with"]
+    assert not [w for w in recwarn if "memadvisor_step" in str(w.message)]

@@ -271,15 +271,15 @@ def test_runs_made_at_once_on_the_card_measure_what_runs_alone_measure() -> None
     """Three runs of the GPT example made at once (children of one fork server, timed steps
     in turn) each measure the allocated peak the same run measures alone, and one past the
     budget runs out without touching the others."""
-    device = _device(512 * MIB, target=GPT)
+    device = _device(1024 * MIB, target=GPT)
     workload = load_target(GPT)
     try:
         assert device.capabilities.concurrent_runs >= 3
-        alone = [device.run(workload, Candidate(batch_size=b), steps=3) for b in (4, 8)]
+        alone = [device.run(workload, Candidate(batch_size=b), steps=3) for b in (1, 2)]
         together = device.run_many(
             workload,
-            [(Candidate(batch_size=4), 3), (Candidate(batch_size=4096), 3),
-             (Candidate(batch_size=8), 3)],
+            [(Candidate(batch_size=1), 3), (Candidate(batch_size=4096), 3),
+             (Candidate(batch_size=2), 3)],
         )  # fmt: skip
     finally:
         device.close()

@@ -395,3 +395,37 @@ def test_a_chunked_loss_no_longer_counts_the_whole_logits_as_stranded(gpt_exampl
     plain = largest_batch(profile, {"loss_head": "off"}, [strategy], budget, 4096)
     chunked = largest_batch(profile, {"loss_head": 8}, [strategy], budget, 4096)
     assert plain == b and chunked > 2 * b, (plain, chunked)
+
+
+def test_the_model_called_outside_the_chunked_step_while_training_says_to_use_the_step(
+    gpt_example,
+) -> None:
+    """Rule: with the chunked loss installed, the model called directly in a training step
+    (grad on, training mode: the README's ``loss_fn(model(x), batch)``) warns once that it
+    computes the whole logits the plan measured without, and names the step to train with;
+    the step itself, evaluation and no-grad calls do not warn (a user's loop ran out of
+    memory so on a card: lm350m at 8 GiB, its first step, the fp32 logits)."""
+    import warnings
+
+    from memadvisor.schema.call import CallForm
+
+    workload = _gpt(gpt_example)
+    model = workload.model
+    step = step_from_call_form(
+        model, CallForm(batch="sequence", loss="loss_fn"), None, loss_fn=workload.loss_fn
+    )
+    chunked = LossHead().apply(step, 8)
+    x = workload.sample_batch[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chunked(workload.sample_batch).backward()
+        with torch.no_grad():
+            model(x)
+        model.eval()
+        model(x)
+        model.train()
+        assert not caught
+        model(x)
+        model(x)
+    said = [w for w in caught if "memadvisor_step" in str(w.message)]
+    assert len(said) == 1 and "all of its logits" in str(said[0].message)
