@@ -183,6 +183,13 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         # gap between the two is slow steps (an allocator freeing its cache at the cap).
         out["samples_per_s_median"] = cand.batch_size * k / statistics.median(steady)
         out["slowest_step_s"] = max(steady)
+        # The median rate of each quarter of the steps: a loop that slows as it goes (a card
+        # that lowers its clocks under sustained load) against the plan's 20-step run.
+        quarter = max(1, len(steady) // 4)
+        out["samples_per_s_by_quarter"] = [
+            cand.batch_size * k / statistics.median(steady[i : i + quarter])
+            for i in range(0, quarter * 4 if len(steady) >= 4 else len(steady), quarter)
+        ]
     out["first_step_s"] = times[0] if times else None
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_reserved() / GIB

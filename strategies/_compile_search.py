@@ -407,7 +407,8 @@ class Search:
             if v.fit.basis == "fitted" or batch in v.runs or v.error is not None:
                 continue
             second.append((v, batch))
-        self._run_in_groups(second, ask, reserve)
+        # Then a retry at half the batch for a candidate whose only run ran out: it has no
+        # line, so it is none of the above, and its run goes in the same groups after them.
         retries = [
             (v, v.lowest_failure // 2)
             for v in variants
@@ -416,7 +417,7 @@ class Search:
             and v.lowest_failure >= 2
             and v.error is None
         ]
-        self._run_in_groups(retries, ask, reserve)
+        self._run_in_groups(second + retries, ask, reserve)
         winner = self.best([v for v in variants if v.error is None or v.runs])
         if winner is None or not could_beat(objective, winner.fit, self.eager):
             return None

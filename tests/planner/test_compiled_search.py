@@ -559,3 +559,31 @@ def test_runs_at_once_measure_the_same_candidates_as_one_at_a_time(
     else:
         assert len(groups[0]) == min(4, max_runs - CONFIRM_RUNS)
         assert len(groups) < len(runs)
+
+
+def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """A candidate whose only run ran out gets its retry at half the batch in the same group
+    as the second pass's runs, not a group of its own after them (lm350m on a card: the
+    partitioner-budget candidate ran out at 14, its retry at 7 waited for the winner's second
+    run, 8.7 s after 12.3 s)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    groups = _concurrent(device, 4)
+    real_run = device.run
+    starts: dict[str, int] = {}
+
+    def budget_form_runs_out_first(workload, candidate, steps):
+        form = candidate.choices.get("compile")
+        if isinstance(form, dict) and form.get("activation_memory_budget") is not None:
+            first = starts.setdefault("budget", candidate.batch_size)
+            if candidate.batch_size == first:
+                raise torch.OutOfMemoryError("fake: the budget form ran out at its start")
+        return real_run(workload, candidate, steps)
+
+    device.run = budget_form_runs_out_first
+    _plan(workload, profile, strategies, device, CompileSearch(max_runs=12))  # room for it
+    assert "budget" in starts and len(groups) >= 2, groups
+    retry = starts["budget"] // 2
+    second = groups[1]
+    assert retry in second and len(second) >= 2, groups
