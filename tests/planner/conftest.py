@@ -359,3 +359,23 @@ def strategies() -> list[Strategy]:
 @pytest.fixture
 def workload() -> Workload:
     return tiny_workload()
+
+
+def run_many_batches(device) -> list[list[int]]:
+    """``device``'s run_many made to note the batches of each call (in the list returned,
+    filled as it is called), then answer as before."""
+    calls: list[list[int]] = []
+    real = device.run_many
+
+    def recorded(workload, runs):
+        calls.append([c.batch_size for c, _ in runs])
+        return real(workload, runs)
+
+    device.run_many = recorded
+    return calls
+
+
+@pytest.fixture
+def record_run_many():
+    """:func:`run_many_batches`, for a test's device."""
+    return run_many_batches

@@ -299,6 +299,22 @@ def _stage(workload, profile, strategies, linear_device, eager=EAGER_FLAT, budge
     return device, space, prober, ProberStage(prober, "compile", Progress(enabled=False))
 
 
+BF16 = {"precision": "bf16"}
+
+
+def _bf16_stage(workload, profile, strategies, linear_device, mib_per_sample: float):
+    """(device, prober, the compile stage's PickStage, the largest batch that fits, (fixed
+    bytes, bytes a sample)) for bf16 without checkpointing at ``mib_per_sample`` MiB a sample
+    (fp32 twice that) under a 1000 MiB budget: the device's line, known by construction."""
+    device, _, prober, stage = _stage(
+        workload, profile, strategies, linear_device,
+        eager={("bf16", 0): mib_per_sample, ("fp32", 0): 2 * mib_per_sample},
+        budget_bytes=1000 * MIB,
+    )  # fmt: skip
+    one = Candidate(batch_size=1, choices=BF16)
+    return device, prober, stage, device.edge(one), device.line(one)
+
+
 def test_a_bounded_batch_search_answers_from_its_runs(
     workload, profile, strategies, linear_device
 ) -> None:
@@ -370,13 +386,10 @@ def test_a_flat_peak_below_the_edge_keeps_the_line_next_to_its_failure(
     it (lm350m's compiled candidate on a card: 13 fitted at 7.28 GB, 2 at 7.39 GB, 17 ran out
     under 8 GiB, and its confirmation fell to batch 2). A sample costs the device 20 MiB,
     the estimate 2.7: its slope alone puts the headroom (30 MiB) 12 samples down."""
-    device, space, prober, stage = _stage(
-        workload, profile, strategies, linear_device,
-        eager={("bf16", 0): 20.0, ("fp32", 0): 40.0}, budget_bytes=1000 * MIB,
-    )  # fmt: skip
-    choices = {"precision": "bf16"}
-    edge = device.edge(Candidate(batch_size=1, choices=choices))
-    fixed, per_sample = device.line(Candidate(batch_size=1, choices=choices))
+    device, prober, stage, edge, (fixed, per_sample) = _bf16_stage(
+        workload, profile, strategies, linear_device, 20.0
+    )
+    choices = BF16
     device.step_peak_bytes = fixed + per_sample * (edge - 3)
     known = edge - 4
     small, large = stage.run(choices, 2), stage.run(choices, known)
@@ -397,12 +410,10 @@ def test_a_samples_bytes_near_the_edge_come_from_every_fit_there_not_two_neighbo
     slope the margin below a failure reads is fitted through every run near the largest fit
     (the GPT example at 1 GiB on a card: 533, 539, 540 and 543 fitted, and the margin moved
     by tens of samples between neighbours)."""
-    device, space, prober, stage = _stage(
-        workload, profile, strategies, linear_device,
-        eager={("bf16", 0): 2.0, ("fp32", 0): 4.0}, budget_bytes=1000 * MIB,
-    )  # fmt: skip
-    choices = {"precision": "bf16"}
-    edge = device.edge(Candidate(batch_size=1, choices=choices))
+    device, prober, stage, edge, (_, per_sample) = _bf16_stage(
+        workload, profile, strategies, linear_device, 2.0
+    )
+    choices = BF16
     _, per_sample = device.line(Candidate(batch_size=1, choices=choices))
     real_run = device.run
 
@@ -423,13 +434,10 @@ def test_a_fit_far_below_in_a_flat_phase_does_not_flatten_the_slope_near_the_edg
 ) -> None:
     """Where the step's peak is a fixed phase until near the edge, a fit far below the rest
     says nothing of a sample's cost there: the slope comes from the fits near the largest."""
-    device, space, prober, stage = _stage(
-        workload, profile, strategies, linear_device,
-        eager={("bf16", 0): 20.0, ("fp32", 0): 40.0}, budget_bytes=1000 * MIB,
-    )  # fmt: skip
-    choices = {"precision": "bf16"}
-    edge = device.edge(Candidate(batch_size=1, choices=choices))
-    fixed, per_sample = device.line(Candidate(batch_size=1, choices=choices))
+    device, prober, stage, edge, (fixed, per_sample) = _bf16_stage(
+        workload, profile, strategies, linear_device, 20.0
+    )
+    choices = BF16
     device.step_peak_bytes = fixed + per_sample * (edge - 4)
     for b in (2, edge - 3, edge - 1):
         assert stage.run(choices, b) is not None
@@ -445,13 +453,10 @@ def test_two_fits_far_apart_across_a_flat_phase_do_not_put_the_margin_below_ever
     are spent answers with the largest fit, not with nothing (lm350m's compiled candidate on
     a card: 14 and 16 fitted, 19 ran out, and the plan kept eager at half the compiled
     rate: its margin of 3% of the budget at the two fits' slope reached below 14)."""
-    device, space, prober, stage = _stage(
-        workload, profile, strategies, linear_device,
-        eager={("bf16", 0): 40.0, ("fp32", 0): 80.0}, budget_bytes=1000 * MIB,
-    )  # fmt: skip
-    choices = {"precision": "bf16"}
-    edge = device.edge(Candidate(batch_size=1, choices=choices))
-    fixed, per_sample = device.line(Candidate(batch_size=1, choices=choices))
+    device, prober, stage, edge, (fixed, per_sample) = _bf16_stage(
+        workload, profile, strategies, linear_device, 40.0
+    )
+    choices = BF16
     small, large = edge - 7, edge - 3
     assert small < large * 0.9  # the window around the largest fit holds only it
     device.step_peak_bytes = fixed + round(per_sample * (large - 0.1))
@@ -513,25 +518,17 @@ def test_a_compiled_pick_slower_than_eager_in_its_verifying_run_is_not_handed_on
     assert stage.summary in plan.notes
 
 
-def _concurrent(device, runs_at_once: int) -> list[list[int]]:
+def _concurrent(device, runs_at_once: int, record) -> list[list[int]]:
     """``device`` made to run ``runs_at_once`` runs at once (its capabilities say so; its
     run_many the base class's, one after another); returns the batches of each run_many
-    call, filled as the plan calls it."""
+    call, filled as the plan calls it (``record``: the record_run_many fixture)."""
     device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": runs_at_once})
-    groups: list[list[int]] = []
-    real = device.run_many
-
-    def recorded(workload, runs):
-        groups.append([c.batch_size for c, _ in runs])
-        return real(workload, runs)
-
-    device.run_many = recorded
-    return groups
+    return record(device)
 
 
 @pytest.mark.parametrize("max_runs", [3, 8, 12])
 def test_runs_at_once_measure_the_same_candidates_as_one_at_a_time(
-    workload, profile, strategies, linear_device, trials, max_runs: int
+    workload, profile, strategies, linear_device, trials, record_run_many, max_runs: int
 ) -> None:
     """Where the device makes several runs at once (a card with room for several budgets),
     the compile search's passes go to it in groups: every candidate's first run in one group
@@ -545,7 +542,7 @@ def test_runs_at_once_measure_the_same_candidates_as_one_at_a_time(
         CompileSearch(max_runs=max_runs),
     )
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    groups = _concurrent(device, 4)
+    groups = _concurrent(device, 4, record_run_many)
     together = _plan(workload, profile, strategies, device, CompileSearch(max_runs=max_runs))
     assert together.candidate == alone.candidate
     assert together.verified == alone.verified
@@ -562,14 +559,14 @@ def test_runs_at_once_measure_the_same_candidates_as_one_at_a_time(
 
 
 def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
-    workload, profile, strategies, linear_device, trials
+    workload, profile, strategies, linear_device, trials, record_run_many
 ) -> None:
     """A candidate whose only run ran out gets its retry at half the batch in the same group
     as the second pass's runs, not a group of its own after them (lm350m on a card: the
     partitioner-budget candidate ran out at 14, its retry at 7 waited for the winner's second
     run, 8.7 s after 12.3 s)."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    groups = _concurrent(device, 4)
+    groups = _concurrent(device, 4, record_run_many)
     real_run = device.run
     starts: dict[str, int] = {}
 

@@ -253,7 +253,7 @@ def test_within_stops_the_bisection_once_the_fit_is_that_close_to_the_failure() 
 
 
 def test_runs_asked_together_are_answered_in_order_and_kept_as_one_at_a_time(
-    fake_device, workload, profile, strategies
+    fake_device, workload, profile, strategies, record_run_many
 ) -> None:
     """Rule: Prober.run_many answers each candidate as run() would, in order: a run made
     earlier (or a larger batch of choices that ran out) without the device, the rest in one
@@ -267,14 +267,7 @@ def test_runs_asked_together_are_answered_in_order_and_kept_as_one_at_a_time(
     config = PlanConfig(budget_bytes=100 * 2**20, probe_steps=2, timing_steps=2, verify_steps=4)
     space = SearchSpace(profile, strategies, config)
     device = fake_device(10)
-    calls: list[list[int]] = []
-    real = device.run_many
-
-    def recorded(workload, runs):
-        calls.append([c.batch_size for c, _ in runs])
-        return real(workload, runs)
-
-    device.run_many = recorded
+    calls = record_run_many(device)
     prober = Prober(device, workload, space, config)
     bf16 = {"precision": "bf16"}
     assert prober.run(Candidate(batch_size=4, choices=bf16), prober.steps, "probe") is not None
