@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from memadvisor import _torch_private
+from memadvisor._log import logger
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Check
 from memadvisor.workload import train_step
@@ -182,7 +183,9 @@ def _train(
     are not counted. With ``time_s``, stop once the steps after the first have taken that
     long and :data:`NUMERICS_MIN_STEPS` are done. A non-finite loss ends the run.
     """
+    t_copy = time.perf_counter()
     model = copy.deepcopy(workload.model).to(device)
+    copy_s = time.perf_counter() - t_copy
     if precision in ("bf16", "fp16"):
         _forward.install(model, AutocastForward, precision=precision)
     grad_scaler = grad_scaler_for(precision, device.type) if scaler else None
@@ -237,6 +240,14 @@ def _train(
             late = time_s is not None and time.perf_counter() - started > time_s
             if late and taken >= NUMERICS_MIN_STEPS:
                 break
+    # Where a screen's seconds go (lm350m's took 33-46 s of a card plan, not yet explained):
+    # the copy, the first step (with its gradients to the CPU), the rest.
+    logger.debug(
+        "numerics run %s (seed %d, jitter %g): copy to %s %.1f s, first step %.1f s, "
+        "%d more steps %.1f s",
+        precision, seed, jitter, device, copy_s, started - t_copy - copy_s, max(0, taken - 1),
+        time.perf_counter() - started,
+    )  # fmt: skip
     return run
 
 
@@ -309,8 +320,10 @@ def _compare(precision: str, a: _Run, b: _Run | None, low: _Run) -> _Verdict:
     loss_floor = LOSS_FLOOR_ROUNDOFFS * u * _mean([abs(y) for y in ref])
     loss_limit = LOSS_SPREADS * loss_spread + loss_floor
 
+    t0 = time.perf_counter()
     dir_spread = _distance(b.grads, a.grads) if first else 0.0
     dir_gap = _distance(low.grads, a.grads)
+    logger.debug("numerics %s: gradient distances %.1f s", precision, time.perf_counter() - t0)
     dir_limit = DIRECTION_SPREADS * dir_spread + DIRECTION_FLOOR_ROUNDOFFS * u
 
     norm_a = max(a.grad_norms)
