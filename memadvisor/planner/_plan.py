@@ -282,8 +282,8 @@ def _gain_held(
     config: PlanConfig, pick: Candidate, verified: Measurement, before: Confirmed
 ) -> bool:
     """Whether a measured stage's pick (compile) kept, in its verifying run, what it was picked
-    for over the pick before the stages: a larger batch for the largest-batch objective,
-    else at least that pick's measured throughput.
+    for over the pick before the stages: a larger batch for the largest-batch objective
+    (at the same batch, as otherwise: at least that pick's measured throughput).
 
     Why: a stage picks on its search runs (a compiled candidate is searched with a dynamic
     batch and verified static), and on a card beside other work a short step's time moves
@@ -293,7 +293,8 @@ def _gain_held(
     if config.objective == "largest_batch":
         effective = pick.batch_size * pick.accumulation_steps
         before_effective = before.candidate.batch_size * before.candidate.accumulation_steps
-        return effective > before_effective
+        if effective != before_effective:  # picked for a larger batch: it must still be
+            return effective > before_effective
     return verified.samples_per_s >= before.measured.samples_per_s
 
 

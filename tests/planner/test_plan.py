@@ -704,3 +704,35 @@ def test_where_a_run_costs_more_than_its_steps_the_device_starts_before_the_prof
     plan_workload(workload, _config(strategies=[]), progress=False, measure_comparison=False)
     assert events[:3] == ["device", "prestart", "profile"], events
     assert events.count("device") == 1 and "run bare" not in events, events
+
+
+@pytest.mark.parametrize(
+    ("objective", "pick_batch", "pick_rate", "held"),
+    [
+        ("throughput", 16, 110.0, True),  # faster than the pick it replaced
+        ("throughput", 16, 90.0, False),  # slower in its verifying run
+        ("largest_batch", 16, 50.0, True),  # picked for a larger batch, and still larger
+        ("largest_batch", 14, 110.0, True),  # the same batch: picked for speed, still faster
+        ("largest_batch", 14, 90.0, False),  # the same batch and slower
+        ("largest_batch", 12, 200.0, False),  # stepped down below the batch it replaced
+    ],
+)
+def test_a_stages_pick_holds_its_gain_by_what_it_was_picked_for(
+    objective: str, pick_batch: int, pick_rate: float, held: bool
+) -> None:
+    """Rule: a measured stage's pick is handed on only where its verifying run kept what it
+    was picked for over the pick before the stage (batch 14 at 100 samples/s): a larger batch
+    for the largest-batch objective, else (and at the same batch) at least its throughput."""
+    from types import SimpleNamespace
+
+    from memadvisor.planner._plan import _gain_held
+    from memadvisor.schema.candidate import Candidate, Measurement
+
+    def measured(batch: int, rate: float) -> Measurement:
+        step_ms = batch / rate * 1e3
+        return Measurement(steps=20, peak_bytes=1, step_ms=step_ms, samples_per_s=rate)
+
+    config = PlanConfig(budget_bytes=GIB, objective=objective)
+    before = SimpleNamespace(candidate=Candidate(batch_size=14), measured=measured(14, 100.0))
+    pick = Candidate(batch_size=pick_batch, choices={"compile": "default"})
+    assert _gain_held(config, pick, measured(pick_batch, pick_rate), before) is held
