@@ -44,7 +44,7 @@ __all__ = [
 HEADROOM_FRACTION = 0.03
 
 # The fits whose peaks say what a sample costs near the edge: those within this fraction of
-# the largest batch that fitted (Prober._measured_slope).
+# the largest batch that fitted (Prober._slope_and_basis).
 _SLOPE_WINDOW = 0.1
 
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
@@ -315,13 +315,8 @@ class Prober:
 
         With the measured margin the peak is the allocated one (:func:`_held`): a card's
         reserved peak stops growing where it meets the memory cap, long before the edge."""
-        slope = self._measured_slope(choices)
+        slope, _ = self._slope_and_basis(choices)
         return slope if slope > 0 else self.space.bytes_per_sample(choices, batch)
-
-    def _measured_slope(self, choices: dict[str, JsonValue]) -> float:
-        """Bytes a sample of ``choices`` adds near their edge, from the runs that fitted
-        (:meth:`_slope_and_basis`'s slope)."""
-        return self._slope_and_basis(choices)[0]
 
     def _slope_and_basis(self, choices: dict[str, JsonValue]) -> tuple[float, bool]:
         """Bytes a sample of ``choices`` adds near their edge, from the runs that fitted: the
