@@ -6,27 +6,27 @@ fresh worker process (:mod:`memadvisor.device._worker`) and in the planner's own
 
 Runs made at once (``CudaDevice.run_many``: children of one fork server on one card) take
 their timed steps in turn: each compiles and warms up in its first step beside the others,
-then waits for a lock file (:func:`taking_turn`) before its second step and holds it through
-its last, so no other run's timed steps share the card with its own.
+then waits (:func:`~memadvisor.device._turns.taking_turn`) until every sibling's first step
+has ended and no other run holds the turn, and holds the turn through its last step, so
+neither another run's timed steps nor its compile share the card and the CPU with its own.
 
 Known limitations:
-    * Another run's first step (its compile on the CPU, its warm-up kernels on the card)
-      may overlap a run's timed steps: a concurrent run's step time is less sure than a lone
-      run's. The planner confirms a search's winner in a run of its own.
+    * A sibling's teardown (freeing its memory, exiting) may still overlap a run's timed
+      steps. The planner confirms a search's winner in a run of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from memadvisor import _torch_private
+from memadvisor.device._turns import taking_turn
 from memadvisor.errors import is_oom
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import samples_per_s
@@ -53,31 +53,6 @@ def _apply(
         strategies = load_strategies(list(strategy_names) if strategy_names is not None else None)
     step = apply_candidate(base_step(workload, model, profile), candidate, strategies)
     return running(workload, step)
-
-
-@contextlib.contextmanager
-def taking_turn(lock_path: str | None) -> Iterator[None]:
-    """Hold the turn of the runs sharing ``lock_path`` (an exclusive lock on that file,
-    created if missing) while the block runs; None: no turn to take, the block runs at once.
-
-    Waits while another process holds it. Released when the block ends, by an error too (the
-    file is closed), and by the kernel when the process dies holding it.
-
-    A POSIX record lock (``fcntl.lockf``), not ``flock``: it belongs to this process, so a
-    process this run forks while holding it (a compile worker, a data loader's pool left
-    behind) neither holds it nor keeps it held after this run ends.
-    """
-    if lock_path is None:
-        yield
-        return
-    import fcntl  # POSIX only; only fork-server runs (POSIX) have a lock to take
-
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def train_candidate(

@@ -42,9 +42,12 @@ stderr):
 Runs made at once: for a ``runs`` message the zygote forks a child per run, all before
 collecting any (their starts, first steps and compiles overlap), makes one lock file for
 them and gives each child its path as the run's ``turn_lock``
-(:attr:`RunContext.turn_lock`); the runner takes that lock after its first step and holds
-it through its timed steps (:func:`memadvisor.device._train.taking_turn`), so their timed
-steps come in turn. A single ``run`` has no lock. The zygote removes the file once every
+(:attr:`RunContext.turn_lock`), with its place in the group. The zygote holds the children
+at a gate until each has marked itself warming up (:mod:`memadvisor.device._turns`); the
+runner takes the turn after its first step and holds it through its timed steps
+(:func:`memadvisor.device._turns.taking_turn`), which waits until no sibling is still in its
+first step and none holds the turn, so their timed steps come in turn and apart from the
+siblings' compiles. A single ``run`` has no lock. The zygote removes the file once every
 child of the message is collected.
 
 A run's work is a *runner* ``f(workload, candidate, steps, context) -> Measurement``: by
@@ -61,7 +64,7 @@ Known limitations:
     * A thread the factory started does not exist in the children.
     * Runs made at once share the card: the parent asks for no more than it has room for
       (``CudaDevice.capabilities.concurrent_runs``), each capped at the budget; another
-      child's first step may overlap a run's timed steps (``_train``'s limitations).
+      child's teardown may overlap a run's timed steps (``_train``'s limitations).
     * A zygote killed while a ``runs`` message is in flight leaves its (empty) lock file in
       the temporary directory.
 """
@@ -83,6 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from memadvisor.device import _turns
 from memadvisor.device._lifetime import (
     PARENT_PID_VARIABLE,
     die_with_parent,
@@ -209,6 +213,10 @@ def _child(
         for fd in siblings:
             os.close(fd)
         state.context.turn_lock = run.get("turn_lock")  # this child's copy of the context
+        if state.context.turn_lock is not None:
+            _turns.start_warming(
+                state.context.turn_lock, int(run["turn_index"]), int(run["turn_count"])
+            )
         import torch
 
         from memadvisor.schema.candidate import Candidate
@@ -220,6 +228,9 @@ def _child(
             answer = {"status": "ok", "measurement": measured.model_dump(mode="json")}
         except BaseException as e:  # noqa: BLE001 - every outcome goes back as an answer
             answer = _error_answer(e)
+        if state.context.turn_lock is not None:
+            # Before the answer's write, which may wait on the zygote reading a sibling first.
+            _turns.done_warming()
         data = json.dumps(answer).encode()
         while data:
             data = data[os.write(answer_fd, data) :]
@@ -345,14 +356,18 @@ def _serve_many(state: _State, runs: Sequence[dict[str, Any]]) -> list[dict[str,
     """
     handle, lock = tempfile.mkstemp(prefix="memadvisor-turn-", suffix=".lock")
     os.close(handle)
+    gate = _turns.Gate(lock)  # no child's first step before every sibling is forked
     forked: list[dict[str, Any] | tuple[int, int]] = []
     try:
-        for run in runs:
+        for index, run in enumerate(runs):
             _take_profile(state, run.get("profile_path"))
             open_fds = [f[1] for f in forked if isinstance(f, tuple)]
-            forked.append(_fork(state, {**run, "turn_lock": lock}, open_fds))
+            turn = {"turn_lock": lock, "turn_index": index, "turn_count": len(runs)}
+            forked.append(_fork(state, {**run, **turn}, open_fds))
+        gate.open([i for i, f in enumerate(forked) if isinstance(f, tuple)])
         return [f if isinstance(f, dict) else _answer_of(state, *f) for f in forked]
     finally:
+        gate.close()
         with contextlib.suppress(OSError):
             os.unlink(lock)
 

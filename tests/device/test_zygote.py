@@ -126,6 +126,26 @@ def test_runs_made_at_once_take_their_timed_steps_in_turn(
     assert runner.times(times_dir, alone["measurement"]["peak_bytes"])["lock"] is None
 
 
+def test_no_run_made_at_once_times_its_steps_while_a_sibling_is_still_in_its_first_step(
+    server: ForkServer, times_dir: Path
+) -> None:
+    """Rule: a run made at once takes its turn (its timed steps) only after every sibling's
+    first step (its compile) has ended: a sibling compiling beside timed steps took the CPU
+    and the card from them (15-30% slow on the card). Here one sibling's first step takes
+    twice the others'; no turn begins before it ends."""
+    batches = (43, runner.SLOW_FIRST_BATCH, 44)
+    answers = server.run_many(_runs(*batches), timeout_s=TIMEOUT_S)
+    assert [a["status"] for a in answers] == ["ok"] * 3, answers
+    recorded = [runner.times(times_dir, a["measurement"]["peak_bytes"]) for a in answers]
+    last_first_step = max(r["first_done"] for r in recorded)
+    slow = next(r for r in recorded if r["batch"] == runner.SLOW_FIRST_BATCH)
+    assert slow["first_done"] == last_first_step
+    assert min(r["turn_from"] for r in recorded) >= last_first_step, recorded
+    held = sorted((r["turn_from"], r["turn_to"]) for r in recorded)
+    for (_, earlier_to), (later_from, _) in zip(held, held[1:], strict=False):
+        assert later_from >= earlier_to, held
+
+
 def test_an_out_of_memory_run_among_runs_made_at_once_leaves_the_others_alone(
     server: ForkServer,
 ) -> None:
