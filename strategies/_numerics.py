@@ -267,17 +267,43 @@ def _record_grads(run: _Run, params: list[nn.Parameter], scaler) -> None:
         run.grads.extend(g.cpu() for g in grads)
 
 
-def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over all parameters, in float64; 0 where both are zero."""
+def _distance(
+    a: list[torch.Tensor], b: list[torch.Tensor], device: torch.device | None = None
+) -> float:
+    """||a - b|| / ||b|| over all parameters, in float64; 0 where both are zero. Computed on
+    ``device`` (default: where the tensors are), one parameter's pair there at a time."""
+    where = device if device is not None else (b[0].device if b else torch.device("cpu"))
+    diff = torch.zeros((), dtype=torch.float64, device=where)
+    ref = torch.zeros((), dtype=torch.float64, device=where)
+    for x, y in zip(a, b, strict=True):
+        x, y = x.to(where), y.to(where)
+        diff += torch.linalg.vector_norm(x - y, dtype=torch.float64) ** 2
+        ref += torch.linalg.vector_norm(y, dtype=torch.float64) ** 2
+    d, r = float(diff), float(ref)  # one device sync for the whole model
+    if r == 0.0:
+        return 0.0 if d == 0.0 else math.inf
+    return math.sqrt(d / r)
 
-    def sq(t: torch.Tensor) -> float:
-        return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
 
-    diff = sum(sq(x - y) for x, y in zip(a, b, strict=True))
-    ref = sum(sq(y) for y in b)
-    if ref == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return math.sqrt(diff / ref)
+class _Distances:
+    """The gradient distances of one check, each pair of runs once, on the check's device.
+
+    Why: the first gradients are kept on the CPU (a card's memory is the plan's), and there
+    the float64 sums over lm350m's 0.35B values took 1.6-5 s a pair, asked up to three times
+    a pair by one check: 14 s of a 33 s screen on an H100 (session 13). On the card, a
+    parameter's pair at a time, they are a copy's time.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self._known: dict[tuple[int, int], float] = {}
+
+    def __call__(self, x: _Run, y: _Run) -> float:
+        """||x's first gradient - y's|| / ||y's||."""
+        key = (id(x.grads), id(y.grads))  # the lists live as long as the check's runs
+        if key not in self._known:
+            self._known[key] = _distance(x.grads, y.grads, self.device)
+        return self._known[key]
 
 
 def _window(run: _Run, n: int) -> slice:
@@ -297,7 +323,9 @@ class _Verdict:
     failed: frozenset[str] = frozenset()  # the rules L broke: "loss", "norm", "direction"
 
 
-def _compare(precision: str, a: _Run, b: _Run | None, low: _Run) -> _Verdict:
+def _compare(
+    precision: str, a: _Run, b: _Run | None, low: _Run, distance: _Distances | None = None
+) -> _Verdict:
     """L against A, in units of B's distance from A.
 
     ``b`` may have run fewer steps than A (its first: the gradient direction's spread only)
@@ -320,9 +348,10 @@ def _compare(precision: str, a: _Run, b: _Run | None, low: _Run) -> _Verdict:
     loss_floor = LOSS_FLOOR_ROUNDOFFS * u * _mean([abs(y) for y in ref])
     loss_limit = LOSS_SPREADS * loss_spread + loss_floor
 
+    distance = distance if distance is not None else _Distances()
     t0 = time.perf_counter()
-    dir_spread = _distance(b.grads, a.grads) if first else 0.0
-    dir_gap = _distance(low.grads, a.grads)
+    dir_spread = distance(b, a) if first else 0.0
+    dir_gap = distance(low, a)
     logger.debug("numerics %s: gradient distances %.1f s", precision, time.perf_counter() - t0)
     dir_limit = DIRECTION_SPREADS * dir_spread + DIRECTION_FLOOR_ROUNDOFFS * u
 
@@ -368,11 +397,13 @@ def _compare(precision: str, a: _Run, b: _Run | None, low: _Run) -> _Verdict:
     return _Verdict(not failures, "; ".join(failures.values()), metrics, frozenset(failures))
 
 
-def _spread_steps_needed(precision: str, a: _Run, low: _Run) -> int:
+def _spread_steps_needed(
+    precision: str, a: _Run, low: _Run, distance: _Distances | None = None
+) -> int:
     """How many steps of a spread run decide the same verdict as a whole one: 0 where L is
     within every rule's floor (a spread only widens a limit), 1 where only the gradient
     direction is not (its spread is the first step's), else all of A's."""
-    floors = _compare(precision, a, None, low).failed
+    floors = _compare(precision, a, None, low, distance).failed
     if not floors:
         return 0
     return 1 if floors == {"direction"} else len(a.losses)
@@ -483,12 +514,16 @@ def check_numerics(
 
     verdict, draw, spread_runs, spread_steps = None, None, 0, 0
     if comparable:
-        spread_steps = steps if spread == "all" else _spread_steps_needed(precision, a, low)
-        verdict = _compare(precision, a, None, low)  # the floors alone: passes where k is 0
+        distance = _Distances(where)
+        spread_steps = (
+            steps if spread == "all" else _spread_steps_needed(precision, a, low, distance)
+        )
+        # The floors alone: passes where k is 0.
+        verdict = _compare(precision, a, None, low, distance)
         if spread_steps:
             same = spread_run(seed, spread_steps)
             spread_runs = 1
-            verdict = _compare(precision, a, same, low)
+            verdict = _compare(precision, a, same, low, distance)
         if not verdict.passed:
             # L may differ from A by a dropout draw (on a card its kernels draw their own
             # masks): judged again against fp32's spread over another draw. A model without
@@ -496,7 +531,7 @@ def check_numerics(
             first = verdict.metrics
             other = spread_run(seed + 1, spread_steps)
             spread_runs = 2
-            verdict = _compare(precision, a, other, low)
+            verdict = _compare(precision, a, other, low, distance)
             draw = {
                 f"{k}_same_draw": first[k]
                 for k in ("loss_spread_fp32", "grad_distance_fp32")

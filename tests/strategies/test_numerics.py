@@ -194,6 +194,31 @@ def test_a_dropout_draw_the_low_precision_does_not_share_is_judged_against_anoth
     assert plain.passed and plain.metrics["spread_runs"] == 1
 
 
+def test_a_check_computes_each_pair_of_runs_gradient_distance_once(monkeypatch) -> None:
+    """Rule: one check asks the distance of L's first gradient to fp32's once, however many
+    verdicts it weighs (the floors alone, then against each spread run): on a card each was
+    a pass over every parameter, 14 s of lm350m's 33 s screen. Here L fails against the
+    first spread and is judged again against another draw: three verdicts, three pairs."""
+    from strategies import _numerics
+
+    asked: list[tuple[int, int]] = []
+    distance = _numerics._distance
+
+    def counted(a, b, *device):
+        asked.append((id(a), id(b)))
+        return distance(a, b, *device)
+
+    monkeypatch.setattr(_numerics, "_distance", counted)
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    workload = Workload(
+        model=_DropoutDrawsByDtype(), sample_batch=(x, x[:, :1]), loss_fn=planted._mse
+    )
+    check = check_numerics(workload, "bf16", spread="needed")
+    assert check.metrics["spread_runs"] == 2, check.summary
+    assert len(asked) == len(set(asked)) == 3, asked
+
+
 def _run(losses: list[float], norm: float = 1.0, grad: float = 1.0) -> _Run:
     return _Run(losses=losses, grad_norms=[norm] * len(losses), grads=[torch.tensor([grad, 1.0])])
 
