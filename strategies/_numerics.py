@@ -84,7 +84,14 @@ from strategies._autocast import AutocastForward, grad_scaler_for
 if TYPE_CHECKING:
     from memadvisor.workload import Workload
 
-__all__ = ["CPU_PLAN_STEPS", "ROUNDING", "FP32Runs", "check_numerics", "tf32_matmuls"]
+__all__ = [
+    "CPU_PLAN_STEPS",
+    "ROUNDING",
+    "FP32Runs",
+    "check_device",
+    "check_numerics",
+    "tf32_matmuls",
+]
 
 #: Unit roundoff (half the spacing of the numbers just above 1) of each precision checked:
 #: bf16 keeps 8 significant bits, fp16 11, TF32's matmul inputs 11.
@@ -130,6 +137,12 @@ LOSS_WINDOW = 0.25
 # a scaler that skips more (its scale below 2^-8) has not found a scale that works: the
 # gradients themselves overflow fp16.
 MAX_SKIPPED_STEPS = 24
+
+
+def check_device() -> torch.device | None:
+    """Where a screen's checks run their copies of the model: CUDA when available (a card
+    runs a 0.35B model's steps in a second, its CPU in tens), else None (the model's)."""
+    return torch.device("cuda") if torch.cuda.is_available() else None
 
 
 @contextlib.contextmanager

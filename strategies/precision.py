@@ -57,6 +57,7 @@ from strategies._numerics import (
     NUMERICS_STEPS,
     ROUNDING,
     FP32Runs,
+    check_device,
     check_numerics,
 )
 
@@ -227,7 +228,7 @@ class Precision(Strategy, TimedEachChoice, Described, HandTried, Checked):
         # One pass: the fp32 runs are the same for every precision checked here, and the
         # spread runs only as long as each verdict needs (the same verdicts: _numerics.py).
         how = {
-            "device": _check_device(),
+            "device": check_device(),
             "steps": _screen_steps(profile),
             "spread": "needed",
             "fp32": FP32Runs(),
@@ -324,7 +325,7 @@ class Precision(Strategy, TimedEachChoice, Described, HandTried, Checked):
             return None
         # On the card when there is one (the user's model may sit on the CPU): CPU autocast
         # is not the card's numerics, and it is many times slower (docs/design.md, plan speed).
-        return check_numerics(workload, precision, device=_check_device())
+        return check_numerics(workload, precision, device=check_device())
 
 
 def _supported(profile: Profile, precision: str) -> bool:
@@ -405,12 +406,7 @@ def _screen_steps(profile: Profile) -> int:
     this process (profile, probes, verification: plans of 4-40 s), so the check's steps are a
     share of the plan's whatever they cost: 8 of each run there were 10-25% of the README
     examples' plans (docs/design.md, "Precision check")."""
-    on_a_card = _check_device() is not None
+    on_a_card = check_device() is not None
     if on_a_card or profile.device.capabilities.runs_cost_more_than_steps:
         return NUMERICS_STEPS
     return CPU_PLAN_STEPS
-
-
-def _check_device() -> torch.device | None:
-    """Where :meth:`Precision.check` trains its copies: CUDA when available, else the model's."""
-    return torch.device("cuda") if torch.cuda.is_available() else None

@@ -71,6 +71,35 @@ def test_offered_where_the_loss_is_token_cross_entropy(small_gpt) -> None:
     assert strategy.choices(profile, CONFIG) == ["off", *CHUNKS]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_card_the_check_runs_on_a_copy_there_and_leaves_the_model_on_the_cpu(
+    small_gpt,
+) -> None:
+    """Rule: where a card is, the chunked loss's check runs its forwards on a copy of the
+    model there (lm350m's two CPU forwards took 5-6 s of a card plan's screen), and the
+    user's model stays where it was, untouched."""
+    from strategies._head_loss import find_head_loss
+
+    workload, profile = small_gpt
+    spec = find_head_loss(
+        workload.model, workload.loss_fn, workload.sample_batch, workload.forward_fn
+    )
+    seen: list[str] = []  # where the head ran (a deep copy keeps the hook)
+    head = workload.model.get_submodule(spec.head)
+    handle = head.register_forward_hook(lambda m, i, o: seen.append(o.device.type))
+    try:
+        before = {k: v.clone() for k, v in workload.model.state_dict().items()}
+        (check,) = LossHead().screen(workload, profile, CONFIG)
+    finally:
+        handle.remove()
+    assert check.passed, check.summary
+    assert seen and set(seen) == {"cuda"}, seen  # on the copy, none on the user's model
+    assert all(p.device.type == "cpu" for p in workload.model.parameters())
+    after = workload.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_a_function_loss_is_not_offered_and_the_plan_says_why(small_gpt) -> None:
     """The same loss as a plain function: memadvisor cannot see what it reads, so only
     'off' is offered and a failed check says why, naming TokenCrossEntropy."""
