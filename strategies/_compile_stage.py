@@ -76,6 +76,7 @@ from strategies._compile_search import (
     Search,
     Variant,
     first_line,
+    is_dynamic,
     search_variants,
 )
 from strategies._compile_trial import CompileResult
@@ -188,13 +189,18 @@ def compiled_pick(
                 v.error = trials[_key(v.form)].error
         measurable = [v for v in variants if trials[_key(v.form)].ok]
         winner = search.measure(measurable) if measurable else None
-        found = final = None
-        final_why = ""
+        found = final = searched = None
+        final_why = static_why = ""
         if winner is not None:
             differs = winner.final_differs
             found = search.confirm(winner, FINAL_FORM_RUNS if differs else 0)
             if found is not None and differs:
                 final, final_why = search.confirm_final(winner, found)
+            elif found is not None and is_dynamic(winner.form):
+                # Judged on the form the user runs; its run is the pick's verification.
+                static, static_why = search.confirm_static(winner, found)
+                if static is not None:
+                    searched, found = found, static
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(stage.probes) > runs_before
         cache_report = shared.report() if ran else None
@@ -231,6 +237,8 @@ def compiled_pick(
             f"search's {settings.max_runs} device runs were spent"
         )
     summary = _verdict(records, best, eager_best, picked, unconfirmed)
+    if found is not None and (searched is not None or static_why):
+        summary += " " + _static_words(found, searched, static_why)
     summary += " " + _searched(search, variants, left_out, best[0] if best else None)
     outcome = StageOutcome(
         strategy=COMPILE,
@@ -264,6 +272,20 @@ def compiled_pick(
     return Refinement(pick=pick, outcome=outcome, notes=notes)
 
 
+def _static_words(found: Confirmed, searched: Confirmed | None, why: str) -> str:
+    """What the winner's static run said beside its searched (dynamic batch) one."""
+    if searched is None:
+        return (
+            "Its static form, which the plan hands on, was not measured before the "
+            f"verification: {why}."
+        )
+    rate, dynamic = found.measured.samples_per_s, searched.measured.samples_per_s
+    return (
+        f"That is its static form, which the plan hands on and you run; searched with a "
+        f"dynamic batch it ran {dynamic:.1f} samples/s at that batch ({rate / dynamic:.2f}x)."
+    )
+
+
 def _handed_on(found: Confirmed) -> Confirmed:
     """``found`` with its compile choice static: the form the plan verifies and the user
     runs. The search measured a dynamic batch (one graph for every batch it tried); the
@@ -289,6 +311,7 @@ def _details(
         "search": {
             **settings.model_dump(),
             "runs": search.runs_used,
+            "static_runs": search.static_runs,
             "left_out": list(left_out),
         }
     }
