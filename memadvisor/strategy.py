@@ -161,6 +161,7 @@ class PickStage(ABC):
         *,
         like: Confirmed | None = None,
         max_runs: int | None = None,
+        within: float = 0.0,
     ) -> Confirmed | None:
         """``choices`` at the largest batch the device allows, searched from ``start_batch``
         (the eager pick's confirmed batch is a good start); None when not even batch 1 fits.
@@ -173,6 +174,10 @@ class PickStage(ABC):
                 did is confirmed without searching its own edge.
             max_runs: at most this many device runs; when they are spent, the largest batch
                 of ``choices`` that fitted within the limit is the answer. None: no bound.
+            within: after a failure, stop bisecting once the batch still to gain is at most
+                this fraction above the largest fit (each run of a compiled variant is a
+                compile; a batch 3% larger gains less than the 3% a compile must). 0: bisect
+                to the sample.
         """
 
     @abstractmethod

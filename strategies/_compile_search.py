@@ -452,7 +452,10 @@ class Search:
         self.stage.describe(f"compile: confirming {winner.label} from batch {start}")
         try:
             return self.stage.confirm(
-                winner.choices, start, max_runs=max(0, self.runs_left - hold_back)
+                winner.choices,
+                start,
+                max_runs=max(0, self.runs_left - hold_back),
+                within=MIN_SPEEDUP - 1.0,
             )
         except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
             if is_our_bug(e):
@@ -469,7 +472,11 @@ class Search:
         self.stage.describe(f"compile: the offered form at batch {batch} ({winner.label})")
         try:
             final = self.stage.confirm(
-                winner.final_choices, batch, like=found, max_runs=self.runs_left
+                winner.final_choices,
+                batch,
+                like=found,
+                max_runs=self.runs_left,
+                within=MIN_SPEEDUP - 1.0,
             )
         except Exception as e:  # noqa: BLE001 - as confirm: the searched form stays
             if is_our_bug(e):

@@ -112,6 +112,9 @@ class Prober:
         # Device runs a measured stage still allows (None: no bound); a run past it raises
         # RunsSpent, answered from what ran (ProberStage.confirm's max_runs).
         self.runs_left: int | None = None
+        # How near the largest fit a measured stage's descent stops (find_batch's ``within``;
+        # ProberStage.confirm's): 0 bisects to the sample.
+        self.within = 0.0
         # What a measured stage is doing, said before each run's batch on the progress line
         # ("compiling candidate 2/4 (...)"); '' says the stage's name.
         self.doing = ""
@@ -304,6 +307,7 @@ class Prober:
             max_extrapolations=3 if cfg.measured_margin else 1,
             descend=cfg.measured_margin,
             floor=floor,
+            within=self.within,
         )
         return found, measured
 

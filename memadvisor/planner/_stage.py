@@ -52,6 +52,7 @@ class ProberStage(PickStage):
         *,
         like: AnyConfirmed | None = None,
         max_runs: int | None = None,
+        within: float = 0.0,
     ) -> Confirmed | None:
         """``choices``' batch search from ``start_batch``, logged under this stage's name.
 
@@ -78,13 +79,13 @@ class ProberStage(PickStage):
             largest_batch=candidate.batch_size,
             active=len(choices),
         )
-        self._prober.runs_left = max_runs
+        self._prober.runs_left, self._prober.within = max_runs, within
         try:
             return self._search(scored, like if like is not None else self._reference)
         except RunsSpent:
             return self._best_measured(scored)
         finally:
-            self._prober.runs_left = None
+            self._prober.runs_left, self._prober.within = None, 0.0
 
     def _search(self, scored: Scored, ref: AnyConfirmed | None) -> Confirmed | None:
         candidate = scored.candidate

@@ -367,6 +367,32 @@ def test_a_candidates_line_stays_the_plans_margin_below_its_failure(
     assert margin < failed - 1 and v.fit.largest_batch == margin
 
 
+def test_a_compiled_confirmation_stops_bisecting_within_the_gain_a_compile_must_make(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Rule: a confirmation asked to stop ``within`` a fraction (the compile search passes
+    3%, what a compile must gain) makes no run at a batch that little above its largest fit:
+    each compiled run is a compile (the GPT example on a card bisected 294, 272, 261, 255
+    down to a fit at 250, all out of memory, 6-8 s each). Bisecting to the sample makes
+    more runs and ends no more than 3% higher."""
+    answers = {}
+    for within in (0.0, 0.03):
+        device, prober, stage, edge, _ = _bf16_stage(
+            workload, profile, strategies, linear_device, mib_per_sample=2.0
+        )
+        known = int(0.9 * edge)  # within the pick's limit: the descent's floor
+        assert stage.run(BF16, known) is not None
+        found = stage.confirm(BF16, edge + 60, within=within)
+        assert found is not None
+        tried = [p.batch_size for p in prober.probes[1:]]
+        answers[within] = (found.candidate.batch_size, tried)
+        assert prober.within == 0.0  # the setting ends with the search
+    (loose, loose_tried), (sample, sample_tried) = answers[0.03], answers[0.0]
+    assert all(b > 1.03 * known for b in loose_tried), (known, loose_tried)
+    assert len(loose_tried) < len(sample_tried)
+    assert known <= loose <= sample <= 1.03 * loose + 1
+
+
 def test_a_confirmation_never_descends_below_a_batch_that_fitted(
     workload, profile, strategies, linear_device
 ) -> None:
