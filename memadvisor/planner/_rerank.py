@@ -286,6 +286,8 @@ def _first_runs(
     rule would take: those still run. The others read as not run (the retry in
     :func:`best_on_device` skips them).
     """
+    if measured_times and prober.device.capabilities.concurrent_runs > 1:
+        return _first_runs_at_once(prober, timed)
     first: dict[str, _Timing | None] = {}
     fitted: Scored | None = None
     for s in timed:
@@ -294,6 +296,30 @@ def _first_runs(
         first[s.choices_json] = _timing(prober, s, _start(prober, s))
         if not measured_times and fitted is None and first[s.choices_json] is not None:
             fitted = s
+    return first
+
+
+def _first_runs_at_once(prober: Prober, timed: Sequence[Scored]) -> dict[str, _Timing | None]:
+    """:func:`_first_runs` where times rank and the device makes runs at once: every
+    candidate runs, each independent of the others, so all are asked together
+    (``Prober.run_many``; the device makes as many at once as it holds, their timed steps
+    in turn after every sibling's first step). The same runs as one at a time.
+
+    Why: the first runs are most of the probes' seconds on a card: lm350m's four took 8.4 s
+    one after another, the GPT example's six 24 s (H100, docs/design.md).
+
+    Raises:
+        Exception: a run's error other than running out of memory, as :func:`_timing`.
+    """
+    runs = [
+        (s, Candidate(batch_size=_start(prober, s), choices=s.candidate.choices)) for s in timed
+    ]
+    answers = prober.run_many([c for _, c in runs], prober.steps, "timing")
+    first: dict[str, _Timing | None] = {}
+    for (s, candidate), answer in zip(runs, answers, strict=True):
+        if isinstance(answer, Exception):
+            raise answer
+        first[s.choices_json] = _Timing(candidate, answer) if answer is not None else None
     return first
 
 

@@ -632,6 +632,30 @@ def test_runs_at_once_measure_the_same_candidates_as_one_at_a_time(
         assert len(groups) < len(runs)
 
 
+def test_the_first_timing_runs_go_to_the_device_at_once_and_pick_what_one_at_a_time_picks(
+    workload, profile, strategies, linear_device, trials, record_run_many
+) -> None:
+    """Rule: where the device makes runs at once and its times rank (a card), every timed
+    candidate's first run at its estimated batch is asked together (independent runs: on an
+    H100 lm350m's four took 8.4 s one after another, the GPT example's six 24 s); the plan
+    makes the same timing runs and picks what it picks one at a time."""
+    alone = _plan(
+        workload, profile, strategies,
+        linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0),
+    )  # fmt: skip
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    groups = _concurrent(device, 4, record_run_many)
+    together = _plan(workload, profile, strategies, device)
+    assert together.candidate == alone.candidate and together.verified == alone.verified
+
+    def timing(plan):
+        return [(p.batch_size, p.fits, str(p.candidate.choices)) for p in plan.probes
+                if p.stage == "timing"]  # fmt: skip
+
+    assert timing(together) == timing(alone) and len(timing(alone)) >= 2
+    assert groups[0] == [b for b, _, _ in timing(alone)]
+
+
 def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
     workload, profile, strategies, linear_device, trials, record_run_many
 ) -> None:
