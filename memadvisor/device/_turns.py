@@ -2,7 +2,7 @@
 none beside another's first step (its compile and warm-up).
 
 Why: on the card, a compiled run timed while its siblings compiled measured 15-30% slow
-(session 13, docs/design.md "Runs at once time their steps apart"): the siblings' compiles
+(docs/design.md, "Five things the card showed (session 13)"): the siblings' compiles
 take the CPU that launches its kernels, and their warm-up steps share the card. A turn lock
 alone kept timed steps apart from each other but not from a sibling still compiling.
 
