@@ -1,7 +1,7 @@
 """The turns of runs made at once on one card: no run's timed steps beside another's, and
 none beside another's first step (its compile and warm-up).
 
-Why: on the card, a compiled run timed while its siblings compiled measured 15-30% slow
+Why: on the card, a compiled run timed while its siblings compiled measured 7-30% slow
 (docs/design.md, "Five things the card showed (session 13)"): the siblings' compiles
 take the CPU that launches its kernels, and their warm-up steps share the card. A turn lock
 alone kept timed steps apart from each other but not from a sibling still compiling.
