@@ -73,10 +73,13 @@ class Line:
 @dataclass(frozen=True)
 class EagerLines:
     """The eager estimate's peak bytes and step time for some choices, as lines taken between
-    ``batch`` and twice it (the estimate is convex in the batch: the slope above a run)."""
+    ``batch`` and twice it (the estimate is convex in the batch: the slope above a run); and
+    its largest allocation (reserved peak less peak: the block the allocator must find free
+    at the cap), where the estimate has one."""
 
     bytes: Line
     ms: Line
+    largest_allocation: Line | None = None
 
     @classmethod
     def of(
@@ -94,7 +97,14 @@ class EagerLines:
         bytes_line = Line.through([(b, e.peak_bytes) for b, e in at.items()])
         ms_line = Line.through([(b, e.step_ms) for b, e in at.items()])
         assert bytes_line is not None and ms_line is not None  # two distinct batches
-        return cls(bytes=bytes_line, ms=ms_line)
+        largest = None
+        if all(e.reserved_peak_bytes is not None for e in at.values()):
+            largest = Line.through(
+                [(b, max(0, (e.reserved_peak_bytes or 0) - e.peak_bytes)) for b, e in at.items()]
+            )
+            if largest is not None and largest.per_sample < 0:
+                largest = Line(fixed=largest.at(high), per_sample=0.0)  # never below the top's
+        return cls(bytes=bytes_line, ms=ms_line, largest_allocation=largest)
 
 
 def fit_step(
@@ -105,6 +115,7 @@ def fit_step(
     max_batch: int,
     lowest_failure: int | None = None,
     below_failure: int | None = None,
+    cap_bytes: int | None = None,
 ) -> StepFit | None:
     """The lines of a configuration from its ``runs`` (batch -> (held bytes, step ms)) that
     fitted, and what they predict under ``limit_bytes``; None without a run.
@@ -121,6 +132,13 @@ def fit_step(
             the edge past a batch that ran out is off near the edge (the allocator's
             fragmentation is not in it): a batch one under the failure mostly ran out too
             (gpt, hf_gpt2 and lm350m on a card, docs/design.md).
+        cap_bytes: the memory cap (the budget). Where ``eager`` has the step's largest
+            allocation, no batch is predicted at which the bytes line plus that allocation
+            passes the cap (``cap_batch``): the allocator needs that block free whatever the
+            line says is allocated. The GPT example's compiled form on a card held 6.91 GB
+            allocated and 8.45 GB reserved at batch 250 under 8 GiB; its line put the edge at
+            294-302, and 255-302 all ran out trying to allocate its 1.5 GiB logits
+            (docs/design.md, "Five things the card showed (session 13)").
     """
     if not runs:
         return None
@@ -138,6 +156,13 @@ def fit_step(
     largest = predicted(memory, limit_bytes, max_batch, lowest_failure)
     if lowest_failure is not None and below_failure is not None:
         largest = max(0, min(largest, below_failure))
+    cap_batch = None
+    spare = eager.largest_allocation
+    if cap_bytes is not None and spare is not None and spare.at(max(1, largest)) > 0:
+        with_block = Line(memory.fixed + spare.fixed, memory.per_sample + spare.per_sample)
+        capped = predicted(with_block, cap_bytes, max_batch, lowest_failure)
+        if capped < largest:
+            cap_batch = largest = capped
     return StepFit(
         fixed_bytes=round(memory.fixed),
         per_sample_bytes=round(memory.per_sample),
@@ -149,6 +174,7 @@ def fit_step(
         time_ratio=time_ratio,
         lowest_failure=lowest_failure,
         limit_bytes=limit_bytes,
+        cap_batch=cap_batch,
         largest_batch=largest,
         samples_per_s=samples_per_s(time, largest),
     )

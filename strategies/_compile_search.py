@@ -565,6 +565,7 @@ class Search:
         else:
             v.runs[batch] = m
         failure = v.lowest_failure
+        cfg = self.stage.config
         v.fit = fit_step(
             {b: (self.stage.held_bytes(r), r.step_ms) for b, r in v.runs.items()},
             v.eager,
@@ -572,6 +573,8 @@ class Search:
             max_batch=self.stage.config.max_batch,
             lowest_failure=failure,
             below_failure=self.stage.below_failure(v.choices, failure) if failure else None,
+            # Only beside allocated peaks (the measured margin's): a reserved one has it.
+            cap_bytes=cfg.budget_bytes if cfg.measured_margin else None,
         )
         return m is not None
 

@@ -426,6 +426,11 @@ def _fit_note(record: StageVariant | None) -> str:
         f"{fmt_bytes(fit.fixed_bytes)} + {fmt_bytes(fit.per_sample_bytes)} a sample, "
         f"largest batch {fit.largest_batch} within {fmt_bytes(fit.limit_bytes)}"
     )
+    if fit.cap_batch is not None:
+        line += (
+            " (there the line plus the step's largest allocation, a block the allocator must "
+            "find free, reaches the budget)"
+        )
     batches = ", ".join(str(b) for b in fit.batches)
     if fit.basis == "fitted":
         return f"Compiled memory of {label}: {line}, fitted from runs at batches {batches}."

@@ -124,6 +124,13 @@ class StepFit(_Model):
     limit_bytes: int = Field(
         description="The most a pick's peak may be: the budget less the measured headroom."
     )
+    cap_batch: int | None = Field(
+        None,
+        description="The largest batch at which the bytes line plus the step's largest "
+        "allocation (the eager estimate's reserved peak less its peak: a block the allocator "
+        "must find free at the cap) stays within the budget, where that bounds largest_batch "
+        "below the line's own; None where it does not bind or no estimate of it exists.",
+    )
     largest_batch: int = Field(
         description="The largest batch the line keeps within limit_bytes (below lowest_failure)."
     )

@@ -361,14 +361,16 @@ def workload() -> Workload:
     return tiny_workload()
 
 
-def run_many_batches(device) -> list[list[int]]:
+def run_many_batches(device, compiled_only: bool = False) -> list[list[int]]:
     """``device``'s run_many made to note the batches of each call (in the list returned,
-    filled as it is called), then answer as before."""
+    filled as it is called), then answer as before; ``compiled_only``: only calls whose runs
+    are all compiled (the compile search's, not the eager timing runs')."""
     calls: list[list[int]] = []
     real = device.run_many
 
     def recorded(workload, runs):
-        calls.append([c.batch_size for c, _ in runs])
+        if not compiled_only or all("compile" in c.choices for c, _ in runs):
+            calls.append([c.batch_size for c, _ in runs])
         return real(workload, runs)
 
     device.run_many = recorded

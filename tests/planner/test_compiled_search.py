@@ -592,12 +592,14 @@ def test_whether_compiling_pays_is_judged_on_the_static_form_which_is_the_verifi
     assert stage.details["search"]["static_runs"] == 1
 
 
-def _concurrent(device, runs_at_once: int, record) -> list[list[int]]:
+def _concurrent(device, runs_at_once: int, record, compiled_only: bool = True) -> list[list[int]]:
     """``device`` made to run ``runs_at_once`` runs at once (its capabilities say so; its
     run_many the base class's, one after another); returns the batches of each run_many
-    call, filled as the plan calls it (``record``: the record_run_many fixture)."""
+    call, filled as the plan calls it (``record``: the record_run_many fixture), only the
+    compile search's calls unless ``compiled_only`` is False (the eager timing runs go at
+    once too)."""
     device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": runs_at_once})
-    return record(device)
+    return record(device, compiled_only)
 
 
 @pytest.mark.parametrize("max_runs", [3, 8, 12])
@@ -644,7 +646,7 @@ def test_the_first_timing_runs_go_to_the_device_at_once_and_pick_what_one_at_a_t
         linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0),
     )  # fmt: skip
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    groups = _concurrent(device, 4, record_run_many)
+    groups = _concurrent(device, 4, record_run_many, compiled_only=False)
     together = _plan(workload, profile, strategies, device)
     assert together.candidate == alone.candidate and together.verified == alone.verified
 
@@ -682,3 +684,28 @@ def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
     retry = starts["budget"] // 2
     second = groups[1]
     assert retry in second and len(second) >= 2, groups
+
+
+def test_a_candidates_eager_lines_carry_the_estimates_largest_allocation(
+    profile, strategies
+) -> None:
+    """Rule: the eager lines a candidate's compiled line is scaled from carry the estimate's
+    largest allocation (reserved peak less peak) at the two batches they are taken at, where
+    the profile measured the step's largest allocation (a card's); None where it did not."""
+    from memadvisor.estimate import estimate
+    from memadvisor.schema.profile import LinearBytes
+    from strategies._compile_model import EagerLines
+
+    choices = {"precision": "bf16"}
+    assert EagerLines.of(profile, choices, strategies, 10).largest_allocation is None
+    step = profile.steps["bf16"].model_copy(
+        update={"largest_allocation": LinearBytes(per_sample_bytes=0.3 * MIB)}
+    )
+    carded = profile.model_copy(update={"steps": {**profile.steps, "bf16": step}})
+    lines = EagerLines.of(carded, choices, strategies, 10)
+    assert lines.largest_allocation is not None
+    for b in (10, 20):
+        e = estimate(carded, Candidate(batch_size=b, choices=choices), strategies)
+        assert e.reserved_peak_bytes is not None and e.reserved_peak_bytes > e.peak_bytes
+        want = e.reserved_peak_bytes - e.peak_bytes
+        assert lines.largest_allocation.at(b) == pytest.approx(want, abs=1)

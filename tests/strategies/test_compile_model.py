@@ -118,3 +118,41 @@ def test_no_run_no_line_and_no_time_no_rate() -> None:
     """Without a run there is no line; a batch of 0 has no throughput."""
     assert fit_step({}, EAGER, limit_bytes=LIMIT, max_batch=1000) is None
     assert samples_per_s(Line(1.0, 0.1), 0) == 0.0
+
+
+def test_no_batch_is_predicted_where_the_line_and_the_largest_allocation_pass_the_cap() -> None:
+    """Rule: where the eager estimate has the step's largest allocation (its reserved peak
+    less its peak: a block the allocator must find free at the cap) and the cap is given,
+    the prediction stops where the bytes line plus that block passes the cap, and says so
+    (``cap_batch``); a block too small to bind changes nothing. (The GPT example's compiled
+    form on a card: 6.91 GB allocated at batch 250 under 8 GiB, its line's edge at 294-302,
+    and 255-302 ran out allocating its 1.5 GiB logits.)"""
+    cap = 100 * MIB
+    runs = {b: _run(b, 12 * MIB, 0.7 * MIB, 1.5, 0.06) for b in (10, 40)}
+    plain = fit_step(runs, EAGER, limit_bytes=LIMIT, max_batch=1000, cap_bytes=cap)
+    assert plain is not None and plain.cap_batch is None
+    assert plain.largest_batch == (LIMIT - 12 * MIB) // round(0.7 * MIB)  # the line's: 121
+    logits = EagerLines(bytes=EAGER.bytes, ms=EAGER.ms, largest_allocation=Line(0.0, 0.3 * MIB))
+    fit = fit_step(runs, logits, limit_bytes=LIMIT, max_batch=1000, cap_bytes=cap)
+    assert fit is not None and fit.cap_batch == fit.largest_batch
+    assert fit.largest_batch == (cap - 12 * MIB) // MIB  # 0.7 + 0.3 MiB a sample: 88
+    assert fit.samples_per_s == pytest.approx(samples_per_s(Line(1.5, 0.06), 88))
+    small = EagerLines(bytes=EAGER.bytes, ms=EAGER.ms, largest_allocation=Line(MIB, 0.001 * MIB))
+    loose = fit_step(runs, small, limit_bytes=LIMIT, max_batch=1000, cap_bytes=cap)
+    assert loose is not None and loose.cap_batch is None and loose.largest_batch == 121
+    # Without the cap (no measured margin: the held bytes are reserved already), the line's.
+    assert fit_step(runs, logits, limit_bytes=LIMIT, max_batch=1000).largest_batch == 121
+
+
+def test_the_fit_note_says_when_the_largest_allocation_bounds_the_batch() -> None:
+    """Rule: the plan's sentence on the pick's compiled memory says where the largest
+    allocation, not the line alone, set its largest batch."""
+    from memadvisor.schema.plan import StageVariant
+    from strategies._compile_stage import _fit_note
+
+    runs = {b: _run(b, 12 * MIB, 0.7 * MIB, 1.5, 0.06) for b in (10, 40)}
+    logits = EagerLines(bytes=EAGER.bytes, ms=EAGER.ms, largest_allocation=Line(0.0, 0.3 * MIB))
+    for lines, said in ((EAGER, False), (logits, True)):
+        fit = fit_step(runs, lines, limit_bytes=LIMIT, max_batch=1000, cap_bytes=100 * MIB)
+        record = StageVariant(choices={"compile": "default"}, ok=True, trial="", fit=fit)
+        assert ("largest allocation" in _fit_note(record)) is said
