@@ -40,9 +40,9 @@ runs are held back for them) and, before a run starts, :attr:`CompileSearch.max_
 Where the device makes several runs at once (``PickStage.concurrent_runs``: a card with room
 for several budgets, each run a process capped at the budget), each pass sends its runs in
 groups of that many (``PickStage.run_many``): their process starts and compiles, most of a
-compiled run's 9-19 s on a card, overlap; their timed steps are taken in turn. The same runs
-are made, in the same order, as one at a time; the confirmations are searches, one run after
-another.
+compiled run's 9-19 s on a card, overlap; their timed steps are taken in turn, after every
+first step. The same runs are made, in the same order, as one at a time; the confirmations
+are searches, one run after another.
 
 Known limitations:
     * One winner is confirmed: a second candidate whose line was close is not confirmed when
@@ -57,10 +57,11 @@ Known limitations:
     * The candidates are ranked on their dynamic graphs; only the winner's static graph is
       run. Where the static one runs out at the winner's batch, the search's pick goes to
       the verification, which steps the batch down.
-    * Runs made at once time their steps in turn, but another run's first step (its compile
-      on the CPU, its kernels on the card) may overlap them: their step times, which rank the
-      candidates, are less sure than a lone run's. The winner's confirmation and the pick's
-      verification run alone, and a pick slower there than the eager pick is not handed on.
+    * Runs made at once time their steps in turn, after every sibling's first step (its
+      compile) has ended, but a sibling's teardown may overlap them: their step times, which
+      rank the candidates, are less sure than a lone run's. The winner's confirmation and its
+      static run (the pick's verification) run alone, and a pick slower there than the eager
+      pick is not handed on.
 """
 
 from __future__ import annotations
@@ -103,10 +104,10 @@ CONFIRM_RUNS = 2
 FINAL_FORM_RUNS = 1
 # A candidate measured with a dynamic batch is confirmed, and its static form run, where its
 # line predicts this share of the bar or more: the static graph, which the pick is judged on,
-# ran faster on a card (lm350m's winner at batch 16: 103.4 samples/s dynamic, 111.3 static, in
-# one plan on an H100, 0.93; the GPT example's compiled form 0.98x eager dynamic in one plan
-# and 1.09x static in the plan before, about 0.87 between the two). Below it the static form
-# would need more than those gaps to pay.
+# ran up to 10% faster on a card (lm350m's winner at batch 16, H100: 103.4 samples/s dynamic
+# and 111.3 static in one plan, 102.2 and 112.8 in another). It also ran slower (the GPT
+# example's 2-of-4-checkpointed winner at 254: 19,888 dynamic, 17,317 static), which the
+# static run then says. Below this share the static form would need more than the gaps seen.
 DYNAMIC_ALLOWANCE = 0.85
 
 
@@ -488,10 +489,10 @@ class Search:
         """The winner's static form (what the plan hands on and the user runs) at ``found``'s
         batch, one run; (None, why) where it ran out or failed.
 
-        Why: the search measures a dynamic batch, and on a card the static graph ran faster
-        (lm350m at batch 16: 103.4 samples/s dynamic, 111.3 static in one plan on an H100;
-        the GPT example's compiled form measured 0.98x eager dynamic, and 1.09x static in
-        the plan before). Whether compiling pays is then judged on the static run. It is not
+        Why: the search measures a dynamic batch, and on a card the static graph ran at
+        another speed, faster or slower (lm350m at batch 16 on an H100: 103.4 samples/s
+        dynamic, 111.3 static; the GPT example's winner at 254: 19,888 dynamic, 17,317
+        static). Whether compiling pays is then judged on the static run. It is not
         counted in :attr:`CompileSearch.max_runs`: it is the pick's verification, made here
         (its steps are the verifying steps on a card, and the plan's verification reads it),
         not a run more."""
@@ -570,7 +571,7 @@ class Search:
             {b: (self.stage.held_bytes(r), r.step_ms) for b, r in v.runs.items()},
             v.eager,
             limit_bytes=self.stage.limit_bytes,
-            max_batch=self.stage.config.max_batch,
+            max_batch=cfg.max_batch,
             lowest_failure=failure,
             below_failure=self.stage.below_failure(v.choices, failure) if failure else None,
             # Only beside allocated peaks (the measured margin's): a reserved one has it.

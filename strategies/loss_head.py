@@ -127,9 +127,10 @@ def _on_check_device(spec: HeadLoss, workload: Workload) -> tuple[float, float]:
     """:func:`check_head_loss` on the sample batch, run where the numerics check runs its
     copies (a card where there is one, on a copy of the model; else in place).
 
-    Why: two forwards of lm350m on 2 rows of 1024 tokens took 5-6 s of a plan's screen on a
-    16-core CPU beside an H100 (18.6 s on 2 cores); on the card, after a copy of 1-2 s, they
-    are milliseconds. The user's model is not moved."""
+    Why: two forwards of lm350m on 2 rows of 1024 tokens took 2.9 s of a plan's screen on the
+    CPU of an H100 host (3.6 s in a fresh process on 16 cores, 18.6 s on 2); on the card,
+    copy included, 0.7 s (docs/design.md, "Five things the card showed (session 13)"). The
+    user's model is not moved."""
     import copy
 
     where = check_device()
