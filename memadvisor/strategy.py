@@ -162,6 +162,7 @@ class PickStage(ABC):
         like: Confirmed | None = None,
         max_runs: int | None = None,
         within: float = 0.0,
+        floor_from: dict[str, JsonValue] | None = None,
     ) -> Confirmed | None:
         """``choices`` at the largest batch the device allows, searched from ``start_batch``
         (the eager pick's confirmed batch is a good start); None when not even batch 1 fits.
@@ -178,6 +179,10 @@ class PickStage(ABC):
                 this fraction above the largest fit (each run of a compiled variant is a
                 compile; a batch 3% larger gains less than the 3% a compile must). 0: bisect
                 to the sample.
+            floor_from: other choices, the same step in another form (a compiled variant's
+                dynamic-batch form), whose runs bound the descent as ``choices``' own would:
+                a batch of them that fitted within the limit is where it stops. None: only
+                ``choices``' own runs.
         """
 
     @abstractmethod

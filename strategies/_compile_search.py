@@ -28,7 +28,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    from its predicted batch (a line through dynamic-batch runs needs only
    :data:`DYNAMIC_ALLOWANCE` of the bar to be confirmed). Then its static form, the one the
    plan hands on and the user runs, is run once at that batch (``Search.confirm_static``):
-   whether compiling pays is judged on that run, and it is the pick's verification.
+   whether compiling pays is judged on that run, and it is the pick's verification. Where
+   every run of the winner compiled afresh (:func:`compiles_every_run`: its dynamic batch
+   saved nothing), the confirmation itself runs the static form, its searched runs bounding
+   the descent, and no run follows it.
    With :attr:`CompileSearch.confirm_offered`, where the search form is not the offered one,
    the offered form (the whole model compiled) is confirmed from that batch too and the
    faster kept: off by default, as on a card that cost a cold whole-model compile per batch
@@ -445,18 +448,25 @@ class Search:
             return None
         return winner
 
-    def confirm(self, winner: Variant, hold_back: int) -> Confirmed | None:
+    def confirm(self, winner: Variant, hold_back: int, static: bool = False) -> Confirmed | None:
         """The winner's batch search from its predicted batch, ``hold_back`` runs kept for
-        later; None when nothing fitted (or its runs failed: ``winner.error``)."""
+        later; None when nothing fitted (or its runs failed: ``winner.error``). ``static``:
+        in its static form, the one handed on, its searched runs bounding the descent (where
+        every run of it compiles anyway: :func:`compiles_every_run`)."""
         assert winner.fit is not None
         start = winner.fit.largest_batch
-        self.stage.describe(f"compile: confirming {winner.label} from batch {start}")
+        choices = winner.choices
+        if static:
+            choices = {**choices, COMPILE: _static(winner.form)}
+        form = " in its static form" if static else ""
+        self.stage.describe(f"compile: confirming {winner.label}{form} from batch {start}")
         try:
             return self.stage.confirm(
-                winner.choices,
+                choices,
                 start,
                 max_runs=max(0, self.runs_left - hold_back),
                 within=MIN_SPEEDUP - 1.0,
+                floor_from=winner.choices if static else None,
             )
         except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
             if is_our_bug(e):
@@ -586,6 +596,15 @@ class Search:
             f"not run: the search's {self.settings.max_runs} device runs were spent "
             f"({reserve} held back for confirming the winner)"
         )
+
+
+def compiles_every_run(v: Variant) -> bool:
+    """Whether every run of ``v`` compiled its graphs afresh: inductor's caches would not
+    take them (on torch 2.11 CUDA, a graph with checkpointed blocks: docs/design.md, "A
+    dynamic batch while searching"). Its dynamic batch then saves no compile, and its static
+    form costs a confirmation run no more than its searched form does."""
+    counts = [m.compile_cache_bypasses for m in v.runs.values()]
+    return bool(counts) and all(c is not None and c > 0 for c in counts)
 
 
 def is_dynamic(form: JsonValue) -> bool:

@@ -53,6 +53,7 @@ class ProberStage(PickStage):
         like: AnyConfirmed | None = None,
         max_runs: int | None = None,
         within: float = 0.0,
+        floor_from: dict[str, JsonValue] | None = None,
     ) -> Confirmed | None:
         """``choices``' batch search from ``start_batch``, logged under this stage's name.
 
@@ -81,13 +82,19 @@ class ProberStage(PickStage):
         )
         self._prober.runs_left, self._prober.within = max_runs, within
         try:
-            return self._search(scored, like if like is not None else self._reference)
+            ref = like if like is not None else self._reference
+            return self._search(scored, ref, floor_from)
         except RunsSpent:
             return self._best_measured(scored)
         finally:
             self._prober.runs_left, self._prober.within = None, 0.0
 
-    def _search(self, scored: Scored, ref: AnyConfirmed | None) -> Confirmed | None:
+    def _search(
+        self,
+        scored: Scored,
+        ref: AnyConfirmed | None,
+        floor_from: dict[str, JsonValue] | None = None,
+    ) -> Confirmed | None:
         candidate = scored.candidate
         if (
             ref is not None
@@ -110,6 +117,9 @@ class ProberStage(PickStage):
                 )
         choices = scored.candidate.choices
         floor = self._known_fit(choices, *self._prober.measured_runs(choices))
+        if floor_from is not None:
+            other = self._known_fit(floor_from, *self._prober.measured_runs(floor_from))
+            floor = max(floor, other)
         return self._prober.confirm(scored, stage=self._name, floor=floor)
 
     def _known_fit(

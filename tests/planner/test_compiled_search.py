@@ -509,7 +509,7 @@ def test_a_winner_whose_confirmation_found_nothing_is_not_called_a_loss(
     confirmation found no batch, the plan stays eager and says so: the sentence names the
     confirmation, not "compiling did not pay" beside a prediction of twice eager's rate."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    monkeypatch.setattr(Search, "confirm", lambda self, winner, hold_back: None)
+    monkeypatch.setattr(Search, "confirm", lambda self, winner, hold_back, static=False: None)
     plan = _plan(workload, profile, strategies, device)
     stage = plan.stages[0]
     assert not stage.picked and plan.candidate == stage.eager_candidate
@@ -590,6 +590,42 @@ def test_whether_compiling_pays_is_judged_on_the_static_form_which_is_the_verifi
     assert plan.verified.samples_per_s >= 1.03 * stage.eager_samples_per_s
     assert "That is its static form" in stage.summary
     assert stage.details["search"]["static_runs"] == 1
+
+
+def test_a_winner_whose_every_run_compiles_is_confirmed_in_its_static_form(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where every run of the winner compiled afresh (the cache would not take its
+    checkpointed graphs: torch 2.11 on a card), its dynamic batch saves nothing, so its
+    confirmation runs the static form, the one handed on, from its predicted batch, its
+    searched runs bounding the descent; that confirmation's run is the pick's verification,
+    and no static run follows it (lm350m on an H100: a 15.8 s run at the batch the
+    confirmation had just run). The pick is the two-form plan's configuration."""
+    config = {"verify_steps": 2}  # a run takes the verifying steps, as on a card
+
+    def plan_on(uncached: bool):
+        device = linear_device(
+            EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0,
+            uncached_checkpointed=uncached,
+        )  # fmt: skip
+        return _plan(workload, profile, strategies, device, **config)
+
+    two_forms, direct = plan_on(False), plan_on(True)
+    stage = direct.stages[0]
+    assert stage.picked and _blocks(direct.candidate.choices) > 0, stage.summary
+    # The same configuration; its batch within the 3% the confirmation stops bisecting at
+    # (the margin's slope reads the static form's own runs).
+    assert direct.candidate.choices == two_forms.candidate.choices
+    assert abs(direct.candidate.batch_size / two_forms.candidate.batch_size - 1) <= 0.03
+    statics = [p for p in direct.probes if _static_form(p)]
+    assert statics and all(p.stage == "compile" for p in statics)
+    assert direct.candidate in [p.candidate for p in statics if p.fits]
+    confirm_from = len(direct.probes) - len(statics)
+    assert all(_static_form(p) for p in direct.probes[confirm_from:])  # the confirmation's
+    assert not [p for p in direct.probes if p.stage == "verify"]
+    assert stage.details["search"]["static_runs"] == 0
+    assert "That is its static form" not in stage.summary
+    assert len(direct.probes) < len(two_forms.probes)
 
 
 def _concurrent(device, runs_at_once: int, record, compiled_only: bool = True) -> list[list[int]]:
