@@ -84,3 +84,21 @@ def test_outside_a_terminal_a_step_reported_as_it_begins_and_ends_is_one_line() 
     steps = [line for line in out.getvalue().splitlines() if "step," in line]
     assert len(steps) == 2, steps
     assert steps[0].endswith("warm-up step, fp32, batch 16 (0/2)")
+
+
+def test_each_checked_strategys_screen_logs_its_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    """Rule: the screening stage logs at DEBUG how long each checked strategy's screen took,
+    by its name (a card plan's screen of 33 s was placed only once its parts were timed)."""
+    from memadvisor.planner._plan import _screened
+    from memadvisor.schema.config import PlanConfig
+    from strategies.loss_head import LossHead
+    from tests.planner.conftest import FakePrecision, make_profile, tiny_workload
+
+    with caplog.at_level(logging.DEBUG, logger="memadvisor"):
+        checks = _screened(
+            [FakePrecision(), LossHead()], tiny_workload(), make_profile(),
+            PlanConfig(budget_bytes=2**30),
+        )  # fmt: skip
+    assert checks == []  # the tiny model's loss is not a head's: nothing to offer or say
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("screening: ")]
+    assert len(said) == 1 and said[0].startswith("screening: loss_head took ")
