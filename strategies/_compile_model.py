@@ -26,6 +26,9 @@ Known limitations:
     * One run: a fixed workspace the compiled step holds (inductor's, a CUDA graph pool)
       reads as per-sample bytes, so the line is steeper than the step's and the predicted
       batch smaller than it could be (safe, not best); the second run corrects it.
+    * The largest allocation that bounds a prediction at the cap (``cap_bytes``) is eager's
+      estimate: a whole-model compile that fuses that tensor away (a loss's logits) is then
+      predicted short of its edge, and its confirmation's upward search finds the rest.
 """
 
 from __future__ import annotations
