@@ -113,6 +113,15 @@ def _hf_head_loss(model: nn.Module, batch: Any) -> HeadLoss | str:
         return f"the model computes its own loss and is not a {version} PreTrainedModel"
     if getattr(model, "loss_function", None) is not causal_lm_loss:
         return f"{type(model).__name__}'s loss is not {version}'s ForCausalLMLoss"
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        # Its loss_function is the causal default, but its forward computes its own loss
+        # (T5: cross-entropy on unshifted labels) and builds its decoder's inputs from the
+        # labels: without them it does not run (the check said only "You must specify exactly
+        # one of input_ids or inputs_embeds", t5_base on a card and here).
+        return (
+            f"{type(model).__name__} is an encoder-decoder: its loss is its own, on labels "
+            "that also feed its decoder, not the causal-LM loss the chunked head computes"
+        )
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         return (

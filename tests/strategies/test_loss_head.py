@@ -197,6 +197,31 @@ def test_a_hugging_face_causal_lm_trains_with_its_own_loss(build) -> None:
     assert _train(chunked, workload.sample_batch) == pytest.approx(want, rel=1e-5), VERSION
 
 
+def test_an_encoder_decoder_is_not_offered_and_the_plan_says_why() -> None:
+    """Rule: a Hugging Face encoder-decoder (T5) is not taken for a causal LM, though its
+    loss_function is transformers' causal default: its forward computes its own loss on
+    unshifted labels and feeds them to its decoder. The screen refuses it before running it,
+    and says so (it used to run the model without labels and report T5's "You must specify
+    exactly one of input_ids or inputs_embeds")."""
+    from strategies._head_loss import find_head_loss
+
+    built = zoo.t5()
+    workload = build_workload(built.model, built.sample_batch)
+    why = find_head_loss(
+        workload.model, workload.loss_fn, workload.sample_batch, workload.forward_fn
+    )
+    assert isinstance(why, str) and "is an encoder-decoder" in why, (VERSION, why)
+    profile = profile_workload(workload, device="cpu", precisions=["fp32"])
+    calls: list[int] = []
+    handle = workload.model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        checks = LossHead().screen(workload, profile, CONFIG)
+    finally:
+        handle.remove()
+    assert calls == []  # refused on what it is, before running it
+    assert all(not c.passed and "encoder-decoder" in c.summary for c in checks), checks
+
+
 def test_a_hugging_face_model_is_offered_and_its_plan_file_step_rewritten() -> None:
     """A tiny Llama computing its own loss: screened with a passed check; the step of a
     plan file (its call form, no loss_fn: the model's own) is rewritten and gives the
