@@ -161,7 +161,7 @@ def fit_step(
         largest = max(0, min(largest, below_failure))
     cap_batch = None
     spare = eager.largest_allocation
-    if cap_bytes is not None and spare is not None and spare.at(max(1, largest)) > 0:
+    if cap_bytes is not None and spare is not None:
         with_block = Line(memory.fixed + spare.fixed, memory.per_sample + spare.per_sample)
         capped = predicted(with_block, cap_bytes, max_batch, lowest_failure)
         if capped < largest:

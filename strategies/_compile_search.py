@@ -506,20 +506,19 @@ class Search:
         counted in :attr:`CompileSearch.max_runs`: it is the pick's verification, made here
         (its steps are the verifying steps on a card, and the plan's verification reads it),
         not a run more."""
-        batch = found.candidate.batch_size
-        choices = {**found.candidate.choices, COMPILE: _static(winner.form)}
+        static = handed_on(found)
+        batch = static.candidate.batch_size
         self.stage.describe(f"compile: the static form at batch {batch} ({winner.label})")
         self.static_runs += 1
         try:
-            m = self.stage.run(choices, batch)
+            m = self.stage.run(static.candidate.choices, batch)
         except Exception as e:  # noqa: BLE001 - a failing static form keeps the searched pick
             if is_our_bug(e):
                 raise
             return None, first_line(e)
         if m is None:
             return None, f"it ran out of memory at batch {batch}"
-        candidate = found.candidate.model_copy(update={"choices": choices})
-        return dataclasses.replace(found, candidate=candidate, measured=m), ""
+        return dataclasses.replace(static, measured=m), ""
 
     def _run_in_groups(
         self, runs: list[tuple[Variant, int]], ask: _Asked, reserve: int, free: int = 0
@@ -605,6 +604,19 @@ def compiles_every_run(v: Variant) -> bool:
     form costs a confirmation run no more than its searched form does."""
     counts = [m.compile_cache_bypasses for m in v.runs.values()]
     return bool(counts) and all(c is not None and c > 0 for c in counts)
+
+
+def handed_on(found: Confirmed) -> Confirmed:
+    """``found`` with its compile choice static: the form the plan verifies and the user
+    runs (the search measures a dynamic batch, one graph for every batch it tries); itself
+    where its form is static already."""
+    form = found.candidate.choices[COMPILE]
+    if not is_dynamic(form):
+        return found
+    choices = {**found.candidate.choices, COMPILE: _static(form)}
+    return dataclasses.replace(
+        found, candidate=found.candidate.model_copy(update={"choices": choices})
+    )
 
 
 def is_dynamic(form: JsonValue) -> bool:

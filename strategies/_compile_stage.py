@@ -77,6 +77,7 @@ from strategies._compile_search import (
     Variant,
     compiles_every_run,
     first_line,
+    handed_on,
     is_dynamic,
     search_variants,
 )
@@ -272,7 +273,7 @@ def compiled_pick(
         notes.append(cache_report.note)
     if not picked or best is None:
         return Refinement(pick=eager_best, outcome=outcome, notes=notes)
-    pick = _handed_on(best[1])
+    pick = handed_on(best[1])
     _record_gain(strategy, pick, eager_best)
     return Refinement(pick=pick, outcome=outcome, notes=notes)
 
@@ -288,19 +289,6 @@ def _static_words(found: Confirmed, searched: Confirmed | None, why: str) -> str
     return (
         f"That is its static form, which the plan hands on and you run; searched with a "
         f"dynamic batch it ran {dynamic:.1f} samples/s at that batch ({rate / dynamic:.2f}x)."
-    )
-
-
-def _handed_on(found: Confirmed) -> Confirmed:
-    """``found`` with its compile choice static: the form the plan verifies and the user
-    runs. The search measured a dynamic batch (one graph for every batch it tried); the
-    verification compiles the static graph and measures it from a clean state."""
-    parsed = _parse(found.candidate.choices[COMPILE])
-    if parsed is None or not parsed.dynamic_batch:
-        return found
-    choices = {**found.candidate.choices, COMPILE: parsed.static().to_json()}
-    return dataclasses.replace(
-        found, candidate=found.candidate.model_copy(update={"choices": choices})
     )
 
 
