@@ -84,7 +84,6 @@ class Gate:
     def __init__(self, path: str) -> None:
         import fcntl
 
-        self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         _lock(self.fd, fcntl.LOCK_EX, _GATE)
 
