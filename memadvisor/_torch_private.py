@@ -248,6 +248,40 @@ def record_memory_history(enabled: bool, *, max_entries: int = 100_000) -> None:
         record(enabled=None)
 
 
+def set_allocator_settings(settings: str) -> None:
+    """Set the caching allocator's settings for this process, as ``PYTORCH_CUDA_ALLOC_CONF``
+    spells them (``"expandable_segments:True"``), also after CUDA started: new segments
+    follow them, reserved ones stay as they are.
+
+    Wraps ``torch._C._accelerator_setAllocatorSettings`` (torch 2.9 and later; before it,
+    ``torch.cuda.memory._set_allocator_settings``, which now warns and calls it).
+
+    Raises:
+        ImportError: this torch has neither call.
+    """
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:  # pragma: no cover - moved in a future torch
+        raise _gone("torch._C._accelerator_setAllocatorSettings", AttributeError(settings))
+    setter(settings)
+
+
+def allocator_settings() -> str:
+    """The caching allocator's settings as this process last set them ('' where none was:
+    torch's defaults, or only the environment's variable, which this does not read back).
+
+    Wraps ``torch._C._accelerator_getAllocatorSettings``.
+
+    Raises:
+        ImportError: this torch has no such call.
+    """
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is None:  # pragma: no cover - moved in a future torch
+        raise _gone("torch._C._accelerator_getAllocatorSettings", AttributeError("get"))
+    return str(getter())
+
+
 def memory_snapshot() -> dict:
     """The CUDA allocator's snapshot: segments, blocks and the recorded history.
 

@@ -60,10 +60,14 @@ def apply_plan(
     All or nothing: the model is checked against the plan (its fingerprint: class,
     parameter names and shapes) and every choice against the model before anything changes.
 
-    One choice reaches beyond the model: a plan that picked ``tf32`` switches fp32 matmuls to
+    Two choices reach beyond the model: a plan that picked ``tf32`` switches fp32 matmuls to
     TF32 for the whole process (``torch.set_float32_matmul_precision("high")``, a
     process-wide setting, not the model's); ``torch.set_float32_matmul_precision("highest")``
-    switches it off.
+    switches it off. The other is a card plan's allocator (``"allocator":
+    "expandable_segments"``): it sets the CUDA caching allocator's expandable segments for
+    the process, as the plan's runs had them (``PYTORCH_CUDA_ALLOC_CONF`` set to
+    ``expandable_segments:True``; new segments only). A ``PYTORCH_CUDA_ALLOC_CONF`` of yours
+    that names ``expandable_segments`` is kept.
 
     Raises:
         BadInputError: ``plan`` is neither a Plan nor a path to one, the file is not a plan

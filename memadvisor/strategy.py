@@ -20,8 +20,9 @@ Everything else is opt-in, by subclassing a protocol; the planner asks ``isinsta
 * :class:`Checked`: measure a choice on copies of the user's workload (precision's numerics).
 * :class:`Measured`: choices the estimate cannot predict, measured in ``refine`` after the
   eager pick, on its variants and those of other eager combinations the search space holds
-  (torch.compile searches the checkpointed set under compile), with a ``plan_scope`` the
-  probe processes inherit.
+  (torch.compile searches the checkpointed set under compile).
+* :class:`Scoped`: an environment the whole plan runs in, which the probe processes inherit
+  (compile's inductor cache, the allocator's setting); every Measured strategy may have one.
 * :class:`Recorded`: record the planner's pick for the advice (the batch).
 * :class:`HandTried`: the choice a person would try first, for the report's comparison rows.
 * :class:`TimedEachChoice`, :class:`TimedAlternatives`: markers asking the planner to time
@@ -80,6 +81,7 @@ __all__ = [
     "PickStage",
     "Recorded",
     "Refinement",
+    "Scoped",
     "Strategy",
     "TimedAlternatives",
     "TimedEachChoice",
@@ -387,7 +389,20 @@ class Checked(ABC):  # noqa: B024 - a protocol of two optional methods
         return []
 
 
-class Measured(ABC):
+class Scoped(ABC):  # noqa: B024 - the one method has a default
+    """Opt-in: the whole plan runs inside an environment of this strategy's
+    (:meth:`plan_scope`): compile's one inductor cache, the allocator's expandable segments."""
+
+    def plan_scope(
+        self, config: PlanConfig, device: DeviceCapabilities
+    ) -> contextlib.AbstractContextManager | None:
+        """An environment the whole plan runs in, entered before the device starts its
+        processes so that they inherit it (compile: one inductor cache for every probe);
+        None: nothing. Exited when the plan ends, whatever happens."""
+        return None
+
+
+class Measured(Scoped):
     """Opt-in: the eager profile does not predict this strategy's choices (torch.compile).
 
     Its ``effect()`` leaves the estimate as eager, so the planner never ranks a non-neutral
@@ -401,14 +416,6 @@ class Measured(ABC):
         ``stage.score``) through ``stage`` and return the pick to verify; None: keep
         ``eager``. Called after the device has chosen the eager pick and before verification,
         once per measured strategy in registration order."""
-
-    def plan_scope(
-        self, config: PlanConfig, device: DeviceCapabilities
-    ) -> contextlib.AbstractContextManager | None:
-        """An environment the whole plan runs in, entered before the device starts its
-        processes so that they inherit it (compile: one inductor cache for every probe);
-        None: nothing. Exited when the plan ends, whatever happens."""
-        return None
 
 
 class Recorded(ABC):
@@ -507,7 +514,7 @@ _PROTOCOL_OF: dict[str, type] = {
     "screen": Checked,
     "screens_fake_tensors": Checked,
     "refine": Measured,
-    "plan_scope": Measured,
+    "plan_scope": Scoped,
     "record": Recorded,
     "by_hand": HandTried,
     "describe": Described,

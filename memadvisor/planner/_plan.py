@@ -64,7 +64,7 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.device import DeviceCapabilities
 from memadvisor.schema.plan import ModelFingerprint, Plan, Row, StageOutcome
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Checked, Measured, Strategy, load_strategies
+from memadvisor.strategy import Checked, Scoped, Strategy, load_strategies
 from memadvisor.workload import Workload
 
 __all__ = ["measure_configuration", "plan_workload"]
@@ -154,9 +154,10 @@ def plan_workload(
                 list(strategies) if strategies is not None else load_strategies(config.strategies)
             )
             # What a strategy sets up for the whole plan, before the device starts processes
-            # that inherit it (compile: one inductor cache that every probe compiles into).
+            # that inherit it (compile: one inductor cache that every probe compiles into;
+            # the allocator: expandable segments).
             for s in chosen:
-                if not isinstance(s, Measured):
+                if not isinstance(s, Scoped):
                     continue
                 plan_scope = s.plan_scope(config, caps)
                 if plan_scope is not None:
