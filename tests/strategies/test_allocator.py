@@ -158,32 +158,38 @@ def test_a_plan_on_cuda_runs_every_probe_under_expandable_segments_and_advises_t
 
 
 _ON_THE_CARD = """
+import sys
 import torch
 from memadvisor import _torch_private
 from memadvisor.step import Step
 from strategies.allocator import Allocator
 
-weights = torch.empty(1 << 20, device="cuda")  # before apply_plan, as a model moved there
+before = None
+if sys.argv[1] == "started":  # CUDA in use before apply_plan, as a model moved there
+    before = torch.empty(1 << 20, device="cuda")
 Allocator().apply(Step.__new__(Step), "expandable_segments")
-after = torch.empty(1 << 22, device="cuda")
+# 64 MiB: more than a 20 MiB segment opened for a 4 MiB tensor has left: a segment of its own.
+after = torch.empty(1 << 24, device="cuda")
 kinds = {}
 for seg in _torch_private.memory_snapshot()["segments"]:
     for block in seg["blocks"]:
         if block["state"] == "active_allocated":
             kinds[block["address"]] = bool(seg.get("is_expandable"))
-print(kinds.get(weights.data_ptr()), kinds.get(after.data_ptr()))
+print(before is not None and kinds.get(before.data_ptr()), kinds.get(after.data_ptr()))
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda", ["started", "not started"])
 def test_on_a_card_apply_puts_new_allocations_in_expandable_segments_and_leaves_old_ones(
-    clean_env,
+    clean_env, cuda
 ):
-    """In a fresh process (the setting is process-wide): a tensor allocated before the
-    rewrite stays in its segment, one allocated after lands in an expandable segment."""
+    """In a fresh process (the setting is process-wide), CUDA already in use or not: a
+    tensor allocated before the rewrite stays in its segment, one allocated after lands in
+    an expandable segment."""
     out = subprocess.run(
-        [sys.executable, "-c", _ON_THE_CARD], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _ON_THE_CARD, cuda], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
