@@ -141,7 +141,11 @@ def fit_step(
             line says is allocated. The GPT example's compiled form on a card held 6.91 GB
             allocated and 8.45 GB reserved at batch 250 under 8 GiB; its line put the edge at
             294-302, and 255-302 all ran out trying to allocate its 1.5 GiB logits
-            (docs/design.md, "Five things the card showed (session 13)").
+            (docs/design.md, "Five things the card showed (session 13)"). The cap never
+            predicts below a batch of ``runs`` whose held bytes stayed within
+            ``limit_bytes``: under expandable segments the same form fitted at 302 and the
+            cap said 252, and the search dropped compile on that (docs/design.md, "The
+            allocator is part of the plan").
     """
     if not runs:
         return None
@@ -164,6 +168,10 @@ def fit_step(
     if cap_bytes is not None and spare is not None:
         with_block = Line(memory.fixed + spare.fixed, memory.per_sample + spare.per_sample)
         capped = predicted(with_block, cap_bytes, max_batch, lowest_failure)
+        # A batch of these runs that fitted within the limit is measured: the bound, a
+        # prediction, never goes below it.
+        held_fit = max((b for b, (held, _) in points if held <= limit_bytes), default=0)
+        capped = max(capped, held_fit)
         if capped < largest:
             cap_batch = largest = capped
     return StepFit(

@@ -467,6 +467,8 @@ class Search:
                 max_runs=max(0, self.runs_left - hold_back),
                 within=MIN_SPEEDUP - 1.0,
                 floor_from=winner.choices if static else None,
+                # A line capped by the largest allocation: nothing above the cap is tried.
+                ceiling=winner.fit.cap_batch,
             )
         except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
             if is_our_bug(e):

@@ -79,6 +79,7 @@ def find_batch(
     descend: bool = False,
     floor: int = 0,
     within: float = 0.0,
+    ceiling: int | None = None,
 ) -> BatchSearch:
     """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
 
@@ -113,6 +114,11 @@ def find_batch(
             (of the largest fit) above that fit: a bench's search for the largest batch
             that holds needs no run to gain the last percent (each run of a compiled hand
             cell compiles afresh). 0, the planner's: bisect to the sample.
+        ceiling: no upward probe above this batch (None: none): where a bound the search
+            trusts more than the extrapolation says the edge is (a compiled line capped by
+            its largest allocation: gpt's confirmation on a card ran 317, 306 and 279 above
+            such a cap at 252, all out of memory). An upward probe within ``within`` of the
+            largest fit is not made.
 
     Returns:
         The search; ``batch == 0`` when not even batch 1 fits.
@@ -149,6 +155,10 @@ def find_batch(
             if guess is None and attempt > 0:
                 break  # only the first step may fall back to the bracket's top
             top = upper if guess is None else min(guess, max_batch)
+            if ceiling is not None:
+                top = min(top, ceiling)
+                if top - lo <= within * lo:
+                    break  # the ceiling is close enough: the largest fit stands
             if top <= lo:
                 break
             if not run(top):

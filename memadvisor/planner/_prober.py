@@ -115,6 +115,8 @@ class Prober:
         # How near the largest fit a measured stage's descent stops (find_batch's ``within``;
         # ProberStage.confirm's): 0 bisects to the sample.
         self.within = 0.0
+        # No upward probe above it (find_batch's ``ceiling``; PickStage.confirm sets it).
+        self.ceiling: int | None = None
         # What a measured stage is doing, said before each run's batch on the progress line
         # ("compiling candidate 2/4 (...)"); '' says the stage's name.
         self.doing = ""
@@ -308,6 +310,7 @@ class Prober:
             descend=cfg.measured_margin,
             floor=floor,
             within=self.within,
+            ceiling=self.ceiling,
         )
         return found, measured
 

@@ -54,6 +54,7 @@ class ProberStage(PickStage):
         max_runs: int | None = None,
         within: float = 0.0,
         floor_from: dict[str, JsonValue] | None = None,
+        ceiling: int | None = None,
     ) -> Confirmed | None:
         """``choices``' batch search from ``start_batch``, logged under this stage's name.
 
@@ -71,6 +72,7 @@ class ProberStage(PickStage):
 
         With ``max_runs``, a search that would run more answers from the runs made so far:
         the largest batch of ``choices`` that fitted within the limit, below every failure.
+        ``within`` and ``ceiling`` are :func:`~memadvisor.planner._probe.find_batch`'s.
         """
         space = self._prober.space
         candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
@@ -81,6 +83,7 @@ class ProberStage(PickStage):
             active=len(choices),
         )
         self._prober.runs_left, self._prober.within = max_runs, within
+        self._prober.ceiling = ceiling
         try:
             ref = like if like is not None else self._reference
             return self._search(scored, ref, floor_from)
@@ -88,6 +91,7 @@ class ProberStage(PickStage):
             return self._best_measured(scored)
         finally:
             self._prober.runs_left, self._prober.within = None, 0.0
+            self._prober.ceiling = None
 
     def _search(
         self,

@@ -393,6 +393,29 @@ def test_a_compiled_confirmation_stops_bisecting_within_the_gain_a_compile_must_
     assert known <= loose <= sample <= 1.03 * loose + 1
 
 
+def test_a_confirmation_given_a_ceiling_probes_nothing_above_it(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Rule: a confirmation with a ``ceiling`` (the compile search passes a capped line's
+    batch) makes no run above it, and none at all where the ceiling is within ``within`` of
+    the batch it starts from, known to fit. (The GPT example's capped confirmation on a card
+    ran 317, 306 and 279 above its cap at 252, all out of memory, 18 s.) Without one, the
+    same search probes above."""
+    tried_by = {}
+    for ceiling in (None, "start"):
+        device, prober, stage, edge, _ = _bf16_stage(
+            workload, profile, strategies, linear_device, mib_per_sample=2.0
+        )
+        start = int(0.9 * edge)
+        assert stage.run(BF16, start) is not None
+        found = stage.confirm(BF16, start, within=0.03, ceiling=start + 2 if ceiling else None)
+        assert found is not None and found.candidate.batch_size >= start
+        tried_by[ceiling] = [p.batch_size for p in prober.probes[1:]]
+        assert prober.ceiling is None  # the setting ends with the search
+    assert tried_by["start"] == [], tried_by
+    assert any(b > start + 2 for b in tried_by[None]), tried_by
+
+
 def test_a_confirmation_never_descends_below_a_batch_that_fitted(
     workload, profile, strategies, linear_device
 ) -> None:

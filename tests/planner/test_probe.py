@@ -294,3 +294,21 @@ def test_runs_asked_together_are_answered_in_order_and_kept_as_one_at_a_time(
     with pytest.raises(RunsSpent):
         prober.run_many([Candidate(batch_size=b, choices=fp32) for b in (3, 5)], 2, "compile")
     assert len(calls) == 2 and prober.runs_left == 1
+
+
+def test_no_upward_probe_passes_the_ceiling():
+    """Rule: with a ceiling, the extrapolated probe is taken at most there; a ceiling within
+    ``within`` of the largest fit ends the search on that fit without a run."""
+    tried: list[int] = []
+
+    def fits(b: int) -> bool:
+        tried.append(b)
+        return b <= 300
+
+    found = find_batch(fits, 250, 400, 0.05, 10_000, extrapolate=lambda b: 317, ceiling=270)
+    assert max(tried) == 270 and found.batch >= 250
+    tried.clear()
+    found = find_batch(
+        fits, 252, 400, 0.05, 10_000, extrapolate=lambda b: 317, ceiling=255, within=0.03
+    )
+    assert tried == [252] and found.batch == 252

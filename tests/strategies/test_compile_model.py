@@ -144,6 +144,22 @@ def test_no_batch_is_predicted_where_the_line_and_the_largest_allocation_pass_th
     assert fit_step(runs, logits, limit_bytes=LIMIT, max_batch=1000).largest_batch == 121
 
 
+def test_the_cap_never_predicts_below_a_batch_the_runs_held_within_the_limit() -> None:
+    """Rule: a run that fitted with its held bytes within the limit is measured; the
+    largest-allocation bound, a prediction, stops at it and not below. (The GPT example's
+    compiled form under expandable segments on a card: it fitted at 302, the cap said 252,
+    and the search dropped compile on the lower rate.) A run held beyond the limit is no
+    such floor."""
+    cap = 100 * MIB
+    logits = EagerLines(bytes=EAGER.bytes, ms=EAGER.ms, largest_allocation=Line(0.0, 0.3 * MIB))
+    runs = {b: _run(b, 12 * MIB, 0.7 * MIB, 1.5, 0.06) for b in (10, 100)}  # 100 held 82 MiB
+    fit = fit_step(runs, logits, limit_bytes=LIMIT, max_batch=1000, cap_bytes=cap)
+    assert fit is not None and fit.largest_batch == 100 and fit.cap_batch == 100
+    beyond = {b: _run(b, 12 * MIB, 0.7 * MIB, 1.5, 0.06) for b in (10, 125)}  # 99.5 MiB
+    over = fit_step(beyond, logits, limit_bytes=LIMIT, max_batch=1000, cap_bytes=cap)
+    assert over is not None and over.largest_batch == 88  # the cap's, as without the run
+
+
 def test_the_fit_note_says_when_the_largest_allocation_bounds_the_batch() -> None:
     """Rule: the plan's sentence on the pick's compiled memory says where the largest
     allocation, not the line alone, set its largest batch."""
