@@ -123,8 +123,15 @@ class Allocator(Strategy, Described, Recorded, Scoped):
         return False
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
-        """Nothing in the answer's rows: the advice says it (and apply_plan sets it)."""
-        return None
+        """An answer row: the plan's numbers hold under this allocator, so the answer says it
+        beside the precision and the batch (None where the plan recorded none)."""
+        if _check_choice(choice) is None:
+            return None
+        return ReportPart(
+            label="Allocator",
+            words=f"expandable segments (PYTORCH_CUDA_ALLOC_CONF={SETTING}; apply_plan sets it)",
+            brief="expandable segments",
+        )
 
     def effect(self, profile: Profile, choice: JsonValue, model: StepModel) -> None:
         """Nothing: the estimate prices allocated bytes, which the setting does not change."""

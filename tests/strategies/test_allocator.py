@@ -154,6 +154,9 @@ def test_a_plan_on_cuda_runs_every_probe_under_expandable_segments_and_advises_t
     assert plan.candidate.choices.get("allocator") == EXPANDABLE
     advice = [a for a in plan.advice if a.strategy == "allocator"]
     assert advice and SETTING in advice[0].snippet
+    part = Allocator().describe(EXPANDABLE, plan)
+    assert part is not None and part.label == "Allocator" and SETTING in part.words
+    assert Allocator().describe(None, plan) is None
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
