@@ -137,6 +137,10 @@ class Allocator(Strategy, Described, Recorded, Scoped):
         """Nothing: the estimate prices allocated bytes, which the setting does not change."""
         _check_choice(choice)
 
+    def validate(self, step: Step, choice: JsonValue) -> None:
+        """Refuses a choice other than the allocator's before any strategy applies."""
+        _check_choice(choice)
+
     def apply(self, step: Step, choice: JsonValue) -> Step:
         """Sets expandable segments for this process's CUDA allocator where the plan ran
         under them (a process-wide setting: see the module's Known limitations); returns

@@ -120,6 +120,8 @@ def test_applying_it_leaves_a_users_own_setting_alone(clean_env, allocator_resto
 
 def test_a_choice_that_is_not_the_allocators_is_refused_with_what_it_takes():
     with pytest.raises(BadInputError, match="expandable_segments.*but got choice='huge'"):
+        Allocator().validate(Step.__new__(Step), "huge")  # before any strategy applies
+    with pytest.raises(BadInputError, match="expandable_segments.*but got choice='huge'"):
         Allocator().apply(Step.__new__(Step), "huge")
 
 
