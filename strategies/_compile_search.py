@@ -467,8 +467,7 @@ class Search:
                 max_runs=max(0, self.runs_left - hold_back),
                 within=MIN_SPEEDUP - 1.0,
                 floor_from=winner.choices if static else None,
-                # A line capped by the largest allocation: nothing above the cap is tried.
-                ceiling=winner.fit.cap_batch,
+                ceiling=confirm_ceiling(winner),
             )
         except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
             if is_our_bug(e):
@@ -597,6 +596,21 @@ class Search:
             f"not run: the search's {self.settings.max_runs} device runs were spent "
             f"({reserve} held back for confirming the winner)"
         )
+
+
+def confirm_ceiling(v: Variant) -> int | None:
+    """The batch above which ``v``'s confirmation makes no run (find_batch's ``ceiling``):
+    where its line was capped by the largest allocation, the cap's batch or the largest batch
+    of ``v`` that ran, whichever is larger; None (no ceiling) where it was not capped.
+
+    Why: the confirmation extrapolates from the measured peak, which does not know the block
+    the allocator must find free, so above a capped line it runs where the cap said the step
+    runs out (the GPT example on a card confirmed from its cap at 252 and ran 317, 306 and
+    279, all out of memory, 18 s of compiled runs). A batch of ``v`` that ran found that block
+    free, so batches up to it are worth a run (its pass-2 runs had fitted at 252 and 256)."""
+    if v.fit is None or v.fit.cap_batch is None:
+        return None
+    return max(v.fit.cap_batch, max(v.runs, default=0))
 
 
 def compiles_every_run(v: Variant) -> bool:

@@ -10,6 +10,7 @@ pay.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -25,6 +26,7 @@ from memadvisor.planner._stage import ProberStage
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import Plan
+from strategies._compile_model import Line
 from strategies._compile_search import CONFIRM_RUNS, Search, search_variants
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
 
@@ -414,6 +416,40 @@ def test_a_confirmation_given_a_ceiling_probes_nothing_above_it(
         assert prober.ceiling is None  # the setting ends with the search
     assert tried_by["start"] == [], tried_by
     assert any(b > start + 2 for b in tried_by[None]), tried_by
+
+
+def test_a_capped_winners_confirmation_probes_nothing_above_its_cap_or_its_largest_run(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Rule: where the winner's line was capped by the largest allocation, the compile search
+    gives its confirmation a ceiling: the cap's batch or the largest batch of the winner that
+    ran, whichever is larger (that run found the block free). The extrapolation from the
+    measured peak, which does not know the block, makes no run above it (the GPT example's
+    confirmation on a card from its cap at 252 ran 317, 306 and 279, all out of memory, 18 s;
+    its pass-2 runs had fitted at 252 and 256). Between the cap and a larger run the
+    confirmation still searches: here the winner's run one under the device's edge held more
+    than the pick's limit, and the confirmation finds a batch above the cap below it."""
+    device, space, prober, stage = _stage(workload, profile, strategies, linear_device)
+    eager = prober.confirm(space.score_choices(BF16))
+    settings = CompileSearch()
+    variants, _ = search_variants(stage, eager, ["default"], settings, lambda c, b: 0.5)
+    v, search = variants[0], Search(stage, settings, eager)
+    compiled_edge = device.edge(Candidate(batch_size=1, choices=v.choices))
+    _, per_sample = device.line(Candidate(batch_size=1, choices=v.choices))
+    # The step's largest allocation, a sample's worth of it as large as the line's own: the
+    # cap falls near half the edge.
+    v.eager = dataclasses.replace(v.eager, largest_allocation=Line(0.0, per_sample))
+    ran = compiled_edge - 1  # fits on the device, held past the pick's limit (3% headroom)
+    for b in (compiled_edge // 4, ran):
+        assert search._run(v, b, 1, 1)
+    assert stage.held_bytes(v.runs[ran]) > stage.limit_bytes
+    assert v.fit is not None and v.fit.cap_batch is not None and v.fit.cap_batch < ran - 10
+    cap = v.fit.cap_batch
+    before = len(prober.probes)
+    found = search.confirm(v, 0)
+    tried = [p.batch_size for p in prober.probes[before:]]
+    assert all(b <= ran for b in tried), (cap, ran, tried)
+    assert found is not None and cap < found.candidate.batch_size <= ran, (cap, ran, tried)
 
 
 def test_a_confirmation_never_descends_below_a_batch_that_fitted(
