@@ -165,6 +165,7 @@ class PickStage(ABC):
         max_runs: int | None = None,
         within: float = 0.0,
         floor_from: dict[str, JsonValue] | None = None,
+        ceiling: int | None = None,
     ) -> Confirmed | None:
         """``choices`` at the largest batch the device allows, searched from ``start_batch``
         (the eager pick's confirmed batch is a good start); None when not even batch 1 fits.
@@ -185,6 +186,9 @@ class PickStage(ABC):
                 dynamic-batch form), whose runs bound the descent as ``choices``' own would:
                 a batch of them that fitted within the limit is where it stops. None: only
                 ``choices``' own runs.
+            ceiling: no upward probe above this batch (a compiled line capped by its largest
+                allocation: gpt's confirmation on a card ran 317, 306 and 279 above its cap
+                at 252, all out of memory). None: the extrapolation decides.
         """
 
     @abstractmethod

@@ -155,7 +155,7 @@ class Allocator(Strategy, Described, Recorded, Scoped):
         """On CUDA, the whole plan under expandable segments (every probe process inherits
         the variable), unless ``options`` ``allocator="off"`` or the user's environment
         already names the setting."""
-        if device.kind != "cuda" or config.option(self.name, "auto") in _OFF:
+        if device.tensor_device != "cuda" or config.option(self.name, "auto") in _OFF:
             return None
         if users_setting() is not None:
             return None

@@ -126,9 +126,10 @@ def test_a_choice_that_is_not_the_allocators_is_refused_with_what_it_takes():
 
 
 class _CudaLike(FakeDevice):
-    """The planner's fake card, reporting kind 'cuda'; records the variable each run saw."""
+    """The planner's fake card, whose tensors it says are CUDA's; records the variable each
+    run saw."""
 
-    capabilities = FakeDevice.capabilities.model_copy(update={"kind": "cuda"})
+    capabilities = FakeDevice.capabilities.model_copy(update={"tensor_device": "cuda"})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
