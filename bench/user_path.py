@@ -70,6 +70,8 @@ import _hand_grid as grid  # bench/, first on sys.path when run as a script
 from _cache import add_cache_flags, cold_cache
 from _targets import ISSUE_27, TARGETS, missing
 
+from memadvisor.process_state import environ_set
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 GIB = 2**30
@@ -412,6 +414,32 @@ def bench_one(name: str, args: argparse.Namespace, clock: Clock) -> dict[str, An
     plan = _plan(name, args, row)
     row |= _pick_fields(plan, args)
     row |= _loops(name, plan, args, clock)
+    # The cells run under the allocator the plan ran under: a pick measured under expandable
+    # segments against cells under the default allocator would compare allocators, not
+    # configurations (docs/design.md, "The allocator is part of the plan").
+    cells_env = _cells_allocator(plan)
+    row["hand_alloc_conf"] = next(iter(cells_env.values()), None) or _alloc_conf()
+    with environ_set(cells_env):
+        _cells(row, plan, name, args, clock)
+    return grid.derive(row)
+
+
+def _alloc_conf() -> str | None:
+    """The allocator settings this process's environment gives processes it starts."""
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+
+
+def _cells_allocator(plan: Any) -> dict[str, str]:
+    """The variable that puts the hand cells under the plan's allocator ({}: as they are)."""
+    from strategies.allocator import EXPANDABLE, planned_environment, users_setting
+
+    if plan.candidate.choices.get("allocator") != EXPANDABLE or users_setting() is not None:
+        return {}
+    return planned_environment()
+
+
+def _cells(row: dict[str, Any], plan: Any, name: str, args: Any, clock: Clock) -> None:
+    """The hand grid, the pick again and its largest holding batch, in ``row``."""
     device = _device(args.device, round(args.budget_gib * GIB), name, plan.profile)
     try:
         row["hand_grid"] = _grid(plan, name, args, device, clock)
@@ -425,7 +453,6 @@ def bench_one(name: str, args: argparse.Namespace, clock: Clock) -> dict[str, An
         )
     finally:
         device.close()
-    return grid.derive(row)
 
 
 def _say(text: str) -> None:
@@ -627,7 +654,7 @@ def main() -> None:
         row["total_s"] = round(time.perf_counter() - t0, 1)
         # The loop's allocator: expandable segments moved the GPT example's loop from 0.76 to
         # 0.94 of its verified rate in one run each (docs/design.md, session 13).
-        row["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
+        row["alloc_conf"] = _alloc_conf()
         if args.json is not None:
             row = joined(row, _read(args.json))
             args.json.parent.mkdir(parents=True, exist_ok=True)

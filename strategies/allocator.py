@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
 
-__all__ = ["EXPANDABLE", "SETTING", "Allocator", "users_setting"]
+__all__ = ["EXPANDABLE", "SETTING", "Allocator", "planned_environment", "users_setting"]
 
 #: The choice a plan records when it ran under expandable segments.
 EXPANDABLE = "expandable_segments"
@@ -79,7 +79,7 @@ def users_setting() -> str | None:
     return None
 
 
-def _planned_environment() -> dict[str, str]:
+def planned_environment() -> dict[str, str]:
     """The variable to set for the plan: the user's own variable with the setting added
     (their other settings kept), else ``PYTORCH_CUDA_ALLOC_CONF`` with it alone."""
     for name in _VARIABLES:
@@ -163,7 +163,7 @@ class Allocator(Strategy, Described, Recorded, Scoped):
 
     @contextlib.contextmanager
     def _expandable(self) -> Iterator[None]:
-        with environ_set(_planned_environment()):
+        with environ_set(planned_environment()):
             self._planned = EXPANDABLE
             try:
                 yield

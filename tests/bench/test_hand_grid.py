@@ -192,3 +192,21 @@ def test_the_user_loop_of_a_plan_that_changed_the_loss_trains_with_the_plans_ste
     assert out["ooms"] == 0 and out["steps"] == 2
     assert "loss_head" in out["trained_with"]
     assert not [w for w in recwarn if "memadvisor_step" in str(w.message)]
+
+
+def test_the_hand_cells_run_under_the_allocator_the_plan_ran_under(user_path, monkeypatch):
+    """Rule: where the pick records expandable segments (and the environment does not name
+    the setting), the cells' processes get the same variable; a plan that recorded none,
+    or a user's own setting, leaves the environment as it is."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+
+    def plan(**choices):
+        return SimpleNamespace(candidate=SimpleNamespace(choices=choices))
+
+    assert user_path._cells_allocator(plan(allocator="expandable_segments")) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
+    }
+    assert user_path._cells_allocator(plan(precision="bf16")) == {}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert user_path._cells_allocator(plan(allocator="expandable_segments")) == {}

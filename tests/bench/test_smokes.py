@@ -71,7 +71,7 @@ FIELDS: dict[str, set[str]] = {
         "best_hand_samples_per_s", "pick_over_best_hand", "pick_rerun_over_best_hand",
         "user_loop_samples_per_s",
         "user_loop_ooms", "loop_over_verified", "largest_batch_holding", "device",
-        "alloc_conf",
+        "alloc_conf", "hand_alloc_conf",
     },
 }  # fmt: skip
 # Values every JSON line of that smoke has (a default that must hold).
