@@ -21,14 +21,14 @@ the numbers the plan measured are the numbers the user's loop can reach. ``optio
 Known limitations:
     * The setting is the process's, not the model's: applying a plan that records it
       changes the CUDA allocator for everything the process allocates afterwards. Memory
-      already reserved keeps its segments; a model moved to the card before
-      ``apply_plan`` keeps its weights where they are, which costs nothing (they never
-      change size).
+      already reserved keeps its segments: a model moved to the card before
+      ``apply_plan`` keeps its weights in the segments they were allocated in.
     * Where the planner's own process first touches CUDA inside the plan (the profiler),
       its allocator starts under the plan's setting too and keeps it after the plan.
     * Not searched: the plan does not time the default allocator against expandable
-      segments. On the card both models measured were faster under expandable segments at
-      the same budget (larger batches); a step that is slower under them is not detected.
+      segments. On the card the two models planned both ways (gpt, lm350m) were faster
+      under expandable segments at the same budget (larger batches); a step that is slower
+      under them is not detected.
     * A user's own ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) that names
       ``expandable_segments`` is kept as it is, True or False, and nothing is recorded.
 """
