@@ -79,6 +79,8 @@ VALUES: dict[str, dict[str, object]] = {"plan_speed": {"cache": "cold"}}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
     "compile_cache": "times inductor's caches on a card",
+    "estimate_replay": "reads plans a card saved (tests/bench/test_estimate_replay.py replays "
+    "a simulated one)",
     "compile_regional": "its --smoke compiles with inductor on the CPU: minutes here",
     "compile_vs_eager": "plans with compile weighed, which only a card measures",
     "compiled_forward_gap": "CUDA events and compiled loops",
