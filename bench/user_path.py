@@ -417,16 +417,17 @@ def bench_one(name: str, args: argparse.Namespace, clock: Clock) -> dict[str, An
     # The cells run under the allocator the plan ran under: a pick measured under expandable
     # segments against cells under the default allocator would compare allocators, not
     # configurations (docs/design.md, "The allocator is part of the plan").
-    cells_env = _cells_allocator(plan)
-    row["hand_alloc_conf"] = next(iter(cells_env.values()), None) or _alloc_conf()
-    with environ_set(cells_env):
+    with environ_set(_cells_allocator(plan)):
+        row["hand_alloc_conf"] = _alloc_conf()
         _cells(row, plan, name, args, clock)
     return grid.derive(row)
 
 
 def _alloc_conf() -> str | None:
     """The allocator settings this process's environment gives processes it starts."""
-    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    from strategies.allocator import VARIABLES
+
+    return next((os.environ[n] for n in VARIABLES if os.environ.get(n)), None)
 
 
 def _cells_allocator(plan: Any) -> dict[str, str]:

@@ -57,7 +57,14 @@ if TYPE_CHECKING:
     from memadvisor.schema.plan import Plan
     from memadvisor.schema.profile import Profile
 
-__all__ = ["EXPANDABLE", "SETTING", "Allocator", "planned_environment", "users_setting"]
+__all__ = [
+    "EXPANDABLE",
+    "SETTING",
+    "VARIABLES",
+    "Allocator",
+    "planned_environment",
+    "users_setting",
+]
 
 #: The choice a plan records when it ran under expandable segments.
 EXPANDABLE = "expandable_segments"
@@ -65,14 +72,14 @@ EXPANDABLE = "expandable_segments"
 SETTING = "expandable_segments:True"
 #: The variables torch reads the allocator's settings from (the generic name first: torch
 #: 2.9 and later read it before the CUDA one).
-_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 _OFF = ("off", None)
 
 
 def users_setting() -> str | None:
     """The user's own setting of expandable segments ('VARIABLE=value'), None where their
     environment does not name it."""
-    for name in _VARIABLES:
+    for name in VARIABLES:
         value = os.environ.get(name, "")
         if "expandable_segments" in value:
             return f"{name}={value}"
@@ -82,7 +89,7 @@ def users_setting() -> str | None:
 def planned_environment() -> dict[str, str]:
     """The variable to set for the plan: the user's own variable with the setting added
     (their other settings kept), else ``PYTORCH_CUDA_ALLOC_CONF`` with it alone."""
-    for name in _VARIABLES:
+    for name in VARIABLES:
         value = os.environ.get(name, "").strip().strip(",")
         if value:
             return {name: f"{value},{SETTING}"}

@@ -54,6 +54,7 @@ from pydantic import JsonValue
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, ReportPart
 from memadvisor.schema.facts import Facts
+from memadvisor.schema.precision import AUTOCAST_DTYPES
 from memadvisor.schema.profile import ModuleActivity, Profile, StepProfile
 from memadvisor.step import Step
 from memadvisor.strategy import Checked, Described, EffectOrder, HandTried, Strategy
@@ -88,9 +89,6 @@ FORWARD_CHUNKS, FORWARD_CHUNKS_LOW, BACKWARD_CHUNKS = 2.0, 2.5, 3.0
 #: there too: in fp32 autograd adds out of place (the sum, the chunk's, the new sum);
 #: under autocast the chunk's arrives as a fresh fp32 copy and is added in place.
 SUM_COPIES, SUM_COPIES_LOW = 3, 2
-#: The precisions whose head returns logits of 2 bytes an element (autocast's matmul
-#: dtype), where the log-softmax saves them in fp32.
-HALF_OUTPUT = ("bf16", "fp16")
 #: The ops whose saved output is the loss's copy of the logits.
 LOG_SOFTMAX = ("_log_softmax", "log_softmax")
 #: The share of the step's saved activations the loss's must reach for the plan to say why
@@ -269,12 +267,13 @@ class LossHead(Strategy, Checked, HandTried, Described):
         # (memadvisor.workload.train_step); the chunked step returns the hidden states, which
         # the head's chunks save anyway, so the logits' bytes (the log-softmax's saved output
         # is their size) leave those moments too.
-        # Those logits are the head's output, in the step's dtype: under bf16 or fp16
-        # autocast half the fp32 step's, whatever the loss saved (a loss that casts them to
+        # Those logits are the head's output, in the step's dtype: under autocast the fp32
+        # step's scaled to autocast's dtype, whatever the loss saved (a loss that casts them to
         # fp32 first saves fp32: examples/llama.py's at 256 tokens, simulated, where taking
         # the saved size took 15.6 MiB a sample too many off backward and the optimizer's
         # step, and the estimate fell as the batch grew).
-        held = logits // 2 if model.precision in HALF_OUTPUT else saved
+        dtype = AUTOCAST_DTYPES.get(model.precision)
+        held = logits * dtype.itemsize // 4 if dtype is not None else saved
         eof = nums.end_of_forward - held
         at_loss = nums.phases.get("forward", eof) - eof  # the forward's top above its end
         forward = int((FORWARD_CHUNKS_LOW if low else FORWARD_CHUNKS) * chunk)
