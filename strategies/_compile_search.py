@@ -48,8 +48,9 @@ first step. The same runs are made, in the same order, as one at a time; the con
 are searches, one run after another.
 
 Known limitations:
-    * One winner is confirmed: a second candidate whose line was close is not confirmed when
-      the winner's confirmed batch falls short of its line.
+    * Where the winner's confirmation finds less than another candidate's own run measured,
+      that candidate is confirmed too (:meth:`Search.rival`), one rival only; a candidate
+      whose line was close but whose runs measured less is not.
     * Candidates vary the checkpointed set only; precision and the other choices stay the
       eager pick's.
     * The seconds budget is checked before a run starts; the confirmations are bounded in
@@ -355,6 +356,22 @@ def could_beat(
     return fit.samples_per_s >= MIN_SPEEDUP * allowance * eager.measured.samples_per_s
 
 
+def _measured_key(objective: str, batch: int, m: Measurement) -> tuple:
+    """A run's worth, as the objective ranks a confirmed pick."""
+    return (batch, m.samples_per_s) if objective == "largest_batch" else (m.samples_per_s,)
+
+
+def _measured_beats(
+    objective: str, batch: int, m: Measurement, eager: Confirmed, allowance: float
+) -> bool:
+    """Whether a run at ``batch`` measured a pick worth a compile over ``eager``
+    (:func:`could_beat`'s bar, for a measurement instead of a line)."""
+    eager_batch = eager.candidate.batch_size
+    if objective == "largest_batch" and batch != eager_batch:
+        return batch > eager_batch
+    return m.samples_per_s >= MIN_SPEEDUP * allowance * eager.measured.samples_per_s
+
+
 def _allowance(v: Variant) -> float:
     return DYNAMIC_ALLOWANCE if is_dynamic(v.form) else 1.0
 
@@ -447,6 +464,37 @@ class Search:
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
         return winner
+
+    def rival(
+        self, variants: Sequence[Variant], winner: Variant, found: Confirmed | None
+    ) -> Variant | None:
+        """The candidate other than ``winner`` whose own run measured more than ``winner``'s
+        confirmation found (anything that beats the eager pick, where it found nothing): a
+        run that fitted within the pick's limit, the objective's way; None when there is none.
+
+        Why: the winner is chosen by its line, and a line from one run (eager's bytes scaled
+        by what it measured) can promise more than its confirmation then finds. On a card
+        (lm350m, H100, 8 GiB) the partitioner-budget candidate's line, from one run at batch
+        10 after 20 ran out, predicted 133.4 samples/s at 14; its confirmation found 12 at
+        118.2, while full checkpointing had already run 126.9 at 23, its line's own edge.
+        """
+        objective = self.stage.config.objective
+        bar = None
+        if found is not None:
+            bar = _measured_key(objective, found.candidate.batch_size, found.measured)
+        best: Variant | None = None
+        for v in variants:
+            if v is winner or v.error is not None:
+                continue
+            for batch, m in v.runs.items():
+                if self.stage.held_bytes(m) > self.stage.limit_bytes:
+                    continue
+                if not _measured_beats(objective, batch, m, self.eager, _allowance(v)):
+                    continue
+                key = _measured_key(objective, batch, m)
+                if bar is None or key > bar:
+                    best, bar = v, key
+        return best
 
     def confirm(self, winner: Variant, hold_back: int, static: bool = False) -> Confirmed | None:
         """The winner's batch search from its predicted batch, ``hold_back`` runs kept for

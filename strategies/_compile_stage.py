@@ -191,7 +191,7 @@ def compiled_pick(
                 v.error = trials[_key(v.form)].error
         measurable = [v for v in variants if trials[_key(v.form)].ok]
         winner = search.measure(measurable) if measurable else None
-        found = final = searched = None
+        found = final = searched = displaced = None
         final_why = static_why = ""
         if winner is not None:
             differs = winner.final_differs
@@ -200,6 +200,20 @@ def compiled_pick(
             # full checkpointing on an H100: 15.8 s).
             direct = not differs and is_dynamic(winner.form) and compiles_every_run(winner)
             found = search.confirm(winner, FINAL_FORM_RUNS if differs else 0, static=direct)
+            # A line from one run can promise more than its confirmation finds, below what
+            # another candidate already measured: that one is confirmed too (from its runs
+            # where none are left) and the better kept.
+            rival = search.rival(measurable, winner, found)
+            if rival is not None:
+                other = search.confirm(rival, FINAL_FORM_RUNS if rival.final_differs else 0)
+                objective = stage.config.objective
+                if other is not None and (
+                    found is None or _rank(objective, other) > _rank(objective, found)
+                ):
+                    if found is not None and direct:  # its static run judged and verified it
+                        displaced = (winner, found)
+                    winner, found, direct = rival, other, False
+                    differs = winner.final_differs
             if found is not None and differs:
                 final, final_why = search.confirm_final(winner, found)
             elif found is not None and is_dynamic(winner.form) and not direct:
@@ -214,6 +228,10 @@ def compiled_pick(
     objective = stage.config.objective
     records = [_record(stage, v, trials[_key(v.form)], runs_before) for v in variants]
     confirmed: list[tuple[StageVariant, Confirmed]] = []
+    if displaced is not None:
+        index = variants.index(displaced[0])
+        records[index] = _confirmed_record(records[index], displaced[1])
+        confirmed.append((records[index], displaced[1]))
     if winner is not None and found is not None:
         index = variants.index(winner)
         records[index] = _confirmed_record(records[index], found)
@@ -266,7 +284,10 @@ def compiled_pick(
     notes = [outcome.summary]
     # The line that chose the pick's configuration: the searched form's (the offered form's
     # confirmation has none of its own).
-    fit_note = _fit_note(records[variants.index(winner)] if picked and winner else None)
+    chosen = winner
+    if displaced is not None and best is not None and best[1] is displaced[1]:
+        chosen = displaced[0]
+    fit_note = _fit_note(records[variants.index(chosen)] if picked and chosen else None)
     if fit_note:
         notes.append(fit_note)
     if cache_report is not None:
