@@ -74,6 +74,7 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
@@ -113,6 +114,11 @@ FINAL_FORM_RUNS = 1
 # example's 2-of-4-checkpointed winner at 254: 19,888 dynamic, 17,317 static), which the
 # static run then says. Below this share the static form would need more than the gaps seen.
 DYNAMIC_ALLOWANCE = 0.85
+
+
+# What runs beside pass 1 (the compile trial): why each variant it rules out may not be
+# searched, by ``id`` of the variant.
+Meanwhile = Callable[[], dict[int, str | None]]
 
 
 class CompileSearch(BaseModel):
@@ -427,18 +433,50 @@ class Search:
             return None
         return max(fitted, key=lambda v: _worth_of(objective, v))
 
-    def measure(self, variants: Sequence[Variant]) -> Variant | None:
+    def measure(
+        self, variants: Sequence[Variant], meanwhile: Meanwhile | None = None
+    ) -> Variant | None:
         """Passes 1 and 2 (module docstring), then one retry at half the batch for candidates
         whose only run ran out; the winner by its line when it could beat the eager pick, else
         None. A retry comes last: a configuration that runs out of memory compiled where eager
-        fits is rarely the best one."""
+        fits is rarely the best one.
+
+        ``meanwhile`` (the compile trial in this process) is called while pass 1's runs are
+        on the device, where the device makes its runs in processes of their own
+        (``PickStage.concurrent_runs`` above 1); it answers, by ``id`` of a variant, why a
+        variant may not be searched (its form did not compile), and may change a variant's
+        choices (a dynamic form that failed, searched static): such a variant's pass-1 run
+        is made again in its new form. Elsewhere it is called before pass 1."""
         objective = self.stage.config.objective
         reserve = CONFIRM_RUNS + (FINAL_FORM_RUNS if any(v.final_differs for v in variants) else 0)
         number = {id(v): i for i, v in enumerate(variants, 1)}
         ask = _Asked(number, len(variants))
         # Pass 1: the first candidate runs whenever a run is left; the others within the
         # runs not held back for the confirmations.
-        not_run = self._run_in_groups([(v, v.start_batch) for v in variants], ask, reserve, 1)
+        first = [(v, v.start_batch) for v in variants]
+        if meanwhile is not None and self.stage.concurrent_runs <= 1:
+            out = self._drop(variants, meanwhile())  # runs in this process: one at a time
+            first = [(v, b) for v, b in first if id(v) not in out]
+            meanwhile = None
+        if meanwhile is None:
+            not_run = self._run_in_groups(first, ask, reserve, 1)
+        else:
+            before = {id(v): dict(v.choices) for v in variants}
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-pass-1") as pool:
+                # This thread compiles (dynamo and triton are not thread-safe); the other
+                # only waits on the device's processes.
+                pending = pool.submit(self._run_in_groups, first, ask, reserve, 1)
+                try:
+                    dropped = meanwhile()
+                finally:
+                    not_run = pending.result()
+            out = self._drop(variants, dropped)
+            changed = [v for v in variants if id(v) not in out and v.choices != before[id(v)]]
+            for v in changed:  # measured in a form that is not searched: measured again
+                v.runs.clear()
+                v.lowest_failure, v.fit, v.error = None, None, None
+            not_run = [(v, b) for v, b in not_run if id(v) not in out and v not in changed]
+            not_run += self._run_in_groups([(v, v.start_batch) for v in changed], ask, reserve)
         for v, _ in not_run:
             v.error = v.error or self._spent(reserve)
         promising = [v for v in variants if could_beat(objective, v.fit, self.eager, _allowance(v))]
@@ -464,6 +502,17 @@ class Search:
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
         return winner
+
+    @staticmethod
+    def _drop(variants: Sequence[Variant], why_not: dict[int, str | None]) -> set[int]:
+        """Variants ``why_not`` names (by ``id``) out of the search, their runs forgotten and
+        their error its answer; returns their ids."""
+        for v in variants:
+            if id(v) in why_not:
+                v.error = why_not[id(v)]
+                v.runs.clear()
+                v.lowest_failure, v.fit = None, None
+        return set(why_not)
 
     def rival(
         self, variants: Sequence[Variant], winner: Variant, found: Confirmed | None

@@ -17,10 +17,13 @@ which searches compiled configurations through the planner's
 2. Trial. Each search form is compiled once in this process
    (:func:`~strategies.compile.try_compile`), which also times the one-off compile: at the
    eager pick's confirmed batch when the card has room for it beside a probe (:func:`trial_batch`),
-   so the first compiled probe loads that graph from inductor's cache instead of compiling
-   it again (21 s saved for a 124M GPT on an H200, docs/design.md), else at the sample
-   batch. A model that does not compile (an error, no graph, graph breaks everywhere) is a
-   note and the plan stays eager.
+   else at the sample batch. Where the device makes its runs in processes of their own
+   (a card's fork server), the trial runs while the candidates' first runs compile there
+   (``Search.measure``'s ``meanwhile``), so its seconds overlap theirs; elsewhere it runs
+   first, and the first compiled probe loads its graph from inductor's cache (21 s saved
+   for a 124M GPT on an H200, docs/design.md). A model that does not compile (an error, no
+   graph, graph breaks everywhere) is a note and the plan stays eager; a candidate whose
+   form failed its trial is dropped, whatever its run measured.
 3. Device (:class:`strategies._compile_search.Search`): a run or two of each candidate,
    a line of its compiled memory and time from them (:class:`~memadvisor.schema.plan.StepFit`),
    the best by its line confirmed by the batch search eager candidates get
@@ -185,12 +188,16 @@ def compiled_pick(
     scope = contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
     with stage.progress(), scope as shared:
         search = Search(stage, settings, eager_best)
-        trials = _trial_forms(stage, strategy, variants, eager_best.found_batch)
-        for v in variants:
-            if not trials[_key(v.form)].ok:
-                v.error = trials[_key(v.form)].error
-        measurable = [v for v in variants if trials[_key(v.form)].ok]
-        winner = search.measure(measurable) if measurable else None
+        trials: dict[str, _Trial] = {}
+
+        def trial() -> dict[int, str | None]:
+            # Beside pass 1's runs on a card (Search.measure): the trial's compile in this
+            # process overlaps theirs (lm350m on an H100: a 23 s trial before a 28 s pass).
+            trials.update(_trial_forms(stage, strategy, variants, eager_best.found_batch))
+            return {id(v): trials[_key(v.form)].error for v in variants if not _ok(trials, v)}
+
+        winner = search.measure(variants, meanwhile=trial)
+        measurable = [v for v in variants if _ok(trials, v)]
         found = final = searched = displaced = None
         final_why = static_why = ""
         if winner is not None:
@@ -656,6 +663,11 @@ def _trial(
     if not result.ok:
         return _Trial(ok=False, sentence=result.summary)
     return _Trial(ok=True, sentence=result.summary, one_off_ms=result.compile_ms)
+
+
+def _ok(trials: dict[str, _Trial], v: Variant) -> bool:
+    """Whether ``v``'s search form compiled in its trial."""
+    return trials[_key(v.form)].ok
 
 
 def _budget_free(form: JsonValue) -> JsonValue | None:

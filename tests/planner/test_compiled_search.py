@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import re
+import threading
 from collections import Counter
 
 import pytest
@@ -821,9 +822,9 @@ def test_a_winner_whose_confirmation_finds_less_than_a_rivals_run_yields_to_the_
     real_measure, real_confirm = Search.measure, Search.confirm
     seen: dict = {"confirmed": [], "variants": []}
 
-    def measure(self, variants):
+    def measure(self, variants, meanwhile=None):
         seen["variants"] = list(variants)
-        return real_measure(self, variants)
+        return real_measure(self, variants, meanwhile)
 
     def short_first(self, winner, hold_back, static=False):
         found = real_confirm(self, winner, hold_back, static=static)
@@ -845,3 +846,63 @@ def test_a_winner_whose_confirmation_finds_less_than_a_rivals_run_yields_to_the_
     assert _blocks(plan.candidate.choices) == rest[0]
     assert 0.8 * seen["rival"] >= 1.03 * stage.eager_samples_per_s  # the short one beat eager
     assert plan.verified.samples_per_s >= 0.97 * seen["rival"]
+
+
+def test_the_trial_compiles_while_the_first_runs_are_on_a_device_of_processes(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: where the device makes its runs in processes of their own (several at once: a
+    card's fork server), the compile trial in the planner's process runs while the
+    candidates' first runs are on the device, not before them (lm350m on an H100: a 23 s
+    trial, then a 28 s pass whose runs compiled anyway). Here the trial waits for pass 1's
+    runs to reach the device and they wait for the trial to start: in turn, neither comes."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    trial_started, pass_one_started = threading.Event(), threading.Event()
+    real_many, real_trial = device.run_many, Compile.trial
+
+    def run_many(workload, runs):
+        if all("compile" in c.choices for c, _ in runs) and not pass_one_started.is_set():
+            pass_one_started.set()
+            assert trial_started.wait(5), "pass 1 reached the device; the trial never started"
+        return real_many(workload, runs)
+
+    waited: list[bool] = []
+
+    def trial(self, *args, **kwargs):
+        trial_started.set()
+        waited.append(pass_one_started.wait(5))
+        return real_trial(self, *args, **kwargs)
+
+    device.run_many = run_many
+    monkeypatch.setattr(Compile, "trial", trial)
+    plan = _plan(workload, profile, strategies, device)
+    assert waited and all(waited), "the trial ran before pass 1's runs reached the device"
+    assert plan.stages[0].picked, plan.stages[0].summary
+    assert _blocks(plan.candidate.choices) == BLOCKS
+
+
+def test_a_candidate_whose_form_fails_its_trial_is_dropped_though_its_run_fitted(
+    workload, profile, strategies, linear_device, monkeypatch
+) -> None:
+    """Rule: the trial decides whether a form may be searched, even where its candidates'
+    first runs went to the device beside it: a form that does not compile (here every form:
+    "no graph") leaves the plan eager, whatever those runs measured."""
+
+    def no_graph(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
+        return CompileResult(
+            choice=parse_choice(choice).to_json(),
+            ok=False,
+            batch_size=candidate.batch_size if candidate is not None else 2,
+            steps=3,
+            error="dynamo captured no graph",
+        )
+
+    monkeypatch.setattr("strategies.compile.try_compile", no_graph)
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert [p for p in plan.probes if p.stage == "compile"], "pass 1 ran beside the trial"
+    assert not stage.picked and "compile" not in plan.candidate.choices
+    assert all(v.batch_size is None and not v.confirmed for v in stage.variants)
