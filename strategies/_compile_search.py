@@ -434,7 +434,10 @@ class Search:
         return max(fitted, key=lambda v: _worth_of(objective, v))
 
     def measure(
-        self, variants: Sequence[Variant], meanwhile: Meanwhile | None = None
+        self,
+        variants: Sequence[Variant],
+        meanwhile: Meanwhile | None = None,
+        then: Meanwhile | None = None,
     ) -> Variant | None:
         """Passes 1 and 2 (module docstring), then one retry at half the batch for candidates
         whose only run ran out; the winner by its line when it could beat the eager pick, else
@@ -446,7 +449,9 @@ class Search:
         (``PickStage.concurrent_runs`` above 1); it answers, by ``id`` of a variant, why a
         variant may not be searched (its form did not compile), and may change a variant's
         choices (a dynamic form that failed, searched static): such a variant's pass-1 run
-        is made again in its new form. Elsewhere it is called before pass 1."""
+        is made again in its new form, while ``then`` (that static form's trial) runs, whose
+        answer drops variants as ``meanwhile``'s does. Elsewhere both are called before
+        pass 1, one after the other."""
         objective = self.stage.config.objective
         reserve = CONFIRM_RUNS + (FINAL_FORM_RUNS if any(v.final_differs for v in variants) else 0)
         number = {id(v): i for i, v in enumerate(variants, 1)}
@@ -454,29 +459,31 @@ class Search:
         # Pass 1: the first candidate runs whenever a run is left; the others within the
         # runs not held back for the confirmations.
         first = [(v, v.start_batch) for v in variants]
-        if meanwhile is not None and self.stage.concurrent_runs <= 1:
-            out = self._drop(variants, meanwhile())  # runs in this process: one at a time
+        if self.stage.concurrent_runs <= 1:  # runs in this process: one thing at a time
+            out: set[int] = set()
+            for step in (meanwhile, then):
+                if step is not None:
+                    out |= self._drop(variants, step())
             first = [(v, b) for v, b in first if id(v) not in out]
-            meanwhile = None
+            meanwhile = then = None
         if meanwhile is None:
             not_run = self._run_in_groups(first, ask, reserve, 1)
         else:
             before = {id(v): dict(v.choices) for v in variants}
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-pass-1") as pool:
-                # This thread compiles (dynamo and triton are not thread-safe); the other
-                # only waits on the device's processes.
-                pending = pool.submit(self._run_in_groups, first, ask, reserve, 1)
-                try:
-                    dropped = meanwhile()
-                finally:
-                    not_run = pending.result()
+            not_run, dropped = self._beside(first, ask, reserve, 1, meanwhile)
             out = self._drop(variants, dropped)
             changed = [v for v in variants if id(v) not in out and v.choices != before[id(v)]]
             for v in changed:  # measured in a form that is not searched: measured again
                 v.runs.clear()
                 v.lowest_failure, v.fit, v.error = None, None, None
             not_run = [(v, b) for v, b in not_run if id(v) not in out and v not in changed]
-            not_run += self._run_in_groups([(v, v.start_batch) for v in changed], ask, reserve)
+            again = [(v, v.start_batch) for v in changed]
+            if then is None:
+                not_run += self._run_in_groups(again, ask, reserve)
+            else:
+                left, later = self._beside(again, ask, reserve, 0, then)
+                out = self._drop(variants, later)
+                not_run += [(v, b) for v, b in left if id(v) not in out]
         for v, _ in not_run:
             v.error = v.error or self._spent(reserve)
         promising = [v for v in variants if could_beat(objective, v.fit, self.eager, _allowance(v))]
@@ -502,6 +509,21 @@ class Search:
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
         return winner
+
+    def _beside(
+        self, runs: list[tuple[Variant, int]], ask: _Asked, reserve: int, free: int, call: Meanwhile
+    ) -> tuple[list[tuple[Variant, int]], dict[int, str | None]]:
+        """``runs`` made on the device (:meth:`_run_in_groups`, waited for on a thread) while
+        ``call`` runs here; (the runs not made, what ``call`` answered). This thread is the
+        one that compiles (dynamo and triton are not thread-safe); the other only waits on
+        the device's processes."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs") as pool:
+            pending = pool.submit(self._run_in_groups, runs, ask, reserve, free)
+            try:
+                answered = call()
+            finally:
+                not_run = pending.result()
+        return not_run, answered
 
     @staticmethod
     def _drop(variants: Sequence[Variant], why_not: dict[int, str | None]) -> set[int]:

@@ -189,14 +189,24 @@ def compiled_pick(
     with stage.progress(), scope as shared:
         search = Search(stage, settings, eager_best)
         trials: dict[str, _Trial] = {}
+        later: list[_StaticLater] = []
+
+        def refused() -> dict[int, str | None]:
+            return {id(v): trials[_key(v.form)].error for v in variants if not _ok(trials, v)}
 
         def trial() -> dict[int, str | None]:
             # Beside pass 1's runs on a card (Search.measure): the trial's compile in this
             # process overlaps theirs (lm350m on an H100: a 23 s trial before a 28 s pass).
-            trials.update(_trial_forms(stage, strategy, variants, eager_best.found_batch))
-            return {id(v): trials[_key(v.form)].error for v in variants if not _ok(trials, v)}
+            # A dynamic form that fails is trialled static beside its static runs (then).
+            beside = later if stage.concurrent_runs > 1 else None
+            trials.update(_trial_forms(stage, strategy, variants, eager_best.found_batch, beside))
+            return refused()
 
-        winner = search.measure(variants, meanwhile=trial)
+        def then() -> dict[int, str | None]:
+            _trial_static(stage, strategy, later, trials)
+            return refused()
+
+        winner = search.measure(variants, meanwhile=trial, then=then)
         measurable = [v for v in variants if _ok(trials, v)]
         found = final = searched = displaced = None
         final_why = static_why = ""
@@ -576,14 +586,33 @@ class _Trial:
     error: str | None = None
 
 
+@dataclass
+class _StaticLater:
+    """A dynamic form that failed its trial, whose static form is trialled later
+    (:func:`_trial_static`), beside its candidates' static runs."""
+
+    key: str  # the dynamic form's
+    static: JsonValue
+    choices: dict[str, JsonValue]  # the first candidate's, in the static form
+    batch: int
+    why: str  # the dynamic trial's failure
+    also: list[str] = dataclasses.field(default_factory=list)  # budget forms it stands for
+
+
 def _trial_forms(
-    stage: PickStage, strategy: Compile, variants: Sequence[Variant], start_batch: int
+    stage: PickStage,
+    strategy: Compile,
+    variants: Sequence[Variant],
+    start_batch: int,
+    static_later: list[_StaticLater] | None = None,
 ) -> dict[str, _Trial]:
     """Each search form among ``variants`` trialled once (:func:`_trial`), by its JSON, with
     the choices of the first candidate in that form. A dynamic-batch form that fails is
-    trialled static, and where that compiles its candidates are searched static. A form
-    that differs from one trialled ok only by a partitioner budget is not trialled: that
-    trial stands for it (candidates come the budget-free first, :func:`search_variants`)."""
+    trialled static, and where that compiles its candidates are searched static; with
+    ``static_later``, that static trial is left to :func:`_trial_static` (listed there), its
+    candidates moved to the static form at once, as if it compiled. A form that differs
+    from one trialled ok only by a partitioner budget is not trialled: that trial stands for
+    it (candidates come the budget-free first, :func:`search_variants`)."""
     out: dict[str, _Trial] = {}
     static_for: dict[str, JsonValue] = {}  # a dynamic form that failed -> its static form
     for v in variants:
@@ -595,11 +624,15 @@ def _trial_forms(
             # compiles and matches eager; its first device run compiles it (~15 s of the
             # planner's time saved for lm350m on a card, docs/design.md).
             done = out[_key(base)]
-            out[key] = _Trial(
-                ok=True,
-                sentence="not trialled: the same compile as the form without a partitioner "
-                f"budget, whose trial stands for it ({done.sentence})",
-            )
+            out[key] = _standing_for(done)
+            if _key(base) in static_for:  # the form without it is searched static: so is this
+                parsed_form = _parse(v.form)
+                assert parsed_form is not None  # a budget form parses
+                static_for[key] = parsed_form.static().to_json()
+                out[_key(static_for[key])] = out[key]
+                for item in static_later or []:
+                    if item.key == _key(base):
+                        item.also += [key, _key(static_for[key])]
         if key not in out:
             batch = v.start_batch if v.start_batch else start_batch
             out[key] = _trial(stage, strategy, v.choices, batch)
@@ -608,15 +641,48 @@ def _trial_forms(
                 # A model whose graph a symbolic batch breaks is still searched, statically
                 # (a compile per batch, as before the dynamic form).
                 static = parsed.static().to_json()
+                why = out[key].error or out[key].sentence
+                if static_later is not None:
+                    later = _StaticLater(key, static, {**v.choices, COMPILE: static}, batch, why)
+                    static_later.append(later)
+                    out[key] = out[_key(static)] = _Trial(ok=True, sentence="")
+                    static_for[key] = static
+                    v.choices = {**v.choices, COMPILE: static}
+                    continue
                 tried = _trial(stage, strategy, {**v.choices, COMPILE: static}, batch)
                 if tried.ok:
-                    why = out[key].error or out[key].sentence
                     sentence = f"{tried.sentence} Searched with a static batch: {why}"
                     out[key] = out[_key(static)] = dataclasses.replace(tried, sentence=sentence)
                     static_for[key] = static
         if key in static_for:
             v.choices = {**v.choices, COMPILE: static_for[key]}
     return out
+
+
+def _trial_static(
+    stage: PickStage, strategy: Compile, later: Sequence[_StaticLater], trials: dict[str, _Trial]
+) -> None:
+    """The static trials :func:`_trial_forms` left for later, their answers in ``trials``
+    under both the dynamic form's key and the static one's: the static one's sentence and
+    why it is searched static, or why it failed too."""
+    for item in later:
+        tried = _trial(stage, strategy, item.choices, item.batch)
+        if tried.ok:
+            sentence = f"{tried.sentence} Searched with a static batch: {item.why}"
+            tried = dataclasses.replace(tried, sentence=sentence)
+        trials[item.key] = trials[_key(item.static)] = tried
+        for key in item.also:
+            trials[key] = _standing_for(tried)
+
+
+def _standing_for(done: _Trial) -> _Trial:
+    """The trial of a partitioner-budget form, answered by ``done``, its form's without one."""
+    return _Trial(
+        ok=done.ok,
+        sentence="not trialled: the same compile as the form without a partitioner "
+        f"budget, whose trial stands for it ({done.sentence})",
+        error=done.error,
+    )
 
 
 def _trial(

@@ -822,9 +822,9 @@ def test_a_winner_whose_confirmation_finds_less_than_a_rivals_run_yields_to_the_
     real_measure, real_confirm = Search.measure, Search.confirm
     seen: dict = {"confirmed": [], "variants": []}
 
-    def measure(self, variants, meanwhile=None):
+    def measure(self, variants, meanwhile=None, then=None):
         seen["variants"] = list(variants)
-        return real_measure(self, variants, meanwhile)
+        return real_measure(self, variants, meanwhile, then)
 
     def short_first(self, winner, hold_back, static=False):
         found = real_confirm(self, winner, hold_back, static=static)
@@ -906,3 +906,60 @@ def test_a_candidate_whose_form_fails_its_trial_is_dropped_though_its_run_fitted
     assert [p for p in plan.probes if p.stage == "compile"], "pass 1 ran beside the trial"
     assert not stage.picked and "compile" not in plan.candidate.choices
     assert all(v.batch_size is None and not v.confirmed for v in stage.variants)
+
+
+@pytest.mark.parametrize("static_compiles", [True, False])
+def test_a_dynamic_form_that_fails_is_trialled_static_beside_its_static_runs(
+    workload, profile, strategies, linear_device, monkeypatch, static_compiles: bool
+) -> None:
+    """Rule: on a device of processes, where the dynamic form fails its trial (t5_base's
+    checkpointed blocks on a card: an assertion in the partitioner), its candidates' first
+    runs are made again static while the static form's trial compiles here, not after it
+    (swin_t's static trial took 116 s on a card); where the static form fails too, its
+    candidates are dropped whatever their runs measured and the plan stays eager."""
+    static_runs_started = threading.Event()
+    order: list[str] = []
+
+    def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
+        dynamic = parse_choice(choice).dynamic_batch
+        if not dynamic:
+            order.append("static trial")
+            assert static_runs_started.wait(5), "the static trial ran before its runs"
+        ok = not dynamic and static_compiles
+        return CompileResult(
+            choice=parse_choice(choice).to_json(),
+            ok=ok,
+            batch_size=candidate.batch_size if candidate is not None else 2,
+            steps=3,
+            eager_step_ms=10.0,
+            first_step_ms=2010.0 if ok else None,
+            compiled_step_ms=8.0 if ok else None,
+            graphs=1 if ok else 0,
+            loss_rel_diff=1e-6 if ok else None,
+            error=None if ok else "AssertionError: Node add_373 was invalid, but is output",
+        )
+
+    monkeypatch.setattr("strategies.compile.try_compile", stand_in)
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    real_many = device.run_many
+
+    def run_many(workload, runs):
+        forms = [c.choices.get("compile") for c, _ in runs]
+        if forms and all(isinstance(f, dict) and not f.get("dynamic_batch") for f in forms):
+            order.append("static runs")
+            static_runs_started.set()
+        return real_many(workload, runs)
+
+    device.run_many = run_many
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert order[:2] == ["static runs", "static trial"], order
+    searched = [p.candidate.choices["compile"] for p in _compile_runs(plan)]
+    assert any(f.get("dynamic_batch") for f in searched)  # pass 1 went before the verdict
+    if static_compiles:
+        assert stage.picked and plan.candidate.choices["compile"] == REGIONAL, stage.summary
+        assert any("Searched with a static batch" in v.trial for v in stage.variants)
+    else:
+        assert not stage.picked and "compile" not in plan.candidate.choices
+        assert all(v.batch_size is None for v in stage.variants)
