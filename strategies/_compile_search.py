@@ -410,10 +410,12 @@ class Search:
         self.runs_before = len(stage.probes)
         self.started = time.perf_counter()
         self.static_runs = 0  # the pick's static form (confirm_static): not the search's
+        # Pass-1 runs of a form the trial then sent static, made again: not the search's.
+        self.void_runs = 0
 
     @property
     def runs_used(self) -> int:
-        return len(self.stage.probes) - self.runs_before - self.static_runs
+        return len(self.stage.probes) - self.runs_before - self.static_runs - self.void_runs
 
     @property
     def runs_left(self) -> int:
@@ -476,6 +478,7 @@ class Search:
             for v in changed:  # measured in a form that is not searched: measured again
                 v.runs.clear()
                 v.lowest_failure, v.fit, v.error = None, None, None
+            self.void_runs += sum(1 for v in changed if all(v is not w for w, _ in not_run))
             not_run = [(v, b) for v, b in not_run if id(v) not in out and v not in changed]
             again = [(v, v.start_batch) for v in changed]
             if then is None:

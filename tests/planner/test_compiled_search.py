@@ -957,6 +957,10 @@ def test_a_dynamic_form_that_fails_is_trialled_static_beside_its_static_runs(
     assert order[:2] == ["static runs", "static trial"], order
     searched = [p.candidate.choices["compile"] for p in _compile_runs(plan)]
     assert any(f.get("dynamic_batch") for f in searched)  # pass 1 went before the verdict
+    # The first runs made again static are the search's; the dynamic ones it could not use
+    # are not: every candidate got its static first run within the default budget.
+    statics = [p for p in plan.probes if p.stage == "compile" and _static_form(p)]
+    assert len(statics) >= len(stage.variants), [p.candidate.choices for p in statics]
     if static_compiles:
         assert stage.picked and plan.candidate.choices["compile"] == REGIONAL, stage.summary
         assert any("Searched with a static batch" in v.trial for v in stage.variants)
