@@ -36,11 +36,11 @@ from memadvisor.workload import Workload
 from strategies._compile_search import search_variants
 from strategies._compile_stage import MIN_SPEEDUP, compiled_pick, kept_share
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
+from tests.fixtures.compile_trials import TRIAL_FIRST_MS, TRIAL_STEADY_MS, trial_result
 
 MIB = 2**20
 QUIET = Progress(enabled=False)
 ALL = ["b0", "b1", "b2", "b3"]  # every block of the planner's fake profile
-TRIAL_FIRST_MS, TRIAL_STEADY_MS = 2010.0, 8.0  # the stand-in trial: 2002 ms of compiling
 
 
 def _config(**overrides) -> PlanConfig:
@@ -75,24 +75,6 @@ def _compiling_device(fake_device, speedup: dict[str, float], *, writes=True, **
     return CompilingDevice(**kwargs)
 
 
-def _trial_result(choice, candidate, **changes) -> CompileResult:
-    """A trial of ``choice`` that compiled in 2 s and matched eager (``changes`` say else)."""
-    return CompileResult(
-        **{
-            "choice": parse_choice(choice).to_json(),
-            "ok": True,
-            "batch_size": candidate.batch_size,
-            "steps": 3,
-            "eager_step_ms": 10.0,
-            "first_step_ms": TRIAL_FIRST_MS,
-            "compiled_step_ms": TRIAL_STEADY_MS,
-            "graphs": 1,
-            "loss_rel_diff": 1e-6,
-            **changes,
-        }
-    )
-
-
 @pytest.fixture
 def trials(monkeypatch) -> list[dict]:
     """try_compile replaced: every choice compiles at once; the calls are listed."""
@@ -100,7 +82,7 @@ def trials(monkeypatch) -> list[dict]:
 
     def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
         calls.append({"choice": choice, "candidate": candidate, "device": device})
-        return _trial_result(choice, candidate)
+        return trial_result(choice, candidate)
 
     monkeypatch.setattr("strategies.compile.try_compile", stand_in)
     return calls
@@ -268,7 +250,7 @@ def test_a_model_a_dynamic_batch_breaks_is_searched_static(
         tried.append(choice)
         dynamic = parse_choice(choice).dynamic_batch
         error = "symbolic batch: a guard failed" if dynamic else None
-        return _trial_result(choice, candidate, ok=not dynamic, error=error)
+        return trial_result(choice, candidate, ok=not dynamic, error=error)
 
     monkeypatch.setattr("strategies.compile.try_compile", stand_in)
     device = _compiling_device(fake_device, {'"default"': 1.5}, threshold=40)

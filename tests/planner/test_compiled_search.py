@@ -30,6 +30,7 @@ from memadvisor.schema.plan import Plan
 from strategies._compile_model import Line
 from strategies._compile_search import CONFIRM_RUNS, Search, search_variants
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
+from tests.fixtures.compile_trials import trial_result
 
 MIB = 2**20
 BLOCKS = 4
@@ -65,17 +66,7 @@ def trials(monkeypatch) -> list:
 
     def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
         calls.append((choice, candidate))
-        return CompileResult(
-            choice=parse_choice(choice).to_json(),
-            ok=True,
-            batch_size=candidate.batch_size if candidate is not None else 2,
-            steps=3,
-            eager_step_ms=10.0,
-            first_step_ms=2010.0,
-            compiled_step_ms=8.0,
-            graphs=1,
-            loss_rel_diff=1e-6,
-        )
+        return trial_result(choice, candidate)
 
     monkeypatch.setattr("strategies.compile.try_compile", stand_in)
     return calls
@@ -890,13 +881,7 @@ def test_a_candidate_whose_form_fails_its_trial_is_dropped_though_its_run_fitted
     "no graph") leaves the plan eager, whatever those runs measured."""
 
     def no_graph(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
-        return CompileResult(
-            choice=parse_choice(choice).to_json(),
-            ok=False,
-            batch_size=candidate.batch_size if candidate is not None else 2,
-            steps=3,
-            error="dynamo captured no graph",
-        )
+        return trial_result(choice, candidate, ok=False, error="dynamo captured no graph")
 
     monkeypatch.setattr("strategies.compile.try_compile", no_graph)
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
@@ -925,19 +910,10 @@ def test_a_dynamic_form_that_fails_is_trialled_static_beside_its_static_runs(
         if not dynamic:
             order.append("static trial")
             assert static_runs_started.wait(5), "the static trial ran before its runs"
-        ok = not dynamic and static_compiles
-        return CompileResult(
-            choice=parse_choice(choice).to_json(),
-            ok=ok,
-            batch_size=candidate.batch_size if candidate is not None else 2,
-            steps=3,
-            eager_step_ms=10.0,
-            first_step_ms=2010.0 if ok else None,
-            compiled_step_ms=8.0 if ok else None,
-            graphs=1 if ok else 0,
-            loss_rel_diff=1e-6 if ok else None,
-            error=None if ok else "AssertionError: Node add_373 was invalid, but is output",
-        )
+        if not dynamic and static_compiles:
+            return trial_result(choice, candidate)
+        error = "AssertionError: Node add_373 was invalid, but is output"
+        return trial_result(choice, candidate, ok=False, error=error)
 
     monkeypatch.setattr("strategies.compile.try_compile", stand_in)
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
