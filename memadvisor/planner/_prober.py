@@ -281,14 +281,21 @@ class Prober:
             m = measured.get(batch)
             if m is None:
                 return None
-            slope = self.sample_bytes(choices, batch)
-            if slope <= 0:
-                return None
             if cfg.measured_margin:
                 # At the edge itself, where the allocated peak fills the budget: the first
                 # failure (or a fit past the headroom) measures where it is, and the pick is
-                # the headroom's worth of samples below it (find_batch's ``descend``).
-                return batch + max(1, math.ceil((cfg.budget_bytes - m.peak_bytes) / slope))
+                # the headroom's worth of samples below it (find_batch's ``descend``). Along
+                # the runs' own slope where two fitted, else along the estimate's shape from
+                # this run up (SearchSpace.batch_reaching: its slope below the run can be a
+                # fixed phase's).
+                room = cfg.budget_bytes - m.peak_bytes
+                runs_slope, _ = self._slope_and_basis(choices)
+                if runs_slope > 0:
+                    return batch + max(1, math.ceil(room / runs_slope))
+                return self.space.batch_reaching(choices, batch, room) + 1
+            slope = self.sample_bytes(choices, batch)
+            if slope <= 0:
+                return None
             # A quarter margin under the usable budget: a probe that lands just over it fits
             # but cannot be taken (within_margin), and the search keeps ``start``.
             aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4

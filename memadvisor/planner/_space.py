@@ -227,6 +227,31 @@ class SearchSpace:
         low_bytes = limit_at(self.profile, choices, self.strategies, low)
         return (high_bytes - low_bytes) / (batch - low)
 
+    def batch_reaching(self, choices: dict[str, JsonValue], batch: int, more_bytes: float) -> int:
+        """The largest batch from ``batch`` up whose estimated :attr:`Estimate.limit_bytes`
+        of ``choices`` is at most ``more_bytes`` above ``batch``'s (``batch`` itself where
+        the next one is already more; at most ``config.max_batch``).
+
+        Why along the estimate itself, not a slope: a step's estimate is the larger of a fixed
+        phase (the optimizer's update) and the activations' phase, so its slope below
+        ``batch`` can be far under the slope above it. lm350m on a card held 7.53 GB at batch
+        18 (budget 8.59 GB, about 0.17 GB a sample there); the estimate's slope over [9, 18],
+        mostly the fixed phase, was about 0.03 GB a sample and sent the next probe to 38
+        where 21 ran out."""
+        top = self.config.max_batch
+        base = limit_at(self.profile, choices, self.strategies, batch)
+
+        def within(b: int) -> bool:
+            return limit_at(self.profile, choices, self.strategies, b) - base <= more_bytes
+
+        lo, hi = batch, batch + 1  # lo within, hi the first not known to be
+        while hi <= top and within(hi):
+            lo, hi = hi, min(top + 1, hi + max(1, hi - batch))  # doubling the step
+        while hi - lo > 1 and hi <= top:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if within(mid) else (lo, mid)
+        return lo
+
     def batch_for(self, largest: int) -> tuple[int, int]:
         """(micro-batch, accumulation) the objective takes when ``largest`` fits."""
         if self.config.objective == "effective_batch":

@@ -1,0 +1,82 @@
+"""The prober's upward extrapolation (memadvisor/planner/_prober.py, Prober.largest).
+
+A step's estimate is the larger of a fixed phase (the optimizer's update) and the
+activations' phase; below the batch a run fitted at, its slope can be the fixed phase's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memadvisor.estimate import estimate
+from memadvisor.planner._prober import Prober
+from memadvisor.planner._space import Scored, SearchSpace, limit_at
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.config import PlanConfig
+from tests.planner.conftest import MIB, FakeDevice, make_profile
+
+BF16 = {"precision": "bf16"}
+
+
+class EstimateDevice(FakeDevice):
+    """A card whose allocated peak is the estimate's, exactly: out of memory past the budget."""
+
+    def __init__(self, profile, strategies, budget_bytes: int) -> None:
+        super().__init__(10**9, runs_cost_more_than_steps=True)
+        self.budget_bytes = budget_bytes
+        self.profile, self.strategies = profile, strategies
+
+    def peak(self, candidate: Candidate) -> int:
+        return limit_at(self.profile, candidate.choices, self.strategies, candidate.batch_size)
+
+    def edge(self) -> int:
+        b = 1
+        while self.peak(Candidate(batch_size=b + 1, choices=BF16)) <= self.budget_bytes:
+            b += 1
+        return b
+
+    def run(self, workload, candidate: Candidate, steps: int) -> Measurement:
+        self.calls.append((candidate.batch_size, steps, dict(candidate.choices)))
+        peak = self.peak(candidate)
+        if peak > self.budget_bytes:
+            raise torch.OutOfMemoryError(f"fake: batch {candidate.batch_size} does not fit")
+        step_ms = 1.0 + 0.05 * candidate.batch_size
+        return Measurement(
+            steps=steps,
+            peak_bytes=peak,
+            step_ms=step_ms,
+            samples_per_s=candidate.batch_size / step_ms * 1e3,
+        )
+
+
+def test_the_first_probe_above_a_fit_in_the_fixed_phase_lands_at_the_edge_not_beyond(
+    strategies, workload
+) -> None:
+    """Rule: after a fit, the next probe aims at the batch that fills the budget along the
+    estimate's own shape from that fit up, not along its slope averaged below the fit. Here
+    the optimizer's update holds 100 MiB up to batch 15, and activations 2.7 MiB a sample
+    above it; from a fit at 20 (114 MiB) under 160 MiB the edge is 37. The slope over
+    [10, 20], mostly the fixed phase, is 1.4 MiB a sample and aimed at 53 (lm350m on a card:
+    a fit at 18, then 38 where 21 ran out)."""
+    profile = make_profile(param_mib=20)
+    budget = 160 * MIB
+    device = EstimateDevice(profile, strategies, budget)
+    config = PlanConfig(budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4)
+    space = SearchSpace(profile, strategies, config)
+    prober = Prober(device, workload, space, config)
+    assert limit_at(profile, BF16, strategies, 10) == limit_at(profile, BF16, strategies, 1)
+    edge = device.edge()
+    assert 30 < edge < 45
+    start = Candidate(batch_size=20, choices=BF16)
+    scored = Scored(
+        candidate=start,
+        estimate=estimate(profile, start, strategies),
+        largest_batch=20,
+        active=1,
+    )
+    found, _ = prober.largest(scored, "probe")
+    tried = [b for b, _, _ in device.calls]
+    assert tried[0] == 20
+    assert edge <= tried[1] <= edge + 1, tried  # the first failure measures the edge
+    assert found.batch <= edge
+    assert len(tried) <= 4, tried
