@@ -34,6 +34,7 @@ __all__ = [
     "RunsSpent",
     "Tie",
     "run_steps",
+    "timing_steps_at_once",
     "verify_steps",
 ]
 
@@ -42,6 +43,9 @@ __all__ = [
 # samples, and a pick's allocated peak leaves that much of the budget free. Near the edge the
 # limit moved by a few samples between fresh processes (docs/design.md, "The measured margin").
 HEADROOM_FRACTION = 0.03
+# Steps of the first timing runs made at once on a card (timing_steps_at_once): the first
+# step compiles nothing in eager but warms the allocator and cuDNN; the median of 7 ranks.
+TIMING_AT_ONCE_STEPS = 8
 
 # The fits whose peaks say what a sample costs near the edge: those within this fraction of
 # the largest batch that fitted (Prober._slope_and_basis).
@@ -121,9 +125,13 @@ class Prober:
         # ("compiling candidate 2/4 (...)"); '' says the stage's name.
         self.doing = ""
 
-    def run(self, candidate: Candidate, steps: int, stage: str) -> Measurement | None:
-        """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it."""
-        known, answer = self._known(candidate, steps)
+    def run(
+        self, candidate: Candidate, steps: int, stage: str, shorter_fits: bool = False
+    ) -> Measurement | None:
+        """``candidate`` for ``steps`` steps, on the device unless an earlier run answers it;
+        ``shorter_fits``: an earlier run of fewer steps that fitted answers too (a batch
+        search asks whether it fits and what it held; the pick's own run takes the steps)."""
+        known, answer = self._known(candidate, steps, shorter_fits)
         if known:
             return answer
         self._spend(1, candidate)
@@ -168,12 +176,15 @@ class Prober:
             answers[i] = measured
         return answers
 
-    def _known(self, candidate: Candidate, steps: int) -> tuple[bool, Measurement | None]:
+    def _known(
+        self, candidate: Candidate, steps: int, shorter_fits: bool = False
+    ) -> tuple[bool, Measurement | None]:
         """(True, the answer) where an earlier run answers ``candidate`` for ``steps``
-        steps without the device; (False, None) where it must run."""
+        steps without the device (``shorter_fits``: or one of fewer steps that fitted);
+        (False, None) where it must run."""
         known = self._runs.get(_key(candidate))
         if known is not None:
-            if known.measured is not None and known.steps >= steps:
+            if known.measured is not None and (known.steps >= steps or shorter_fits):
                 return True, known.measured
             if known.ran_out_within(steps):
                 return True, None  # it ran out within the steps asked for now
@@ -268,7 +279,8 @@ class Prober:
         measured: dict[int, Measurement] = {}
 
         def fits(batch: int) -> bool:
-            m = self.run(Candidate(batch_size=batch, choices=choices), self.steps, stage)
+            candidate = Candidate(batch_size=batch, choices=choices)
+            m = self.run(candidate, self.steps, stage, shorter_fits=True)
             if m is not None:
                 measured[batch] = m
             return m is not None
@@ -278,28 +290,35 @@ class Prober:
             return _held(m, cfg.measured_margin) <= self.pick_limit_bytes(choices, batch)
 
         def extrapolate(batch: int) -> int | None:
+            """The next batch up to probe after ``batch`` fitted: where its measured peak,
+            grown along the runs' own slope where two fitted, else along the estimate's
+            shape from ``batch`` up (SearchSpace.batch_reaching), fills what is aimed at.
+
+            Why the estimate's shape, not a slope averaged below ``batch``: a step's
+            estimate is the larger of a fixed phase (the optimizer's update) and the
+            activations' phase, so below a fit its slope can be the fixed phase's. lm350m
+            on a card fitted 18 at 7.53 GB of 8.59 (about 0.17 GB a sample there); the
+            slope over [9, 18] said 0.05 and the next probe went to 38 or 42, then three
+            more ran out before 20 fitted. Along the estimate, shifted by what the run
+            measured, the probe after 18 is 24 (docs/design.md)."""
             m = measured.get(batch)
             if m is None:
                 return None
+            runs_slope, _ = self._slope_and_basis(choices)
             if cfg.measured_margin:
                 # At the edge itself, where the allocated peak fills the budget: the first
                 # failure (or a fit past the headroom) measures where it is, and the pick is
-                # the headroom's worth of samples below it (find_batch's ``descend``). Along
-                # the runs' own slope where two fitted, else along the estimate's shape from
-                # this run up (SearchSpace.batch_reaching: its slope below the run can be a
-                # fixed phase's).
+                # the headroom's worth of samples below it (find_batch's ``descend``).
                 room = cfg.budget_bytes - m.peak_bytes
-                runs_slope, _ = self._slope_and_basis(choices)
                 if runs_slope > 0:
                     return batch + max(1, math.ceil(room / runs_slope))
                 return self.space.batch_reaching(choices, batch, room) + 1
-            slope = self.sample_bytes(choices, batch)
-            if slope <= 0:
-                return None
             # A quarter margin under the usable budget: a probe that lands just over it fits
             # but cannot be taken (within_margin), and the search keeps ``start``.
             aim = cfg.usable_bytes - cfg.budget_bytes * cfg.margin_fraction / 4
-            return batch + math.floor((aim - m.limit_bytes) / slope)
+            if runs_slope > 0:
+                return batch + math.floor((aim - m.limit_bytes) / runs_slope)
+            return self.space.batch_reaching(choices, batch, aim - m.limit_bytes)
 
         upper = self.space.upper_batch(scored)
         found = find_batch(
@@ -428,6 +447,8 @@ class Prober:
             batch_size=batch, accumulation_steps=accumulation, choices=scored.candidate.choices
         )
         m = measured.get(batch) if accumulation == 1 else None
+        if m is not None and m.steps < self.steps:
+            m = None  # a timing run of fewer steps (timing_steps_at_once): the pick's own run
         if m is None:  # the pick itself was not run (margin below a failure, or accumulation)
             candidate, m = self.stepping_down(candidate, self.steps, stage)
             if m is None:
@@ -483,6 +504,24 @@ def run_steps(device: Device, config: PlanConfig) -> int:
     if device.capabilities.runs_cost_more_than_steps:
         steps = max(steps, config.verify_steps)
     return steps
+
+
+def timing_steps_at_once(device: Device, config: PlanConfig) -> int:
+    """Steps of the first timing runs made at once (``_rerank``): :func:`run_steps`, but on
+    a device whose runs cost more than their steps (a card) at most
+    :data:`TIMING_AT_ONCE_STEPS` (and no fewer than the probe's and the timing's steps).
+
+    Why: on a card every run takes the verifying steps so that the pick's own run is its
+    verification; runs made at once start their processes together, but take their timed
+    steps one run after another, so there the steps are what they cost (H100: t5_base's
+    six 20-step timing runs took 35.0-42.6 s, lm350m's four 21.3-21.6 s). A timing run
+    ranks a candidate and tells the batch search that its batch fits; the pick's batch is
+    run again for the full steps where only a timing run measured it (:meth:`Prober.confirm`).
+    """
+    steps = run_steps(device, config)
+    if not device.capabilities.runs_cost_more_than_steps:
+        return steps
+    return min(steps, max(config.probe_steps, config.timing_steps, TIMING_AT_ONCE_STEPS))
 
 
 def verify_steps(device: Device, config: PlanConfig) -> int:

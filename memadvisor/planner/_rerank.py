@@ -29,7 +29,7 @@ from memadvisor.estimate import estimate
 from memadvisor.planner._budget import infeasible
 from memadvisor.planner._compare import unchecked_hand_choices
 from memadvisor.planner._probe import safe_below
-from memadvisor.planner._prober import Confirmed, Prober, Tie
+from memadvisor.planner._prober import Confirmed, Prober, Tie, timing_steps_at_once
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -314,7 +314,8 @@ def _first_runs_at_once(prober: Prober, timed: Sequence[Scored]) -> dict[str, _T
     runs = [
         (s, Candidate(batch_size=_start(prober, s), choices=s.candidate.choices)) for s in timed
     ]
-    answers = prober.run_many([c for _, c in runs], prober.steps, "timing")
+    steps = timing_steps_at_once(prober.device, prober.config)
+    answers = prober.run_many([c for _, c in runs], steps, "timing")
     first: dict[str, _Timing | None] = {}
     for (s, candidate), answer in zip(runs, answers, strict=True):
         if isinstance(answer, Exception):

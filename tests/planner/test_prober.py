@@ -80,3 +80,40 @@ def test_the_first_probe_above_a_fit_in_the_fixed_phase_lands_at_the_edge_not_be
     assert edge <= tried[1] <= edge + 1, tried  # the first failure measures the edge
     assert found.batch <= edge
     assert len(tried) <= 4, tried
+
+
+def _card_plan(workload, profile, strategies, linear_device, at_once: int):
+    """A plan on a card-like device (runs cost more than their steps), eager only, its runs
+    made ``at_once`` at a time; (plan, the device's calls)."""
+    from memadvisor.planner import plan_workload
+    from tests.planner.test_compiled_search import EAGER_LM
+
+    device = linear_device(EAGER_LM, fixed_ms=3.0, runs_cost_more_than_steps=True)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+    config = PlanConfig(budget_bytes=100 * MIB, probe_steps=3, timing_steps=3, verify_steps=20)
+    plan = plan_workload(
+        workload, config, profile=profile, device=device, progress=False,
+        strategies=strategies, measure_comparison=False,
+    )  # fmt: skip
+    return plan, device.calls
+
+
+def test_timing_runs_made_at_once_on_a_card_take_fewer_steps_and_the_pick_its_own(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Rule: on a card every run takes the verifying steps (20) so that the pick's run is its
+    verification; the first timing runs made at once take their timed steps one run after
+    another, so they take TIMING_AT_ONCE_STEPS (8) instead (H100: t5_base's six 20-step timing
+    runs took 35-43 s). The plan picks what it picks with them one at a time, and the pick's
+    verification is a run of the full 20 steps."""
+    alone, _ = _card_plan(workload, profile, strategies, linear_device, at_once=1)
+    together, calls = _card_plan(workload, profile, strategies, linear_device, at_once=4)
+    assert together.candidate == alone.candidate
+    timing = [p for p in together.probes if p.stage == "timing"]
+    assert len(timing) >= 2
+    at_once = [p for p in timing if p.fits and p.steps == 8]  # TIMING_AT_ONCE_STEPS
+    assert len(at_once) >= 2, [(p.batch_size, p.steps, p.fits) for p in timing]
+    assert together.verified is not None and together.verified.steps == 20
+    assert together.verified == alone.verified
+    steps = lambda plan: sum(p.steps for p in plan.probes)  # noqa: E731
+    assert steps(together) < steps(alone)
