@@ -218,8 +218,13 @@ class SearchSpace:
 
     def bytes_per_sample(self, choices: dict[str, JsonValue], batch: int) -> float:
         """What one more sample adds to the estimated :attr:`Estimate.limit_bytes` of
-        ``choices``, over the upper half of ``[0, batch]`` (the estimate is convex in the
-        batch, so the slope there is the one that reaches above ``batch``)."""
+        ``choices``, over the upper half of ``[0, batch]``.
+
+        The estimate is convex in the batch (the larger of a fixed phase and the activations'
+        phase), so this is at most its slope above ``batch``: the safe side for a margin
+        below a failure (:meth:`Prober.below`: a smaller slope, more samples of headroom),
+        not for aiming above a fit, where a fixed phase that dominates below ``batch``
+        flattens it (the upward probe goes along :meth:`batch_reaching` instead)."""
         low = max(1, batch // 2)
         if batch <= low:
             low, batch = batch, batch + 1
@@ -230,7 +235,9 @@ class SearchSpace:
     def batch_reaching(self, choices: dict[str, JsonValue], batch: int, more_bytes: float) -> int:
         """The largest batch from ``batch`` up whose estimated :attr:`Estimate.limit_bytes`
         of ``choices`` is at most ``more_bytes`` above ``batch``'s (``batch`` itself where
-        the next one is already more; at most ``config.max_batch``).
+        the next one is already more; at most ``config.max_batch``): with ``more_bytes``
+        the room a run measured under what is aimed at, the estimate shifted by the
+        measured-minus-estimated error at ``batch``.
 
         Why along the estimate itself, not a slope: a step's estimate is the larger of a fixed
         phase (the optimizer's update) and the activations' phase, so its slope below
@@ -247,7 +254,7 @@ class SearchSpace:
         lo, hi = batch, batch + 1  # lo within, hi the first not known to be
         while hi <= top and within(hi):
             lo, hi = hi, min(top + 1, hi + max(1, hi - batch))  # doubling the step
-        while hi - lo > 1 and hi <= top:
+        while hi - lo > 1:  # hi may be top + 1: the cap, not a batch known to be over
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if within(mid) else (lo, mid)
         return lo

@@ -82,6 +82,41 @@ def test_the_first_probe_above_a_fit_in_the_fixed_phase_lands_at_the_edge_not_be
     assert len(tried) <= 4, tried
 
 
+def test_with_a_fixed_margin_the_probe_above_a_fit_in_the_fixed_phase_aims_inside_it(
+    strategies, workload
+) -> None:
+    """Rule: with a fixed margin (``--margin``: the measured margin off) the probe after a fit
+    aims at a quarter margin under the usable budget along the estimate's own shape from that
+    fit up too, not along its slope averaged below the fit. Here the optimizer's update holds
+    100 MiB up to batch 15 and activations 2.7 MiB a sample above it; from a fit at 20
+    (114 MiB) the aim, 150 MiB of 160 at a 5% margin, is batch 33 (149.1 MiB), which fits
+    and is the pick. The slope over [10, 20], mostly the fixed phase, is 1.4 MiB a sample and
+    aimed at 45, which ran out, and the search kept 20: one run more for 13 samples fewer."""
+    profile = make_profile(param_mib=20)
+    budget = 160 * MIB
+    device = EstimateDevice(profile, strategies, budget)
+    config = PlanConfig(
+        budget_bytes=budget, margin_fraction=0.05, probe_steps=2, timing_steps=2, verify_steps=4
+    )
+    assert not config.measured_margin
+    space = SearchSpace(profile, strategies, config)
+    prober = Prober(device, workload, space, config)
+    aim = config.usable_bytes - budget * config.margin_fraction / 4
+    aimed = max(b for b in range(20, 100) if limit_at(profile, BF16, strategies, b) <= aim)
+    assert aimed == 33
+    start = Candidate(batch_size=20, choices=BF16)
+    scored = Scored(
+        candidate=start,
+        estimate=estimate(profile, start, strategies),
+        largest_batch=20,
+        active=1,
+    )
+    found, _ = prober.largest(scored, "probe")
+    tried = [b for b, _, _ in device.calls]
+    assert tried == [20, aimed], tried
+    assert found.batch == aimed
+
+
 def _card_plan(workload, profile, strategies, linear_device, at_once: int):
     """A plan on a card-like device (runs cost more than their steps), eager only, its runs
     made ``at_once`` at a time; (plan, the device's calls)."""
