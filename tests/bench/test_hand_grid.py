@@ -210,3 +210,22 @@ def test_the_hand_cells_run_under_the_allocator_the_plan_ran_under(user_path, mo
     assert user_path._cells_allocator(plan(precision="bf16")) == {}
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert user_path._cells_allocator(plan(allocator="expandable_segments")) == {}
+
+
+def test_a_cells_first_extrapolation_takes_the_estimates_slope_above_its_start(grid) -> None:
+    """Rule: a hand cell extrapolates from its first run along the estimate's bytes per
+    sample from its start up, not averaged over [start/2, start], where a fixed phase (the
+    optimizer's update) flattens it: here 100 MiB up to batch 15, then 2.7 MiB a sample,
+    and a start at 20 (lm350m on a card: 0.05 GB a sample below 18, 0.17 above)."""
+    from memadvisor.planner._space import SearchSpace
+    from memadvisor.schema.config import PlanConfig
+    from tests.planner.conftest import MIB, FakeCheckpointing, FakePrecision, make_profile
+
+    profile = make_profile(param_mib=20)
+    space = SearchSpace(
+        profile, [FakePrecision(), FakeCheckpointing()], PlanConfig(budget_bytes=160 * MIB)
+    )
+    choices = {"precision": "bf16"}
+    above = grid._slope_above(space, choices, 20)
+    assert above == pytest.approx(2.7 * MIB, rel=0.02)
+    assert space.bytes_per_sample(choices, 20) < 0.6 * above
