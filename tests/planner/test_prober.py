@@ -49,6 +49,19 @@ class EstimateDevice(FakeDevice):
         )
 
 
+def _search_from_20(device, workload, profile, strategies, config):
+    """The prober's batch search for bf16 from a fit at batch 20: (what it found, the
+    batches the device ran, in order)."""
+    space = SearchSpace(profile, strategies, config)
+    prober = Prober(device, workload, space, config)
+    start = Candidate(batch_size=20, choices=BF16)
+    scored = Scored(
+        candidate=start, estimate=estimate(profile, start, strategies), largest_batch=20, active=1
+    )
+    found, _ = prober.largest(scored, "probe")
+    return found, [b for b, _, _ in device.calls]
+
+
 def test_the_first_probe_above_a_fit_in_the_fixed_phase_lands_at_the_edge_not_beyond(
     strategies, workload
 ) -> None:
@@ -62,20 +75,10 @@ def test_the_first_probe_above_a_fit_in_the_fixed_phase_lands_at_the_edge_not_be
     budget = 160 * MIB
     device = EstimateDevice(profile, strategies, budget)
     config = PlanConfig(budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4)
-    space = SearchSpace(profile, strategies, config)
-    prober = Prober(device, workload, space, config)
     assert limit_at(profile, BF16, strategies, 10) == limit_at(profile, BF16, strategies, 1)
     edge = device.edge()
     assert 30 < edge < 45
-    start = Candidate(batch_size=20, choices=BF16)
-    scored = Scored(
-        candidate=start,
-        estimate=estimate(profile, start, strategies),
-        largest_batch=20,
-        active=1,
-    )
-    found, _ = prober.largest(scored, "probe")
-    tried = [b for b, _, _ in device.calls]
+    found, tried = _search_from_20(device, workload, profile, strategies, config)
     assert tried[0] == 20
     assert edge <= tried[1] <= edge + 1, tried  # the first failure measures the edge
     assert found.batch <= edge
@@ -99,20 +102,10 @@ def test_with_a_fixed_margin_the_probe_above_a_fit_in_the_fixed_phase_aims_insid
         budget_bytes=budget, margin_fraction=0.05, probe_steps=2, timing_steps=2, verify_steps=4
     )
     assert not config.measured_margin
-    space = SearchSpace(profile, strategies, config)
-    prober = Prober(device, workload, space, config)
     aim = config.usable_bytes - budget * config.margin_fraction / 4
     aimed = max(b for b in range(20, 100) if limit_at(profile, BF16, strategies, b) <= aim)
     assert aimed == 33
-    start = Candidate(batch_size=20, choices=BF16)
-    scored = Scored(
-        candidate=start,
-        estimate=estimate(profile, start, strategies),
-        largest_batch=20,
-        active=1,
-    )
-    found, _ = prober.largest(scored, "probe")
-    tried = [b for b, _, _ in device.calls]
+    found, tried = _search_from_20(device, workload, profile, strategies, config)
     assert tried == [20, aimed], tried
     assert found.batch == aimed
 
