@@ -519,14 +519,21 @@ class Search:
         """``runs`` made on the device (:meth:`_run_in_groups`, waited for on a thread) while
         ``call`` runs here; (the runs not made, what ``call`` answered). This thread is the
         one that compiles (dynamo and triton are not thread-safe); the other only waits on
-        the device's processes."""
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs") as pool:
-            pending = pool.submit(self._run_in_groups, runs, ask, reserve, free)
-            try:
-                answered = call()
-            finally:
-                not_run = pending.result()
-        return not_run, answered
+        the device's processes.
+
+        Where ``call`` raises (a Ctrl-C during the trial), it propagates at once, without
+        waiting for the runs: the plan's end closes the device, which ends them."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs")
+        pending = pool.submit(self._run_in_groups, runs, ask, reserve, free)
+        try:
+            answered = call()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        try:
+            return pending.result(), answered
+        finally:
+            pool.shutdown()
 
     @staticmethod
     def _drop(variants: Sequence[Variant], why_not: dict[int, str | None]) -> set[int]:

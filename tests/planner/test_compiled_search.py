@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -943,3 +944,35 @@ def test_a_dynamic_form_that_fails_is_trialled_static_beside_its_static_runs(
     else:
         assert not stage.picked and "compile" not in plan.candidate.choices
         assert all(v.batch_size is None for v in stage.variants)
+
+
+def test_a_ctrl_c_during_the_trial_beside_pass_1_is_not_held_until_the_runs_end(
+    workload, profile, strategies, linear_device, monkeypatch
+) -> None:
+    """Rule: where the trial runs beside pass 1's runs (a card), an interrupt during the trial
+    reaches the user at once, not after the runs on the device end (tens of seconds on a
+    card): here the runs wait up to 10 s for a release that comes only after the interrupt
+    was seen."""
+    release = threading.Event()
+
+    def interrupted(workload, choice, *, candidate=None, device=None, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("strategies.compile.try_compile", interrupted)
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    real_many = device.run_many
+
+    def slow_many(workload, runs):
+        if all("compile" in c.choices for c, _ in runs):
+            release.wait(10)
+        return real_many(workload, runs)
+
+    device.run_many = slow_many
+    started = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _plan(workload, profile, strategies, device)
+        assert time.perf_counter() - started < 5
+    finally:
+        release.set()
