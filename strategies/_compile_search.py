@@ -94,8 +94,10 @@ __all__ = [
     "Search",
     "Variant",
     "blocks_repeat",
+    "beats_eager",
     "could_beat",
     "search_variants",
+    "worth",
 ]
 
 COMPILE = "compile"
@@ -187,6 +189,11 @@ class Variant:
     @property
     def form(self) -> JsonValue:
         return self.choices[COMPILE]
+
+    def forget(self, error: str | None = None) -> None:
+        """Its runs and line forgotten (made in a form not searched), ``error`` its answer."""
+        self.runs.clear()
+        self.lowest_failure, self.fit, self.error = None, None, error
 
     @property
     def final_differs(self) -> bool:
@@ -348,6 +355,24 @@ def label(
     return ", ".join(words)
 
 
+def worth(objective: str, batch: int, samples_per_s: float) -> tuple:
+    """A pick of ``batch`` at ``samples_per_s``, as the objective ranks picks: by batch, then
+    throughput, for ``largest_batch``; by throughput else."""
+    return (batch, samples_per_s) if objective == "largest_batch" else (samples_per_s,)
+
+
+def beats_eager(
+    objective: str, batch: int, samples_per_s: float, eager: Confirmed, allowance: float = 1.0
+) -> bool:
+    """Whether a pick of ``batch`` at ``samples_per_s`` is worth a compile per process over
+    ``eager``: :data:`MIN_SPEEDUP` (times ``allowance``) of its rate, or, for
+    ``largest_batch``, a larger batch."""
+    eager_batch = eager.candidate.batch_size
+    if objective == "largest_batch" and batch != eager_batch:
+        return batch > eager_batch
+    return samples_per_s >= MIN_SPEEDUP * allowance * eager.measured.samples_per_s
+
+
 def could_beat(
     objective: str, fit: StepFit | None, eager: Confirmed, allowance: float = 1.0
 ) -> bool:
@@ -356,26 +381,7 @@ def could_beat(
     the static form the pick is judged on may run faster."""
     if fit is None or fit.largest_batch < 1:
         return False
-    eager_batch = eager.candidate.batch_size
-    if objective == "largest_batch" and fit.largest_batch != eager_batch:
-        return fit.largest_batch > eager_batch
-    return fit.samples_per_s >= MIN_SPEEDUP * allowance * eager.measured.samples_per_s
-
-
-def _measured_key(objective: str, batch: int, m: Measurement) -> tuple:
-    """A run's worth, as the objective ranks a confirmed pick."""
-    return (batch, m.samples_per_s) if objective == "largest_batch" else (m.samples_per_s,)
-
-
-def _measured_beats(
-    objective: str, batch: int, m: Measurement, eager: Confirmed, allowance: float
-) -> bool:
-    """Whether a run at ``batch`` measured a pick worth a compile over ``eager``
-    (:func:`could_beat`'s bar, for a measurement instead of a line)."""
-    eager_batch = eager.candidate.batch_size
-    if objective == "largest_batch" and batch != eager_batch:
-        return batch > eager_batch
-    return m.samples_per_s >= MIN_SPEEDUP * allowance * eager.measured.samples_per_s
+    return beats_eager(objective, fit.largest_batch, fit.samples_per_s, eager, allowance)
 
 
 def _allowance(v: Variant) -> float:
@@ -386,9 +392,7 @@ def _worth_of(objective: str, v: Variant) -> tuple:
     """What ``v``'s line predicts, as the objective ranks it."""
     if v.fit is None:
         return (0, 0.0)
-    if objective == "largest_batch":
-        return (v.fit.largest_batch, v.fit.samples_per_s)
-    return (v.fit.samples_per_s,)
+    return worth(objective, v.fit.largest_batch, v.fit.samples_per_s)
 
 
 @dataclass
@@ -476,8 +480,7 @@ class Search:
             out = self._drop(variants, dropped)
             changed = [v for v in variants if id(v) not in out and v.choices != before[id(v)]]
             for v in changed:  # measured in a form that is not searched: measured again
-                v.runs.clear()
-                v.lowest_failure, v.fit, v.error = None, None, None
+                v.forget()
             self.void_runs += sum(1 for v in changed if all(v is not w for w, _ in not_run))
             not_run = [(v, b) for v, b in not_run if id(v) not in out and v not in changed]
             again = [(v, v.start_batch) for v in changed]
@@ -541,9 +544,7 @@ class Search:
         their error its answer; returns their ids."""
         for v in variants:
             if id(v) in why_not:
-                v.error = why_not[id(v)]
-                v.runs.clear()
-                v.lowest_failure, v.fit = None, None
+                v.forget(why_not[id(v)])
         return set(why_not)
 
     def rival(
@@ -562,7 +563,7 @@ class Search:
         objective = self.stage.config.objective
         bar = None
         if found is not None:
-            bar = _measured_key(objective, found.candidate.batch_size, found.measured)
+            bar = worth(objective, found.candidate.batch_size, found.measured.samples_per_s)
         best: Variant | None = None
         for v in variants:
             if v is winner or v.error is not None:
@@ -570,9 +571,10 @@ class Search:
             for batch, m in v.runs.items():
                 if self.stage.held_bytes(m) > self.stage.limit_bytes:
                     continue
-                if not _measured_beats(objective, batch, m, self.eager, _allowance(v)):
+                rate = m.samples_per_s
+                if not beats_eager(objective, batch, rate, self.eager, _allowance(v)):
                     continue
-                key = _measured_key(objective, batch, m)
+                key = worth(objective, batch, rate)
                 if bar is None or key > bar:
                     best, bar = v, key
         return best

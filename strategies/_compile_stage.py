@@ -78,11 +78,13 @@ from strategies._compile_search import (
     CompileSearch,
     Search,
     Variant,
+    beats_eager,
     compiles_every_run,
     first_line,
     handed_on,
     is_dynamic,
     search_variants,
+    worth,
 )
 from strategies._compile_trial import CompileResult
 from strategies._compiled_forward import CompileChoice, parse_choice
@@ -185,6 +187,7 @@ def compiled_pick(
     if not variants:  # only budget choices offered, and the pick recomputes nothing
         return Refinement(pick=eager_best)
     runs_before = len(stage.probes)
+    objective = stage.config.objective
     scope = contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
     with stage.progress(), scope as shared:
         search = Search(stage, settings, eager_best)
@@ -223,7 +226,6 @@ def compiled_pick(
             rival = search.rival(measurable, winner, found)
             if rival is not None:
                 other = search.confirm(rival, FINAL_FORM_RUNS if rival.final_differs else 0)
-                objective = stage.config.objective
                 if other is not None and (
                     found is None or _rank(objective, other) > _rank(objective, found)
                 ):
@@ -242,7 +244,6 @@ def compiled_pick(
         ran = len(stage.probes) > runs_before
         cache_report = shared.report() if ran else None
 
-    objective = stage.config.objective
     records = [_record(stage, v, trials[_key(v.form)], runs_before) for v in variants]
     confirmed: list[tuple[StageVariant, Confirmed]] = []
     if displaced is not None:
@@ -774,10 +775,7 @@ def _record_gain(strategy: Compile, compiled: Confirmed, eager: Confirmed) -> No
 
 
 def _rank(objective: str, confirmed: Confirmed) -> tuple:
-    rate = confirmed.measured.samples_per_s
-    if objective == "largest_batch":
-        return (confirmed.candidate.batch_size, rate)
-    return (rate,)
+    return worth(objective, confirmed.candidate.batch_size, confirmed.measured.samples_per_s)
 
 
 def _best(
@@ -790,10 +788,8 @@ def _best(
 
 def _beats(objective: str, compiled: Confirmed, eager: Confirmed) -> bool:
     """Whether ``compiled`` is worth a compile per process over ``eager``, by the objective."""
-    batch, eager_batch = compiled.candidate.batch_size, eager.candidate.batch_size
-    if objective == "largest_batch" and batch != eager_batch:
-        return batch > eager_batch
-    return compiled.measured.samples_per_s >= MIN_SPEEDUP * eager.measured.samples_per_s
+    rate = compiled.measured.samples_per_s
+    return beats_eager(objective, compiled.candidate.batch_size, rate, eager)
 
 
 def _verdict(
