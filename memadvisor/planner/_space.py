@@ -245,19 +245,10 @@ class SearchSpace:
         18 (budget 8.59 GB, about 0.17 GB a sample there); the estimate's slope over [9, 18],
         mostly the fixed phase, was about 0.03 GB a sample and sent the next probe to 38
         where 21 ran out."""
-        top = self.config.max_batch
         base = limit_at(self.profile, choices, self.strategies, batch)
-
-        def within(b: int) -> bool:
-            return limit_at(self.profile, choices, self.strategies, b) - base <= more_bytes
-
-        lo, hi = batch, batch + 1  # lo within, hi the first not known to be
-        while hi <= top and within(hi):
-            lo, hi = hi, min(top + 1, hi + max(1, hi - batch))  # doubling the step
-        while hi - lo > 1:  # hi may be top + 1: the cap, not a batch known to be over
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if within(mid) else (lo, mid)
-        return lo
+        limit = math.floor(base + more_bytes)
+        reach = largest_batch(self.profile, choices, self.strategies, limit, self.config.max_batch)
+        return max(batch, reach)
 
     def batch_for(self, largest: int) -> tuple[int, int]:
         """(micro-batch, accumulation) the objective takes when ``largest`` fits."""
