@@ -88,7 +88,9 @@ __all__ = [
     "CPU_PLAN_STEPS",
     "ROUNDING",
     "FP32Runs",
+    "Weights",
     "check_device",
+    "copy_with",
     "check_numerics",
     "tf32_matmuls",
 ]
@@ -159,6 +161,78 @@ def tf32_matmuls(enabled: bool = True) -> Iterator[None]:
         _torch_private.restore_matmul_precision(before)
 
 
+# Models up to this size are staged in pinned host memory for their copies (Weights): the
+# pinned copy is host memory held while a screen runs, and page-locked memory is scarcer.
+STAGE_MAX_BYTES = 4 * 2**30
+
+
+class Weights:
+    """Fresh copies of a model on a card, its parameters and buffers staged once in pinned
+    host memory and copied from there for each run.
+
+    Why: each numerics run trains its own copy from the model's weights, and a deep copy
+    of a model on the CPU then ``.to("cuda")`` copies every byte twice, the second time
+    from pageable memory. On an H100 host shared with other plans, a 0.35B decoder's copies
+    took 2.2-7.7 s each and t5-base's 2.6-9.4 s (26.8 s of a 43.5 s screen); from pinned
+    memory the bytes reach the card at the bus's speed and only the module's structure is
+    copied on the CPU (``docs/design.md``, "The numerics runs' copies").
+
+    Known limitations:
+        * Only a model on the CPU copied to a card, of at most :data:`STAGE_MAX_BYTES`, is
+          staged; anything else is deep-copied as before.
+        * A tensor held in a plain attribute (neither parameter nor buffer) is deep-copied
+          on the CPU and moved by ``Module.to``, as before.
+        * The pinned copy is made at the first run and held until this object goes.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._pinned: dict[int, torch.Tensor] | None = None
+
+    def _stages(self, device: torch.device) -> bool:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        tensors = _tensors(self.model)
+        on_cpu = all(t.device.type == "cpu" for t in tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        return bool(tensors) and on_cpu and size <= STAGE_MAX_BYTES
+
+    def copy_to(self, device: torch.device) -> nn.Module:
+        """A copy of the model on ``device`` that shares nothing with it (:func:`copy_with`)."""
+        if not self._stages(device):
+            return copy.deepcopy(self.model).to(device)
+        if self._pinned is None:
+            self._pinned = {id(t): t.detach().pin_memory() for t in _tensors(self.model)}
+        pinned = self._pinned
+        model = copy_with(self.model, lambda t: pinned[id(t)].to(device, non_blocking=True))
+        # The copies are ordered before any kernel on this stream and the pinned source is
+        # not written while this object lives: the wait only makes the copy's time honest.
+        torch.cuda.current_stream(device).synchronize()
+        return model.to(device)
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters and buffers, each once (a tied weight is one tensor)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def copy_with(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are ``make(t)`` of its own,
+    made once per tensor: a weight the model holds twice (tied) is one tensor in the copy
+    too, a parameter stays a parameter with its ``requires_grad``. Everything else is
+    deep-copied (``copy.deepcopy`` with the new tensors in its memo)."""
+    memo: dict[int, Any] = {}
+    for t in _tensors(model):
+        made = make(t)
+        if isinstance(t, nn.Parameter):
+            made = nn.Parameter(made, requires_grad=t.requires_grad)
+        memo[id(t)] = made
+    return copy.deepcopy(model, memo)
+
+
 @dataclass
 class _Run:
     """What one training run of the check recorded."""
@@ -186,6 +260,7 @@ def _train(
     jitter: float = 0.0,
     scaler: bool = True,
     time_s: float | None = None,
+    weights: Weights | None = None,
 ) -> _Run:
     """Train a copy of the workload's model ``steps`` optimizer steps in ``precision``
     ('fp32', 'tf32', 'bf16' or 'fp16') on ``batch``, its dropout drawn from ``seed``.
@@ -195,9 +270,10 @@ def _train(
     ``scaler``: fp16 trains with a GradScaler (as the plan's advice says); its skipped steps
     are not counted. With ``time_s``, stop once the steps after the first have taken that
     long and :data:`NUMERICS_MIN_STEPS` are done. A non-finite loss ends the run.
+    ``weights``: where the copy comes from (:class:`Weights`; default, a deep copy).
     """
     t_copy = time.perf_counter()
-    model = copy.deepcopy(workload.model).to(device)
+    model = (weights or Weights(workload.model)).copy_to(device)
     copy_s = time.perf_counter() - t_copy
     if precision in ("bf16", "fp16"):
         _forward.install(model, AutocastForward, precision=precision)
@@ -431,12 +507,22 @@ class FP32Runs:
     precision is checked), and a spread run depends only on the rounding (fp16 and TF32 share
     2^-11) and the seed; a run of k steps is the first k steps of a longer one. So one
     precision's check after another trains its own precision and only the spread steps not
-    yet run. Pass one object to the checks of one model, in one screen.
+    yet run. The runs' copies of the model come from one :class:`Weights`, staged once.
+    Pass one object to the checks of one model, in one screen.
     """
 
     def __init__(self) -> None:
         self._reference: dict[tuple, tuple[Any, _Run]] = {}
         self._spreads: dict[tuple, _Run] = {}
+        self._weights: dict[int, Weights] = {}
+
+    def weights(self, model: nn.Module) -> Weights:
+        """Where ``model``'s runs take their copies from (:class:`Weights`), one per model:
+        its weights staged once for all of the screen's runs."""
+        held = self._weights.get(id(model))
+        if held is None or held.model is not model:
+            held = self._weights[id(model)] = Weights(model)
+        return held
 
     def reference(self, key: tuple, make: Callable[[], tuple[Any, _Run]]) -> tuple[Any, _Run]:
         """The batch and A for ``key``, made once."""
@@ -501,19 +587,27 @@ def check_numerics(
     b = batch_size or min(workload.sample_batch_size, NUMERICS_MAX_BATCH)
     where = torch.device(device) if device is not None else workload.device
     runs = fp32 if fp32 is not None else FP32Runs()
+    weights = runs.weights(workload.model)
     started = time.perf_counter()
 
     def reference() -> tuple[Any, _Run]:
         with torch.random.fork_rng(devices=_cuda(where)):  # a make_batch may draw: not yours
             batch = workload.batch(b, device=where)  # one batch for every run
         return batch, _train(
-            workload, "fp32", steps, seed=seed, time_s=time_s, batch=batch, device=where
+            workload,
+            "fp32",
+            steps,
+            seed=seed,
+            time_s=time_s,
+            batch=batch,
+            device=where,
+            weights=weights,
         )
 
     # The model's identity in the keys: one FP32Runs passed to another model's check trains anew.
     model = id(workload.model)
     batch, a = runs.reference((model, seed, steps, b, str(where), time_s), reference)
-    common = {"batch": batch, "device": where}
+    common = {"batch": batch, "device": where, "weights": weights}
     steps = len(a.losses)  # fewer than asked where steps are slow: the others take as many
     low = _train(workload, precision, steps, seed=seed, scaler=scaler, **common)
     comparable = a.finite and low.finite and len(low.losses) == steps

@@ -5,6 +5,7 @@ offered only where the device has it, switched on process-wide, and checked the 
 
 from __future__ import annotations
 
+import copy
 import pickle
 import warnings
 
@@ -18,10 +19,12 @@ from memadvisor.schema.config import PlanConfig
 from memadvisor.workload import Workload
 from strategies._numerics import (
     CPU_PLAN_STEPS,
+    Weights,
     _compare,
     _Run,
     _spread_steps_needed,
     check_numerics,
+    copy_with,
 )
 from strategies.precision import TF32_OFF, TF32_ON, Precision, TF32Matmuls, precision_of
 from tests.fixtures import precision_failures as planted
@@ -534,3 +537,77 @@ def test_tf32_is_put_back_exactly_as_a_fresh_process_has_it() -> None:
     with tf32_matmuls():
         assert torch.get_float32_matmul_precision() == "high"
     assert _torch_private.matmul_precision_state() == before
+
+
+class _Tied(nn.Module):
+    """An embedding tied to the output head, a buffer, and a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(self.embed(x)) * self.scale)
+
+
+def test_a_copy_made_from_given_tensors_keeps_ties_and_flags_and_shares_nothing():
+    """copy_with (the staged copies' structure): each parameter and buffer is the tensor
+    made for it, made once per tensor (a tied weight stays one tensor), a parameter stays a
+    parameter with its requires_grad, and nothing is shared with the model."""
+    model = _Tied()
+    made: list[int] = []
+
+    def make(t: torch.Tensor) -> torch.Tensor:
+        made.append(id(t))
+        return t.detach().clone()
+
+    copied = copy_with(model, make)
+    assert len(made) == len(set(made)) == 4  # embed (= head), frozen's two, the buffer
+    assert copied.head.weight is copied.embed.weight
+    assert isinstance(copied.frozen.weight, nn.Parameter)
+    assert not copied.frozen.weight.requires_grad and copied.embed.weight.requires_grad
+    for (name, a), (_, b) in zip(
+        model.state_dict(keep_vars=True).items(),
+        copied.state_dict(keep_vars=True).items(),
+        strict=True,
+    ):
+        assert torch.equal(a, b), name
+        assert a.data_ptr() != b.data_ptr(), name
+    x = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model(x), copied(x))
+
+
+@pytest.mark.gpu
+def test_staged_copies_on_a_card_train_as_deep_copies_do_and_stage_once():
+    """Weights on a card: a model on the CPU is staged in pinned memory once, and each copy
+    from it trains exactly as a deep copy moved to the card does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = _Tied()
+    weights = Weights(model)
+    x = torch.tensor([[1, 2, 3, 4]], device="cuda")
+
+    def step(copied: nn.Module) -> tuple[float, torch.Tensor]:
+        loss = copied(x).float().pow(2).mean()
+        loss.backward()
+        return float(loss), copied.embed.weight.grad.cpu()
+
+    first = weights.copy_to(torch.device("cuda"))
+    pinned = weights._pinned
+    assert pinned is not None and all(t.is_pinned() for t in pinned.values())
+    second = weights.copy_to(torch.device("cuda"))
+    assert weights._pinned is pinned  # staged once
+    assert first.embed.weight.data_ptr() != second.embed.weight.data_ptr()
+    assert second.head.weight is second.embed.weight
+    reference = step(copy.deepcopy(model).to("cuda"))
+    for copied in (first, second):
+        loss, grad = step(copied)
+        assert loss == reference[0]
+        assert torch.allclose(grad, reference[1], rtol=0.0, atol=1e-6)
+    assert model.embed.weight.grad is None  # the model itself untouched
