@@ -34,10 +34,11 @@ from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
-__all__ = ["BatchSearch", "find_batch", "probe", "probe_many", "safe_below"]
+__all__ = ["BatchSearch", "find_batch", "next_descent_probe", "probe", "probe_many", "safe_below"]
 
 TryBatch = Callable[[int], bool]
 Extrapolate = Callable[[int], "int | None"]
+NextIfOut = Callable[[int, "int | None"], None]
 # Steps of one margin down before halving: an estimate up to ~2 margins optimistic (its
 # stated worst case is 10%) then costs 3 probes; one further off is found by bisection.
 _MARGIN_DESCENTS = 2
@@ -50,6 +51,41 @@ def safe_below(failing_batch: int, margin_fraction: float) -> int:
     ``safe_below(2, 0.08) == 1``, ``safe_below(1, 0.08) == 0`` (nothing fits).
     """
     return max(0, min(failing_batch - 1, int(failing_batch * (1.0 - margin_fraction))))
+
+
+def next_descent_probe(
+    lo: int,
+    hi: int,
+    failures_before_a_fit: int,
+    cap: Callable[[int], int],
+    margin_fraction: float,
+    within: float = 0.0,
+    straight_to_target: bool = False,
+) -> int | None:
+    """The batch :func:`find_batch`'s descent probes next; None where it stops there.
+
+    ``hi`` is the lowest failure (or the edge a fit outside the margin stood for), ``lo``
+    the largest fit below it (the floor, or 0: none), ``failures_before_a_fit`` the failures
+    while ``lo`` was 0, ``cap`` the ``below`` callback, ``straight_to_target`` the first step
+    after the upward probes met the edge with ``descend``. Before a fit: the margin below
+    the failure for the first :data:`_MARGIN_DESCENTS` failures, then halving; after one,
+    bisection; never above ``cap(hi)``.
+    """
+    target = cap(hi)
+    if lo >= target:
+        return None
+    if lo > 0 and target - lo <= within * lo:
+        return None  # close enough: the largest fit stands
+    if straight_to_target:
+        b = target
+    elif lo == 0 and failures_before_a_fit <= _MARGIN_DESCENTS:
+        # The estimate was a little optimistic: the margin below the failure.
+        b = min(target, max(1, safe_below(hi, margin_fraction)))
+    elif lo == 0:
+        b = min(max(1, hi // 2), target)  # far off: halve
+    else:
+        b = min((lo + hi) // 2, target)
+    return b if b > lo else None
 
 
 @dataclass
@@ -80,6 +116,7 @@ def find_batch(
     floor: int = 0,
     within: float = 0.0,
     ceiling: int | None = None,
+    next_if_out: NextIfOut | None = None,
 ) -> BatchSearch:
     """The largest batch to train with, by probing ``fits(b)`` as few times as it can.
 
@@ -119,6 +156,9 @@ def find_batch(
             its largest allocation: gpt's confirmation on a card ran 317, 306 and 279 above
             such a cap at 252, all out of memory). An upward probe within ``within`` of the
             largest fit is not made.
+        next_if_out: called before each probe with its batch and the batch the search
+            probes next should that one run out (None: the search would stop there), so that
+            a caller that can make two runs at once makes both (``Prober.largest``).
 
     Returns:
         The search; ``batch == 0`` when not even batch 1 fits.
@@ -130,7 +170,17 @@ def find_batch(
         raise ValueError(f"max_batch must be positive, but got {max_batch=}.")
     search = BatchSearch()
 
-    def run(b: int) -> bool:
+    def run(b: int, if_out: tuple[int, int, bool] | None) -> bool:
+        """Probe ``b``; ``if_out``: the descent's (lo, failures before a fit, straight to
+        the target) should ``b`` run out, None where there would be no descent."""
+        if next_if_out is not None:
+            after = None
+            if if_out is not None:
+                lo_out, failures_out, straight_out = if_out
+                after = next_descent_probe(
+                    lo_out, b, failures_out, cap, margin_fraction, within, straight_out
+                )
+            next_if_out(b, after)
         ok = fits(b)
         search.tried.append((b, ok))
         if ok:
@@ -148,7 +198,7 @@ def find_batch(
     floor = min(max(floor, 0), max_batch)
     if floor > 0 and start <= floor:
         start = floor  # nothing below a known fit is worth a run; it answers without one
-    if run(start):
+    if run(start, (floor if floor < start else 0, 1, False)):
         lo = start
         for attempt in range(max(1, max_extrapolations)):
             guess = extrapolate(lo) if extrapolate is not None else None
@@ -161,7 +211,7 @@ def find_batch(
                     break  # the ceiling is close enough: the largest fit stands
             if top <= lo:
                 break
-            if not run(top):
+            if not run(top, (lo, 1, True) if descend else None):
                 hi = top
                 break
             if within_margin is not None and not within_margin(top):
@@ -177,22 +227,14 @@ def find_batch(
         lo = floor if floor < start else 0
         stepping_down, straight_to_target = True, False
     failures_before_a_fit = 1
-    while stepping_down and lo < cap(hi):
-        target = cap(hi)
-        if lo > 0 and target - lo <= within * lo:
-            break  # close enough: the largest fit stands
-        if straight_to_target:
-            b, straight_to_target = target, False
-        elif lo == 0 and failures_before_a_fit <= _MARGIN_DESCENTS:
-            # The estimate was a little optimistic: the margin below the failure.
-            b = min(target, max(1, safe_below(hi, margin_fraction)))
-        elif lo == 0:
-            b = min(max(1, hi // 2), target)  # far off: halve
-        else:
-            b = min((lo + hi) // 2, target)
-        if b <= lo:
+    while stepping_down and hi is not None:
+        b = next_descent_probe(
+            lo, hi, failures_before_a_fit, cap, margin_fraction, within, straight_to_target
+        )
+        if b is None:
             break
-        if run(b):
+        straight_to_target = False
+        if run(b, (lo, failures_before_a_fit + (1 if lo == 0 else 0), False)):
             lo = b
         else:
             hi = b

@@ -4,7 +4,9 @@ Each run takes :func:`run_steps` steps from a clean state. What a run said is ke
 candidate, so asking again for a batch already run (the winner's batch search continuing
 from its timing run, a comparison row the re-rank already ran) costs no device run. A
 candidate that runs out of memory where shorter probes fitted steps down the margin below
-(halving after a few such steps).
+(halving after a few such steps). On a device that makes several runs at once, a batch
+search's probe that may run out goes to the device with the batch the search takes next if
+it does (:meth:`Prober._searched`).
 """
 
 from __future__ import annotations
@@ -277,10 +279,16 @@ class Prober:
         cfg = self.config
         choices = scored.candidate.choices
         measured: dict[int, Measurement] = {}
+        # Where the device makes several runs at once: the batch the search probes next if
+        # the one it asks for runs out (find_batch's next_if_out), and the partners' runs the
+        # search has not asked for yet (:meth:`_searched`).
+        next_if_out: dict[int, int | None] = {}
+        ahead: dict[int, tuple[Probe, Measurement | None]] = {}
 
         def fits(batch: int) -> bool:
             candidate = Candidate(batch_size=batch, choices=choices)
-            m = self.run(candidate, self.steps, stage, shorter_fits=True)
+            after = next_if_out.pop(batch, None)
+            m = self._searched(candidate, after, stage, floor, ahead)
             if m is not None:
                 measured[batch] = m
             return m is not None
@@ -337,8 +345,94 @@ class Prober:
             floor=floor,
             within=self.within,
             ceiling=self.ceiling,
+            next_if_out=next_if_out.__setitem__ if self._at_once() else None,
         )
         return found, measured
+
+    def _at_once(self) -> bool:
+        """Whether the device makes several runs at once."""
+        return self.device.capabilities.concurrent_runs > 1
+
+    def _searched(
+        self,
+        candidate: Candidate,
+        after: int | None,
+        stage: str,
+        floor: int,
+        ahead: dict[int, tuple[Probe, Measurement | None]],
+    ) -> Measurement | None:
+        """A batch search's probe of ``candidate``, as :meth:`run` answers it with
+        ``shorter_fits``; where the device makes several runs at once, made together with
+        its partner, the batch ``after`` that the search probes next if ``candidate`` runs
+        out (:meth:`_partner`). The partner's run waits in ``ahead`` until the search asks
+        for its batch; it is recorded, and counted in :attr:`runs_left`, then.
+
+        Why: the probes near the edge run out, and each is a fresh process (3-15 s on a
+        card) that the search waited for before choosing the next. On an H100 the eager
+        search for lm350m ran 19 (ran out, 3.1 s), 17 (ran out, 9.5 s), 16 (fits, 7.5 s)
+        and 15 (fits, 7.2 s) one after another; for t5_base 51 (ran out, 4.3 s), 48 and 49
+        (fit, 15.2 s and 14.8 s). Where the probe runs out, its partner's answer is there
+        without a wait. The partner is recorded only when asked for: its fit would change
+        the margin's slope (a fit far below the edge, :meth:`below`) and its failure below a
+        fit (near the limit fitting is not monotone) would answer larger batches as ran out
+        (:meth:`_ran_out_below`), where runs one at a time never made it; counted at once,
+        it would end a bounded search (a compile confirmation's) a run early. So the search
+        probes, and spends, what it does one at a time.
+
+        Known limitations: a partner whose probe then fits is a device run spent for nothing,
+        at the cost of its process beside the other (neither recorded nor counted in
+        :attr:`runs_left`); runs made at once take their timed steps in turn (the device does
+        this), so their timings stay comparable.
+
+        Raises:
+            Exception: what ``candidate``'s run raised that is not an out-of-memory (a
+                partner's such error is ignored: it was speculative).
+        """
+        known, answer = self._known(candidate, self.steps, shorter_fits=True)
+        if known:
+            return answer
+        doing = self.doing or stage
+        made = ahead.pop(candidate.batch_size, None)
+        if made is not None:  # a partner's run: spent and recorded where the search asks for it
+            self._spend(1, candidate)
+            record, measured = made
+            self._keep(candidate, self.steps, record, measured, doing)
+            return measured
+        partner = self._partner(candidate, after, floor)
+        if partner is None:
+            return self.run(candidate, self.steps, stage, shorter_fits=True)
+        self._spend(1, candidate)  # the partner's run counts where the search asks for it
+        batches = f"{candidate.batch_size}, {partner.batch_size}"
+        self._describe(f"{doing}: batches {batches} running at once")
+        (record, measured, error), (partner_record, partner_measured, _) = probe_many(
+            self.device, self.workload, [candidate, partner], self.steps, stage=stage
+        )
+        if partner_record is not None:
+            ahead[partner.batch_size] = (partner_record, partner_measured)
+        if record is None:
+            assert error is not None
+            raise error
+        self._keep(candidate, self.steps, record, measured, doing)
+        return measured
+
+    def _partner(self, candidate: Candidate, after: int | None, floor: int) -> Candidate | None:
+        """The batch ``after`` of ``candidate``'s choices, to run beside ``candidate``
+        (:meth:`_searched`), where worth a run: at least 1, below ``candidate``'s batch, above
+        the largest batch of the choices known to fit below it and above ``floor``, not
+        answered by an earlier run, and with two device runs left (:attr:`runs_left`:
+        else the search could not ask for it); else None (``candidate`` runs alone)."""
+        if after is None or not self._at_once():
+            return None
+        if self.runs_left is not None and self.runs_left < 2:
+            return None
+        batch = candidate.batch_size
+        fitted = max((b for b in self._fits(candidate.choices) if b < batch), default=0)
+        if not max(1, fitted + 1, floor + 1) <= after < batch:
+            return None
+        partner = Candidate(batch_size=after, choices=candidate.choices)
+        if self._known(partner, self.steps, shorter_fits=True)[0]:
+            return None
+        return partner
 
     # -- the pick's margin ------------------------------------------------------------------
 

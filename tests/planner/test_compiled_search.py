@@ -716,7 +716,8 @@ def test_runs_at_once_measure_the_same_candidates_as_one_at_a_time(
     key = lambda p: (p.batch_size, json.dumps(p.candidate.choices, sort_keys=True))  # noqa: E731
     assert sorted(map(key, runs)) == sorted(map(key, _compile_runs(alone)))
     if max_runs - CONFIRM_RUNS < 2:  # one candidate's run before the confirmation's
-        assert groups == []
+        # Only the confirmation's probe that may run out, with the batch taken if it does.
+        assert all(len(g) == 2 for g in groups)
     else:
         assert len(groups[0]) == min(4, max_runs - CONFIRM_RUNS)
         assert len(groups) < len(runs)

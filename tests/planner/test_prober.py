@@ -6,14 +6,15 @@ activations' phase; below the batch a run fitted at, its slope can be the fixed 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memadvisor.estimate import estimate
-from memadvisor.planner._prober import Prober
+from memadvisor.planner._prober import Prober, RunsSpent
 from memadvisor.planner._space import Scored, SearchSpace, limit_at
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
-from tests.planner.conftest import MIB, FakeDevice, make_profile
+from tests.planner.conftest import MIB, FakeDevice, make_profile, run_many_batches
 
 BF16 = {"precision": "bf16"}
 
@@ -145,3 +146,147 @@ def test_timing_runs_made_at_once_on_a_card_take_fewer_steps_and_the_pick_its_ow
     assert together.verified == alone.verified
     steps = lambda plan: sum(p.steps for p in plan.probes)  # noqa: E731
     assert steps(together) < steps(alone)
+
+
+# -- a probe that may run out, paired with the batch searched next if it does ---------------
+
+
+class HoledDevice(EstimateDevice):
+    """:class:`EstimateDevice` where the batches in ``holes`` run out though larger ones fit
+    (near the limit fitting is not monotone, docs/design.md)."""
+
+    def __init__(self, profile, strategies, budget_bytes: int, holes: set[int]) -> None:
+        super().__init__(profile, strategies, budget_bytes)
+        self.holes = holes
+
+    def run(self, workload, candidate: Candidate, steps: int) -> Measurement:
+        if candidate.batch_size in self.holes:
+            self.calls.append((candidate.batch_size, steps, dict(candidate.choices)))
+            raise torch.OutOfMemoryError(f"fake: batch {candidate.batch_size} does not fit")
+        return super().run(workload, candidate, steps)
+
+
+def _search_from(
+    start: int,
+    at_once: int,
+    strategies,
+    workload,
+    runs_left: int | None = None,
+    holes: frozenset[int] = frozenset(),
+):
+    """The prober's batch search for bf16 from ``start`` on a card whose peak is the
+    estimate's (the edge is 37; ``holes`` run out too), making ``at_once`` runs at once;
+    (what it found, the prober, the batches the device ran in order, the batches of each
+    run_many call). ``runs_left``: the prober's bound on device runs."""
+    profile = make_profile(param_mib=20)
+    budget = 160 * MIB
+    device = HoledDevice(profile, strategies, budget, set(holes))
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+    groups = run_many_batches(device)
+    config = PlanConfig(budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4)
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    prober.runs_left = runs_left
+    candidate = Candidate(batch_size=start, choices=BF16)
+    scored = Scored(
+        candidate=candidate,
+        estimate=estimate(profile, candidate, strategies),
+        largest_batch=start,
+        active=1,
+    )
+    try:
+        found = prober.largest(scored, "probe")[0]
+    except RunsSpent:
+        found = None
+    return found, prober, [b for b, _, _ in device.calls], groups
+
+
+def _device_waits(ran: list[int], groups: list[list[int]]) -> int:
+    """How many times the search waited for the device: each run_many call once, each run
+    made alone once."""
+    return len(groups) + len(ran) - sum(len(g) for g in groups)
+
+
+def test_a_probe_that_may_run_out_goes_with_the_batch_searched_next_and_finds_the_same(
+    strategies, workload
+) -> None:
+    """Rule: on a device that makes several runs at once, a batch search's probe goes to the
+    device in one group with the batch the search probes next should it run out (here 45,
+    ran out, with 41, the margin below it); the search then tries the same batches and finds
+    the same batch as one run at a time, and the prober's record is the same, in the same
+    order (the partner recorded where the search asks for it)."""
+    alone, alone_prober, _, _ = _search_from(45, 1, strategies, workload)
+    together, prober, _, groups = _search_from(45, 2, strategies, workload)
+    assert groups and groups[0] == [45, 41], groups
+    assert alone.tried == [(45, False), (41, False), (37, True), (39, False)]
+    assert together.tried == alone.tried
+    assert together.batch == alone.batch == 37
+    record = lambda p: [(r.batch_size, r.fits, r.steps, r.peak_bytes) for r in p.probes]  # noqa: E731
+    assert record(prober) == record(alone_prober)
+
+
+@pytest.mark.parametrize("start", [45, 100])
+def test_pairing_a_probe_with_the_batch_searched_next_waits_for_the_device_fewer_times(
+    strategies, workload, start: int
+) -> None:
+    """Rule: where the probes run out, pairing each with the batch searched next makes the
+    search wait for the device fewer times than it makes runs one at a time (lm350m on an
+    H100: 19 and 17 ran out, then 16 fitted, each run a fresh process of 3-10 s): from 45,
+    3 waits for 4 runs; from 100 (far off: halving, then bisection), 6 for 9."""
+    alone, _, alone_ran, _ = _search_from(start, 1, strategies, workload)
+    together, _, ran, groups = _search_from(start, 2, strategies, workload)
+    assert together.tried == alone.tried and together.batch == alone.batch
+    assert _device_waits(ran, groups) < len(alone_ran) == len(alone.tried), (groups, ran)
+
+
+def test_on_a_device_of_one_run_at_a_time_each_probe_runs_alone(strategies, workload) -> None:
+    """Rule: on a device that makes one run at a time, the search runs each probe alone, only
+    the batches it tries, in its order; a device of two at once runs a probe with its
+    partner."""
+    found, _, ran, groups = _search_from(45, 1, strategies, workload)
+    assert groups == []
+    assert ran == [b for b, _ in found.tried]
+    assert _search_from(45, 2, strategies, workload)[3][0] == [45, 41]
+
+
+def test_with_one_device_run_left_a_probe_runs_alone(strategies, workload) -> None:
+    """Rule: a probe is paired only where the runs left (a measured stage's bound) cover two
+    runs: with 1 left, 45 runs alone and the search ends on the next (RunsSpent); with 2
+    left, 45 and 41 go at once, and the next probe ends it."""
+    found, prober, ran, groups = _search_from(45, 2, strategies, workload, runs_left=1)
+    assert found is None and prober.runs_left == 0
+    assert ran == [45] and groups == []
+    found, prober, ran, groups = _search_from(45, 2, strategies, workload, runs_left=2)
+    assert found is None and prober.runs_left == 0
+    assert ran == [45, 41] and groups == [[45, 41]]
+
+
+@pytest.mark.parametrize("runs_left", [3, 4, 5])
+def test_a_partner_counts_against_the_runs_left_only_where_the_search_asks_for_it(
+    strategies, workload, runs_left: int
+) -> None:
+    """Rule: a partner's run is counted in the runs left (a measured stage's bound) where the
+    search asks for its batch, not when it ran: a bounded search tries the same batches and
+    ends where one run at a time does. From 45 one at a time runs 45, 41, 37, 39; beside
+    37 runs 18, never asked for: counted, 4 runs left would end the search before 39."""
+    alone, alone_prober, _, _ = _search_from(45, 1, strategies, workload, runs_left=runs_left)
+    together, prober, ran, groups = _search_from(45, 2, strategies, workload, runs_left=runs_left)
+    assert groups, ran
+    assert prober.runs_left == alone_prober.runs_left
+    assert [p.batch_size for p in prober.probes] == [p.batch_size for p in alone_prober.probes]
+    assert (together is None) == (alone is None) == (runs_left < 4)
+    if alone is not None:
+        assert together is not None and together.tried == alone.tried
+
+
+def test_a_partner_the_search_does_not_ask_for_is_not_recorded(strategies, workload) -> None:
+    """Rule: a partner's run is recorded only where the search asks for its batch. Here 20
+    fits, so its partner 16 (the batch searched next had 20 run out) is never asked for; it
+    runs out though 20 fits (a hole near the limit). Recorded, it would answer every larger
+    batch of these choices as ran out without a run (Prober._ran_out_below), and the search
+    would keep 20; unrecorded, the search finds 36 as one run at a time does."""
+    alone, alone_prober, _, _ = _search_from(20, 1, strategies, workload, holes=frozenset({16}))
+    together, prober, ran, groups = _search_from(20, 2, strategies, workload, holes=frozenset({16}))
+    assert groups[0] == [20, 16] and 16 in ran
+    assert together.tried == alone.tried == [(20, True), (38, False), (36, True)]
+    assert together.batch == alone.batch == 36
+    assert [p.batch_size for p in prober.probes] == [p.batch_size for p in alone_prober.probes]
