@@ -45,7 +45,8 @@ for several budgets, each run a process capped at the budget), each pass sends i
 groups of that many (``PickStage.run_many``): their process starts and compiles, most of a
 compiled run's 9-19 s on a card, overlap; their timed steps are taken in turn, after every
 first step. The same runs are made, in the same order, as one at a time; the confirmations
-are searches, one run after another.
+are searches, a probe that may run out made at once with the batch taken next if it does
+(``Prober._searched``: a compiled run runs out only after its compile).
 
 Known limitations:
     * Where the winner's confirmation finds less than another candidate's own run measured,
@@ -63,9 +64,9 @@ Known limitations:
       the verification, which steps the batch down.
     * Runs made at once time their steps in turn, after every sibling's first step (its
       compile) has ended, but a sibling's teardown may overlap them: their step times, which
-      rank the candidates, are less sure than a lone run's. The winner's confirmation and its
-      static run (the pick's verification) run alone, and a pick slower there than the eager
-      pick is not handed on.
+      rank the candidates, are less sure than a lone run's. The winner's static run (the
+      pick's verification) runs alone; its confirmation's probes may have a partner beside
+      them. A pick slower there than the eager pick is not handed on.
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ class Weights:
     from pageable memory. On an H100 host shared with other plans, a 0.35B decoder's copies
     took 2.2-7.7 s each and t5-base's 2.6-9.4 s (26.8 s of a 43.5 s screen); from pinned
     memory the bytes reach the card at the bus's speed and only the module's structure is
-    copied on the CPU (``docs/design.md``, "The numerics runs' copies").
+    copied on the CPU (``docs/design.md``, "Four cards at once, the screen's copies and
+    paired probes").
 
     Known limitations:
         * Only a model on the CPU copied to a card, of at most :data:`STAGE_MAX_BYTES`, is

@@ -415,13 +415,31 @@ class Prober:
         self._keep(candidate, self.steps, record, measured, doing)
         return measured
 
+    def _pairing_pays(self, choices: dict[str, JsonValue]) -> bool:
+        """Whether a probe of ``choices`` is worth a partner: where their largest known fit
+        spent longer in its first step (a compile) than a run's timed steps take.
+
+        Why: runs made at once take their timed steps in turn, so a partner the search does
+        not ask for (its probe fitted) costs the wall of its steps, and one it asks for saves
+        the wall of the probe that ran out. An eager probe runs out in its first step, a
+        few seconds; a compiled one after its compile. On an H100 (lm350m, eager): 24 and 22
+        at once, both out, took 5.2 s; 20 with its partner 19 took 16.7 s where such a fit
+        alone took 7-8 s. Compiled: 14 (out) and 12 (fitted) at once took 10.8 s, each
+        alone about as long. No known fit: no pairing."""
+        fitted = self._fits(choices)
+        if not fitted:
+            return False
+        m = fitted[max(fitted)]
+        return m.first_step_ms is not None and m.first_step_ms >= self.steps * m.step_ms
+
     def _partner(self, candidate: Candidate, after: int | None, floor: int) -> Candidate | None:
         """The batch ``after`` of ``candidate``'s choices, to run beside ``candidate``
         (:meth:`_searched`), where worth a run: at least 1, below ``candidate``'s batch, above
         the largest batch of the choices known to fit below it and above ``floor``, not
-        answered by an earlier run, and with two device runs left (:attr:`runs_left`:
-        else the search could not ask for it); else None (``candidate`` runs alone)."""
-        if after is None or not self._at_once():
+        answered by an earlier run, with two device runs left (:attr:`runs_left`: else the
+        search could not ask for it), and where pairing pays (:meth:`_pairing_pays`); else
+        None (``candidate`` runs alone)."""
+        if after is None or not self._at_once() or not self._pairing_pays(candidate.choices):
             return None
         if self.runs_left is not None and self.runs_left < 2:
             return None
