@@ -56,13 +56,15 @@ GROUPS = {
 
 def cells(spec: str) -> list[str]:
     """The cells ``spec`` names: a group (grid, eager, compile, none) or cells, commas between.
+    A lone ``eager`` or ``compile`` is the group; its cell alone is ``eager+none`` or
+    ``compile+none`` (session 16 ran ``--hand compile`` for the one cell and got three).
 
     Raises:
         ValueError: a name that is neither.
     """
     if spec in GROUPS:
         return list(GROUPS[spec])
-    names = [c for c in spec.split(",") if c]
+    names = [c.removesuffix("+none") for c in spec.split(",") if c]
     unknown = [c for c in names if c not in GRID]
     if unknown:
         raise ValueError(

@@ -584,7 +584,8 @@ def main() -> None:
     parser.add_argument(
         "--hand",
         default="grid",
-        help=f"hand cells: grid, eager, compile, none, or some of {','.join(grid.GRID)}",
+        help=f"hand cells: grid, eager, compile (three cells each), none, or some of "
+        f"{','.join(grid.GRID)} (eager+none, compile+none: the bare cell alone)",
     )
     parser.add_argument("--hold-steps", type=int, default=20, help="steps a hand cell holds")
     parser.add_argument(

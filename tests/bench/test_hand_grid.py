@@ -113,6 +113,9 @@ def test_the_grid_is_bf16_by_compile_by_none_half_all(grid) -> None:
     assert grid.cell_choices([], [], "compile+all") is None
     assert grid.cells("compile") == ["compile", "compile+half", "compile+all"]
     assert grid.cells("eager+all,compile") == ["eager+all", "compile"]
+    # The group's name alone is the group; its bare cell alone is named "+none".
+    assert grid.cells("compile+none") == ["compile"]
+    assert grid.cells("eager+none,compile+all") == ["eager", "compile+all"]
     with pytest.raises(ValueError, match="fp32"):
         grid.cells("fp32")
 

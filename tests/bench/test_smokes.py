@@ -78,6 +78,7 @@ FIELDS: dict[str, set[str]] = {
 VALUES: dict[str, dict[str, object]] = {"plan_speed": {"cache": "cold"}}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
+    "cards": "runs shell commands over cards (tests/bench/test_cards.py runs it with --cards)",
     "compile_cache": "times inductor's caches on a card",
     "estimate_replay": "reads plans a card saved (tests/bench/test_estimate_replay.py replays "
     "a simulated one)",
