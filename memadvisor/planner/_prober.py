@@ -367,12 +367,13 @@ class Prober:
         out (:meth:`_partner`). The partner's run waits in ``ahead`` until the search asks
         for its batch; it is recorded, and counted in :attr:`runs_left`, then.
 
-        Why: the probes near the edge run out, and each is a fresh process (3-15 s on a
-        card) that the search waited for before choosing the next. On an H100 the eager
-        search for lm350m ran 19 (ran out, 3.1 s), 17 (ran out, 9.5 s), 16 (fits, 7.5 s)
-        and 15 (fits, 7.2 s) one after another; for t5_base 51 (ran out, 4.3 s), 48 and 49
-        (fit, 15.2 s and 14.8 s). Where the probe runs out, its partner's answer is there
-        without a wait. The partner is recorded only when asked for: its fit would change
+        Why: the probes near the edge run out, and each is a fresh process that the search
+        waited for before choosing the next; a compiled one runs out only after its compile
+        (10-40 s on a card). Where the probe runs out, its partner's answer is there without
+        a wait: on an H100, lm350m's compiled confirmation ran 14 (out) and 12 (fits) at once,
+        10.8 s for both. Where pairing does not pay (an eager probe runs out in its first
+        step, and an unneeded partner costs its timed steps: :meth:`_pairing_pays`), the
+        probe runs alone. The partner is recorded only when asked for: its fit would change
         the margin's slope (a fit far below the edge, :meth:`below`) and its failure below a
         fit (near the limit fitting is not monotone) would answer larger batches as ran out
         (:meth:`_ran_out_below`), where runs one at a time never made it; counted at once,
@@ -380,9 +381,9 @@ class Prober:
         probes, and spends, what it does one at a time.
 
         Known limitations: a partner whose probe then fits is a device run spent for nothing,
-        at the cost of its process beside the other (neither recorded nor counted in
-        :attr:`runs_left`); runs made at once take their timed steps in turn (the device does
-        this), so their timings stay comparable.
+        at the cost of its process beside the other and of its timed steps (runs made at once
+        take them in turn, so their timings stay comparable), neither recorded nor counted
+        in :attr:`runs_left`.
 
         Raises:
             Exception: what ``candidate``'s run raised that is not an out-of-memory (a
@@ -424,8 +425,8 @@ class Prober:
         the wall of the probe that ran out. An eager probe runs out in its first step, a
         few seconds; a compiled one after its compile. On an H100 (lm350m, eager): 24 and 22
         at once, both out, took 5.2 s; 20 with its partner 19 took 16.7 s where such a fit
-        alone took 7-8 s. Compiled: 14 (out) and 12 (fitted) at once took 10.8 s, each
-        alone about as long. No known fit: no pairing."""
+        alone took 7-8 s. Compiled: 14 (out) and 12 (fitted) at once took 10.8 s for both.
+        No known fit: no pairing."""
         fitted = self._fits(choices)
         if not fitted:
             return False
