@@ -18,22 +18,33 @@ from memadvisor.errors import BadInputError
 __all__ = ["check_copyable", "clone_module", "private_model"]
 
 
-def clone_module(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose tensors are fresh clones, without gradients.
+def clone_module(model: nn.Module, device: torch.device | None = None) -> nn.Module:
+    """A deep copy of ``model`` whose tensors are fresh clones, without gradients; with
+    ``device``, its parameters and buffers are cloned there (tensors held as plain module
+    attributes stay where they are, as ``Module.to`` leaves them).
 
     Parameters, buffers and tensors held as plain module attributes are cloned first and
     handed to ``copy.deepcopy`` through its memo: shared tensors (tied weights) stay shared,
     and fake tensors are cloned in the active ``FakeTensorMode`` (``deepcopy`` of a fake
     tensor makes a second mode, which torch then refuses to mix with the first).
+
+    Why ``device``: a clone on the host and then ``.to(device)`` copies every byte twice
+    and allocates the model's size in host memory (lm350m, 1.4 GB: 4.1 s for the host
+    clone alone on a 2-core machine); cloned straight to the card, once.
     """
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.clone() if device is None else t.to(device, copy=True)
+
     memo: dict[int, Any] = {}
     for module in model.modules():
         for p in module._parameters.values():
             if p is not None and id(p) not in memo:
-                memo[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                memo[id(p)] = nn.Parameter(fresh(p), requires_grad=p.requires_grad)
         for b in module._buffers.values():
             if b is not None and id(b) not in memo:
-                memo[id(b)] = b.detach().clone()
+                memo[id(b)] = fresh(b)
         for value in vars(module).values():
             if isinstance(value, torch.Tensor) and id(value) not in memo:
                 memo[id(value)] = value.detach().clone()
@@ -81,11 +92,11 @@ def private_model(model: nn.Module, device: torch.device) -> Iterator[nn.Module]
             caller's own model is not ours to do).
     """
     try:
-        clone = clone_module(model)
+        clone = clone_module(model, device)
     except Exception as e:  # noqa: BLE001 - any deepcopy failure: fall back, said in the error
         copy_error = e
     else:
-        yield clone.to(device)
+        yield clone.to(device)  # its parameters and buffers are there: the rest, as before
         return
     first = next(iter(model.parameters()), None)
     if first is not None and first.device.type != device.type:

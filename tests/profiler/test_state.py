@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 
+import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -34,6 +35,35 @@ def test_a_clone_keeps_ties_and_shares_no_tensor_with_the_original() -> None:
     assert clone.emb.weight is not model.emb.weight and clone.emb.weight.grad is None
     assert torch.equal(clone.emb.weight, model.emb.weight)
     assert clone.scale is not model.scale and clone.mask is not model.mask
+
+
+def test_a_clone_made_on_the_device_the_model_is_on_still_shares_nothing() -> None:
+    """Rule: cloned onto a device (the profile's: straight to the card, not through a host
+    clone), a tensor already there is copied all the same; ties stay tied; a plain tensor
+    attribute is cloned where it is, as Module.to leaves it."""
+    model = Tied()
+    clone = clone_module(model, torch.device("cpu"))
+    assert clone.head.weight is clone.emb.weight
+    assert clone.emb.weight.data_ptr() != model.emb.weight.data_ptr()
+    assert clone.scale.data_ptr() != model.scale.data_ptr()
+    assert clone.mask is not model.mask and torch.equal(clone.mask, model.mask)
+    assert isinstance(clone.emb.weight, nn.Parameter) and clone.emb.weight.requires_grad
+    with torch.no_grad():
+        clone.emb.weight.add_(1.0)
+    assert not torch.equal(clone.emb.weight, model.emb.weight)
+
+
+@pytest.mark.gpu
+def test_a_clone_made_on_a_card_holds_its_parameters_and_buffers_there() -> None:
+    """Rule: a model on the host cloned to a card has its parameters and buffers on the card
+    with the same values (ties kept); plain tensor attributes stay on the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = Tied()
+    clone = clone_module(model, torch.device("cuda"))
+    assert clone.emb.weight.is_cuda and clone.scale.is_cuda and not clone.mask.is_cuda
+    assert clone.head.weight is clone.emb.weight
+    assert torch.equal(clone.emb.weight.cpu(), model.emb.weight)
 
 
 def test_fake_models_clone_in_their_own_fake_mode() -> None:
