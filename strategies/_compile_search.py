@@ -28,7 +28,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    from its predicted batch (a line through dynamic-batch runs needs only
    :data:`DYNAMIC_ALLOWANCE` of the bar to be confirmed). Then its static form, the one the
    plan hands on and the user runs, is run once at that batch (``Search.confirm_static``):
-   whether compiling pays is judged on that run, and it is the pick's verification. Where
+   whether compiling pays is judged on that run, and it is the pick's verification. On a
+   device of runs at once that run is made with the confirmation's first device run, at the
+   predicted batch (``Search.confirm``'s ``static_beside``), and again only where the
+   confirmation ends elsewhere. Where
    every run of the winner compiled afresh (:func:`compiles_every_run`: its dynamic batch
    saved nothing), the confirmation itself runs the static form, its searched runs bounding
    the descent, and no run follows it.
@@ -65,8 +68,10 @@ Known limitations:
     * Runs made at once time their steps in turn, after every sibling's first step (its
       compile) has ended, but a sibling's teardown may overlap them: their step times, which
       rank the candidates, are less sure than a lone run's. The winner's static run (the
-      pick's verification) runs alone; its confirmation's probes may have a partner beside
-      them. A pick slower there than the eager pick is not handed on.
+      pick's verification) goes with its confirmation's first run, and those probes may
+      have a partner beside them. A pick slower there than the eager pick is not handed on.
+    * A static run made beside a confirmation that then ends at another batch is a compile
+      spent for nothing (its process beside the other); it is counted as a static run.
 """
 
 from __future__ import annotations
@@ -580,18 +585,33 @@ class Search:
                     best, bar = v, key
         return best
 
-    def confirm(self, winner: Variant, hold_back: int, static: bool = False) -> Confirmed | None:
+    def confirm(
+        self, winner: Variant, hold_back: int, static: bool = False, static_beside: bool = False
+    ) -> Confirmed | None:
         """The winner's batch search from its predicted batch, ``hold_back`` runs kept for
         later; None when nothing fitted (or its runs failed: ``winner.error``). ``static``:
         in its static form, the one handed on, its searched runs bounding the descent (where
-        every run of it compiles anyway: :func:`compiles_every_run`)."""
+        every run of it compiles anyway: :func:`compiles_every_run`). ``static_beside``: its
+        static form at the predicted batch goes with the search's first device run
+        (``PickStage.confirm``'s ``beside``), counted as a static run, not the search's:
+        where the search keeps that batch, :meth:`confirm_static` finds it made.
+
+        Why: the static run is a compile of its own, the search's runs one after another
+        before it. On an H100 swin_t's confirmation ran 120 (out, 19.8 s) from its
+        predicted 115, then its static form at 115 (58.4 s); resnet50's ran 170 (12.8 s),
+        then its static form at 170 (31.7 s). Beside the first, each static run's compile
+        overlaps it (docs/design.md, session 16)."""
         assert winner.fit is not None
         start = winner.fit.largest_batch
         choices = winner.choices
         if static:
             choices = {**choices, COMPILE: _static(winner.form)}
+        beside = None
+        if static_beside and not static and is_dynamic(winner.form):
+            beside = ({**winner.choices, COMPILE: _static(winner.form)}, start)
         form = " in its static form" if static else ""
         self.stage.describe(f"compile: confirming {winner.label}{form} from batch {start}")
+        before = len(self.stage.probes)
         try:
             return self.stage.confirm(
                 choices,
@@ -600,12 +620,19 @@ class Search:
                 within=MIN_SPEEDUP - 1.0,
                 floor_from=winner.choices if static else None,
                 ceiling=confirm_ceiling(winner),
+                beside=beside,
             )
         except Exception as e:  # noqa: BLE001 - a compiled run failing on the device keeps eager
             if is_our_bug(e):
                 raise
             winner.error = first_line(e)
             return None
+        finally:
+            if beside is not None:
+                made = self.stage.probes[before:]
+                self.static_runs += sum(
+                    1 for p in made if p.candidate is not None and p.candidate.choices == beside[0]
+                )
 
     def confirm_final(self, winner: Variant, found: Confirmed) -> tuple[Confirmed | None, str]:
         """The offered form of ``winner`` from ``found``'s batch, judged against ``found``'s
@@ -642,13 +669,16 @@ class Search:
         static = handed_on(found)
         batch = static.candidate.batch_size
         self.stage.describe(f"compile: the static form at batch {batch} ({winner.label})")
-        self.static_runs += 1
+        before = len(self.stage.probes)
         try:
+            # Made already where it went beside the confirmation (Search.confirm): answered.
             m = self.stage.run(static.candidate.choices, batch)
         except Exception as e:  # noqa: BLE001 - a failing static form keeps the searched pick
             if is_our_bug(e):
                 raise
             return None, first_line(e)
+        finally:
+            self.static_runs += len(self.stage.probes) - before
         if m is None:
             return None, f"it ran out of memory at batch {batch}"
         return dataclasses.replace(static, measured=m), ""

@@ -219,7 +219,14 @@ def compiled_pick(
             # form: the run the pick is judged on and verified by, one run fewer (lm350m's
             # full checkpointing on an H100: 15.8 s).
             direct = not differs and is_dynamic(winner.form) and compiles_every_run(winner)
-            found = search.confirm(winner, FINAL_FORM_RUNS if differs else 0, static=direct)
+            # Elsewhere its static form, the verification, goes with the confirmation's first
+            # run where the device makes runs at once (Search.confirm's static_beside).
+            found = search.confirm(
+                winner,
+                FINAL_FORM_RUNS if differs else 0,
+                static=direct,
+                static_beside=not differs and not direct,
+            )
             # A line from one run can promise more than its confirmation finds, below what
             # another candidate already measured: that one is confirmed too (from its runs
             # where none are left) and the better kept.

@@ -126,6 +126,9 @@ class Prober:
         # What a measured stage is doing, said before each run's batch on the progress line
         # ("compiling candidate 2/4 (...)"); '' says the stage's name.
         self.doing = ""
+        # A run to make at once with a measured stage's batch search's first device run
+        # (PickStage.confirm's ``beside``: the compile stage's static form), then None.
+        self.beside: Candidate | None = None
 
     def run(
         self, candidate: Candidate, steps: int, stage: str, shorter_fits: bool = False
@@ -400,21 +403,42 @@ class Prober:
             self._keep(candidate, self.steps, record, measured, doing)
             return measured
         partner = self._partner(candidate, after, floor)
-        if partner is None:
+        beside = self._beside(candidate)
+        if beside is not None and self.device.capabilities.concurrent_runs < 3:
+            partner = None  # the run beside saves a compile; a partner, a run that ran out
+        if partner is None and beside is None:
             return self.run(candidate, self.steps, stage, shorter_fits=True)
-        self._spend(1, candidate)  # the partner's run counts where the search asks for it
-        batches = f"{candidate.batch_size}, {partner.batch_size}"
+        # A partner's run counts where the search asks for it; the run beside, never.
+        self._spend(1, candidate)
+        group = [candidate, *([partner] if partner else []), *([beside] if beside else [])]
+        batches = ", ".join(str(c.batch_size) for c in group)
         self._describe(f"{doing}: batches {batches} running at once")
-        (record, measured, error), (partner_record, partner_measured, _) = probe_many(
-            self.device, self.workload, [candidate, partner], self.steps, stage=stage
-        )
-        if partner_record is not None:
-            ahead[partner.batch_size] = (partner_record, partner_measured)
+        answers = probe_many(self.device, self.workload, group, self.steps, stage=stage)
+        record, measured, error = answers[0]
+        if partner is not None and answers[1][0] is not None:
+            ahead[partner.batch_size] = (answers[1][0], answers[1][1])
+        if record is not None:
+            self._keep(candidate, self.steps, record, measured, doing)
+        if beside is not None:
+            self.beside = None  # made once; a run that failed otherwise is asked for again
+            beside_record, beside_measured, _ = answers[-1]
+            if beside_record is not None:
+                self._keep(beside, self.steps, beside_record, beside_measured, doing)
         if record is None:
             assert error is not None
             raise error
-        self._keep(candidate, self.steps, record, measured, doing)
         return measured
+
+    def _beside(self, candidate: Candidate) -> Candidate | None:
+        """:attr:`beside` where it is to go with ``candidate``'s run: a device of runs at
+        once, and not answered by an earlier run (then it is dropped: nothing to make)."""
+        beside = self.beside
+        if beside is None or not self._at_once() or beside == candidate:
+            return None
+        if self._known(beside, self.steps)[0]:
+            self.beside = None
+            return None
+        return beside
 
     def _pairing_pays(self, choices: dict[str, JsonValue]) -> bool:
         """Whether a probe of ``choices`` is worth a partner: where their largest known fit

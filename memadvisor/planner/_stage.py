@@ -55,6 +55,7 @@ class ProberStage(PickStage):
         within: float = 0.0,
         floor_from: dict[str, JsonValue] | None = None,
         ceiling: int | None = None,
+        beside: tuple[dict[str, JsonValue], int] | None = None,
     ) -> Confirmed | None:
         """``choices``' batch search from ``start_batch``, logged under this stage's name.
 
@@ -72,7 +73,8 @@ class ProberStage(PickStage):
 
         With ``max_runs``, a search that would run more answers from the runs made so far:
         the largest batch of ``choices`` that fitted within the limit, below every failure.
-        ``within`` and ``ceiling`` are :func:`~memadvisor.planner._probe.find_batch`'s.
+        ``within`` and ``ceiling`` are :func:`~memadvisor.planner._probe.find_batch`'s;
+        ``beside`` goes with the search's first device run (``Prober.beside``).
         """
         space = self._prober.space
         candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
@@ -84,6 +86,8 @@ class ProberStage(PickStage):
         )
         self._prober.runs_left, self._prober.within = max_runs, within
         self._prober.ceiling = ceiling
+        if beside is not None:
+            self._prober.beside = Candidate(batch_size=max(1, beside[1]), choices=beside[0])
         try:
             ref = like if like is not None else self._reference
             return self._search(scored, ref, floor_from)
@@ -91,7 +95,7 @@ class ProberStage(PickStage):
             return self._best_measured(scored)
         finally:
             self._prober.runs_left, self._prober.within = None, 0.0
-            self._prober.ceiling = None
+            self._prober.ceiling = self._prober.beside = None
 
     def _search(
         self,

@@ -561,7 +561,7 @@ def test_a_winner_whose_confirmation_found_nothing_is_not_called_a_loss(
     confirmation found no batch, the plan stays eager and says so: the sentence names the
     confirmation, not "compiling did not pay" beside a prediction of twice eager's rate."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    monkeypatch.setattr(Search, "confirm", lambda self, winner, hold_back, static=False: None)
+    monkeypatch.setattr(Search, "confirm", lambda self, winner, hold_back, **_: None)
     plan = _plan(workload, profile, strategies, device)
     stage = plan.stages[0]
     assert not stage.picked and plan.candidate == stage.eager_candidate
@@ -819,8 +819,8 @@ def test_a_winner_whose_confirmation_finds_less_than_a_rivals_run_yields_to_the_
         seen["variants"] = list(variants)
         return real_measure(self, variants, meanwhile, then)
 
-    def short_first(self, winner, hold_back, static=False):
-        found = real_confirm(self, winner, hold_back, static=static)
+    def short_first(self, winner, hold_back, static=False, static_beside=False):
+        found = real_confirm(self, winner, hold_back, static=static, static_beside=static_beside)
         seen["confirmed"].append(_blocks(winner.choices))
         if len(seen["confirmed"]) > 1 or found is None:
             return found
@@ -977,3 +977,92 @@ def test_a_ctrl_c_during_the_trial_beside_pass_1_is_not_held_until_the_runs_end(
         assert time.perf_counter() - started < 5
     finally:
         release.set()
+
+
+def _forms_at_once(device) -> list[list[tuple[int, bool]]]:
+    """``device``'s run_many made to note each call's runs as (batch, static form?)."""
+    calls: list[list[tuple[int, bool]]] = []
+    real = device.run_many
+
+    def recorded(workload, runs):
+        form = lambda c: c.choices.get("compile")  # noqa: E731
+        calls.append(
+            [
+                (c.batch_size, isinstance(form(c), dict) and not form(c).get("dynamic_batch"))
+                for c, _ in runs
+            ]
+        )
+        return real(workload, runs)
+
+    device.run_many = recorded
+    return calls
+
+
+def test_the_static_form_goes_with_the_confirmations_first_run_on_a_device_of_runs_at_once(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the device makes runs at once, the winner's static form (the pick's
+    verification) runs at its predicted batch together with its confirmation's first device
+    run, not after the confirmation: where the confirmation keeps that batch, no static run
+    follows, and the plan picks and verifies what one run at a time does (swin_t on an
+    H100: a confirmation run of 19.8 s, then the static form's 58.4 s, one after the other).
+    It is counted as the static run, not one of the search's."""
+
+    def device_of(at_once: int):
+        device = linear_device(EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95)
+        if at_once > 1:
+            device.capabilities = device.capabilities.model_copy(
+                update={"concurrent_runs": at_once}
+            )
+        return device
+
+    alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2)
+    device = device_of(4)
+    calls = _forms_at_once(device)
+    together = _plan(workload, profile, strategies, device, verify_steps=2)
+    assert together.stages[0].picked and alone.stages[0].picked
+    assert together.candidate == alone.candidate
+    assert together.verified == alone.verified
+    statics = [p for p in together.probes if _static_form(p)]
+    assert len(statics) == 1 and together.candidate == statics[0].candidate
+    beside = [call for call in calls if any(static for _, static in call)]
+    assert len(beside) == 1 and len(beside[0]) >= 2, calls
+    # With the confirmation's first run (its predicted batch), and its runs went on after it
+    # (one at a time, the static run is the last of all).
+    assert beside[0][-1][1] and beside[0][0] == (statics[0].batch_size, False)
+    assert _static_form(alone.probes[-1]) and not _static_form(together.probes[-1])
+    assert together.stages[0].details["search"]["static_runs"] == 1
+    assert _compile_runs(together) and len(_compile_runs(together)) == len(_compile_runs(alone))
+
+
+def test_a_static_run_made_beside_a_confirmation_that_then_moved_is_counted_and_run_again(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: where the confirmation ends at another batch than the one its static form ran
+    beside it, the static form runs again at the batch found (the pick's verification is
+    that run), and both static runs are counted as static runs, not as the search's: the
+    search's runs are those of one run at a time."""
+    real_confirm = Search.confirm
+
+    def moved(self, winner, hold_back, static=False, static_beside=False):
+        found = real_confirm(self, winner, hold_back, static=static, static_beside=static_beside)
+        if found is None or static:
+            return found
+        lower = found.candidate.model_copy(update={"batch_size": found.candidate.batch_size - 1})
+        return dataclasses.replace(found, candidate=lower)
+
+    monkeypatch.setattr(Search, "confirm", moved)
+
+    def plan_with(at_once: int):
+        device = linear_device(EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95)
+        device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+        return _plan(workload, profile, strategies, device, verify_steps=2)
+
+    alone, together = plan_with(1), plan_with(4)
+    search = together.stages[0].details["search"]
+    assert search["static_runs"] == 2 and alone.stages[0].details["search"]["static_runs"] == 1
+    assert search["runs"] == alone.stages[0].details["search"]["runs"]
+    statics = [p for p in together.probes if _static_form(p)]
+    picked = together.candidate.batch_size
+    assert [p.batch_size for p in statics] == [picked + 1, picked]
+    assert together.candidate == alone.candidate and together.verified == alone.verified
