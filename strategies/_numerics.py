@@ -76,6 +76,7 @@ from torch import nn
 from memadvisor import _torch_private
 from memadvisor._log import logger
 from memadvisor.errors import BadInputError
+from memadvisor.profiler._state import clone_module
 from memadvisor.schema.advice import Check
 from memadvisor.workload import train_step
 from strategies import _forward
@@ -90,7 +91,6 @@ __all__ = [
     "FP32Runs",
     "Weights",
     "check_device",
-    "copy_with",
     "check_numerics",
     "tf32_matmuls",
 ]
@@ -199,13 +199,14 @@ class Weights:
         return bool(tensors) and on_cpu and size <= STAGE_MAX_BYTES
 
     def copy_to(self, device: torch.device) -> nn.Module:
-        """A copy of the model on ``device`` that shares nothing with it (:func:`copy_with`)."""
+        """A copy of the model on ``device`` that shares nothing with it (``clone_module``:
+        tied weights stay tied, a parameter stays a parameter with its ``requires_grad``)."""
         if not self._stages(device):
             return copy.deepcopy(self.model).to(device)
         if self._pinned is None:
             self._pinned = {id(t): t.detach().pin_memory() for t in _tensors(self.model)}
         pinned = self._pinned
-        model = copy_with(self.model, lambda t: pinned[id(t)].to(device, non_blocking=True))
+        model = clone_module(self.model, make=lambda t: pinned[id(t)].to(device, non_blocking=True))
         # The copies are ordered before any kernel on this stream and the pinned source is
         # not written while this object lives: the wait only makes the copy's time honest.
         torch.cuda.current_stream(device).synchronize()
@@ -218,20 +219,6 @@ def _tensors(model: nn.Module) -> list[torch.Tensor]:
     for t in [*model.parameters(), *model.buffers()]:
         seen.setdefault(id(t), t)
     return list(seen.values())
-
-
-def copy_with(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are ``make(t)`` of its own,
-    made once per tensor: a weight the model holds twice (tied) is one tensor in the copy
-    too, a parameter stays a parameter with its ``requires_grad``. Everything else is
-    deep-copied (``copy.deepcopy`` with the new tensors in its memo)."""
-    memo: dict[int, Any] = {}
-    for t in _tensors(model):
-        made = make(t)
-        if isinstance(t, nn.Parameter):
-            made = nn.Parameter(made, requires_grad=t.requires_grad)
-        memo[id(t)] = made
-    return copy.deepcopy(model, memo)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,10 +18,16 @@ from memadvisor.errors import BadInputError
 __all__ = ["check_copyable", "clone_module", "private_model"]
 
 
-def clone_module(model: nn.Module, device: torch.device | None = None) -> nn.Module:
+def clone_module(
+    model: nn.Module,
+    device: torch.device | None = None,
+    make: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> nn.Module:
     """A deep copy of ``model`` whose tensors are fresh clones, without gradients; with
     ``device``, its parameters and buffers are cloned there (tensors held as plain module
-    attributes stay where they are, as ``Module.to`` leaves them).
+    attributes stay where they are, as ``Module.to`` leaves them); with ``make``, each
+    parameter's and buffer's copy is ``make(it)``, made once per tensor (the numerics
+    check's copies from pinned host memory: ``strategies._numerics.Weights``).
 
     Parameters, buffers and tensors held as plain module attributes are cloned first and
     handed to ``copy.deepcopy`` through its memo: shared tensors (tied weights) stay shared,
@@ -34,6 +40,8 @@ def clone_module(model: nn.Module, device: torch.device | None = None) -> nn.Mod
     """
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
+        if make is not None:
+            return make(t)
         t = t.detach()
         return t.clone() if device is None else t.to(device, copy=True)
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.profiler._device import Target
+from memadvisor.profiler._state import clone_module
 from memadvisor.schema.config import PlanConfig
 from memadvisor.workload import Workload
 from strategies._numerics import (
@@ -24,7 +25,6 @@ from strategies._numerics import (
     _Run,
     _spread_steps_needed,
     check_numerics,
-    copy_with,
 )
 from strategies.precision import TF32_OFF, TF32_ON, Precision, TF32Matmuls, precision_of
 from tests.fixtures import precision_failures as planted
@@ -556,7 +556,7 @@ class _Tied(nn.Module):
 
 
 def test_a_copy_made_from_given_tensors_keeps_ties_and_flags_and_shares_nothing():
-    """copy_with (the staged copies' structure): each parameter and buffer is the tensor
+    """clone_module's make (the staged copies' structure): each parameter and buffer is the tensor
     made for it, made once per tensor (a tied weight stays one tensor), a parameter stays a
     parameter with its requires_grad, and nothing is shared with the model."""
     model = _Tied()
@@ -566,7 +566,7 @@ def test_a_copy_made_from_given_tensors_keeps_ties_and_flags_and_shares_nothing(
         made.append(id(t))
         return t.detach().clone()
 
-    copied = copy_with(model, make)
+    copied = clone_module(model, make=make)
     assert len(made) == len(set(made)) == 4  # embed (= head), frozen's two, the buffer
     assert copied.head.weight is copied.embed.weight
     assert isinstance(copied.frozen.weight, nn.Parameter)
