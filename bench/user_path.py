@@ -228,8 +228,11 @@ class Clock:
     def __init__(self, deadline_s: float | None) -> None:
         self.start = time.perf_counter()
         self.deadline_s = deadline_s
+        self.stopped = False  # interrupted: nothing more starts
 
     def passed(self) -> bool:
+        if self.stopped:
+            return True
         return self.deadline_s is not None and time.perf_counter() - self.start > self.deadline_s
 
 
@@ -344,13 +347,19 @@ def _loops(name: str, plan: Any, args: argparse.Namespace, clock: Clock) -> dict
 def _grid(
     plan: Any, name: str, args: argparse.Namespace, device: Any, clock: Clock
 ) -> list[dict[str, Any]]:
-    """The hand cells ``--hand`` names, each at its own largest batch that holds."""
+    """The hand cells ``--hand`` names, each at its own largest batch that holds.
+
+    Each cell's record is printed as it ends (a ``HAND_CELL`` JSON line), and a Ctrl-C (a
+    call's ``timeout -s INT``) during a cell ends the grid with the cells before it kept,
+    the row still written: session 16 lost a finished cell's rate to a deadline that cut
+    the next cell."""
     workload = _workload(name)
     out = []
     for cell in grid.cells(args.hand):
         if clock.passed():
-            out.append({"config": cell, "skipped": "deadline"})
-            _say(f"{name}: deadline passed, {cell} not run")
+            why = "interrupted" if clock.stopped else "deadline"
+            out.append({"config": cell, "skipped": why})
+            _say(f"{name}: {why}, {cell} not run")
             continue
         _say(f"{name}: hand cell {cell}")
         try:
@@ -362,9 +371,13 @@ def _grid(
                 config=plan.config,
                 steps=args.hold_steps,
             )
+        except KeyboardInterrupt:
+            clock.stopped = True
+            record = {"config": cell, "skipped": "interrupted"}
         except Exception as e:  # noqa: BLE001 - one cell failing is a cell, not a crash
             record = {"config": cell, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         _say(f"{name}: {cell}: {record.get('runs', record.get('error', record.get('skipped')))}")
+        print("HAND_CELL " + json.dumps(record), flush=True)
         out.append(record)
     return out
 

@@ -232,3 +232,34 @@ def test_a_cells_first_extrapolation_takes_the_estimates_slope_above_its_start(g
     above = grid._slope_above(space, choices, 20)
     assert above == pytest.approx(2.7 * MIB, rel=0.02)
     assert space.bytes_per_sample(choices, 20) < 0.6 * above
+
+
+def test_an_interrupted_grid_keeps_the_cells_before_it_and_starts_nothing_more(
+    user_path, monkeypatch, capsys
+) -> None:
+    """Rule: a Ctrl-C during a hand cell (a call's ``timeout -s INT``) ends the grid: the
+    cells measured before it are kept (and were printed as they ended), the cell cut and
+    those after it are marked, and nothing more starts (the clock says passed), so the
+    model's row is still written. Session 16 lost a finished cell's rate this way."""
+    answers = iter([{"config": "eager", "batch": 3, "samples_per_s": 9.0, "runs": "3"}])
+
+    def measure_cell(cell, **_):
+        try:
+            return next(answers)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr(user_path.grid, "measure_cell", measure_cell)
+    monkeypatch.setattr(user_path, "_workload", lambda name: None)
+    clock = user_path.Clock(None)
+    args = SimpleNamespace(hand="eager", hold_steps=20)
+    plan = SimpleNamespace(profile=None, config=None)
+    cells = user_path._grid(plan, "gpt", args, None, clock)
+    assert [c["config"] for c in cells] == ["eager", "eager+half", "eager+all"]
+    assert cells[0]["samples_per_s"] == 9.0
+    assert cells[1]["skipped"] == cells[2]["skipped"] == "interrupted"
+    assert clock.passed()
+    printed = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("HAND_CELL")
+    ]
+    assert '"samples_per_s": 9.0' in printed[0]
