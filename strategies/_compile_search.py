@@ -71,7 +71,11 @@ Known limitations:
       pick's verification) goes with its confirmation's first run, and those probes may
       have a partner beside them. A pick slower there than the eager pick is not handed on.
     * A static run made beside a confirmation that then ends at another batch is a compile
-      spent for nothing (its process beside the other); it is counted as a static run.
+      spent for nothing (its process beside the other); it is counted as a static run. And
+      runs at once take their timed steps after every first step, so the confirmation's
+      first answer waits for the static form's cold compile (swin_t's: 55 s on a card
+      against 16.5 s for its dynamic run's): where the confirmation then needs more runs,
+      the plan is longer by the difference.
 """
 
 from __future__ import annotations
