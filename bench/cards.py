@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -47,7 +47,6 @@ class Job:
     ended: float | None = None
     returncode: int | None = None
     last_line: str = ""
-    lines: list[str] = field(default_factory=list)
 
 
 def read_jobs(text: str) -> list[Job]:
