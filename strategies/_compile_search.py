@@ -607,12 +607,11 @@ class Search:
         overlaps it (docs/design.md, session 16)."""
         assert winner.fit is not None
         start = winner.fit.largest_batch
-        choices = winner.choices
-        if static:
-            choices = {**choices, COMPILE: _static(winner.form)}
+        in_static = {**winner.choices, COMPILE: _static(winner.form)}  # what is handed on
+        choices = in_static if static else winner.choices
         beside = None
         if static_beside and not static and is_dynamic(winner.form):
-            beside = ({**winner.choices, COMPILE: _static(winner.form)}, start)
+            beside = (in_static, start)
         form = " in its static form" if static else ""
         self.stage.describe(f"compile: confirming {winner.label}{form} from batch {start}")
         before = len(self.stage.probes)
