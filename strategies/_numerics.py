@@ -63,7 +63,6 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -180,9 +179,9 @@ class Weights:
 
     Known limitations:
         * Only a model on the CPU copied to a card, of at most :data:`STAGE_MAX_BYTES`, is
-          staged; anything else is deep-copied as before.
-        * A tensor held in a plain attribute (neither parameter nor buffer) is deep-copied
-          on the CPU and moved by ``Module.to``, as before.
+          staged; anything else is cloned straight to the device (``clone_module``).
+        * A tensor held in a plain attribute (neither parameter nor buffer) is cloned where
+          it is and moved by ``Module.to``, as before.
         * The pinned copy is made at the first run and held until this object goes.
     """
 
@@ -202,7 +201,7 @@ class Weights:
         """A copy of the model on ``device`` that shares nothing with it (``clone_module``:
         tied weights stay tied, a parameter stays a parameter with its ``requires_grad``)."""
         if not self._stages(device):
-            return copy.deepcopy(self.model).to(device)
+            return clone_module(self.model, device).to(device)
         if self._pinned is None:
             self._pinned = {id(t): t.detach().pin_memory() for t in _tensors(self.model)}
         pinned = self._pinned
