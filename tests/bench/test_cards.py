@@ -55,3 +55,18 @@ def test_past_the_deadline_a_job_is_interrupted_and_past_start_by_none_starts(
 def test_no_card_is_an_error_that_says_how_to_give_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES or pass --cards"):
         cards.run_jobs(cards.read_jobs("echo x"), 0, tmp_path, deadline_s=1, start_by_s=1)
+
+
+def test_jobs_after_a_wait_line_start_only_once_every_job_before_it_has_ended(
+    tmp_path: Path,
+) -> None:
+    """Rule: ``wait`` is a barrier: with 3 cards free, the job after it starts only after
+    both jobs before it ended (the slow one too), and the jobs after it run side by side."""
+    text = "sleep 1.2; echo a\necho b\nwait\necho c; sleep 0.6\necho d; sleep 0.6\n"
+    done, log, _ = _run(tmp_path, text, 3, deadline_s=60, start_by_s=50)
+    assert [j.command for j in done] == ["sleep 1.2; echo a", "echo b", "echo c; sleep 0.6",
+                                         "echo d; sleep 0.6"]  # fmt: skip
+    assert [j.returncode for j in done] == [0, 0, 0, 0]
+    before, after = done[:2], done[2:]
+    assert min(j.started for j in after) >= max(j.ended for j in before)
+    assert after[1].started < after[0].ended  # side by side after the barrier
