@@ -576,6 +576,16 @@ def dynamo_counters() -> dict[str, dict[str, int]]:
     return {group: dict(counts) for group, counts in counters.items()}
 
 
+def is_compiler_failure(error: BaseException) -> bool:
+    """Whether ``error`` is dynamo's ``BackendCompilerFailed``: the compiler (inductor, its
+    partitioner) failed on a graph dynamo captured, not the user's code or the device."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+    except ImportError:  # pragma: no cover - moved in a future torch: nothing is one
+        return False
+    return isinstance(error, BackendCompilerFailed)
+
+
 def inductor_default_cache_dir() -> str:
     """Inductor's cache directory where ``$TORCHINDUCTOR_CACHE_DIR`` is not set (what a
     process derives, and what inductor writes into the variable when it first asks)."""

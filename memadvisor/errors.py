@@ -25,6 +25,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "MemadvisorError",
     "PlanningError",
+    "ProbeProcessError",
     "SimulatedOutOfMemoryError",
     "UserCodeError",
     "is_oom",
@@ -98,6 +99,18 @@ class PlanningError(MemadvisorError):
     """Planning failed for a reason that is neither bad input nor the budget."""
 
     exit_code = 4
+
+
+class ProbeProcessError(PlanningError):
+    """A probe process failed with an error of its own (not an OOM, not bad input).
+
+    ``raised`` is the name of the exception type the child raised (its objects stay in the
+    child): how the parent tells a compiler's failure (``BackendCompilerFailed``) from
+    others without reading the message."""
+
+    def __init__(self, message: str, raised: str | None = None) -> None:
+        super().__init__(message)
+        self.raised = raised
 
 
 class SimulatedOutOfMemoryError(MemadvisorError, torch.OutOfMemoryError):

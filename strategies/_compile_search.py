@@ -89,7 +89,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from memadvisor.errors import is_our_bug
+from memadvisor import _torch_private
+from memadvisor.errors import ProbeProcessError, is_our_bug
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import StepFit
 from memadvisor.schema.profile import Profile
@@ -195,6 +196,16 @@ class Variant:
     lowest_failure: int | None = None
     fit: StepFit | None = None
     error: str | None = None  # why its runs stopped (a device error), or why it never ran
+    # Why it is searched static though the search form is dynamic: its dynamic-batch compile
+    # failed (Search._static_instead), the compiler's error in one line.
+    static_because: str | None = None
+    trialled_as: JsonValue | None = None  # the form whose trial stands for it, where it moved
+
+    @property
+    def trial_form(self) -> JsonValue:
+        """The compile form whose trial stands for this candidate: its search form's, also
+        where it went static after that form's trial passed."""
+        return self.trialled_as if self.trialled_as is not None else self.form
 
     @property
     def form(self) -> JsonValue:
@@ -733,6 +744,12 @@ class Search:
         if isinstance(answer, Exception):
             if is_our_bug(answer):
                 raise answer
+            if self._static_instead(v, batch, answer):
+                try:
+                    answer = self.stage.run(v.choices, batch)
+                except Exception as e:  # noqa: BLE001 - as the dynamic run's: v.error
+                    answer = e
+                return self._take(v, batch, answer)
             v.error = first_line(answer)
             return None
         m = answer
@@ -753,6 +770,33 @@ class Search:
             cap_bytes=cfg.budget_bytes if cfg.measured_margin else None,
         )
         return m is not None
+
+    def _static_instead(self, v: Variant, batch: int, error: Exception) -> bool:
+        """Whether ``v``'s run failed in the compiler with a dynamic batch and is to be made
+        again in the static form (``v`` switched to it, its dynamic runs forgotten).
+
+        Why: on an H100 with torch 2.11 the dynamic-batch compile of checkpointed blocks
+        failed in the partitioner ("AssertionError: Node add_296 was invalid, but is
+        output") for hf_gpt2 and swin_t, while the same choices compiled static at once
+        (session 17, docs/design.md); the trial of the first candidate (no checkpointing)
+        had passed, so only these candidates dropped out of the search and no checkpointed
+        compiled configuration of either model was measured. The static form compiles once
+        per batch, dearer, but it is the form the plan hands on anyway.
+
+        Known limitations: only the first failure switches a candidate (a static form that
+        fails too is the candidate's error); one run more, within the search's runs left.
+        """
+        if not is_dynamic(v.form) or not compiler_failed(error) or self.runs_left <= 0:
+            return False
+        v.static_because = first_line(error)
+        v.trialled_as = v.form
+        v.choices = {**v.choices, COMPILE: _static(v.form)}
+        v.forget()
+        self.stage.describe(
+            f"compile: {v.label} failed to compile with a dynamic batch; its static form at "
+            f"batch {batch}"
+        )
+        return True
 
     def _spent(self, reserve: int) -> str:
         if self.runs_left > reserve:
@@ -812,7 +856,27 @@ def _static(form: JsonValue) -> JsonValue:
     return parsed.static().to_json()
 
 
+def compiler_failed(error: BaseException) -> bool:
+    """Whether ``error`` is the compiler's failure (dynamo's ``BackendCompilerFailed``), in
+    this process or reported by a probe process."""
+    if isinstance(error, ProbeProcessError):
+        return error.raised == "BackendCompilerFailed"
+    return _torch_private.is_compiler_failure(error)
+
+
 def first_line(error: BaseException) -> str:
+    """``error`` in one line for a plan's record: its type and its message's first line.
+
+    Where that line only introduces the cause (it ends in ``:``, as dynamo's
+    ``BackendCompilerFailed`` does: "backend=... raised:" then the backend's own error on the
+    next line, here reached through a probe process's message), the next non-empty line is
+    kept with it: without it the record says a compile failed but not why.
+    """
     text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    first = lines[0][:300]
+    if first.endswith(":") and len(lines) > 1:
+        first = f"{first} {lines[1][:300]}"
+    return f"{type(error).__name__}: {first}"

@@ -195,7 +195,7 @@ def compiled_pick(
         later: list[_StaticLater] = []
 
         def refused() -> dict[int, str | None]:
-            return {id(v): trials[_key(v.form)].error for v in variants if not _ok(trials, v)}
+            return {id(v): trials[_key(v.trial_form)].error for v in variants if not _ok(trials, v)}
 
         def trial() -> dict[int, str | None]:
             # Beside pass 1's runs on a card (Search.measure): the trial's compile in this
@@ -251,7 +251,7 @@ def compiled_pick(
         ran = len(stage.probes) > runs_before
         cache_report = shared.report() if ran else None
 
-    records = [_record(stage, v, trials[_key(v.form)], runs_before) for v in variants]
+    records = [_record(stage, v, trials[_key(v.trial_form)], runs_before) for v in variants]
     confirmed: list[tuple[StageVariant, Confirmed]] = []
     if displaced is not None:
         index = variants.index(displaced[0])
@@ -390,10 +390,16 @@ def _pick_words(candidate: Candidate) -> str:
 
 def _record(stage: PickStage, v: Variant, trial: _Trial, runs_before: int) -> StageVariant:
     """``v`` as the plan keeps it: its trial, its line, its largest run that fitted."""
+    sentence = trial.sentence
+    if v.static_because:
+        sentence += (
+            f" This candidate's dynamic-batch compile failed ({v.static_because}): searched "
+            "with a static batch, a compile per batch."
+        )
     record = StageVariant(
         choices=v.choices,
         ok=trial.ok,
-        trial=trial.sentence,
+        trial=sentence,
         one_off_ms=trial.one_off_ms,
         fit=v.fit,
         device_wall_ms=_wall_ms(stage, v.choices, runs_before),
@@ -741,7 +747,7 @@ def _trial(
 
 def _ok(trials: dict[str, _Trial], v: Variant) -> bool:
     """Whether ``v``'s search form compiled in its trial."""
-    return trials[_key(v.form)].ok
+    return trials[_key(v.trial_form)].ok
 
 
 def _budget_free(form: JsonValue) -> JsonValue | None:

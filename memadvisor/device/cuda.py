@@ -78,7 +78,7 @@ from memadvisor.device._lifetime import (
 )
 from memadvisor.device._train import RESULT_MARKER, train_candidate
 from memadvisor.device._zygote import ForkServer, ZygoteDied
-from memadvisor.errors import BadInputError, PlanningError
+from memadvisor.errors import BadInputError, PlanningError, ProbeProcessError
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.device import DeviceCapabilities, card_capabilities
 from memadvisor.schema.profile import Profile
@@ -656,7 +656,7 @@ def _measurement(
     Raises:
         torch.OutOfMemoryError: the child ran out of memory.
         BadInputError: the child rejected the workload as the user's mistake.
-        PlanningError: anything else that went wrong in the child.
+        ProbeProcessError: anything else that went wrong in the child (a PlanningError).
     """
     status = answer["status"]
     if status == "ok":
@@ -671,9 +671,10 @@ def _measurement(
     if answer.get("bad_input"):  # BadInputError or a subclass (UserCodeError) in the child
         raise BadInputError(answer["message"])
     where = f"batch {candidate.batch_size}" if candidate is not None else "loading the workload"
-    raise PlanningError(
+    raise ProbeProcessError(
         f"A probe process ({where}) failed with "
-        f"{answer.get('type')}: {answer.get('message')}\n{answer.get('traceback', '')[-3000:]}"
+        f"{answer.get('type')}: {answer.get('message')}\n{answer.get('traceback', '')[-3000:]}",
+        raised=answer.get("type"),
     )
 
 

@@ -21,6 +21,7 @@ from collections import Counter
 import pytest
 import torch
 
+from memadvisor.errors import ProbeProcessError
 from memadvisor.planner import Progress, plan_workload
 from memadvisor.planner._prober import Prober
 from memadvisor.planner._space import SearchSpace
@@ -1066,3 +1067,64 @@ def test_a_static_run_made_beside_a_confirmation_that_then_moved_is_counted_and_
     picked = together.candidate.batch_size
     assert [p.batch_size for p in statics] == [picked + 1, picked]
     assert together.candidate == alone.candidate and together.verified == alone.verified
+
+
+def test_a_candidate_whose_dynamic_compile_fails_in_the_compiler_is_searched_static(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: the trial passed (no checkpointing), but a checkpointed candidate's dynamic-batch
+    run fails in the compiler (a probe process's BackendCompilerFailed, as hf_gpt2's and
+    swin_t's did on a card): that candidate is run again in its static form at the same
+    batch and searched so, not dropped; the plan still reaches the best compiled
+    configuration (all blocks checkpointed), and the record says why it went static."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    real_run = device.run
+    failed: list[int] = []
+
+    def run(workload, candidate, steps):
+        form = candidate.choices.get("compile")
+        if _blocks(candidate.choices) and isinstance(form, dict) and form.get("dynamic_batch"):
+            failed.append(candidate.batch_size)
+            raise ProbeProcessError(
+                f"A probe process (batch {candidate.batch_size}) failed with "
+                "BackendCompilerFailed: backend='inductor' raised:\n"
+                "AssertionError: Node add_296 was invalid, but is output",
+                raised="BackendCompilerFailed",
+            )
+        return real_run(workload, candidate, steps)
+
+    device.run = run
+    plan = _plan(workload, profile, strategies, device, search=CompileSearch(confirm_offered=True))
+    stage = plan.stages[0]
+    assert failed, "no checkpointed candidate ran in the dynamic form"
+    searched = [v for v in stage.variants if isinstance(v.choices["compile"], dict)]
+    checkpointed = [v for v in searched if _blocks(v.choices)]
+    assert checkpointed and all(v.error is None for v in checkpointed), [
+        v.error for v in checkpointed
+    ]
+    assert all(not v.choices["compile"].get("dynamic_batch") for v in checkpointed)
+    assert all("Node add_296 was invalid" in v.trial for v in checkpointed)
+    assert all(v.batch_size for v in checkpointed)
+    blocks, _, best_rate = _best_compiled(device)
+    assert stage.picked and _blocks(plan.candidate.choices) == blocks == BLOCKS
+    assert plan.verified is not None and plan.verified.samples_per_s >= 0.97 * best_rate
+
+
+def test_a_dynamic_run_failing_otherwise_than_in_the_compiler_drops_the_candidate(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: only the compiler's failure sends a candidate static; any other error of a probe
+    process (here a RuntimeError in the step) is the candidate's error, as before."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    real_run = device.run
+
+    def run(workload, candidate, steps):
+        if _blocks(candidate.choices) and "compile" in candidate.choices:
+            raise ProbeProcessError("A probe process failed with RuntimeError: x", "RuntimeError")
+        return real_run(workload, candidate, steps)
+
+    device.run = run
+    plan = _plan(workload, profile, strategies, device)
+    checkpointed = [v for v in plan.stages[0].variants if _blocks(v.choices)]
+    assert checkpointed and all("RuntimeError: x" in (v.error or "") for v in checkpointed)
+    assert all(v.choices["compile"].get("dynamic_batch") for v in checkpointed)
