@@ -103,9 +103,24 @@ class Holding:
     measured: Any = None  # the Measurement of the run at ``batch``
     tried: list[tuple[int, bool]] = field(default_factory=list)
     lowest_oom: int | None = None
+    static_from: int | None = None  # tried[static_from:] ran static (static_at_edge)
 
     def runs_text(self) -> str:
-        return ", ".join(f"{b}{'' if ok else ' OOM'}" for b, ok in self.tried)
+        """'20, 67, 91 OOM, 90 static': static marks the static form's runs at the edge."""
+        start = len(self.tried) if self.static_from is None else self.static_from
+        return ", ".join(
+            f"{b}{'' if ok else ' OOM'}{' static' if i >= start else ''}"
+            for i, (b, ok) in enumerate(self.tried)
+        )
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """A Ctrl-C during a cell's batch search, with what it found so far (``holding``): the
+    largest batch that held until then, a lower bound of the cell's, and its run."""
+
+    def __init__(self, holding: Holding) -> None:
+        super().__init__()
+        self.holding = holding
 
 
 def largest_holding(
@@ -115,6 +130,7 @@ def largest_holding(
     max_batch: int,
     is_oom: Callable[[BaseException], bool],
     slope_bytes: float | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Holding:
     """The largest batch ``run(b)`` holds, found by running out of memory: from ``start``
     (halved until a batch holds, where it ran out), extrapolate along the measured allocated
@@ -128,6 +144,12 @@ def largest_holding(
         slope_bytes: bytes per sample to extrapolate along until two runs measured theirs
             (the estimate's); None takes the first run's peak over its batch, weights
             included, which falls short of the edge by a run.
+        say: told each run as it ends (its batch, held or out, seconds): a compiled cell's
+            runs each compile anew (t5_base's three compiled cells printed nothing in 510 s
+            on an H100, session 17).
+
+    Raises:
+        CellInterrupted: a Ctrl-C, with the largest batch that held so far.
     """
     from memadvisor.planner import find_batch
 
@@ -138,14 +160,26 @@ def largest_holding(
     def fits(batch: int) -> bool:
         if batch in held:  # the search may ask again for the batch it started from
             return held[batch]
+        t0 = time.perf_counter()
         try:
             measured[batch] = run(batch)
             held[batch] = True
+        except KeyboardInterrupt:
+            good = [b for b, ok in tried if ok]
+            best = max(good, default=0)
+            bad = [b for b, ok in tried if not ok]
+            raise CellInterrupted(
+                Holding(best, measured.get(best), list(tried), min(bad) if bad else None)
+            ) from None
         except Exception as e:
             if not is_oom(e):
                 raise
             held[batch] = False
         tried.append((batch, held[batch]))
+        if say is not None:
+            rate = f", {measured[batch].samples_per_s:.1f}/s" if held[batch] else ""
+            words = "held" if held[batch] else "ran out"
+            say(f"batch {batch} {words} ({time.perf_counter() - t0:.0f} s{rate})")
         return held[batch]
 
     def extrapolate(batch: int) -> int | None:
@@ -222,9 +256,15 @@ def measure_cell(
     profile: Any,
     config: Any,
     steps: int,
+    say: Callable[[str], None] | None = None,
+    dynamic_search: bool = True,
 ) -> dict[str, Any]:
     """``cell`` at its own largest batch holding ``steps`` steps on ``device``: its record
-    (``skipped`` where the cell has no meaning for this model)."""
+    (``skipped`` where the cell has no meaning for this model). Interrupted, the record
+    keeps the largest batch that held so far, marked ``interrupted`` (a lower bound: it
+    counts for no ratio, :func:`derive`). A compiled cell's edge is searched with a dynamic
+    batch and measured static there (:func:`static_at_edge`) unless ``dynamic_search`` is
+    False."""
     from memadvisor.planner._space import SearchSpace
     from memadvisor.schema.candidate import Candidate
     from memadvisor.strategy import load_strategies
@@ -238,18 +278,85 @@ def measure_cell(
     scored = space.score_choices(choices)
     start = scored.largest_batch if scored is not None else 1
     t0 = time.perf_counter()
-    holding = largest_holding(
-        lambda b: device.run(workload, Candidate(batch_size=b, choices=choices), steps),
-        start,
-        config.budget_bytes,
-        config.max_batch,
-        device.is_oom,
-        # eager's, from the start up: a compiled step keeps no more per sample, so its first
-        # step falls short; below the start a fixed phase (the optimizer's update) can
-        # flatten it (lm350m on a card: 0.05 GB a sample over [9, 18], 0.17 above 18)
-        slope_bytes=_slope_above(space, choices, max(1, start)),
-    )
-    return cell_record(cell, choices, holding, time.perf_counter() - t0)
+    searched = choices
+    if dynamic_search and "compile" in choices:
+        searched = {**choices, "compile": {"mode": "default", "dynamic_batch": True}}
+    try:
+        holding = largest_holding(
+            lambda b: device.run(workload, Candidate(batch_size=b, choices=searched), steps),
+            start,
+            config.budget_bytes,
+            config.max_batch,
+            device.is_oom,
+            # eager's, from the start up: a compiled step keeps no more per sample, so its
+            # first step falls short; below the start a fixed phase (the optimizer's update)
+            # can flatten it (lm350m on a card: 0.05 GB a sample over [9, 18], 0.17 above 18)
+            slope_bytes=_slope_above(space, choices, max(1, start)),
+            say=(lambda words: say(f"{cell}: {words}")) if say is not None else None,
+        )
+    except CellInterrupted as stop:
+        record = cell_record(cell, choices, stop.holding, time.perf_counter() - t0)
+        record["interrupted"] = True
+        return record
+    if searched is not choices and holding.batch:
+        try:
+            holding = static_at_edge(
+                lambda b: device.run(workload, Candidate(batch_size=b, choices=choices), steps),
+                holding,
+                device.is_oom,
+                say=(lambda words: say(f"{cell}: {words}")) if say is not None else None,
+            )
+        except CellInterrupted as stop:
+            record = cell_record(cell, choices, stop.holding, time.perf_counter() - t0)
+            record["interrupted"] = True
+            return record
+    record = cell_record(cell, choices, holding, time.perf_counter() - t0)
+    if searched is not choices:
+        record["edge_found"] = "dynamic batch, then static at that batch"
+    return record
+
+
+def static_at_edge(
+    run: Callable[[int], Any],
+    dynamic: Holding,
+    is_oom: Callable[[BaseException], bool],
+    say: Callable[[str], None] | None = None,
+) -> Holding:
+    """The static form's run at the edge a dynamic-batch search found (``dynamic``), the
+    cell's measurement; where it runs out, one batch less each time until one holds.
+
+    Why: a compiled cell's static graph compiles again for each batch in each process
+    (t5_base's three compiled cells found nothing in 510 s on an H100, session 17); with a
+    dynamic batch one graph, cached on disk, serves the search's every run, and the static
+    form, which a person's ``torch.compile(model)`` runs, compiles once more here.
+
+    Known limitations: the static form's own edge may lie above the dynamic one's (a
+    static graph can plan its buffers tighter): the cell's batch is then a lower bound.
+    """
+    tried = list(dynamic.tried)
+    static_from = len(tried)
+    batch = dynamic.batch
+    while batch >= 1:
+        t0 = time.perf_counter()
+        try:
+            measured = run(batch)
+        except KeyboardInterrupt:
+            raise CellInterrupted(Holding(tried=tried, static_from=static_from)) from None
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            tried.append((batch, False))
+            if say is not None:
+                say(f"static batch {batch} ran out ({time.perf_counter() - t0:.0f} s)")
+            batch -= 1
+            continue
+        tried.append((batch, True))
+        if say is not None:
+            say(f"static batch {batch} held ({time.perf_counter() - t0:.0f} s, "
+                f"{measured.samples_per_s:.1f}/s)")  # fmt: skip
+        bad = [b for b, ok in tried[static_from:] if not ok]
+        return Holding(batch, measured, tried, min(bad) if bad else None, static_from)
+    return Holding(tried=tried, lowest_oom=1, static_from=static_from)
 
 
 def _slope_above(space: Any, choices: dict[str, Any], batch: int) -> float:
@@ -293,7 +400,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def derive(row: dict[str, Any]) -> dict[str, Any]:
     """Issue 27's ratios from a row's measurements: the best hand cell, the pick's verified
     rate over it, the user's loop over the verified rate, the batch over what holds."""
-    rated = [c for c in row.get("hand_grid", []) if c.get("samples_per_s")]
+    # An interrupted cell's batch is a lower bound of its own: shown, not rated.
+    rated = [
+        c for c in row.get("hand_grid", []) if c.get("samples_per_s") and not c.get("interrupted")
+    ]
     best = max(rated, key=lambda c: c["samples_per_s"], default=None)
     row["best_hand"] = best["config"] if best else None
     row["best_hand_samples_per_s"] = best["samples_per_s"] if best else None

@@ -370,7 +370,10 @@ def _grid(
                 profile=plan.profile,
                 config=plan.config,
                 steps=args.hold_steps,
+                say=lambda words: _say(f"{name}: {words}"),
+                dynamic_search=args.hand_search == "dynamic",
             )
+            clock.stopped = clock.stopped or bool(record.get("interrupted"))
         except KeyboardInterrupt:
             clock.stopped = True
             record = {"config": cell, "skipped": "interrupted"}
@@ -599,6 +602,14 @@ def main() -> None:
         default="grid",
         help=f"hand cells: grid, eager, compile (three cells each), none, or some of "
         f"{','.join(grid.GRID)} (eager+none, compile+none: the bare cell alone)",
+    )
+    parser.add_argument(
+        "--hand-search",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="how a compiled hand cell finds its edge: with a dynamic batch (one compile "
+        "serves every run), then one static run there (default); or static runs throughout "
+        "(a compile per batch)",
     )
     parser.add_argument("--hold-steps", type=int, default=20, help="steps a hand cell holds")
     parser.add_argument(

@@ -45,7 +45,9 @@ class LinearCard:
         peak = self.fixed + self.per_sample * batch
         if peak > self.budget:
             raise MemoryError(f"batch {batch}: {peak} > {self.budget}")
-        return SimpleNamespace(peak_bytes=peak, samples_per_s=float(batch), step_ms=1.0)
+        return SimpleNamespace(
+            peak_bytes=peak, reserved_peak_bytes=None, samples_per_s=float(batch), step_ms=1.0
+        )
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -95,6 +97,49 @@ def test_largest_holding_reraises_what_is_not_an_oom(grid) -> None:
 
     with pytest.raises(RuntimeError, match="inductor failed"):
         grid.largest_holding(broken, 4, 1000, 64, _is_oom)
+
+
+def test_a_search_interrupted_keeps_the_largest_batch_that_held_and_said_each_run(grid) -> None:
+    """Rule: each run is said as it ends; a Ctrl-C during the third run raises with the
+    largest batch that held before it (a lower bound) and the runs made; a record made of
+    it is marked interrupted and rated by no ratio."""
+    card = LinearCard(fixed=100, per_sample=10, budget=1000)
+    said: list[str] = []
+
+    def run(batch: int):
+        if len(card.runs) == 2:
+            raise KeyboardInterrupt
+        return card.run(batch)
+
+    with pytest.raises(grid.CellInterrupted) as stopped:
+        grid.largest_holding(run, 20, 1000, 65536, _is_oom, say=said.append)
+    holding = stopped.value.holding
+    assert holding.batch == 67 and holding.measured.samples_per_s == 67.0
+    assert holding.tried == [(20, True), (67, True)]
+    assert said[0].startswith("batch 20 held (") and said[1].startswith("batch 67 held (")
+    record = grid.cell_record("compile", {"compile": "default"}, holding, 1.0)
+    record["interrupted"] = True
+    row = grid.derive({"hand_grid": [record], "verified_samples_per_s": 10.0})
+    assert row["best_hand"] is None and row["pick_over_best_hand"] is None
+    assert row["hand_cells"] == "0/6"
+
+
+@pytest.mark.parametrize(
+    ("static_edge", "runs"),
+    [(90, "90 static"), (88, "90 OOM static, 89 OOM static, 88 static")],
+)
+def test_a_compiled_cell_searched_dynamic_is_measured_static_at_its_edge(
+    grid, static_edge, runs
+) -> None:
+    """Rule: the edge a dynamic-batch search found (90) is measured in the static form;
+    where static runs out there, one batch less each time until one holds; the runs say
+    which were static, and the measurement is the static run's."""
+    dynamic = grid.Holding(batch=90, measured=None, tried=[(20, True), (90, True), (91, False)])
+    card = LinearCard(fixed=100 + 10 * (90 - static_edge), per_sample=10, budget=1000)
+    found = grid.static_at_edge(card.run, dynamic, _is_oom)
+    assert found.batch == static_edge and card.runs[-1] == static_edge
+    assert found.measured.peak_bytes == card.fixed + 10 * static_edge
+    assert found.runs_text() == f"20, 90, 91 OOM, {runs}"
 
 
 def test_the_grid_is_bf16_by_compile_by_none_half_all(grid) -> None:
@@ -252,7 +297,7 @@ def test_an_interrupted_grid_keeps_the_cells_before_it_and_starts_nothing_more(
     monkeypatch.setattr(user_path.grid, "measure_cell", measure_cell)
     monkeypatch.setattr(user_path, "_workload", lambda name: None)
     clock = user_path.Clock(None)
-    args = SimpleNamespace(hand="eager", hold_steps=20)
+    args = SimpleNamespace(hand="eager", hold_steps=20, hand_search="dynamic")
     plan = SimpleNamespace(profile=None, config=None)
     cells = user_path._grid(plan, "gpt", args, None, clock)
     assert [c["config"] for c in cells] == ["eager", "eager+half", "eager+all"]
