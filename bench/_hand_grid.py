@@ -341,7 +341,11 @@ def static_at_edge(
         try:
             measured = run(batch)
         except KeyboardInterrupt:
-            raise CellInterrupted(Holding(tried=tried, static_from=static_from)) from None
+            # The dynamic edge and its run stand, a lower bound of the cell's (hf_gpt2's
+            # compile cell was cut in its static run on a card and kept nothing: session 17).
+            raise CellInterrupted(
+                Holding(dynamic.batch, dynamic.measured, tried, dynamic.lowest_oom, static_from)
+            ) from None
         except Exception as e:
             if not is_oom(e):
                 raise

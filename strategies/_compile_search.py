@@ -95,7 +95,7 @@ from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import StepFit
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Confirmed, PickStage, Strategy, chosen_strategies
-from strategies._compile_model import EagerLines, fit_step
+from strategies._compile_model import EagerLines, fit_step, predicted, samples_per_s
 from strategies._compiled_forward import CompileChoice, parse_choice
 
 __all__ = [
@@ -120,6 +120,10 @@ MIN_SPEEDUP = 1.03
 # winner's batch.
 CONFIRM_RUNS = 2
 FINAL_FORM_RUNS = 1
+# A candidate whose dynamic-batch compile failed is made again static (a compile per batch)
+# where the eager pick checkpoints, is its own, or the eager estimate of its choices promises
+# this share of the eager pick's measured samples/s (Search._worth_a_static_compile).
+STATIC_RETRY_SHARE = 0.97
 # A candidate measured with a dynamic batch is confirmed, and its static form run, where its
 # line predicts this share of the bar or more: the static graph, which the pick is judged on,
 # ran up to 10% faster on a card (lm350m's winner at batch 16, H100: 103.4 samples/s dynamic
@@ -726,7 +730,34 @@ class Search:
             answers = self.stage.run_many([(v.choices, batch) for v, batch in group])
             for (v, batch), answer in zip(group, answers, strict=True):
                 self._take(v, batch, answer)
+            self._again_static(group)
         return left
+
+    def _again_static(self, group: list[tuple[Variant, int]]) -> None:
+        """The runs of ``group`` that :meth:`_static_instead` sent static, made again in that
+        form, together (as many at once as the device makes), and taken."""
+        again = [(v, batch) for v, batch in group if v.static_because and not v.runs
+                 and v.error is None and v.lowest_failure is None]  # fmt: skip
+        for i in range(0, len(again), max(1, self.stage.concurrent_runs)):
+            part = again[i : i + max(1, self.stage.concurrent_runs)]
+            self.stage.describe(
+                f"compile: {'; '.join(v.label for v, _ in part)} failed to compile with a "
+                "dynamic batch; static at their batches"
+            )
+            if len(part) == 1:
+                try:
+                    answers: list[Measurement | None | Exception] = [
+                        self.stage.run(part[0][0].choices, part[0][1])
+                    ]
+                except Exception as e:  # noqa: BLE001 - as the dynamic run's: v.error
+                    answers = [e]
+            else:
+                answers = self.stage.run_many([(v.choices, batch) for v, batch in part])
+            for (v, batch), answer in zip(part, answers, strict=True):
+                if isinstance(answer, Exception) and not is_our_bug(answer):
+                    v.error = first_line(answer)  # the static form failed too
+                    continue
+                self._take(v, batch, answer)
 
     def _run(self, v: Variant, batch: int, index: int, total: int) -> bool | None:
         """One run of ``v`` at ``batch``, its line refitted: True fitted, False ran out, None
@@ -736,7 +767,11 @@ class Search:
             answer: Measurement | None | Exception = self.stage.run(v.choices, batch)
         except Exception as e:  # noqa: BLE001 - a compiled run failing drops this candidate
             answer = e
-        return self._take(v, batch, answer)
+        taken = self._take(v, batch, answer)
+        if v.static_because and not v.runs and v.error is None and v.lowest_failure is None:
+            self._again_static([(v, batch)])
+            return True if v.runs else (False if v.lowest_failure is not None else None)
+        return taken
 
     def _take(self, v: Variant, batch: int, answer: Measurement | None | Exception) -> bool | None:
         """What a run of ``v`` at ``batch`` answered, kept and its line refitted: True
@@ -744,13 +779,8 @@ class Search:
         if isinstance(answer, Exception):
             if is_our_bug(answer):
                 raise answer
-            if self._static_instead(v, batch, answer):
-                try:
-                    answer = self.stage.run(v.choices, batch)
-                except Exception as e:  # noqa: BLE001 - as the dynamic run's: v.error
-                    answer = e
-                return self._take(v, batch, answer)
-            v.error = first_line(answer)
+            if not self._static_instead(v, answer):
+                v.error = first_line(answer)
             return None
         m = answer
         if m is None:
@@ -771,9 +801,11 @@ class Search:
         )
         return m is not None
 
-    def _static_instead(self, v: Variant, batch: int, error: Exception) -> bool:
+    def _static_instead(self, v: Variant, error: Exception) -> bool:
         """Whether ``v``'s run failed in the compiler with a dynamic batch and is to be made
-        again in the static form (``v`` switched to it, its dynamic runs forgotten).
+        again in the static form (``v`` switched to it, its dynamic runs forgotten; the
+        caller makes the run, :meth:`_again_static`), where it is worth a compile
+        (:meth:`_worth_a_static_compile`); where not, ``v.error`` says why.
 
         Why: on an H100 with torch 2.11 the dynamic-batch compile of checkpointed blocks
         failed in the partitioner ("AssertionError: Node add_296 was invalid, but is
@@ -783,20 +815,47 @@ class Search:
         compiled configuration of either model was measured. The static form compiles once
         per batch, dearer, but it is the form the plan hands on anyway.
 
+        The same card showed what it costs: hf_gpt2's two checkpointed candidates made
+        static took 31 and 25 s one after the other, swin_t's two more than 120 s, and both
+        plans outran their bench's limits (150 and 260 s) while neither model gains from
+        checkpointing (eager: swin_t's all blocks 1,384 samples/s against none 1,802). Hence
+        the gate on the eager estimate, and the runs made together.
+
         Known limitations: only the first failure switches a candidate (a static form that
-        fails too is the candidate's error); one run more, within the search's runs left.
+        fails too is the candidate's error); one run more each, within the search's runs
+        left. Where the eager pick checkpoints nothing, the gate reads the eager estimate,
+        which does not see compile's own savings. Not yet run on a card in this form (the
+        card ran the one-at-a-time, ungated form: session 17).
         """
         if not is_dynamic(v.form) or not compiler_failed(error) or self.runs_left <= 0:
             return False
+        if not self._worth_a_static_compile(v):
+            v.error = (
+                f"{first_line(error)}; not searched static: its eager estimate promises less "
+                f"than {STATIC_RETRY_SHARE:.2f} of the eager pick's samples/s"
+            )
+            return True  # answered: the error says why
         v.static_because = first_line(error)
         v.trialled_as = v.form
         v.choices = {**v.choices, COMPILE: _static(v.form)}
         v.forget()
-        self.stage.describe(
-            f"compile: {v.label} failed to compile with a dynamic batch; its static form at "
-            f"batch {batch}"
-        )
         return True
+
+    def _worth_a_static_compile(self, v: Variant) -> bool:
+        """The eager pick's own choices are; so is every candidate where the eager pick
+        checkpoints (memory binds eager, and compile's saving can move the best checkpointed
+        set: the issue's decoder); where it checkpoints nothing, checkpointing did not pay
+        eager, and compile, which lowers the activations' bytes, only weakens the case for
+        it: a candidate then needs its eager estimate's promise."""
+        pick = {n: c for n, c in self.eager.candidate.choices.items() if n != COMPILE}
+        if {n: c for n, c in v.choices.items() if n != COMPILE} == pick:
+            return True
+        if pick.get("checkpointing"):
+            return True
+        limit, cap = self.stage.limit_bytes, self.stage.config.max_batch
+        mine = samples_per_s(v.eager.ms, predicted(v.eager.bytes, limit, cap, None))
+        theirs = self.eager.measured.samples_per_s
+        return mine >= STATIC_RETRY_SHARE * theirs
 
     def _spent(self, reserve: int) -> str:
         if self.runs_left > reserve:

@@ -142,6 +142,19 @@ def test_a_compiled_cell_searched_dynamic_is_measured_static_at_its_edge(
     assert found.runs_text() == f"20, 90, 91 OOM, {runs}"
 
 
+def test_a_cell_cut_in_its_static_run_keeps_the_dynamic_edge_as_a_lower_bound(grid) -> None:
+    """Rule: a Ctrl-C during the static run at the edge keeps the dynamic search's edge and
+    run (what hf_gpt2's compile cell lost on a card), to be marked interrupted."""
+    dynamic = grid.Holding(batch=90, measured="dyn", tried=[(90, True), (91, False)])
+
+    def run(batch: int):
+        raise KeyboardInterrupt
+
+    with pytest.raises(grid.CellInterrupted) as stopped:
+        grid.static_at_edge(run, dynamic, _is_oom)
+    assert stopped.value.holding.batch == 90 and stopped.value.holding.measured == "dyn"
+
+
 def test_the_grid_is_bf16_by_compile_by_none_half_all(grid) -> None:
     """Six cells, all bf16: half the blocks is the first half of checkpointing's ranking;
     half of one block, or a model without blocks, has no such cell."""

@@ -1128,3 +1128,74 @@ def test_a_dynamic_run_failing_otherwise_than_in_the_compiler_drops_the_candidat
     checkpointed = [v for v in plan.stages[0].variants if _blocks(v.choices)]
     assert checkpointed and all("RuntimeError: x" in (v.error or "") for v in checkpointed)
     assert all(v.choices["compile"].get("dynamic_batch") for v in checkpointed)
+
+
+def _failing_dynamic_checkpointed(device) -> list[int]:
+    """``device``'s dynamic-batch runs of checkpointed choices fail in the compiler, as a
+    probe process reports it (hf_gpt2's and swin_t's on an H100, torch 2.11)."""
+    real_run, failed = device.run, []
+
+    def run(workload, candidate, steps):
+        form = candidate.choices.get("compile")
+        if _blocks(candidate.choices) and isinstance(form, dict) and form.get("dynamic_batch"):
+            failed.append(candidate.batch_size)
+            raise ProbeProcessError(
+                "A probe process failed with BackendCompilerFailed: backend='inductor' "
+                "raised:\nAssertionError: Node add_296 was invalid, but is output",
+                raised="BackendCompilerFailed",
+            )
+        return real_run(workload, candidate, steps)
+
+    device.run = run
+    return failed
+
+
+def test_where_the_eager_pick_checkpoints_nothing_a_failed_checkpointed_form_is_not_compiled_static(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: the eager pick checkpoints nothing (recompute costs as much as the step), so a
+    checkpointed candidate whose dynamic compile fails gets no static compile unless its
+    eager estimate promises 0.97 of the eager pick's rate: here none does; each says why,
+    and no static run of checkpointed choices is made (each would be a compile of its own:
+    swin_t's two took more than 120 s on a card)."""
+    device = linear_device(EAGER_FLAT, fixed_ms=0.0, recompute=1.0)
+    failed = _failing_dynamic_checkpointed(device)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert _blocks(stage.eager_candidate.choices) == 0
+    assert failed
+    checkpointed = [v for v in stage.variants if _blocks(v.choices)]
+    assert checkpointed and all("not searched static" in (v.error or "") for v in checkpointed)
+    static_checkpointed = [
+        p for p in plan.probes if p.stage == "compile" and _blocks(p.candidate.choices)
+        and _static_form(p)
+    ]  # fmt: skip
+    assert not static_checkpointed
+
+
+def test_failed_dynamic_forms_go_static_together_on_a_device_of_runs_at_once(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: on a device of runs at once, the checkpointed candidates whose dynamic compile
+    failed in one group are made static in one group too (hf_gpt2's two went one after
+    the other on a card: 31 s then 25 s)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    failed = _failing_dynamic_checkpointed(device)
+    real_many, groups = device.run_many, []
+
+    def run_many(workload, runs):
+        groups.append([c.choices for c, _ in runs])
+        return real_many(workload, runs)
+
+    device.run_many = run_many
+    plan = _plan(workload, profile, strategies, device)
+    assert len(failed) >= 2
+    static_groups = [
+        g for g in groups
+        if len(g) >= 2 and all(_blocks(c) and not c["compile"].get("dynamic_batch") for c in g
+                               if isinstance(c.get("compile"), dict))
+        and all(isinstance(c.get("compile"), dict) for c in g)
+    ]  # fmt: skip
+    assert static_groups, groups
+    assert plan.stages[0].picked and _blocks(plan.candidate.choices) == BLOCKS
