@@ -28,6 +28,7 @@ from memadvisor.planner._space import SearchSpace
 from memadvisor.planner._stage import ProberStage
 from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Plan
 from strategies._compile_model import Line
 from strategies._compile_search import CONFIRM_RUNS, Search, search_variants
@@ -1199,3 +1200,43 @@ def test_failed_dynamic_forms_go_static_together_on_a_device_of_runs_at_once(
     ]  # fmt: skip
     assert static_groups, groups
     assert plan.stages[0].picked and _blocks(plan.candidate.choices) == BLOCKS
+
+
+def test_where_eager_keeps_fp32_the_search_compiles_the_autocast_precision_too(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: eager, bf16's casts cost more than they save (its steps 3x fp32's here), so
+    the eager pick is fp32; compiled, the casts fuse away and bf16's halved bytes hold a
+    larger batch. The search compiles the eager pick's choices in bf16 too, and picks it
+    (hf_gpt2 on an H100: eager tf32 624 at 23,473/s; compiled tf32 52,706/s; bf16
+    compiled held 1,339 at 90,619/s with a dynamic batch, never searched: session 17)."""
+    precision = next(s for s in strategies if s.name == "precision")
+    precision.facts = lambda c: Facts(autocast="bf16") if c == "bf16" else Facts()
+    device = linear_device(EAGER_FLAT, fixed_ms=3.0)
+    step_ms = device.step_ms
+
+    def slow_eager_bf16(candidate):
+        ms = step_ms(candidate)
+        eager_bf16 = device.compiled(candidate) is None and device.key(candidate)[0] == "bf16"
+        return 3.0 * ms if eager_bf16 else ms
+
+    device.step_ms = slow_eager_bf16
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert stage.eager_candidate.choices.get("precision", "fp32") == "fp32"
+    lowered = [v for v in stage.variants if v.choices.get("precision") == "bf16"]
+    assert lowered and lowered[0].batch_size, [v.choices for v in stage.variants]
+    assert stage.picked and plan.candidate.choices.get("precision") == "bf16"
+    assert "bf16" in stage.summary
+
+
+def test_where_the_eager_pick_has_an_autocast_no_other_precision_is_compiled(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: the eager pick in bf16 already: every candidate keeps bf16 (no fp32 one)."""
+    precision = next(s for s in strategies if s.name == "precision")
+    precision.facts = lambda c: Facts(autocast="bf16") if c == "bf16" else Facts()
+    plan = _plan(workload, profile, strategies, linear_device(EAGER_FLAT, fixed_ms=3.0))
+    stage = plan.stages[0]
+    assert stage.eager_candidate.choices.get("precision") == "bf16"
+    assert all(v.choices.get("precision") == "bf16" for v in stage.variants)
