@@ -887,7 +887,7 @@ class Search:
         pick = {n: c for n, c in self.eager.candidate.choices.items() if n != COMPILE}
         if {n: c for n, c in v.choices.items() if n != COMPILE} == pick:
             return True
-        if pick.get("checkpointing"):
+        if _recomputing(pick, self.stage.strategies):
             return True
         limit, cap = self.stage.limit_bytes, self.stage.config.max_batch
         mine = samples_per_s(v.eager.ms, predicted(v.eager.bytes, limit, cap, None))
