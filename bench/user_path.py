@@ -27,7 +27,11 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
   ``--hold-steps`` (20) steps in a fresh process; ``hand_grid`` lists each cell (config,
   batch, samples/s, peak, the batches tried) and ``pick_over_best_hand`` is the pick's
   verified samples/s over the best cell's. ``--hand`` picks the cells: ``grid`` (all six),
-  ``eager``, ``compile``, ``none``, or cell names (``compile+all,compile+half``).
+  ``eager``, ``compile``, ``none``, or cell names (``compile+all,compile+half``). A compiled
+  cell finds its edge with a dynamic batch (one compile for all its runs) and is measured
+  static there (``--hand-search static``: static throughout, a compile per batch); each run
+  is printed as it ends; a cell cut by ``--deadline-s`` or a Ctrl-C keeps the largest batch
+  that held, marked ``interrupted`` and in no ratio.
 * ``--rerun-pick``: the pick run once more beside the hand cells, for a rate measured in
   the same call as theirs (``pick_rerun``, ``pick_rerun_over_best_hand``).
 * largest holding (``--holding``, the default): the largest batch of the pick's choices that
