@@ -850,6 +850,7 @@ def _verdict(
     measured = (
         f"torch.compile ({_label(record.choices)}) ran {rate:.1f} samples/s at batch "
         f"{found.candidate.batch_size}, {rate / eager_rate:.2f}x {eager_words}"
+        f"{_precision_moved(record.choices, eager.candidate.choices)}"
     )
     if not picked:
         return f"Planned eager because compiling did not pay: {measured}; {must}"
@@ -862,6 +863,19 @@ def _verdict(
         "the steady state. The estimate shown is eager's: compiled memory and time are "
         "measured, not estimated."
     )
+
+
+def _precision_moved(choices: dict[str, JsonValue], eager: dict[str, JsonValue]) -> str:
+    """``' (in bf16; the eager pick trains without autocast)'``, where the compiled pick's
+    autocast differs from the eager pick's (the search's autocast candidate), else ''."""
+    mine = facts_of(Candidate(batch_size=1, choices=choices)).autocast
+    theirs = facts_of(Candidate(batch_size=1, choices=eager)).autocast
+    if mine == theirs:
+        return ""
+    if mine is None:
+        return f" (without autocast; the eager pick trains in {theirs})"
+    was = f"in {theirs}" if theirs else "without autocast"
+    return f" (in {mine}; the eager pick trains {was})"
 
 
 def _label(choices: dict[str, JsonValue]) -> str:

@@ -1227,7 +1227,9 @@ def test_where_eager_keeps_fp32_the_search_compiles_the_autocast_precision_too(
     lowered = [v for v in stage.variants if v.choices.get("precision") == "bf16"]
     assert lowered and lowered[0].batch_size, [v.choices for v in stage.variants]
     assert stage.picked and plan.candidate.choices.get("precision") == "bf16"
-    assert "bf16" in stage.summary
+    # The sentence says the precision moved, and the candidate's label which one it tried.
+    assert "(in bf16; the eager pick trains without autocast)" in stage.summary
+    assert "no checkpointing, bf16" in stage.summary
 
 
 def test_where_the_eager_pick_has_an_autocast_no_other_precision_is_compiled(
