@@ -218,7 +218,10 @@ class Compile(Strategy, Measured, Described, Checked):
 
     def facts(self, choice: JsonValue) -> Facts:
         parsed = parse_choice(choice)
-        return Facts() if parsed is None else Facts(compiled=True, compile_mode=parsed.mode)
+        if parsed is None:
+            return Facts()
+        whole = not parsed.regional and parsed.activation_memory_budget is None
+        return Facts(compiled=True, compile_mode=parsed.mode, compiled_whole=whole)
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """The advice; its effect quotes the trial :meth:`check` ran, when there was one."""

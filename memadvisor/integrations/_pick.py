@@ -63,6 +63,7 @@ class Pick:
     checkpointed: list[str]  # block names
     block_count: int | None  # blocks the profile found; None unknown
     compile_mode: str | None  # None: eager
+    compiled_whole: bool = False  # the whole model in compile_mode: a framework's switch does it
 
     @property
     def all_blocks(self) -> bool:
@@ -85,21 +86,29 @@ def pick_of(plan: Plan) -> Pick:
         checkpointed=said.checkpointed,
         block_count=len(plan.profile.blocks) if plan.profile is not None else None,
         compile_mode=mode,
+        compiled_whole=facts.compiled_whole,
     )
 
 
-def apply_blocks(model: nn.Module, plan: Plan) -> nn.Module:
-    """Checkpoint the plan's blocks of ``model`` in place, and nothing else of the plan.
+def apply_blocks(model: nn.Module, plan: Plan, *, compiled: bool = False) -> nn.Module:
+    """Checkpoint the plan's blocks of ``model`` in place, and with ``compiled`` install its
+    compile in the form it measured (each repeated block, a partitioner budget), and
+    nothing else of the plan.
 
-    Precision, batch and compile are the framework's to set (its autocast, its loader); the
-    rest of :func:`memadvisor.apply_plan` would do them a second time.
+    Precision, batch and a whole-model compile are the framework's to set (its autocast, its
+    loader, its own compile switch); the rest of :func:`memadvisor.apply_plan` would do them
+    a second time. A compile the framework's switch cannot make (``Pick.compiled_whole``
+    False) is installed here: the switch would compile the whole model, another step in
+    memory and time than the one the batch was planned for.
     """
     from memadvisor.strategy import apply_to_model, chosen_strategies
 
-    recompute = {
-        s.name: c for s, c in chosen_strategies(plan.candidate) if s.facts(c).recomputed_blocks
+    chosen = {
+        s.name: c
+        for s, c in chosen_strategies(plan.candidate)
+        if s.facts(c).recomputed_blocks or (compiled and s.facts(c).compiled)
     }
-    if not recompute:
+    if not chosen:
         return model
-    only = Candidate(batch_size=plan.candidate.batch_size, choices=recompute)
+    only = Candidate(batch_size=plan.candidate.batch_size, choices=chosen)
     return apply_to_model(model, only, profile=plan.profile).model

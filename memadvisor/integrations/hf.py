@@ -130,14 +130,21 @@ def training_arguments(plan: Plan, model: nn.Module | None = None) -> dict[str, 
     them (``dataloader_num_workers``, ``dataloader_pin_memory``,
     ``dataloader_persistent_workers``).
 
+    A compiled pick: with ``model`` given, its compile is installed on the model in the form
+    the plan measured (each repeated block, or the whole model) and ``torch_compile`` stays
+    False; without it, a whole-model pick sets ``torch_compile`` (the Trainer's
+    ``torch.compile(model)``), and a pick the Trainer's switch cannot make (each repeated
+    block compiled, a partitioner budget) is refused.
+
     Args:
         plan: the plan, e.g. from :func:`plan_trainer`.
         model: the model the Trainer will train. Needed when the plan checkpoints only some
-            blocks: those are checkpointed on it, in place.
+            blocks, or compiles each repeated block: those are done on it, in place.
 
     Raises:
-        BadInputError: the plan checkpoints some blocks and no model was given (training
-            without them would not fit the budget the batch was planned for).
+        BadInputError: the plan checkpoints some blocks, or compiles in a form the Trainer's
+            switch cannot make, and no model was given (training without them would run
+            another step than the one the batch was planned for).
     """
     pick = pick_of(plan)
     fields: dict[str, Any] = {
@@ -146,32 +153,46 @@ def training_arguments(plan: Plan, model: nn.Module | None = None) -> dict[str, 
         "bf16": pick.precision == "bf16",
         "fp16": pick.precision == "fp16",
         "gradient_checkpointing": False,
-        "torch_compile": pick.compile_mode is not None,
+        "torch_compile": False,
     }
     if pick.tf32:
         fields["tf32"] = True
-    if pick.compile_mode not in (None, "default"):
-        fields["torch_compile_mode"] = pick.compile_mode
-    if pick.all_blocks:
+    if pick.compile_mode is not None and model is None:
+        if not pick.compiled_whole:
+            raise BadInputError(
+                "The plan compiles each repeated block (or with a partitioner budget), which "
+                "the Trainer's torch_compile cannot say (it compiles the whole model: another "
+                "step in memory and time); pass model= (the model the Trainer will train) and "
+                "the plan's compile is installed on it."
+            )
+        fields["torch_compile"] = True
+        if pick.compile_mode != "default":
+            fields["torch_compile_mode"] = pick.compile_mode
+    in_place = pick.compile_mode is not None and model is not None
+    if pick.all_blocks and not in_place:
         # The model's own switch checkpoints every layer, as the plan does; non-reentrant, as
         # memadvisor measured it.
         fields["gradient_checkpointing"] = True
         fields["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
-    elif pick.checkpointed:
-        if model is None:
-            raise BadInputError(
-                f"The plan checkpoints {len(pick.checkpointed)} of {pick.block_count} blocks, "
-                "which TrainingArguments cannot say; pass model= (the model the Trainer will "
-                "train) and they are checkpointed on it."
-            )
-        apply_blocks(model, plan)
-        logger.info(
-            "memadvisor: checkpointed %d of %s blocks on the model (%s); "
-            "gradient_checkpointing=False so the Trainer leaves them as they are",
-            len(pick.checkpointed),
-            pick.block_count,
-            ", ".join(pick.checkpointed),
+    elif pick.checkpointed and model is None:
+        raise BadInputError(
+            f"The plan checkpoints {len(pick.checkpointed)} of {pick.block_count} blocks, "
+            "which TrainingArguments cannot say; pass model= (the model the Trainer will "
+            "train) and they are checkpointed on it."
         )
+    if model is not None and (in_place or (pick.checkpointed and not pick.all_blocks)):
+        # The blocks and the compile as the plan measured them, the compile around the
+        # checkpointed blocks (apply_plan's order); the Trainer's switches stay off.
+        apply_blocks(model, plan, compiled=in_place)
+        logger.info(
+            "memadvisor: on the model: %s%s; the Trainer's gradient_checkpointing and "
+            "torch_compile stay False so it does neither a second way",
+            f"checkpointed {len(pick.checkpointed)} of {pick.block_count} blocks "
+            f"({', '.join(pick.checkpointed)})" if pick.checkpointed else "no checkpointing",
+            (", torch.compile installed ("
+             + ("the whole model" if pick.compiled_whole else "each repeated block") + ")")
+            if in_place else "",
+        )  # fmt: skip
     loading = plan.data_loading
     if loading is not None:
         names = {

@@ -12,7 +12,10 @@ Trainer's optimizer, and applies the pick:
   the datamodule or their ``hparams``, by ``lightning_setattr``);
 * **precision**: ``bf16-mixed`` / ``16-mixed`` autocast, by the Trainer's precision plugin;
 * **accumulate_grad_batches**: the plan's accumulation steps (with ``effective_batch``);
-* **checkpointed blocks**: checkpointed on the module in place.
+* **checkpointed blocks**: checkpointed on the module in place;
+* **torch.compile**: installed on the module in place in the form the plan measured (the
+  whole module, or each repeated block), where the plan compiled: a compiled pick's batch
+  may not fit the same module run eager. Lightning has no compile switch of its own.
 
 Which wins where you set Lightning's own settings (logged at fit start):
 
@@ -174,9 +177,16 @@ def _callback_class() -> type:
             self._batch(trainer, pl_module, pick.batch_size, lightning_hasattr, lightning_setattr,
                         is_overridden)  # fmt: skip
             self._accumulation(trainer, pick.accumulation_steps)
+            compiled = pick.compile_mode is not None
+            if pick.checkpointed or compiled:
+                # The compile too, in the form the plan measured (Lightning has no switch for
+                # it): a compiled pick's batch trained eager could run out of memory.
+                apply_blocks(pl_module, plan, compiled=compiled)
             if pick.checkpointed:
-                apply_blocks(pl_module, plan)
                 self._decide("checkpointed blocks", ", ".join(pick.checkpointed), "plan")
+            if compiled:
+                form = "the whole module" if pick.compiled_whole else "each repeated block"
+                self._decide("torch.compile", f"{pick.compile_mode} mode, {form}", "plan")
             for setting, value, whose in self.decisions:
                 rank_zero_info(f"memadvisor: {setting} = {value} ({whose})")
 

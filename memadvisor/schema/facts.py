@@ -32,6 +32,13 @@ class Facts(BaseModel):
     compile_mode: str | None = Field(
         default=None, description="torch.compile's mode where compiled ('default', ...)."
     )
+    compiled_whole: bool = Field(
+        default=False,
+        description="The compile is what a framework's own switch makes (the Trainer's "
+        "torch_compile): the whole model in that mode, no per-block form, no partitioner "
+        "budget. False where compiled otherwise: only installing the plan's form runs what "
+        "it measured.",
+    )
     parallel: Literal["ddp", "fsdp2"] | None = Field(
         default=None, description="How each rank wraps the model; None: one process."
     )
@@ -50,6 +57,7 @@ class Facts(BaseModel):
             recomputed_blocks=[*self.recomputed_blocks, *other.recomputed_blocks],
             compiled=self.compiled or other.compiled,
             compile_mode=other.compile_mode or self.compile_mode,
+            compiled_whole=other.compiled_whole or self.compiled_whole,
             parallel=other.parallel or self.parallel,
             world_size=max(self.world_size, other.world_size),
             loss_changed=self.loss_changed or other.loss_changed,

@@ -120,3 +120,65 @@ def test_the_module_imports_without_transformers_and_names_the_extra(without) ->
     )
     assert result.returncode == 0, result.stderr
     assert "refused:" in result.stdout and "pip install 'memadvisor[hf]'" in result.stdout
+
+
+def _compiled(plan: Plan, form) -> Plan:
+    cand = plan.candidate.model_copy(
+        update={"choices": {**plan.candidate.choices, "compile": form}}
+    )
+    return plan.model_copy(update={"candidate": cand})
+
+
+def _compiled_modules(model) -> list[str]:
+    from strategies._compiled_forward import CompiledForward
+
+    return [
+        name or "(top)"
+        for name, m in model.named_modules()
+        if isinstance(m.__dict__.get("forward"), CompiledForward)
+    ]
+
+
+def test_a_compile_of_each_block_is_installed_on_the_model_not_the_trainers_switch(
+    gpt_plan: Plan, four_blocks
+) -> None:
+    """Rule: the plan compiled each repeated block (what it measured); the Trainer's
+    torch_compile would compile the whole model, another step: the fields leave it False
+    and the blocks are compiled on the model, around the plan's checkpointed blocks."""
+    plan = _compiled(gpt_plan, {"mode": "default", "regional": True})
+    fields = training_arguments(plan, model=four_blocks)
+    assert fields["torch_compile"] is False and "torch_compile_mode" not in fields
+    assert _compiled_modules(four_blocks) == [f"transformer.h.{i}" for i in range(4)]
+    # The plan's three checkpointed blocks stay checkpointed, inside the compile (outer).
+    from strategies._forward import wrappers
+
+    kinds = {
+        name: [type(w).__name__ for w in wrappers(m)]
+        for name, m in four_blocks.named_modules()
+        if name.startswith("transformer.h.")
+    }
+    assert kinds["transformer.h.0"] == ["CompiledForward", "CheckpointedForward"], kinds
+    assert kinds["transformer.h.3"] == ["CompiledForward"], kinds
+
+
+def test_a_compile_of_each_block_and_no_model_is_refused(gpt_plan: Plan) -> None:
+    every = [f"transformer.h.{i}" for i in range(4)]
+    plan = _compiled(gpt_plan, {"mode": "default", "regional": True})
+    cand = plan.candidate.model_copy(
+        update={"choices": {**plan.candidate.choices, "checkpointing": every}}
+    )
+    with pytest.raises(BadInputError, match="torch_compile cannot say"):
+        training_arguments(plan.model_copy(update={"candidate": cand}))
+
+
+def test_a_whole_model_compile_without_a_model_is_the_trainers_switch(gpt_plan: Plan) -> None:
+    """Rule: without model=, a whole-model pick is the Trainer's torch_compile (its mode
+    where not the default); every block checkpointed stays the Trainer's switch too."""
+    every = [f"transformer.h.{i}" for i in range(4)]
+    plan = _compiled(gpt_plan, "max-autotune")
+    cand = plan.candidate.model_copy(
+        update={"choices": {**plan.candidate.choices, "checkpointing": every}}
+    )
+    fields = training_arguments(plan.model_copy(update={"candidate": cand}))
+    assert fields["torch_compile"] is True and fields["torch_compile_mode"] == "max-autotune"
+    assert fields["gradient_checkpointing"] is True

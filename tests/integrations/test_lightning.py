@@ -187,3 +187,29 @@ def test_the_module_imports_without_lightning_and_names_the_extra(without) -> No
     )
     assert result.returncode == 0, result.stderr
     assert "refused:" in result.stdout and "pip install 'memadvisor[lightning]'" in result.stdout
+
+
+def test_a_compiled_pick_is_installed_on_the_module_in_the_form_it_was_measured(
+    gpt_plan: Plan, four_blocks
+) -> None:
+    """Rule: Lightning has no compile switch; with ``compiled`` the plan's compile (each
+    repeated block here) is installed in place beside its checkpointed blocks, and without
+    it nothing is compiled (the blocks alone, as before)."""
+    from strategies._compiled_forward import CompiledForward
+
+    cand = gpt_plan.candidate.model_copy(
+        update={"choices": {**gpt_plan.candidate.choices,
+                            "compile": {"mode": "default", "regional": True}}}
+    )  # fmt: skip
+    plan = gpt_plan.model_copy(update={"candidate": cand})
+
+    def compiled(model) -> list[str]:
+        return [
+            n for n, m in model.named_modules()
+            if isinstance(m.__dict__.get("forward"), CompiledForward)
+        ]  # fmt: skip
+
+    apply_blocks(four_blocks, plan)
+    assert compiled(four_blocks) == []
+    apply_blocks(four_blocks, plan, compiled=True)
+    assert compiled(four_blocks) == [f"transformer.h.{i}" for i in range(4)]
