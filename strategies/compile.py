@@ -214,7 +214,7 @@ class Compile(Strategy, Measured, Described, Checked):
             )
         return part
 
-    states = frozenset({"compiled", "compile_mode"})
+    states = frozenset({"compiled", "compile_mode", "compiled_whole"})
 
     def facts(self, choice: JsonValue) -> Facts:
         parsed = parse_choice(choice)

@@ -49,6 +49,7 @@ def test_facts_of_merges_a_candidates_choices() -> None:
         recomputed_blocks=["h.0", "h.1"],
         compiled=True,
         compile_mode="default",
+        compiled_whole=True,  # "default": the whole model, what a framework's switch makes
         parallel="fsdp2",
         world_size=2,
     )
