@@ -501,12 +501,31 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
+# What tells one plan's line from another's: where both lines have a field and it differs,
+# the earlier line measured another plan.
+_PLAN_FIELDS = ("pick", "batch", "accumulation_steps", "verified_samples_per_s")
+# What a line of another plan still gives the row: its hand cells (they are the model's at
+# the budget, whatever the plan).
+_ANY_PLAN_FIELDS = ("model", "budget_gib", "label", "hand_grid")
+
+
+def _same_plan(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) is None or b.get(k) is None or a.get(k) == b.get(k) for k in _PLAN_FIELDS)
+
+
 def joined(row: dict[str, Any], earlier: list[dict[str, Any]]) -> dict[str, Any]:
     """``row`` joined with the earlier good lines of its (model, budget, label), where it
-    has a label and is good itself (no ``error``)."""
+    has a label and is good itself (no ``error``). An earlier line of another plan (another
+    pick, batch or verified rate) gives its hand cells only: its loop is not this plan's
+    (session 17 joined swin_t's eager cells, measured against one plan, with the loop of
+    another and read 0.89 where each plan's own was 0.94 and 1.00)."""
     if row.get("label") is None or "error" in row:
         return row
-    same = [r for r in earlier if _key(r) == _key(row) and "error" not in r]
+    same = [
+        r if _same_plan(r, row) else {k: r[k] for k in _ANY_PLAN_FIELDS if k in r}
+        for r in earlier
+        if _key(r) == _key(row) and "error" not in r
+    ]
     return grid.merge_rows([*same, row]) if same else row
 
 

@@ -224,6 +224,28 @@ def test_user_path_joins_only_its_own_label_and_shows_the_last(user_path) -> Non
     assert shown == [old, other, failed, joined]
 
 
+def test_a_line_of_another_plan_gives_its_hand_cells_and_not_its_loop(user_path) -> None:
+    """Rule: two lines of one label from different plans (another batch and verified rate):
+    the later keeps its own verified rate and no loop from the earlier (that loop ran
+    another plan), but gains the earlier's hand cells."""
+    base = {"model": "m", "budget_gib": 8.0, "label": "a", "pick": {"precision": "bf16"}}
+    first = {
+        **base,
+        "batch": 110,
+        "verified_samples_per_s": 1800.0,
+        "user_loop_samples_per_s": 1700.0,
+        "hand_grid": [_cell("eager", 111, 1802.0)],
+    }
+    second = {**base, "batch": 115, "verified_samples_per_s": 1887.0,
+              "user_loop_samples_per_s": None, "hand_grid": []}  # fmt: skip
+    row = user_path.joined(second, [first])
+    assert row["verified_samples_per_s"] == 1887.0 and row["batch"] == 115
+    assert row["user_loop_samples_per_s"] is None and row["loop_over_verified"] is None
+    assert [c["config"] for c in row["hand_grid"]] == ["eager"]
+    same = user_path.joined({**second, "batch": 110, "verified_samples_per_s": 1800.0}, [first])
+    assert same["user_loop_samples_per_s"] == 1700.0  # one plan: its loop joins
+
+
 def test_the_user_loop_of_a_plan_that_changed_the_loss_trains_with_the_plans_step(
     user_path, tmp_path, recwarn
 ) -> None:
