@@ -57,6 +57,10 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
         "--save-plans", "plans", "--timeout-s", "100", "--json", OUT,
     ],
+    "loop_gap": [
+        "--models", "cnn", "--budget-gib", "0.05", "--warmup", "1", "--short", "2", "--long",
+        "3", "--rounds", "1", "--json", OUT,
+    ],
     "user_path": [
         "--device", "simulated", "--models", "cnn", "--budget-gib", "0.05", "--steps", "3",
         "--warmup", "1", "--repeats", "1", "--no-plain", "--no-holding", "--hold-steps", "2",
@@ -74,6 +78,7 @@ FIELDS: dict[str, set[str]] = {
         "alloc_conf", "hand_alloc_conf",
     },
 }  # fmt: skip
+FIELDS["loop_gap"] = {"model", "verified_samples_per_s", "train_step_short", "loop_long"}
 # Values every JSON line of that smoke has (a default that must hold).
 VALUES: dict[str, dict[str, object]] = {"plan_speed": {"cache": "cold"}}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
