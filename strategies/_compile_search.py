@@ -94,7 +94,7 @@ from memadvisor.errors import ProbeProcessError, is_our_bug
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import StepFit
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import Confirmed, PickStage, Strategy, chosen_strategies
+from memadvisor.strategy import Confirmed, Estimated, PickStage, Strategy, chosen_strategies
 from strategies._compile_model import EagerLines, fit_step, predicted, samples_per_s
 from strategies._compiled_forward import CompileChoice, parse_choice
 
@@ -206,6 +206,16 @@ class Variant:
     trialled_as: JsonValue | None = None  # the form whose trial stands for it, where it moved
 
     @property
+    def static_pending(self) -> bool:
+        """Sent static (:meth:`Search._static_instead`) and not yet run in that form."""
+        return (
+            bool(self.static_because)
+            and not self.runs
+            and self.error is None
+            and (self.lowest_failure is None)
+        )
+
+    @property
     def trial_form(self) -> JsonValue:
         """The compile form whose trial stands for this candidate: its search form's, also
         where it went static after that form's trial passed."""
@@ -274,12 +284,16 @@ def search_variants(
     found: list[tuple[dict[str, JsonValue], CompileChoice, int]] = []
     for choice in plain:
         found.append((own, choice, eager.found_batch))
+
+    def start_of(scored: Estimated) -> int:
+        """The estimate's batch for a candidate, with the device's correction."""
+        return max(1, min(int(scored.largest_batch * scale), stage.config.max_batch))
+
     lowered = _autocast_instead(stage, own)
     if plain and lowered is not None:
         scored = stage.score(lowered)
         if scored is not None:
-            start = max(1, min(int(scored.largest_batch * scale), stage.config.max_batch))
-            found.append((lowered, plain[0], start))
+            found.append((lowered, plain[0], start_of(scored)))
     others = []
     axis = _recompute_axis(stage)
     if plain and axis is not None:
@@ -290,8 +304,7 @@ def search_variants(
                 choices[name] = option
             scored = stage.score(choices) if choices != own else None
             if scored is not None:
-                start = max(1, min(int(scored.largest_batch * scale), stage.config.max_batch))
-                others.append((_worth(stage.config.objective, scored), choices, start))
+                others.append((_worth(stage.config.objective, scored), choices, start_of(scored)))
     others.sort(key=lambda item: item[0], reverse=True)
     found += [(choices, plain[0], start) for _, choices, start in others]
     if recomputing:
@@ -773,8 +786,7 @@ class Search:
     def _again_static(self, group: list[tuple[Variant, int]]) -> None:
         """The runs of ``group`` that :meth:`_static_instead` sent static, made again in that
         form, together (as many at once as the device makes), and taken."""
-        again = [(v, batch) for v, batch in group if v.static_because and not v.runs
-                 and v.error is None and v.lowest_failure is None]  # fmt: skip
+        again = [(v, batch) for v, batch in group if v.static_pending]
         for i in range(0, len(again), max(1, self.stage.concurrent_runs)):
             part = again[i : i + max(1, self.stage.concurrent_runs)]
             self.stage.describe(
@@ -782,30 +794,26 @@ class Search:
                 "dynamic batch; static at their batches"
             )
             if len(part) == 1:
-                try:
-                    answers: list[Measurement | None | Exception] = [
-                        self.stage.run(part[0][0].choices, part[0][1])
-                    ]
-                except Exception as e:  # noqa: BLE001 - as the dynamic run's: v.error
-                    answers = [e]
+                answers = [self._answer(*part[0])]
             else:
                 answers = self.stage.run_many([(v.choices, batch) for v, batch in part])
             for (v, batch), answer in zip(part, answers, strict=True):
-                if isinstance(answer, Exception) and not is_our_bug(answer):
-                    v.error = first_line(answer)  # the static form failed too
-                    continue
-                self._take(v, batch, answer)
+                self._take(v, batch, answer)  # a static form failing too: its error
+
+    def _answer(self, v: Variant, batch: int) -> Measurement | None | Exception:
+        """One run of ``v`` at ``batch`` alone: its measurement, None (ran out), or what it
+        raised (for :meth:`_take`)."""
+        try:
+            return self.stage.run(v.choices, batch)
+        except Exception as e:  # noqa: BLE001 - a compiled run failing drops this candidate
+            return e
 
     def _run(self, v: Variant, batch: int, index: int, total: int) -> bool | None:
         """One run of ``v`` at ``batch``, its line refitted: True fitted, False ran out, None
         failed otherwise (``v.error``)."""
         self.stage.describe(f"compiling candidate {index}/{total} ({v.label})")
-        try:
-            answer: Measurement | None | Exception = self.stage.run(v.choices, batch)
-        except Exception as e:  # noqa: BLE001 - a compiled run failing drops this candidate
-            answer = e
-        taken = self._take(v, batch, answer)
-        if v.static_because and not v.runs and v.error is None and v.lowest_failure is None:
+        taken = self._take(v, batch, self._answer(v, batch))
+        if v.static_pending:
             self._again_static([(v, batch)])
             return True if v.runs else (False if v.lowest_failure is not None else None)
         return taken
