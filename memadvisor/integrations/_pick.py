@@ -66,6 +66,11 @@ class Pick:
     compiled_whole: bool = False  # the whole model in compile_mode: a framework's switch does it
 
     @property
+    def compile_form(self) -> str:
+        """The compile's form in words: ``'the whole model'`` or ``'each repeated block'``."""
+        return "the whole model" if self.compiled_whole else "each repeated block"
+
+    @property
     def all_blocks(self) -> bool:
         """Every block the profile found is checkpointed (a framework's own switch does that)."""
         return bool(self.checkpointed) and self.block_count == len(self.checkpointed)
@@ -92,14 +97,13 @@ def pick_of(plan: Plan) -> Pick:
 
 def apply_blocks(model: nn.Module, plan: Plan, *, compiled: bool = False) -> nn.Module:
     """Checkpoint the plan's blocks of ``model`` in place, and with ``compiled`` install its
-    compile in the form it measured (each repeated block, a partitioner budget), and
-    nothing else of the plan.
+    compile too, in the form it measured (the whole model, each repeated block, a
+    partitioner budget), around those blocks; nothing else of the plan.
 
-    Precision, batch and a whole-model compile are the framework's to set (its autocast, its
-    loader, its own compile switch); the rest of :func:`memadvisor.apply_plan` would do them
-    a second time. A compile the framework's switch cannot make (``Pick.compiled_whole``
-    False) is installed here: the switch would compile the whole model, another step in
-    memory and time than the one the batch was planned for.
+    Precision and batch are the framework's to set (its autocast, its loader); the rest of
+    :func:`memadvisor.apply_plan` would do them a second time. A caller that installs the
+    compile here leaves the framework's own compile switch off: that switch compiles the
+    whole model, another step in memory and time where the plan measured each block.
     """
     from memadvisor.strategy import apply_to_model, chosen_strategies
 

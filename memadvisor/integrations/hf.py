@@ -184,15 +184,19 @@ def training_arguments(plan: Plan, model: nn.Module | None = None) -> dict[str, 
         # The blocks and the compile as the plan measured them, the compile around the
         # checkpointed blocks (apply_plan's order); the Trainer's switches stay off.
         apply_blocks(model, plan, compiled=in_place)
+        done = []
+        if pick.checkpointed:
+            done.append(
+                f"checkpointed {len(pick.checkpointed)} of {pick.block_count} blocks "
+                f"({', '.join(pick.checkpointed)})"
+            )
+        if in_place:
+            done.append(f"torch.compile installed ({pick.compile_form})")
         logger.info(
-            "memadvisor: on the model: %s%s; the Trainer's gradient_checkpointing and "
+            "memadvisor: on the model: %s; the Trainer's gradient_checkpointing and "
             "torch_compile stay False so it does neither a second way",
-            f"checkpointed {len(pick.checkpointed)} of {pick.block_count} blocks "
-            f"({', '.join(pick.checkpointed)})" if pick.checkpointed else "no checkpointing",
-            (", torch.compile installed ("
-             + ("the whole model" if pick.compiled_whole else "each repeated block") + ")")
-            if in_place else "",
-        )  # fmt: skip
+            ", ".join(done),
+        )
     loading = plan.data_loading
     if loading is not None:
         names = {

@@ -178,15 +178,14 @@ def _callback_class() -> type:
                         is_overridden)  # fmt: skip
             self._accumulation(trainer, pick.accumulation_steps)
             compiled = pick.compile_mode is not None
-            if pick.checkpointed or compiled:
-                # The compile too, in the form the plan measured (Lightning has no switch for
-                # it): a compiled pick's batch trained eager could run out of memory.
-                apply_blocks(pl_module, plan, compiled=compiled)
+            # The compile too, in the form the plan measured (Lightning has no switch for it):
+            # a compiled pick's batch trained eager could run out of memory.
+            apply_blocks(pl_module, plan, compiled=compiled)
             if pick.checkpointed:
                 self._decide("checkpointed blocks", ", ".join(pick.checkpointed), "plan")
             if compiled:
-                form = "the whole module" if pick.compiled_whole else "each repeated block"
-                self._decide("torch.compile", f"{pick.compile_mode} mode, {form}", "plan")
+                form = f"{pick.compile_mode} mode, {pick.compile_form}"
+                self._decide("torch.compile", form, "plan")
             for setting, value, whose in self.decisions:
                 rank_zero_info(f"memadvisor: {setting} = {value} ({whose})")
 
