@@ -281,6 +281,7 @@ def measure_cell(
     searched = choices
     if dynamic_search and "compile" in choices:
         searched = {**choices, "compile": {"mode": "default", "dynamic_batch": True}}
+    said = (lambda words: say(f"{cell}: {words}")) if say is not None else None
     try:
         holding = largest_holding(
             lambda b: device.run(workload, Candidate(batch_size=b, choices=searched), steps),
@@ -292,24 +293,19 @@ def measure_cell(
             # first step falls short; below the start a fixed phase (the optimizer's update)
             # can flatten it (lm350m on a card: 0.05 GB a sample over [9, 18], 0.17 above 18)
             slope_bytes=_slope_above(space, choices, max(1, start)),
-            say=(lambda words: say(f"{cell}: {words}")) if say is not None else None,
+            say=said,
         )
-    except CellInterrupted as stop:
-        record = cell_record(cell, choices, stop.holding, time.perf_counter() - t0)
-        record["interrupted"] = True
-        return record
-    if searched is not choices and holding.batch:
-        try:
+        if searched is not choices and holding.batch:
             holding = static_at_edge(
                 lambda b: device.run(workload, Candidate(batch_size=b, choices=choices), steps),
                 holding,
                 device.is_oom,
-                say=(lambda words: say(f"{cell}: {words}")) if say is not None else None,
+                say=said,
             )
-        except CellInterrupted as stop:
-            record = cell_record(cell, choices, stop.holding, time.perf_counter() - t0)
-            record["interrupted"] = True
-            return record
+    except CellInterrupted as stop:
+        record = cell_record(cell, choices, stop.holding, time.perf_counter() - t0)
+        record["interrupted"] = True
+        return record
     record = cell_record(cell, choices, holding, time.perf_counter() - t0)
     if searched is not choices:
         record["edge_found"] = "dynamic batch, then static at that batch"
