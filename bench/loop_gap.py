@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from _targets import TARGETS, missing  # bench/, first on sys.path when run as a script
+from user_path import loop_step
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results" / "loop_gap.jsonl"
@@ -97,18 +98,16 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     def probe_step() -> None:
         train_step(step, model, optimizer, batch, accumulation_steps=k, held=held)
 
-    def loop_step() -> None:
-        for _ in range(k):
-            if step.loss_changed_by:
-                loss = step(batch) / k
-            else:
-                output = workload.forward(model, batch)
-                loss = workload.loss(output, batch) / k
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    # The user's loop as bench/user_path.py runs it (the plan's step where it changed the
+    # loss; fp16's GradScaler).
+    precision = cand.choices.get("precision", "fp32")
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    own = step if step.loss_changed_by else None
 
-    codes = {"train_step": probe_step, "loop": loop_step}
+    def users_step() -> None:
+        loop_step(workload, model, optimizer, batch, k, step=own, scaler=scaler)
+
+    codes = {"train_step": probe_step, "loop": users_step}
     for code in CODES:  # the first steps compile and warm up: in no figure
         for _ in range(args.warmup):
             codes[code]()

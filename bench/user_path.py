@@ -98,6 +98,51 @@ def _job(name: str) -> dict[str, Any]:
 # -- the user's loop, in a fresh process --------------------------------------------------------
 
 
+def loop_step(
+    workload: Any,
+    model: Any,
+    optimizer: Any,
+    batch: Any,
+    k: int,
+    *,
+    step: Any = None,
+    outer: Any = None,
+    device_type: str = "cuda",
+    scaler: Any = None,
+) -> None:
+    """One optimizer step of the user's loop over ``k`` micro-batches: forward, the loss
+    outside the model (``step``: the plan's step where it changed the loss; ``outer``: an
+    autocast dtype on ``device_type`` around forward and loss, plain torch.compile's),
+    backward, the
+    optimizer's step (``scaler``: fp16's GradScaler), ``zero_grad``."""
+    import torch
+
+    for _ in range(k):
+        around = (
+            torch.autocast(device_type, dtype=outer)
+            if outer is not None
+            else contextlib.nullcontext()
+        )
+        with around:
+            if step is not None:
+                output = None
+                loss = step(batch) / k
+            else:
+                output = workload.forward(model, batch)
+            if outer is not None:  # plain torch.compile: the loss under the autocast
+                loss = workload.loss(output, batch) / k
+        if outer is None and step is None:  # apply_plan: the loss outside, as it comes
+            loss = workload.loss(output, batch) / k
+        (scaler.scale(loss) if scaler else loss).backward()
+        del output, loss
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     """``spec["mode"]``: ``apply`` (apply_plan) or ``torch_compile`` (plain torch.compile
     under an outer autocast); trains ``spec["steps"]`` steps at the plan's batch."""
@@ -150,30 +195,10 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(spec["steps"]):
             sync()
             t0 = time.perf_counter()
-            for _ in range(k):
-                around = (
-                    torch.autocast(device.type, dtype=outer)
-                    if outer is not None
-                    else contextlib.nullcontext()
-                )
-                with around:
-                    if step is not None:
-                        output = None
-                        loss = step(batch) / k
-                    else:
-                        output = workload.forward(model, batch)
-                    if outer is not None:  # plain torch.compile: the loss under the autocast
-                        loss = workload.loss(output, batch) / k
-                if outer is None and step is None:  # apply_plan: the loss outside, as it comes
-                    loss = workload.loss(output, batch) / k
-                (scaler.scale(loss) if scaler else loss).backward()
-                del output, loss
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loop_step(
+                workload, model, optimizer, batch, k,
+                step=step, outer=outer, device_type=device.type, scaler=scaler,
+            )  # fmt: skip
             sync()
             times.append(time.perf_counter() - t0)
             out["steps"] += 1
