@@ -113,8 +113,7 @@ def loop_step(
     """One optimizer step of the user's loop over ``k`` micro-batches: forward, the loss
     outside the model (``step``: the plan's step where it changed the loss; ``outer``: an
     autocast dtype on ``device_type`` around forward and loss, plain torch.compile's),
-    backward, the
-    optimizer's step (``scaler``: fp16's GradScaler), ``zero_grad``."""
+    backward, the optimizer's step (``scaler``: fp16's GradScaler), ``zero_grad``."""
     import torch
 
     for _ in range(k):
