@@ -4,6 +4,7 @@ No download: the GPT-2 config is built here and the weights start random; the da
 random token ids. Needs ``pip install 'memadvisor[hf]'``.
 
     python examples/hf_gpt2.py                       # plan, then train 5 steps
+    python examples/hf_gpt2.py --budget-gb 8         # on a card: its budget
     memadvisor plan examples/hf_gpt2.py:build --budget-gb 0.05
 """
 
@@ -86,13 +87,18 @@ def build(**overrides) -> dict:
     return {"model": gpt2(s), "sample_batch": batch}
 
 
-def main(budget_gb: float = 0.05, s: Settings | None = None, **plan_kwargs):
-    """Plan the Trainer's step, then train with the planned arguments. Returns the Trainer."""
+def main(budget_gb: float | None = None, s: Settings | None = None, **plan_kwargs):
+    """Plan the Trainer's step, then train with the planned arguments. Returns the Trainer.
+
+    ``budget_gb`` None: 0.05 GiB on a CPU (a plan in seconds), 1 GiB on a card, where the
+    CUDA context's workspaces alone take more than 0.05 (an H100 asked 0.11 at batch 1)."""
     from transformers import Trainer
 
     from memadvisor.integrations.hf import plan_trainer, training_arguments
 
     s = s or Settings()
+    if budget_gb is None:
+        budget_gb = 1.0 if torch.cuda.is_available() else 0.05
     with tempfile.TemporaryDirectory() as out:
         first = trainer(s, out)
         plan = plan_trainer(first, budget_gb=budget_gb, **plan_kwargs)
@@ -110,4 +116,8 @@ def main(budget_gb: float = 0.05, s: Settings | None = None, **plan_kwargs):
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-gb", type=float, default=None, help="default: 0.05 CPU, 1 card")
+    main(parser.parse_args().budget_gb)

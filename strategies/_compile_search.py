@@ -13,7 +13,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    :attr:`CompileSearch.max_candidates`. Each is compiled in its *search form*: each
    repeated block compiled (``regional``) where the profile's blocks repeat, which compiles
    about as many times faster as there are blocks (7 s against 46 s for 24 layers,
-   ``docs/design.md``, "What a compile costs, by form"), and with a dynamic batch
+   ``docs/design.md``, "What a compile costs, by form"), unless the activations outside the
+   blocks are :data:`REGIONAL_OUTSIDE_MAX` of the step's or more (a small LM's head and
+   loss): the regional form leaves them eager, so the whole model is compiled
+   (:func:`regional_pays`); and with a dynamic batch
    (:attr:`CompileSearch.dynamic_batch`), so one graph in inductor's cache serves every
    batch the candidate's runs try; the pick is handed on static.
 2. Pass 1: one run each, at the batch eager allows it (the estimate's, corrected by what the
@@ -105,6 +108,8 @@ __all__ = [
     "Search",
     "Variant",
     "blocks_repeat",
+    "outside_share",
+    "regional_pays",
     "beats_eager",
     "could_beat",
     "search_variants",
@@ -131,6 +136,15 @@ STATIC_RETRY_SHARE = 0.97
 # example's 2-of-4-checkpointed winner at 254: 19,888 dynamic, 17,317 static), which the
 # static run then says. Below this share the static form would need more than the gaps seen.
 DYNAMIC_ALLOWANCE = 0.85
+# Where this share of the step's activations or more is kept outside the repeated blocks (a
+# small LM's head and loss, whose logits outweigh its blocks), candidates are compiled whole
+# while searching, not block by block: the regional form leaves that part eager. On an H100 at
+# 8 GiB, hf_gpt2 (0.33 of its fp32 activations outside its 4 blocks) held batch 1,339 at
+# 90,619 samples/s with the whole model compiled (bf16, dynamic batch; session 17), where a
+# plan's regional pick (bf16, 2 blocks checkpointed) held 879 at 47,696 (session 18); lm350m
+# (0.04) ran 111.3 whole against 112.6 regional. gpt keeps 0.86 outside, the other bench
+# models 0.03-0.10 (docs/design.md, "Whole or regional").
+REGIONAL_OUTSIDE_MAX = 0.25
 
 
 # What runs beside pass 1 (the compile trial): why each variant it rules out may not be
@@ -165,7 +179,7 @@ class CompileSearch(BaseModel):
     regional: bool = Field(
         True,
         description="Measure candidates with each repeated block compiled, where the "
-        "profile's blocks repeat.",
+        "profile's blocks repeat and hold most of the activations (regional_pays).",
     )
     dynamic_batch: bool = Field(
         True,
@@ -247,11 +261,30 @@ def blocks_repeat(profile: Profile) -> bool:
     return any(n >= 2 for n in counts.values())
 
 
+def outside_share(profile: Profile) -> float:
+    """The share of the fp32 step's activations (at the profile's larger batch) that no
+    block keeps: the embeddings, the head, the loss. 0.0 where the profile has no blocks."""
+    step = profile.steps.get("fp32")
+    if step is None or not step.blocks:
+        return 0.0
+    batch = profile.batch_sizes[1]
+    total = step.activation_total.at(batch)
+    inside = sum(b.activation.at(batch) for b in step.blocks)
+    return min(1.0, max(0.0, 1.0 - inside / total)) if total > 0 else 0.0
+
+
+def regional_pays(profile: Profile) -> bool:
+    """Whether the regional form is the one to search: the blocks repeat, and what lies
+    outside them is less than :data:`REGIONAL_OUTSIDE_MAX` of the activations (more, and
+    the part the regional form leaves eager decides the step)."""
+    return blocks_repeat(profile) and outside_share(profile) < REGIONAL_OUTSIDE_MAX
+
+
 def search_form(choice: CompileChoice, profile: Profile, settings: CompileSearch) -> CompileChoice:
-    """The form a candidate is measured in: regional where the settings ask and blocks
-    repeat, with a dynamic batch where they ask for it."""
+    """The form a candidate is measured in: regional where the settings ask and
+    :func:`regional_pays`, with a dynamic batch where they ask for it."""
     update: dict[str, bool] = {}
-    if settings.regional and not choice.regional and blocks_repeat(profile):
+    if settings.regional and not choice.regional and regional_pays(profile):
         update["regional"] = True
     if settings.dynamic_batch and not choice.dynamic_batch:
         update["dynamic_batch"] = True

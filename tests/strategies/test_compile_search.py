@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+import pytest
+
 from memadvisor.errors import PlanningError
-from strategies._compile_search import first_line
+from memadvisor.schema.profile import (
+    BlockActivity,
+    BlockInfo,
+    DeviceInfo,
+    LinearBytes,
+    Profile,
+    StepProfile,
+)
+from strategies._compile_search import (
+    REGIONAL_OUTSIDE_MAX,
+    CompileSearch,
+    first_line,
+    outside_share,
+    regional_pays,
+    search_form,
+)
+from strategies._compiled_forward import CompileChoice
+
+MIB = 2**20
 
 
 def test_a_failed_compile_is_recorded_with_the_cause_the_backend_raised() -> None:
@@ -23,3 +43,54 @@ def test_an_error_whose_first_line_says_it_all_keeps_only_that_line() -> None:
     """Rule: one line per error; a first line not ending in ':' stands alone."""
     assert first_line(RuntimeError("it broke\nand more")) == "RuntimeError: it broke"
     assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+def _profile(outside_mib: float, blocks: int = 4, block_mib: float = 1.0) -> Profile:
+    """``blocks`` blocks of one type keeping ``block_mib`` MiB a sample each, and
+    ``outside_mib`` a sample kept outside them (the head, the loss)."""
+    step = StepProfile(
+        precision="fp32",
+        blocks=[
+            BlockActivity(
+                name=f"h.{i}",
+                activation=LinearBytes(per_sample_bytes=int(block_mib * MIB)),
+                input=LinearBytes(per_sample_bytes=MIB // 10),
+            )
+            for i in range(blocks)
+        ],
+        activation_total=LinearBytes(
+            per_sample_bytes=int((blocks * block_mib + outside_mib) * MIB)
+        ),
+    )
+    return Profile(
+        model_name="LM",
+        device=DeviceInfo(kind="cpu", name="cpu"),
+        batch_sizes=(2, 4),
+        param_bytes=MIB,
+        grad_bytes=MIB,
+        optimizer_state_bytes=2 * MIB,
+        blocks=[BlockInfo(name=f"h.{i}", type_name="Block") for i in range(blocks)],
+        steps={"fp32": step},
+    )
+
+
+def test_the_search_compiles_the_whole_model_where_most_activations_lie_outside_the_blocks() -> (
+    None
+):
+    """Rule: the regional form (each repeated block compiled, the rest eager) is searched only
+    where the blocks hold more than 1 - REGIONAL_OUTSIDE_MAX of the activations; a small LM
+    whose head and loss keep more (hf_gpt2: 0.33) is searched with the whole model compiled,
+    which fuses the part the regional form leaves eager. Both keep the dynamic batch."""
+    settings = CompileSearch()
+    plain = CompileChoice(mode="default")
+    blocky = _profile(outside_mib=0.4)  # 0.09 outside: a transformer of many layers
+    heavy = _profile(outside_mib=2.0)  # 0.33 outside
+    assert outside_share(blocky) < REGIONAL_OUTSIDE_MAX <= outside_share(heavy)
+    assert outside_share(heavy) == pytest.approx(2.0 / 6.0)
+    assert search_form(plain, blocky, settings) == CompileChoice(
+        mode="default", regional=True, dynamic_batch=True
+    )
+    assert search_form(plain, heavy, settings) == CompileChoice(mode="default", dynamic_batch=True)
+    assert regional_pays(blocky) and not regional_pays(heavy)
+    # Blocks of one type, one only: nothing repeats, nothing to compile once for all.
+    assert not regional_pays(_profile(outside_mib=0.1, blocks=1))
