@@ -15,8 +15,9 @@ therefore measures compiled variants of several eager combinations, not only of 
    about as many times faster as there are blocks (7 s against 46 s for 24 layers,
    ``docs/design.md``, "What a compile costs, by form"), unless the activations outside the
    blocks are :data:`REGIONAL_OUTSIDE_MAX` of the step's or more (a small LM's head and
-   loss): the regional form leaves them eager, so the whole model is compiled
-   (:func:`regional_pays`); and with a dynamic batch
+   loss: the regional form leaves them eager) or one block type takes more than
+   :data:`REGIONAL_MAX_SIZES` input sizes (a vision hierarchy's stages): then the whole
+   model is compiled (:func:`regional_pays`); and with a dynamic batch
    (:attr:`CompileSearch.dynamic_batch`), so one graph in inductor's cache serves every
    batch the candidate's runs try; the pick is handed on static.
 2. Pass 1: one run each, at the batch eager allows it (the estimate's, corrected by what the
@@ -25,8 +26,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    scaled by what was measured).
 3. Pass 2: the candidates whose line says they could beat the eager pick, best first, one
    run more at the batch their line predicts, while the budget allows: a second point for
-   the line where it matters, and the batch search's start. Then, budget left, a candidate
-   whose only run ran out gets one at half that batch.
+   the line where it matters, and the batch search's start. A candidate whose every run
+   compiles afresh (checkpointed blocks on torch 2.11 CUDA) gets it only where its line is
+   within :data:`SECOND_RUN_SHARE` of the best's: runs made at once wait for the slowest.
+   Then, budget left, a candidate whose only run ran out gets one at half that batch.
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
    from its predicted batch (a line through dynamic-batch runs needs only
    :data:`DYNAMIC_ALLOWANCE` of the bar to be confirmed). Then its static form, the one the
@@ -55,6 +58,11 @@ are searches, a probe that may run out made at once with the batch taken next if
 (``Prober._searched``: a compiled run runs out only after its compile).
 
 Known limitations:
+    * Whole or regional is decided from the profile (:func:`regional_pays`), not measured:
+      the two thresholds come from six models on an H100 (``docs/design.md``, "Whole or
+      regional"), and a model near them may search the slower form. The whole form compiles
+      every candidate whole: hf_gpt2's compile stage took 169.6 s whole against 62.0 s
+      regional (session 18), for a pick 1.66x faster.
     * Where the winner's confirmation finds less than another candidate's own run measured,
       that candidate is confirmed too (:meth:`Search.rival`), one rival only; a candidate
       whose line was close but whose runs measured less is not.
@@ -104,10 +112,12 @@ from strategies._compiled_forward import CompileChoice, parse_choice
 __all__ = [
     "COMPILE",
     "MIN_SPEEDUP",
+    "SECOND_RUN_SHARE",
     "CompileSearch",
     "Search",
     "Variant",
     "blocks_repeat",
+    "input_sizes",
     "outside_share",
     "regional_pays",
     "beats_eager",
@@ -129,6 +139,12 @@ FINAL_FORM_RUNS = 1
 # where the eager pick checkpoints, is its own, or the eager estimate of its choices promises
 # this share of the eager pick's measured samples/s (Search._worth_a_static_compile).
 STATIC_RETRY_SHARE = 0.97
+# Pass 2 gives a candidate whose every run compiles afresh (a checkpointed graph on torch 2.11
+# CUDA: inductor's caches do not take it) a second run only where its line predicts this share
+# of the best candidate's samples/s (Search._second_worth_a_compile): a line through one run
+# has been off by a few percent (lm350m's winner: 103.4 samples/s dynamic, 111.3 static), not
+# by a tenth.
+SECOND_RUN_SHARE = 0.95
 # A candidate measured with a dynamic batch is confirmed, and its static form run, where its
 # line predicts this share of the bar or more: the static graph, which the pick is judged on,
 # ran up to 10% faster on a card (lm350m's winner at batch 16, H100: 103.4 samples/s dynamic
@@ -145,6 +161,14 @@ DYNAMIC_ALLOWANCE = 0.85
 # (0.04) ran 111.3 whole against 112.6 regional. gpt keeps 0.86 outside, the other bench
 # models 0.03-0.10 (docs/design.md, "Whole or regional").
 REGIONAL_OUTSIDE_MAX = 0.25
+# Blocks of one type taking more input sizes than this (a vision hierarchy's stages) are
+# searched with the whole model compiled: the regional form compiles the type's code again
+# for each new size, and dynamo makes the dims that changed symbolic. On an H100 at 8 GiB
+# (sessions 17-18), resnet50 (Bottlenecks at 4 sizes) ran 2,194 samples/s regional (1.02x
+# eager) and 4,166 with the whole model compiled (188, bf16); swin_t (4 sizes) 1,706
+# regional static, 3,266 whole (128). t5_base's T5Blocks take 2 (its encoder's and its
+# decoder's sequence): regional ran 153.9 (24 blocks checkpointed, 57), whole at most 128.4.
+REGIONAL_MAX_SIZES = 2
 
 
 # What runs beside pass 1 (the compile trial): why each variant it rules out may not be
@@ -179,7 +203,8 @@ class CompileSearch(BaseModel):
     regional: bool = Field(
         True,
         description="Measure candidates with each repeated block compiled, where the "
-        "profile's blocks repeat and hold most of the activations (regional_pays).",
+        "profile's blocks repeat at one or two input sizes and hold most of the activations "
+        "(regional_pays).",
     )
     dynamic_batch: bool = Field(
         True,
@@ -273,11 +298,30 @@ def outside_share(profile: Profile) -> float:
     return min(1.0, max(0.0, 1.0 - inside / total)) if total > 0 else 0.0
 
 
+def input_sizes(profile: Profile) -> dict[str, int]:
+    """By block type, how many different input sizes (bytes a sample, to the KiB) its blocks
+    take in the fp32 step: 1 for a transformer's layers, 2 for an encoder's and a decoder's
+    blocks of one class, one per stage for a vision hierarchy's."""
+    step = profile.steps.get("fp32")
+    if step is None:
+        return {}
+    sizes: dict[str, set[int]] = {}
+    for info, block in zip(profile.blocks, step.blocks, strict=False):
+        sizes.setdefault(info.type_name, set()).add(round(block.input.per_sample_bytes / 1024))
+    return {name: len(found) for name, found in sizes.items()}
+
+
 def regional_pays(profile: Profile) -> bool:
-    """Whether the regional form is the one to search: the blocks repeat, and what lies
-    outside them is less than :data:`REGIONAL_OUTSIDE_MAX` of the activations (more, and
-    the part the regional form leaves eager decides the step)."""
-    return blocks_repeat(profile) and outside_share(profile) < REGIONAL_OUTSIDE_MAX
+    """Whether the regional form is the one to search: the blocks repeat; what lies outside
+    them is less than :data:`REGIONAL_OUTSIDE_MAX` of the activations (more, and the part
+    the regional form leaves eager decides the step); and no block type takes more than
+    :data:`REGIONAL_MAX_SIZES` input sizes (more, and the one compiled code recompiles per
+    size with the changing dims made symbolic)."""
+    return (
+        blocks_repeat(profile)
+        and outside_share(profile) < REGIONAL_OUTSIDE_MAX
+        and max(input_sizes(profile).values(), default=1) <= REGIONAL_MAX_SIZES
+    )
 
 
 def search_form(choice: CompileChoice, profile: Profile, settings: CompileSearch) -> CompileChoice:
@@ -524,6 +568,8 @@ class Search:
         self.static_runs = 0  # the pick's static form (confirm_static): not the search's
         # Pass-1 runs of a form the trial then sent static, made again: not the search's.
         self.void_runs = 0
+        # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
+        self.second_skipped: list[str] = []
 
     @property
     def runs_used(self) -> int:
@@ -601,11 +647,15 @@ class Search:
         for v, _ in not_run:
             v.error = v.error or self._spent(reserve)
         promising = [v for v in variants if could_beat(objective, v.fit, self.eager, _allowance(v))]
+        ranked = sorted(promising, key=lambda v: _worth_of(objective, v), reverse=True)
         second: list[tuple[Variant, int]] = []
-        for v in sorted(promising, key=lambda v: _worth_of(objective, v), reverse=True):
+        for v in ranked:
             assert v.fit is not None
             batch = v.fit.largest_batch
             if v.fit.basis == "fitted" or batch in v.runs or v.error is not None:
+                continue
+            if v is not ranked[0] and not self._second_worth_a_compile(v, ranked[0]):
+                self.second_skipped.append(v.label)
                 continue
             second.append((v, batch))
         # Then a retry at half the batch for a candidate whose only run ran out: it has no
@@ -918,6 +968,20 @@ class Search:
         v.choices = {**v.choices, COMPILE: _static(v.form)}
         v.forget()
         return True
+
+    def _second_worth_a_compile(self, v: Variant, best: Variant) -> bool:
+        """Whether ``v`` (not the best by its line) gets its pass-2 run: yes where its graph
+        came from the cache (a run of seconds), or where its line predicts
+        :data:`SECOND_RUN_SHARE` of the best's samples/s or more; no where every run of it
+        compiled afresh (:func:`compiles_every_run`) for a line further behind. Runs made at
+        once wait for the slowest: hf_gpt2's pass 2 on an H100 (session 18) took 61 s for
+        two checkpointed candidates' cold compiles beside the best's 20 s cached one."""
+        if not compiles_every_run(v):
+            return True
+        if self.stage.config.objective == "largest_batch":
+            return True  # ranked by batch: a rate's share says nothing there
+        assert v.fit is not None and best.fit is not None
+        return v.fit.samples_per_s >= SECOND_RUN_SHARE * best.fit.samples_per_s
 
     def _worth_a_static_compile(self, v: Variant) -> bool:
         """The eager pick's own choices are; so is every candidate where the eager pick

@@ -75,6 +75,7 @@ from strategies._compile_search import (
     COMPILE,
     FINAL_FORM_RUNS,
     MIN_SPEEDUP,
+    SECOND_RUN_SHARE,
     CompileSearch,
     Search,
     Variant,
@@ -504,6 +505,11 @@ def _searched(
     skipped = [v.label for v in variants if not v.runs and v.lowest_failure is None]
     if skipped or left_out:
         words += f"; not run: {'; '.join([*skipped, *left_out])}"
+    if search.second_skipped:
+        words += (
+            f"; one run only, as each of its runs compiles afresh and its line is below "
+            f"{SECOND_RUN_SHARE:.0%} of the best's: {'; '.join(search.second_skipped)}"
+        )
     return words + "."
 
 

@@ -13,6 +13,7 @@ pickle, and one made per block class at import time cannot exist for a user's cl
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -34,6 +35,16 @@ class ForwardWrapper:
         # The instance-level forward found when this one was installed (another wrapper, or
         # a user's or library's hook), or None for the class's own forward.
         self.inner = inner
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The signature of the forward it stands for, not ``(*args, **kwargs)``: libraries
+        read ``inspect.signature(model.forward)`` to decide what to pass (the HF Trainer
+        drops every dataset column a forward does not name: a whole-model compile installed
+        in place made it drop ``input_ids`` and ``labels``, on a card, session 18)."""
+        if self.inner is not None:
+            return inspect.signature(self.inner)
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def call_inner(self, *args: Any, **kwargs: Any) -> Any:
         if self.inner is not None:

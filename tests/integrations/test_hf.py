@@ -182,3 +182,33 @@ def test_a_whole_model_compile_without_a_model_is_the_trainers_switch(gpt_plan: 
     fields = training_arguments(plan.model_copy(update={"candidate": cand}))
     assert fields["torch_compile"] is True and fields["torch_compile_mode"] == "max-autotune"
     assert fields["gradient_checkpointing"] is True
+
+
+def test_a_whole_model_compile_installed_in_place_keeps_what_the_trainer_passes(
+    gpt_plan: Plan, four_blocks, tmp_path
+) -> None:
+    """Rule: the Trainer passes a batch's columns by the names ``model.forward``'s signature
+    gives (its RemoveColumnsCollator drops the rest); with the plan's whole-model compile
+    installed on the model, that signature is still the model's, so ``input_ids`` and
+    ``labels`` reach it (on a card, session 18, they were dropped: "You have to specify
+    either input_ids or inputs_embeds")."""
+    import inspect
+
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    class LM(type(four_blocks)):  # the plan's block names, and a causal LM's forward
+        def forward(self, input_ids, labels=None):
+            return input_ids
+
+    four_blocks = LM()
+    own = inspect.signature(four_blocks.forward)
+    assert list(own.parameters) == ["input_ids", "labels"]
+    fields = training_arguments(_compiled(gpt_plan, "default"), model=four_blocks)
+    assert fields["torch_compile"] is False and _compiled_modules(four_blocks) == ["(top)"]
+    assert inspect.signature(four_blocks.forward) == own
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = Trainer(model=four_blocks, args=args)
+    collate = trainer._get_collator_with_removed_columns(lambda rows: rows[0], "training")
+    row = {"input_ids": [1, 2], "labels": [1, 2], "unused": 0}
+    assert set(collate([row])) == {"input_ids", "labels"}

@@ -1242,3 +1242,35 @@ def test_where_the_eager_pick_has_an_autocast_no_other_precision_is_compiled(
     stage = plan.stages[0]
     assert stage.eager_candidate.choices.get("precision") == "bf16"
     assert all(v.choices.get("precision") == "bf16" for v in stage.variants)
+
+
+def test_pass_two_leaves_a_candidate_that_compiles_every_run_and_trails_at_one_run(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: pass 2's second run costs a checkpointed candidate a whole compile where the
+    cache does not take its graph (torch 2.11 CUDA); runs made at once wait for the slowest
+    (hf_gpt2 on an H100: 61 s for two such runs beside the best's 20 s). Such a candidate
+    whose line is below SECOND_RUN_SHARE of the best's keeps its one run; the same candidate
+    whose graph the cache takes gets its second; the pick is the same either way, and the
+    summary names the candidate left at one run."""
+    from strategies._compile_search import SECOND_RUN_SHARE
+
+    plans = {}
+    for uncached in (False, True):
+        device = linear_device(
+            EAGER_FLAT, compiled_ratio=0.7, recompute=1.0, uncached_checkpointed=uncached
+        )
+        plans[uncached] = _plan(workload, profile, strategies, device)
+    runs = {
+        uncached: Counter(_blocks(p.candidate.choices) for p in _compile_runs(plan))
+        for uncached, plan in plans.items()
+    }
+    assert runs[False][2] == 2 and runs[True][2] == 1, runs
+    half = next(v for v in plans[True].stages[0].variants if _blocks(v.choices) == 2)
+    best = next(v for v in plans[True].stages[0].variants if v.confirmed)
+    assert half.fit.samples_per_s < SECOND_RUN_SHARE * best.fit.samples_per_s
+    assert plans[True].candidate == plans[False].candidate
+    assert _blocks(plans[True].candidate.choices) == 0
+    assert "one run only" in plans[True].stages[0].summary
+    assert "one run only" not in plans[False].stages[0].summary
+    assert "checkpoint 2/4 blocks." in plans[True].stages[0].summary
