@@ -5,14 +5,6 @@ from __future__ import annotations
 import pytest
 
 from memadvisor.errors import PlanningError
-from memadvisor.schema.profile import (
-    BlockActivity,
-    BlockInfo,
-    DeviceInfo,
-    LinearBytes,
-    Profile,
-    StepProfile,
-)
 from strategies._compile_search import (
     REGIONAL_MAX_SIZES,
     REGIONAL_OUTSIDE_MAX,
@@ -25,7 +17,11 @@ from strategies._compile_search import (
 )
 from strategies._compiled_forward import CompileChoice
 
-MIB = 2**20
+
+def _blocks(n: int, inputs_mib: list[float] | None = None) -> list[tuple[float, float, float]]:
+    """``n`` blocks of one type keeping 1 MiB a sample each; block i's input
+    ``inputs_mib[i]`` MiB a sample (else 0.1)."""
+    return [(1.0, x, 0.1) for x in (inputs_mib or [0.1] * n)]
 
 
 def test_a_failed_compile_is_recorded_with_the_cause_the_backend_raised() -> None:
@@ -47,50 +43,17 @@ def test_an_error_whose_first_line_says_it_all_keeps_only_that_line() -> None:
     assert first_line(RuntimeError("")) == "RuntimeError"
 
 
-def _profile(
-    outside_mib: float, blocks: int = 4, block_mib: float = 1.0, inputs_kib: list[int] | None = None
-) -> Profile:
-    """``blocks`` blocks of one type keeping ``block_mib`` MiB a sample each, and
-    ``outside_mib`` a sample kept outside them (the head, the loss); block i's input is
-    ``inputs_kib[i]`` KiB a sample (else 100 KiB each)."""
-    inputs_kib = inputs_kib or [100] * blocks
-    step = StepProfile(
-        precision="fp32",
-        blocks=[
-            BlockActivity(
-                name=f"h.{i}",
-                activation=LinearBytes(per_sample_bytes=int(block_mib * MIB)),
-                input=LinearBytes(per_sample_bytes=inputs_kib[i] * 1024),
-            )
-            for i in range(blocks)
-        ],
-        activation_total=LinearBytes(
-            per_sample_bytes=int((blocks * block_mib + outside_mib) * MIB)
-        ),
-    )
-    return Profile(
-        model_name="LM",
-        device=DeviceInfo(kind="cpu", name="cpu"),
-        batch_sizes=(2, 4),
-        param_bytes=MIB,
-        grad_bytes=MIB,
-        optimizer_state_bytes=2 * MIB,
-        blocks=[BlockInfo(name=f"h.{i}", type_name="Block") for i in range(blocks)],
-        steps={"fp32": step},
-    )
-
-
-def test_the_search_compiles_the_whole_model_where_most_activations_lie_outside_the_blocks() -> (
-    None
-):
+def test_the_search_compiles_the_whole_model_where_most_activations_lie_outside_the_blocks(
+    profile_factory,
+) -> None:
     """Rule: the regional form (each repeated block compiled, the rest eager) is searched only
     where the blocks hold more than 1 - REGIONAL_OUTSIDE_MAX of the activations; a small LM
     whose head and loss keep more (hf_gpt2: 0.33) is searched with the whole model compiled,
     which fuses the part the regional form leaves eager. Both keep the dynamic batch."""
     settings = CompileSearch()
     plain = CompileChoice(mode="default")
-    blocky = _profile(outside_mib=0.4)  # 0.09 outside: a transformer of many layers
-    heavy = _profile(outside_mib=2.0)  # 0.33 outside
+    blocky = profile_factory(_blocks(4), loss_per_sample=0.4)  # 0.09 outside: many layers
+    heavy = profile_factory(_blocks(4), loss_per_sample=2.0)  # 0.33 outside: a small LM
     assert outside_share(blocky) < REGIONAL_OUTSIDE_MAX <= outside_share(heavy)
     assert outside_share(heavy) == pytest.approx(2.0 / 6.0)
     assert search_form(plain, blocky, settings) == CompileChoice(
@@ -99,12 +62,12 @@ def test_the_search_compiles_the_whole_model_where_most_activations_lie_outside_
     assert search_form(plain, heavy, settings) == CompileChoice(mode="default", dynamic_batch=True)
     assert regional_pays(blocky) and not regional_pays(heavy)
     # Blocks of one type, one only: nothing repeats, nothing to compile once for all.
-    assert not regional_pays(_profile(outside_mib=0.1, blocks=1))
+    assert not regional_pays(profile_factory(_blocks(1), loss_per_sample=0.1))
 
 
-def test_blocks_of_one_type_at_many_input_sizes_are_searched_with_the_whole_model_compiled() -> (
-    None
-):
+def test_blocks_of_one_type_at_many_input_sizes_are_searched_with_the_whole_model_compiled(
+    profile_factory,
+) -> None:
     """Rule: the regional form compiles a block type's code once for all its blocks only
     where they share their input's shape; a vision hierarchy's blocks take one size a stage
     (resnet50's Bottlenecks 4, swin_t's 4: their regional form ran 1.02x and 0.95x eager on
@@ -113,8 +76,9 @@ def test_blocks_of_one_type_at_many_input_sizes_are_searched_with_the_whole_mode
     stay regional."""
     settings = CompileSearch()
     plain = CompileChoice(mode="default")
-    stages = _profile(0.2, blocks=8, inputs_kib=[3136, 3136, 1568, 1568, 784, 784, 392, 392])
-    encoder_decoder = _profile(0.2, blocks=4, inputs_kib=[384, 384, 1536, 1536])
+    sizes = [3.0, 3.0, 1.5, 1.5, 0.75, 0.75, 0.375, 0.375]  # MiB a sample, a stage each
+    stages = profile_factory(_blocks(8, sizes), loss_per_sample=0.2)
+    encoder_decoder = profile_factory(_blocks(4, [0.375, 0.375, 1.5, 1.5]), loss_per_sample=0.2)
     assert input_sizes(stages) == {"Block": 4} and input_sizes(encoder_decoder) == {"Block": 2}
     assert REGIONAL_MAX_SIZES < 4 and outside_share(stages) < REGIONAL_OUTSIDE_MAX
     assert not regional_pays(stages) and regional_pays(encoder_decoder)
