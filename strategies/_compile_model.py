@@ -13,7 +13,16 @@ the configurations and picks their batch by what it learned (:class:`StepFit`):
   (weights, gradients, optimizer state: compiling changes none of them), so the bytes line
   passes through the run and its per-sample bytes are eager's times the ratio of the
   batch-dependent bytes (``bytes_ratio``, 0.7: the compiled step keeps 70% of what eager
-  keeps per sample); the time line is eager's scaled by the measured step over eager's.
+  keeps per sample). The time line goes from zero through the run: the rate measured there
+  is the rate predicted at every batch (``time_ratio`` records the run's step over eager's
+  estimate at its batch). Eager's time line comes from the profile's small batches, where a
+  step is launch-bound, so scaled to a run at hundreds of samples it read as nearly all
+  fixed time and promised a rate rising with the batch that the card did not give: on an
+  H100 (session 19) hf_gpt2's two-block checkpointed candidate, one run at 726 (56,356
+  samples/s), was promised 81,223 at 1050, won the search on that line and was confirmed
+  there for 61 s, beaten by a candidate already measured at 76,810; the partitioner-budget
+  candidate of lm350m (session 16) was promised 133.4 at 14 from one run at 10 and found
+  118.2. A second run gives the time line its slope.
 
 The largest batch a line keeps within the limit, and the throughput the time line gives
 there, rank the configurations; the batch search then confirms the winner from that batch.
@@ -26,6 +35,9 @@ Known limitations:
     * One run: a fixed workspace the compiled step holds (inductor's, a CUDA graph pool)
       reads as per-sample bytes, so the line is steeper than the step's and the predicted
       batch smaller than it could be (safe, not best); the second run corrects it.
+    * One run: a step that is still launch-bound at the run's batch gains samples/s at a
+      larger one, which the line from zero does not predict (short, not over): the
+      candidate's second run, at its predicted batch, measures it.
     * The largest allocation that bounds a prediction at the cap (``cap_bytes``) is eager's
       estimate: a whole-model compile that fuses that tensor away (a loss's logits) is then
       predicted short of its edge, and its confirmation's upward search finds the rest.
@@ -221,9 +233,9 @@ def _scaled_bytes(batch: int, held: int, eager: Line) -> tuple[Line, float | Non
 
 
 def _scaled_ms(batch: int, step_ms: float, eager: Line) -> tuple[Line, float | None]:
-    """Eager's time line scaled by the run's step over eager's at its batch."""
+    """The time line from zero through the run (its rate held at every batch), and the
+    run's step over eager's estimate at its batch (None where the estimate has no time).
+    Not eager's line scaled: see the module docstring, "One run"."""
     eager_ms = eager.at(batch)
-    if eager_ms <= 0:
-        return Line(fixed=0.0, per_sample=step_ms / batch), None
-    ratio = step_ms / eager_ms
-    return Line(fixed=ratio * eager.fixed, per_sample=ratio * eager.per_sample), ratio
+    ratio = step_ms / eager_ms if eager_ms > 0 else None
+    return Line(fixed=0.0, per_sample=step_ms / batch), ratio

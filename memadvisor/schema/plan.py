@@ -115,8 +115,9 @@ class StepFit(_Model):
     )
     time_ratio: float | None = Field(
         None,
-        description="Where the time line is eager's scaled (one run, or runs whose times did "
-        "not rise with the batch): the run's step time over the eager estimate's at its batch.",
+        description="Where the time line comes from one run (one run, or runs whose times did "
+        "not rise with the batch; the line goes from zero through it, its rate held at every "
+        "batch): the run's step time over the eager estimate's at its batch.",
     )
     lowest_failure: int | None = Field(
         None, description="The lowest batch of these choices that ran out of memory, if any."

@@ -1,7 +1,8 @@
 """strategies/_compile_model.py: a compiled configuration's memory and time lines from its runs.
 
 Pure arithmetic on hand-made runs whose line is known: two runs recover it exactly, one run
-scales the eager estimate's per-sample bytes by the measured ratio, and the prediction stays
+scales the eager estimate's per-sample bytes by the measured ratio and holds the rate it
+measured, and the prediction stays
 within the limit, the largest batch asked and below a batch that ran out.
 """
 
@@ -49,7 +50,8 @@ def test_more_runs_give_the_least_squares_line() -> None:
 def test_one_run_scales_the_eager_per_sample_bytes_by_the_measured_ratio() -> None:
     """One run at batch 20 holding eager's fixed 10 MiB and 0.7 of its per-sample bytes, in
     0.8 of eager's time: the line keeps eager's fixed bytes, scales its slope by 0.7 (the
-    ratio of the batch-dependent bytes) and its time by 0.8, and passes through the run."""
+    ratio of the batch-dependent bytes) and passes through the run; its time ratio 0.8 is
+    recorded, and the time line goes from zero through the run."""
     held, step_ms = _run(20, 10 * MIB, 0.7 * MIB, 0.8 * 2.0, 0.8 * 0.1)
     fit = fit_step({20: (held, step_ms)}, EAGER, limit_bytes=LIMIT, max_batch=1000)
     assert fit is not None and fit.basis == "scaled" and fit.batches == [20]
@@ -57,6 +59,21 @@ def test_one_run_scales_the_eager_per_sample_bytes_by_the_measured_ratio() -> No
     assert fit.fixed_bytes == 10 * MIB and abs(fit.per_sample_bytes - 0.7 * MIB) <= 1
     assert fit.fixed_bytes + fit.per_sample_bytes * 20 == pytest.approx(held, abs=20)
     assert fit.largest_batch == 124  # (97 - 10) / 0.7 = 124.3
+    assert fit.fixed_ms == 0.0 and fit.per_sample_ms == pytest.approx(step_ms / 20)
+
+
+def test_one_run_predicts_the_rate_it_measured_not_eagers_launch_bound_rise() -> None:
+    """Rule: a line from one run promises no more samples/s at its predicted batch than the
+    run measured. Eager's time line from the profile's small batches is nearly all fixed
+    time (a launch-bound step: 20 ms + 0.001 ms a sample); scaled to a run at 700 it would
+    read the step as fixed and promise a rate rising with the batch (hf_gpt2's two-block
+    candidate on an H100: 56,356 samples/s measured at 726, 81,223 promised at 1050)."""
+    eager = EagerLines(bytes=Line(10 * MIB, 0.05 * MIB), ms=Line(20.0, 0.001))
+    step_ms = 700 / 56_356 * 1e3  # 12.4 ms: the run's measured rate
+    held = round(10 * MIB + 0.05 * MIB * 700)
+    fit = fit_step({700: (held, step_ms)}, eager, limit_bytes=LIMIT, max_batch=10_000)
+    assert fit is not None and fit.largest_batch > 700
+    assert fit.samples_per_s == pytest.approx(56_356, rel=1e-6)
 
 
 def test_one_run_with_a_workspace_of_its_own_predicts_a_smaller_batch() -> None:
