@@ -29,7 +29,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    the line where it matters, and the batch search's start. A candidate whose every run
    compiles afresh (checkpointed blocks on torch 2.11 CUDA) gets it only where its line is
    within :data:`SECOND_RUN_SHARE` of the best's: runs made at once wait for the slowest.
-   Then, budget left, a candidate whose only run ran out gets one at half that batch.
+   Then, budget left, a candidate whose only run ran out gets one at half that batch. On a
+   device of runs at once, where these runs leave a run free in their group, the leader's
+   static form (the pick's verification if the leader stays the pick at that batch) goes
+   with them (:meth:`Search._static_rider`).
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
    from its predicted batch (a line through dynamic-batch runs needs only
    :data:`DYNAMIC_ALLOWANCE` of the bar to be confirmed). Then its static form, the one the
@@ -668,7 +671,8 @@ class Search:
             and v.lowest_failure >= 2
             and v.error is None
         ]
-        self._run_in_groups(second + retries, ask, reserve)
+        pass_two = second + retries
+        self._run_in_groups(pass_two, ask, reserve, rider=self._static_rider(ranked, pass_two))
         winner = self.best([v for v in variants if v.error is None or v.runs])
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
@@ -835,36 +839,84 @@ class Search:
         return dataclasses.replace(static, measured=m), ""
 
     def _run_in_groups(
-        self, runs: list[tuple[Variant, int]], ask: _Asked, reserve: int, free: int = 0
+        self,
+        runs: list[tuple[Variant, int]],
+        ask: _Asked,
+        reserve: int,
+        free: int = 0,
+        rider: tuple[dict[str, JsonValue], int] | None = None,
     ) -> list[tuple[Variant, int]]:
         """``runs`` in their order, as many at once as the device makes
         (``PickStage.concurrent_runs``), while the budget allows: runs beyond ``reserve`` are
         left, the first ``free`` of them whenever any is, and none starts once
-        :attr:`CompileSearch.max_seconds` have passed. Returns those not run."""
+        :attr:`CompileSearch.max_seconds` have passed. Returns those not run. ``rider``
+        (choices, batch: :meth:`_static_rider`) goes with the first group where it has room,
+        counted as a static run, its answer left in the prober's record for the run that
+        asks for it."""
         left = list(runs)
         made = 0
+        at_once = max(1, self.stage.concurrent_runs)
         while left:
             allowed = self.runs_left - reserve if self._may_run(reserve) else 0
             if made < free:
                 allowed = max(allowed, min(self.runs_left, free - made))
             if allowed <= 0:
                 break
-            group = left[: min(max(1, self.stage.concurrent_runs), allowed)]
+            group = left[: min(at_once, allowed)]
             left = left[len(group) :]
             made += len(group)
-            if len(group) == 1:
+            extra = [rider] if rider is not None and len(group) < at_once else []
+            rider = None  # the first group only
+            if len(group) == 1 and not extra:
                 v, batch = group[0]
                 self._run(v, batch, *ask.of(v))
                 continue
+            riding = f"; the static form at batch {extra[0][1]}" if extra else ""
             self.stage.describe(
                 f"compiling candidates {', '.join(str(ask.of(v)[0]) for v, _ in group)}"
-                f"/{ask.total} at once ({'; '.join(v.label for v, _ in group)})"
+                f"/{ask.total} at once ({'; '.join(v.label for v, _ in group)}{riding})"
             )
-            answers = self.stage.run_many([(v.choices, batch) for v, batch in group])
-            for (v, batch), answer in zip(group, answers, strict=True):
+            before = len(self.stage.probes)
+            answers = self.stage.run_many([(v.choices, batch) for v, batch in group] + extra)
+            if extra:
+                self.static_runs += sum(
+                    1
+                    for p in self.stage.probes[before:]
+                    if p.candidate is not None and p.candidate.choices == extra[0][0]
+                )
+            for (v, batch), answer in zip(group, answers[: len(group)], strict=True):
                 self._take(v, batch, answer)
             self._again_static(group)
         return left
+
+    def _static_rider(
+        self, ranked: Sequence[Variant], runs: Sequence[tuple[Variant, int]]
+    ) -> tuple[dict[str, JsonValue], int] | None:
+        """The static form of pass 2's leader (``ranked[0]``, the best by its pass-1 line) at
+        its predicted batch, to go with pass 2's runs where they leave the device a run free
+        in one group; None elsewhere. Where the search then confirms the leader at that batch
+        without a device run (its pass-2 run answers it), :meth:`confirm_static` finds its
+        run made; where the pick moves, the run was a slot of a group waited for anyway.
+
+        Why: the confirmation's own ``static_beside`` needs a device run of the confirmation,
+        and on a card the pick's batch was mostly its pass-2 run's: resnet50's static form
+        then ran alone for 56.9 s after a 30.4 s pass 2, hf_gpt2's for 35.7 s (session 19).
+
+        None where the device makes one run at a time, where pass 2 fills its groups or makes
+        no run, where the leader's form is static or not the one handed on (its confirmation
+        runs the offered form), or where every run of it compiles afresh (its confirmation
+        runs the static form itself)."""
+        at_once = self.stage.concurrent_runs
+        if at_once <= 1 or not runs or len(runs) >= at_once or not ranked:
+            return None
+        leader = ranked[0]
+        if leader.final_differs or not is_dynamic(leader.form) or compiles_every_run(leader):
+            return None
+        assert leader.fit is not None
+        batch = leader.fit.largest_batch
+        if batch < 1:
+            return None
+        return {**leader.choices, COMPILE: _static(leader.form)}, batch
 
     def _again_static(self, group: list[tuple[Variant, int]]) -> None:
         """The runs of ``group`` that :meth:`_static_instead` sent static, made again in that

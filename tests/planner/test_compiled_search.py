@@ -1001,7 +1001,7 @@ def _forms_at_once(device) -> list[list[tuple[int, bool]]]:
 
 
 def test_the_static_form_goes_with_the_confirmations_first_run_on_a_device_of_runs_at_once(
-    workload, profile, strategies, linear_device, trials
+    workload, profile, strategies, linear_device, trials, monkeypatch
 ) -> None:
     """Rule: where the device makes runs at once, the winner's static form (the pick's
     verification) runs at its predicted batch together with its confirmation's first device
@@ -1018,6 +1018,9 @@ def test_the_static_form_goes_with_the_confirmations_first_run_on_a_device_of_ru
             )
         return device
 
+    # Pass 2's rider off (its own test): on this device the leader's line moves it from its
+    # pass-2 batch to the confirmation's, which then takes the static run along.
+    monkeypatch.setattr(Search, "_static_rider", lambda self, ranked, runs: None)
     alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2)
     device = device_of(4)
     calls = _forms_at_once(device)
@@ -1054,6 +1057,7 @@ def test_a_static_run_made_beside_a_confirmation_that_then_moved_is_counted_and_
         return dataclasses.replace(found, candidate=lower)
 
     monkeypatch.setattr(Search, "confirm", moved)
+    monkeypatch.setattr(Search, "_static_rider", lambda self, ranked, runs: None)  # as above
 
     def plan_with(at_once: int):
         device = linear_device(EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95)
@@ -1274,3 +1278,64 @@ def test_pass_two_leaves_a_candidate_that_compiles_every_run_and_trails_at_one_r
     assert "one run only" in plans[True].stages[0].summary
     assert "one run only" not in plans[False].stages[0].summary
     assert "checkpoint 2/4 blocks." in plans[True].stages[0].summary
+
+
+def test_pass_twos_leader_takes_its_static_form_along_where_its_group_has_room(
+    workload, profile, strategies, linear_device, trials, caplog
+) -> None:
+    """Rule: on a device of runs at once, pass 2's leader's static form (what the plan hands
+    on) goes with pass 2's runs where their group leaves a run free, at the leader's
+    predicted batch; where the confirmation keeps that batch without a device run, that run
+    is the verification and no static run follows the search (resnet50 on an H100: a 30.4 s
+    pass 2, then its static form alone for 56.9 s at the same batch). The plan picks and
+    verifies what one run at a time does, and the static run is not one of the search's."""
+
+    def device_of(at_once: int):
+        device = linear_device(EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95)
+        device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+        return device
+
+    # max_batch 50: the leader's line from one run puts it there, and the confirmation too.
+    alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2, max_batch=50)
+    device = device_of(4)
+    calls = _forms_at_once(device)
+    with caplog.at_level(logging.DEBUG, logger="memadvisor"):
+        together = _plan(workload, profile, strategies, device, verify_steps=2, max_batch=50)
+    assert together.stages[0].picked and alone.stages[0].picked
+    assert together.candidate == alone.candidate and together.verified == alone.verified
+    statics = [p for p in together.probes if _static_form(p)]
+    assert len(statics) == 1 and statics[0].candidate == together.candidate
+    riding = [call for call in calls if any(static for _, static in call)]
+    assert len(riding) == 1, calls
+    # With pass 2's run of the leader at the same batch (one at a time, they were 2 calls).
+    assert (together.candidate.batch_size, False) in riding[0], calls
+    search = together.stages[0].details["search"]
+    assert search["static_runs"] == 1
+    assert search["runs"] == alone.stages[0].details["search"]["runs"]
+    # The progress line says the static form goes along.
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.search(r"at once \(.*; the static form at batch 50\)", m) for m in lines), lines
+
+
+def test_a_rider_whose_leader_moves_is_counted_static_and_the_pick_verified_where_it_went(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the leader's confirmation ends at another batch than its pass-2 one (here
+    its line from one run was short: 60, then 62), the static form that rode with pass 2 is
+    a static run, not one of the search's, and the static form runs again at the batch found
+    (the verification is that run): the plan picks and verifies what one run at a time does."""
+
+    def device_of(at_once: int):
+        device = linear_device(EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95)
+        device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+        return device
+
+    alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2)
+    together = _plan(workload, profile, strategies, device_of(4), verify_steps=2)
+    assert together.candidate == alone.candidate and together.verified == alone.verified
+    statics = [p.batch_size for p in together.probes if _static_form(p)]
+    picked = together.candidate.batch_size
+    assert len(statics) == 2 and statics[-1] == picked and statics[0] < picked, statics
+    search = together.stages[0].details["search"]
+    assert search["static_runs"] == 2
+    assert search["runs"] == alone.stages[0].details["search"]["runs"]
