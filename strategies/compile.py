@@ -214,14 +214,19 @@ class Compile(Strategy, Measured, Described, Checked):
             )
         return part
 
-    states = frozenset({"compiled", "compile_mode", "compiled_whole"})
+    states = frozenset({"compiled", "compile_mode", "compiled_whole", "compiled_regional"})
 
     def facts(self, choice: JsonValue) -> Facts:
         parsed = parse_choice(choice)
         if parsed is None:
             return Facts()
         whole = not parsed.regional and parsed.activation_memory_budget is None
-        return Facts(compiled=True, compile_mode=parsed.mode, compiled_whole=whole)
+        return Facts(
+            compiled=True,
+            compile_mode=parsed.mode,
+            compiled_whole=whole,
+            compiled_regional=parsed.regional,
+        )
 
     def explain(self, choice: JsonValue, profile: Profile) -> Advice | None:
         """The advice; its effect quotes the trial :meth:`check` ran, when there was one."""

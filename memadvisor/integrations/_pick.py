@@ -64,11 +64,17 @@ class Pick:
     block_count: int | None  # blocks the profile found; None unknown
     compile_mode: str | None  # None: eager
     compiled_whole: bool = False  # the whole model in compile_mode: a framework's switch does it
+    compiled_regional: bool = False  # each repeated block compiled, the rest eager
 
     @property
     def compile_form(self) -> str:
-        """The compile's form in words: ``'the whole model'`` or ``'each repeated block'``."""
-        return "the whole model" if self.compiled_whole else "each repeated block"
+        """The compile's form in words: ``'the whole model'``, ``'each repeated block'`` or
+        ``'the whole model with a partitioner budget'`` (what no framework switch makes)."""
+        if self.compiled_whole:
+            return "the whole model"
+        if self.compiled_regional:
+            return "each repeated block"
+        return "the whole model with a partitioner budget"
 
     @property
     def all_blocks(self) -> bool:
@@ -92,6 +98,7 @@ def pick_of(plan: Plan) -> Pick:
         block_count=len(plan.profile.blocks) if plan.profile is not None else None,
         compile_mode=mode,
         compiled_whole=facts.compiled_whole,
+        compiled_regional=facts.compiled_regional,
     )
 
 

@@ -39,6 +39,11 @@ class Facts(BaseModel):
         "budget. False where compiled otherwise: only installing the plan's form runs what "
         "it measured.",
     )
+    compiled_regional: bool = Field(
+        default=False,
+        description="Each repeated block is compiled on its own (one graph for all), the rest "
+        "of the model eager; False where compiled whole (with or without a partitioner budget).",
+    )
     parallel: Literal["ddp", "fsdp2"] | None = Field(
         default=None, description="How each rank wraps the model; None: one process."
     )
@@ -58,6 +63,7 @@ class Facts(BaseModel):
             compiled=self.compiled or other.compiled,
             compile_mode=other.compile_mode or self.compile_mode,
             compiled_whole=other.compiled_whole or self.compiled_whole,
+            compiled_regional=other.compiled_regional or self.compiled_regional,
             parallel=other.parallel or self.parallel,
             world_size=max(self.world_size, other.world_size),
             loss_changed=self.loss_changed or other.loss_changed,

@@ -1,5 +1,6 @@
 """plan_options: what every integration changes in memadvisor.plan's options: no bars unless
-asked, and the batch capped at the dataset's length where the dataset has one."""
+asked, and the batch capped at the dataset's length where the dataset has one; pick_of: the
+compile's form in the words a framework's log line says."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
-from memadvisor.integrations._pick import plan_options
+from memadvisor.integrations._pick import pick_of, plan_options
 from memadvisor.strategy import load_strategies, registered_names
 
 # Every registered strategy but those that compute the loss another way (the framework's).
@@ -52,3 +53,28 @@ def test_strategies_that_change_the_loss_are_left_out() -> None:
     asked = ["batch_size", *changing]
     assert plan_options({"strategies": asked}, None)["strategies"] == ["batch_size"]
     assert not set(changing) & set(plan_options({}, None)["strategies"])
+
+
+@pytest.mark.parametrize(
+    ("form", "words", "whole"),
+    [
+        ("default", "the whole model", True),
+        ({"mode": "default", "regional": True}, "each repeated block", False),
+        (
+            {"mode": "default", "activation_memory_budget": 0.5},
+            "the whole model with a partitioner budget",
+            False,
+        ),
+    ],
+)
+def test_the_compiles_form_is_named_as_the_plan_measured_it(gpt_plan, form, words, whole) -> None:
+    """Rule: the Trainer's log line and Lightning's decision name the compile the plan chose:
+    a whole-model compile with a partitioner budget (which the search reaches where the
+    eager pick checkpoints) is not "each repeated block", nor what a framework switch makes."""
+    choices = {**gpt_plan.candidate.choices, "compile": form}
+    plan = gpt_plan.model_copy(
+        update={"candidate": gpt_plan.candidate.model_copy(update={"choices": choices})}
+    )
+    pick = pick_of(plan)
+    assert pick.compile_mode == "default"
+    assert pick.compile_form == words and pick.compiled_whole is whole
