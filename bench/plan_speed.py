@@ -230,6 +230,9 @@ def _run_words(probe: dict[str, Any]) -> str:
     if choices.get("compile") not in (None, "off"):
         tags.append(f"compile={json.dumps(choices['compile'])}")
     fits = "fits" if probe["fits"] else "OOM"
+    step_ms = probe.get("step_ms")
+    if step_ms:  # a plan of before session 19 has none
+        fits += f" {probe['batch_size'] / step_ms * 1e3:.0f}/s"
     wall = probe.get("wall_ms", 0.0) / 1e3
     return f"{probe['stage']} b{probe['batch_size']} {fits} {wall:.1f}s {'+'.join(tags)}"
 

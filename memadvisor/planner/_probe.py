@@ -338,6 +338,7 @@ def _fitted(candidate: Candidate, measured: Measurement, t0: float, stage: str) 
         fits=True,
         steps=measured.steps,
         peak_bytes=measured.peak_bytes,
+        step_ms=measured.step_ms,
         wall_ms=(time.perf_counter() - t0) * 1e3,
         stage=stage,
         candidate=candidate,

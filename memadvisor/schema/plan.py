@@ -62,6 +62,11 @@ class Probe(_Model):
     fits: bool
     steps: int = Field(description="Steps it ran (all of them when it fits).")
     peak_bytes: int | None = Field(None, description="Measured peak; None when it ran out.")
+    step_ms: float | None = Field(
+        None,
+        description="Its timed steps' mean step time (the measurement's); None when it ran "
+        "out. Kept so a plan's record says what each run measured, not only whether it fit.",
+    )
     error: str | None = Field(None, description="The out-of-memory message, when it ran out.")
     wall_ms: float = 0.0
     stage: str = Field(

@@ -74,6 +74,8 @@ def test_probing_a_device_matches_the_table(
     def fits(b: int) -> bool:
         record, measured = probe(device, workload, Candidate(batch_size=b), steps=3)
         assert record.fits == (measured is not None) == (b <= threshold)
+        # The record keeps what the run measured, not only whether it fit.
+        assert record.step_ms == (measured.step_ms if measured is not None else None)
         return record.fits
 
     max_batch = 64 if threshold == 1000 else 65536
