@@ -76,6 +76,10 @@ Known limitations:
     * On torch 2.11 (CUDA) inductor's caches do not take a graph with checkpointed blocks:
       every run of such a candidate compiles its blocks again, dynamic batch or not
       (``docs/design.md``, "A dynamic batch while searching"; torch 2.13 on a CPU caches it).
+    * Pass 2's static rider is a bet that the leader stays the pick at its pass-2 batch
+      (six of six saved plans on a card did): where another candidate wins, or the
+      confirmation moves, the rider's run was spent and the static form runs again; its
+      group waits for its cold compile (resnet50's pass 2 on an H200: 53.8 s with it).
     * The candidates are ranked on their dynamic graphs; only the winner's static graph is
       run. Where the static one runs out at the winner's batch, the search's pick goes to
       the verification, which steps the batch down.
