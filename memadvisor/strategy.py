@@ -258,6 +258,14 @@ class PickStage(ABC):
         """The stage's own progress line, while its device runs happen (default: none)."""
         yield
 
+    @contextlib.contextmanager
+    def side_by_side(self) -> Iterator[None]:
+        """While this thread compiles and another waits on the device's runs (the compile
+        trial beside pass 1): :meth:`describe` from this thread says what this process does,
+        from the other what the device runs, and the progress line shows both, so neither
+        hides the other (default: nothing changes)."""
+        yield
+
 
 @dataclass
 class Refinement:

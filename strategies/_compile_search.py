@@ -692,17 +692,18 @@ class Search:
 
         Where ``call`` raises (a Ctrl-C during the trial), it propagates at once, without
         waiting for the runs: the plan's end closes the device, which ends them."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs")
-        pending = pool.submit(self._run_in_groups, runs, ask, reserve, free)
-        try:
-            answered = call()
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        try:
-            return pending.result(), answered
-        finally:
-            pool.shutdown()
+        with self.stage.side_by_side():  # the line says both: the trial here, the runs there
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs")
+            pending = pool.submit(self._run_in_groups, runs, ask, reserve, free)
+            try:
+                answered = call()
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            try:
+                return pending.result(), answered
+            finally:
+                pool.shutdown()
 
     @staticmethod
     def _drop(variants: Sequence[Variant], why_not: dict[int, str | None]) -> set[int]:

@@ -10,6 +10,7 @@ the strategy decides which pick is verified and says why.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -44,6 +45,7 @@ class ProberStage(PickStage):
         self.device = prober.device.capabilities
         self.options = prober.space.options
         self._bar: Stage | None = None
+        self._two: _TwoLines | None = None  # inside side_by_side
 
     def confirm(
         self,
@@ -222,10 +224,17 @@ class ProberStage(PickStage):
 
     def describe(self, text: str) -> None:
         """The stage's progress line, and the words its device runs say their batch after
-        (only inside :meth:`progress`: no other stage's runs inherit them)."""
-        if self._bar is not None:
-            self._prober.doing = text
-            self._bar.describe(text)
+        (only inside :meth:`progress`: no other stage's runs inherit them). Inside
+        :meth:`side_by_side`, the thread that entered it says only its own part of the line
+        (the device's runs keep their own words)."""
+        if self._bar is None:
+            return
+        two = self._two
+        if two is not None and threading.get_ident() == two.here_thread:
+            two.here(text)
+            return
+        self._prober.doing = text
+        (two or self._bar).describe(text)
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[None]:
@@ -235,6 +244,53 @@ class ProberStage(PickStage):
                 yield
             finally:
                 self._bar, self._prober.doing = None, ""
+
+    @contextlib.contextmanager
+    def side_by_side(self) -> Iterator[None]:
+        """See :meth:`PickStage.side_by_side`. Why: on a card the compile trial ran in this
+        process beside pass 1's runs and its line ("compiling default mode ... in this
+        process") stood alone for 200 s of swin_t's plan, the runs it waited beside unsaid
+        (session 19)."""
+        bar = self._bar
+        if bar is None or self._two is not None:
+            yield
+            return
+        two = _TwoLines(bar, threading.get_ident())
+        self._two, self._prober.bar = two, two
+        try:
+            yield
+        finally:
+            self._two, self._prober.bar = None, bar
+            if two.device_text:
+                bar.describe(two.device_text)
+
+
+class _TwoLines:
+    """A stage's progress line in two parts (:meth:`ProberStage.side_by_side`): what this
+    process does, then what the device runs; each part keeps its last words until the other
+    changes. Stands for the bar on the prober's side (its runs' "batch N running")."""
+
+    def __init__(self, bar: Stage, here_thread: int) -> None:
+        self.bar, self.here_thread = bar, here_thread
+        self.here_text = self.device_text = ""
+        self._lock = threading.Lock()
+
+    def here(self, text: str) -> None:
+        with self._lock:
+            self.here_text = text
+            self._show()
+
+    def describe(self, text: str) -> None:
+        with self._lock:
+            self.device_text = text
+            self._show()
+
+    def _show(self) -> None:
+        parts = [p for p in (self.here_text, self.device_text) if p]
+        self.bar.describe("; beside it, ".join(parts))
+
+    def __getattr__(self, name: str) -> object:  # the bar's other calls (advance, ...)
+        return getattr(self.bar, name)
 
 
 def refined_pick(

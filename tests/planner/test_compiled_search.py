@@ -877,6 +877,40 @@ def test_the_trial_compiles_while_the_first_runs_are_on_a_device_of_processes(
     assert _blocks(plan.candidate.choices) == BLOCKS
 
 
+def test_the_progress_line_says_the_trial_and_the_runs_beside_it_both(
+    workload, profile, strategies, linear_device, trials, monkeypatch, caplog
+) -> None:
+    """Rule: while the trial compiles in the planner's process beside pass 1's runs, the
+    progress line says both, the trial's words first, and the runs' batches are said after
+    their own words, not the trial's (swin_t on a card: the trial's line stood alone for
+    200 s, the runs beside it unsaid)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    trial_started, pass_one_started = threading.Event(), threading.Event()
+    real_many, real_trial = device.run_many, Compile.trial
+
+    def run_many(workload, runs):
+        if all("compile" in c.choices for c, _ in runs) and not pass_one_started.is_set():
+            pass_one_started.set()
+            assert trial_started.wait(5), "pass 1 reached the device; the trial never started"
+        return real_many(workload, runs)
+
+    def trial(self, *args, **kwargs):
+        trial_started.set()
+        assert pass_one_started.wait(5)
+        return real_trial(self, *args, **kwargs)
+
+    device.run_many = run_many
+    monkeypatch.setattr(Compile, "trial", trial)
+    with caplog.at_level(logging.DEBUG, logger="memadvisor"):
+        _plan(workload, profile, strategies, device)
+    lines = [r.getMessage() for r in caplog.records]
+    trial_then_runs = r"compile: compiling .* in this process \(a trial at batch \d+\); beside it, "
+    both = [m for m in lines if re.match(trial_then_runs, m) and "at once" in m]
+    assert both, lines
+    assert not [m for m in lines if re.search(r"\(a trial at batch \d+\): batch", m)], lines
+
+
 def test_a_candidate_whose_form_fails_its_trial_is_dropped_though_its_run_fitted(
     workload, profile, strategies, linear_device, monkeypatch
 ) -> None:
