@@ -843,15 +843,10 @@ def test_a_winner_whose_confirmation_finds_less_than_a_rivals_run_yields_to_the_
     assert plan.verified.samples_per_s >= 0.97 * seen["rival"]
 
 
-def test_the_trial_compiles_while_the_first_runs_are_on_a_device_of_processes(
-    workload, profile, strategies, linear_device, trials, monkeypatch
-) -> None:
-    """Rule: where the device makes its runs in processes of their own (several at once: a
-    card's fork server), the compile trial in the planner's process runs while the
-    candidates' first runs are on the device, not before them (lm350m on an H100: a 23 s
-    trial, then a 28 s pass whose runs compiled anyway). Here the trial waits for pass 1's
-    runs to reach the device and they wait for the trial to start: in turn, neither comes."""
-    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+def _trial_beside_pass_one(device, monkeypatch) -> list[bool]:
+    """``device`` made to run 4 at once, its pass-1 runs waiting for the trial to start and
+    the trial for them to reach the device (in turn, neither would come); returns, per
+    trial, whether pass 1's runs had reached the device (filled as the plan runs)."""
     device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
     trial_started, pass_one_started = threading.Event(), threading.Event()
     real_many, real_trial = device.run_many, Compile.trial
@@ -871,6 +866,18 @@ def test_the_trial_compiles_while_the_first_runs_are_on_a_device_of_processes(
 
     device.run_many = run_many
     monkeypatch.setattr(Compile, "trial", trial)
+    return waited
+
+
+def test_the_trial_compiles_while_the_first_runs_are_on_a_device_of_processes(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: where the device makes its runs in processes of their own (several at once: a
+    card's fork server), the compile trial in the planner's process runs while the
+    candidates' first runs are on the device, not before them (lm350m on an H100: a 23 s
+    trial, then a 28 s pass whose runs compiled anyway)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    waited = _trial_beside_pass_one(device, monkeypatch)
     plan = _plan(workload, profile, strategies, device)
     assert waited and all(waited), "the trial ran before pass 1's runs reached the device"
     assert plan.stages[0].picked, plan.stages[0].summary
@@ -885,25 +892,10 @@ def test_the_progress_line_says_the_trial_and_the_runs_beside_it_both(
     their own words, not the trial's (swin_t on a card: the trial's line stood alone for
     200 s, the runs beside it unsaid)."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
-    trial_started, pass_one_started = threading.Event(), threading.Event()
-    real_many, real_trial = device.run_many, Compile.trial
-
-    def run_many(workload, runs):
-        if all("compile" in c.choices for c, _ in runs) and not pass_one_started.is_set():
-            pass_one_started.set()
-            assert trial_started.wait(5), "pass 1 reached the device; the trial never started"
-        return real_many(workload, runs)
-
-    def trial(self, *args, **kwargs):
-        trial_started.set()
-        assert pass_one_started.wait(5)
-        return real_trial(self, *args, **kwargs)
-
-    device.run_many = run_many
-    monkeypatch.setattr(Compile, "trial", trial)
+    waited = _trial_beside_pass_one(device, monkeypatch)
     with caplog.at_level(logging.DEBUG, logger="memadvisor"):
         _plan(workload, profile, strategies, device)
+    assert waited and all(waited)
     lines = [r.getMessage() for r in caplog.records]
     trial_then_runs = r"compile: compiling .* in this process \(a trial at batch \d+\); beside it, "
     both = [m for m in lines if re.match(trial_then_runs, m) and "at once" in m]
