@@ -901,7 +901,8 @@ class Search:
         its predicted batch, to go with pass 2's runs where they leave the device a run free
         in one group; None elsewhere. Where the search then confirms the leader at that batch
         without a device run (its pass-2 run answers it), :meth:`confirm_static` finds its
-        run made; where the pick moves, the run was a slot of a group waited for anyway.
+        run made; where the pick moves, the run is spent, and the group waited for its
+        compile (a cold static compile may be the group's slowest run).
 
         Why: the confirmation's own ``static_beside`` needs a device run of the confirmation,
         and on a card the pick's batch was mostly its pass-2 run's: resnet50's static form
