@@ -789,10 +789,7 @@ class Search:
             return None
         finally:
             if beside is not None:
-                made = self.stage.probes[before:]
-                self.static_runs += sum(
-                    1 for p in made if p.candidate is not None and p.candidate.choices == beside[0]
-                )
+                self.static_runs += self._made_since(before, beside[0])
 
     def confirm_final(self, winner: Variant, found: Confirmed) -> tuple[Confirmed | None, str]:
         """The offered form of ``winner`` from ``found``'s batch, judged against ``found``'s
@@ -884,15 +881,20 @@ class Search:
             before = len(self.stage.probes)
             answers = self.stage.run_many([(v.choices, batch) for v, batch in group] + extra)
             if extra:
-                self.static_runs += sum(
-                    1
-                    for p in self.stage.probes[before:]
-                    if p.candidate is not None and p.candidate.choices == extra[0][0]
-                )
+                self.static_runs += self._made_since(before, extra[0][0])
             for (v, batch), answer in zip(group, answers[: len(group)], strict=True):
                 self._take(v, batch, answer)
             self._again_static(group)
         return left
+
+    def _made_since(self, before: int, choices: dict[str, JsonValue]) -> int:
+        """How many of the device runs after the first ``before`` ran ``choices`` (a static
+        form sent along with other runs: counted as static runs, not the search's)."""
+        return sum(
+            1
+            for p in self.stage.probes[before:]
+            if p.candidate is not None and p.candidate.choices == choices
+        )
 
     def _static_rider(
         self, ranked: Sequence[Variant], runs: Sequence[tuple[Variant, int]]
