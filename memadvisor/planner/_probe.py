@@ -150,12 +150,13 @@ def find_batch(
         within: stop bisecting once the batch the pick may take is at most this fraction
             (of the largest fit) above that fit: a bench's search for the largest batch
             that holds needs no run to gain the last percent (each run of a compiled hand
-            cell compiles afresh). 0, the planner's: bisect to the sample.
+            cell compiles afresh). Likewise no upward probe within it above the largest
+            fit, and a ``start`` within it above ``floor`` starts at ``floor``. 0, the
+            planner's: bisect to the sample.
         ceiling: no upward probe above this batch (None: none): where a bound the search
             trusts more than the extrapolation says the edge is (a compiled line capped by
             its largest allocation: gpt's confirmation on a card ran 317, 306 and 279 above
-            such a cap at 252, all out of memory). An upward probe within ``within`` of the
-            largest fit is not made.
+            such a cap at 252, all out of memory).
         next_if_out: called before each probe with its batch and the batch the search
             probes next should that one run out (None: the search would stop there), so that
             a caller that can make two runs at once makes both (``Prober.largest``).
@@ -196,8 +197,11 @@ def find_batch(
     upper = min(max(upper, start + 1), max_batch)
     lo, hi = 0, None  # the largest fit below every failure, the lowest failure
     floor = min(max(floor, 0), max_batch)
-    if floor > 0 and start <= floor:
-        start = floor  # nothing below a known fit is worth a run; it answers without one
+    if floor > 0 and (start <= floor or start - floor <= within * floor):
+        # Nothing below a known fit is worth a run, nor a start ``within`` above it: the
+        # fit answers without one (a compiled confirmation ran 1905 from its line where 1895
+        # had fitted, a cold compile for half a percent: hf_gpt2 on a card, session 19).
+        start = floor
     if run(start, (floor if floor < start else 0, 1, False)):
         lo = start
         for attempt in range(max(1, max_extrapolations)):
@@ -207,10 +211,8 @@ def find_batch(
             top = upper if guess is None else min(guess, max_batch)
             if ceiling is not None:
                 top = min(top, ceiling)
-                if top - lo <= within * lo:
-                    break  # the ceiling is close enough: the largest fit stands
-            if top <= lo:
-                break
+            if top <= lo or top - lo <= within * lo:
+                break  # the guess (or the ceiling) is close enough: the largest fit stands
             if not run(top, (lo, 1, True) if descend else None):
                 hi = top
                 break
