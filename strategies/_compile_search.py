@@ -30,9 +30,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    compiles afresh (checkpointed blocks on torch 2.11 CUDA) gets it only where its line is
    within :data:`SECOND_RUN_SHARE` of the best's: runs made at once wait for the slowest.
    Then, budget left, a candidate whose only run ran out gets one at half that batch. On a
-   device of runs at once, where these runs leave a run free in their group, the leader's
+   device of runs at once, where these runs leave runs free in their group, the leader's
    static form (the pick's verification if the leader stays the pick at that batch) goes
-   with them (:meth:`Search._static_rider`).
+   with them, and those of candidates whose line is within :data:`SECOND_RUN_SHARE` of the
+   leader's as room allows (:meth:`Search._static_riders`).
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
    from its predicted batch (a line through dynamic-batch runs needs only
    :data:`DYNAMIC_ALLOWANCE` of the bar to be confirmed). Then its static form, the one the
@@ -76,10 +77,11 @@ Known limitations:
     * On torch 2.11 (CUDA) inductor's caches do not take a graph with checkpointed blocks:
       every run of such a candidate compiles its blocks again, dynamic batch or not
       (``docs/design.md``, "A dynamic batch while searching"; torch 2.13 on a CPU caches it).
-    * Pass 2's static rider is a bet that the leader stays the pick at its pass-2 batch
-      (six of six saved plans on a card did): where another candidate wins, or the
-      confirmation moves, the rider's run was spent and the static form runs again; its
-      group waits for its cold compile (resnet50's pass 2 on an H200: 53.8 s with it).
+    * Pass 2's static riders are a bet that the pick is one of them at its pass-2 batch
+      (six of six saved plans on a card kept the pass-2 batch; hf_gpt2's leader lost to a
+      candidate 0.2% behind it by its line): where the pick is another, or its
+      confirmation moves, the riders' runs were spent and the static form runs again; the
+      group waits for their cold compiles (resnet50's pass 2 on an H200: 53.8 s with one).
     * The candidates are ranked on their dynamic graphs; only the winner's static graph is
       run. Where the static one runs out at the winner's batch, the search's pick goes to
       the verification, which steps the batch down.
@@ -676,7 +678,7 @@ class Search:
             and v.error is None
         ]
         pass_two = second + retries
-        self._run_in_groups(pass_two, ask, reserve, rider=self._static_rider(ranked, pass_two))
+        self._run_in_groups(pass_two, ask, reserve, riders=self._static_riders(ranked, pass_two))
         winner = self.best([v for v in variants if v.error is None or v.runs])
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
@@ -846,15 +848,15 @@ class Search:
         ask: _Asked,
         reserve: int,
         free: int = 0,
-        rider: tuple[dict[str, JsonValue], int] | None = None,
+        riders: Sequence[tuple[dict[str, JsonValue], int]] = (),
     ) -> list[tuple[Variant, int]]:
         """``runs`` in their order, as many at once as the device makes
         (``PickStage.concurrent_runs``), while the budget allows: runs beyond ``reserve`` are
         left, the first ``free`` of them whenever any is, and none starts once
-        :attr:`CompileSearch.max_seconds` have passed. Returns those not run. ``rider``
-        (choices, batch: :meth:`_static_rider`) goes with the first group where it has room,
-        counted as a static run, its answer left in the prober's record for the run that
-        asks for it."""
+        :attr:`CompileSearch.max_seconds` have passed. Returns those not run. ``riders``
+        (choices, batch: :meth:`_static_riders`) go with the first group as far as it has
+        room, each counted as a static run, their answers left in the prober's record for the
+        run that asks for them."""
         left = list(runs)
         made = 0
         at_once = max(1, self.stage.concurrent_runs)
@@ -867,21 +869,25 @@ class Search:
             group = left[: min(at_once, allowed)]
             left = left[len(group) :]
             made += len(group)
-            extra = [rider] if rider is not None and len(group) < at_once else []
-            rider = None  # the first group only
+            extra = list(riders[: at_once - len(group)])
+            riders = ()  # the first group only
             if len(group) == 1 and not extra:
                 v, batch = group[0]
                 self._run(v, batch, *ask.of(v))
                 continue
-            riding = f"; the static form at batch {extra[0][1]}" if extra else ""
+            riding = ""
+            if extra:
+                batches = ", ".join(str(b) for _, b in extra)
+                forms = "form at batch" if len(extra) == 1 else "forms at batches"
+                riding = f"; the static {forms} {batches}"
             self.stage.describe(
                 f"compiling candidates {', '.join(str(ask.of(v)[0]) for v, _ in group)}"
                 f"/{ask.total} at once ({'; '.join(v.label for v, _ in group)}{riding})"
             )
             before = len(self.stage.probes)
             answers = self.stage.run_many([(v.choices, batch) for v, batch in group] + extra)
-            if extra:
-                self.static_runs += self._made_since(before, extra[0][0])
+            for choices, _ in extra:
+                self.static_runs += self._made_since(before, choices)
             for (v, batch), answer in zip(group, answers[: len(group)], strict=True):
                 self._take(v, batch, answer)
             self._again_static(group)
@@ -896,35 +902,54 @@ class Search:
             if p.candidate is not None and p.candidate.choices == choices
         )
 
-    def _static_rider(
+    def _static_riders(
         self, ranked: Sequence[Variant], runs: Sequence[tuple[Variant, int]]
-    ) -> tuple[dict[str, JsonValue], int] | None:
-        """The static form of pass 2's leader (``ranked[0]``, the best by its pass-1 line) at
-        its predicted batch, to go with pass 2's runs where they leave the device a run free
-        in one group; None elsewhere. Where the search then confirms the leader at that batch
+    ) -> list[tuple[dict[str, JsonValue], int]]:
+        """The static forms to go with pass 2's runs where they leave the device runs free in
+        their first group, each at its candidate's predicted batch: pass 2's leader's
+        (``ranked[0]``, the best by its pass-1 line), then those of the candidates whose line
+        predicts :data:`SECOND_RUN_SHARE` of the leader's samples/s or more, best first, as
+        room allows; none elsewhere. Where the search then confirms one of them at that batch
         without a device run (its pass-2 run answers it), :meth:`confirm_static` finds its
-        run made; where the pick moves, the run is spent, and the group waited for its
-        compile (a cold static compile may be the group's slowest run).
+        run made; a rider whose candidate is not the pick, or whose pick moves, was spent,
+        and the group waited for its compile (a cold static compile may be the group's
+        slowest run).
 
-        Why: the confirmation's own ``static_beside`` needs a device run of the confirmation,
-        and on a card the pick's batch was mostly its pass-2 run's: resnet50's static form
-        then ran alone for 56.9 s after a 30.4 s pass 2, hf_gpt2's for 35.7 s (session 19).
+        Why: the confirmation's own ``static_beside`` needs a device run of the
+        confirmation, and on a card the pick's batch was mostly its pass-2 run's: resnet50's
+        static form then ran alone for 56.9 s after a 30.4 s pass 2, hf_gpt2's for 35.7 s
+        (session 19). And where two lines are that close, the static forms, which differ
+        from the dynamic ones by up to a tenth either way, decide: hf_gpt2's leader (4 blocks
+        checkpointed, 111,497 samples/s by its line) lost to no checkpointing (111,248) once
+        confirmed, and that one's static form then ran alone for 30.1 s (H200, session 19).
 
-        None where the device makes one run at a time, where pass 2 fills its groups or makes
-        no run, where the leader's form is static or not the one handed on (its confirmation
-        runs the offered form), or where every run of it compiles afresh (its confirmation
-        runs the static form itself)."""
+        None where the device makes one run at a time, where pass 2 fills its group or makes
+        no run; a candidate rides not where its form is static or not the one handed on
+        (its confirmation runs the offered form), nor where every run of it compiles afresh
+        (the winner's confirmation then runs the static form itself). Only the leader under
+        the ``largest_batch`` objective (ranked by batch, a rate's share says nothing).
+
+        Known limitations: each rider is a cold compile beside pass 2's runs on the host's
+        cores, for a candidate that may not be picked."""
         at_once = self.stage.concurrent_runs
-        if at_once <= 1 or not runs or len(runs) >= at_once or not ranked:
-            return None
+        room = at_once - len(runs)
+        if at_once <= 1 or not runs or room <= 0 or not ranked:
+            return []
         leader = ranked[0]
-        if leader.final_differs or not is_dynamic(leader.form) or compiles_every_run(leader):
-            return None
         assert leader.fit is not None
-        batch = leader.fit.largest_batch
-        if batch < 1:
-            return None
-        return {**leader.choices, COMPILE: _static(leader.form)}, batch
+        by_rate = self.stage.config.objective != "largest_batch"
+        riders: list[tuple[dict[str, JsonValue], int]] = []
+        for v in ranked:
+            assert v.fit is not None
+            near = v is leader or (
+                by_rate and v.fit.samples_per_s >= SECOND_RUN_SHARE * leader.fit.samples_per_s
+            )
+            if not near or len(riders) >= room or v.fit.largest_batch < 1:
+                continue
+            if v.final_differs or not is_dynamic(v.form) or compiles_every_run(v):
+                continue
+            riders.append(({**v.choices, COMPILE: _static(v.form)}, v.fit.largest_batch))
+        return riders
 
     def _again_static(self, group: list[tuple[Variant, int]]) -> None:
         """The runs of ``group`` that :meth:`_static_instead` sent static, made again in that

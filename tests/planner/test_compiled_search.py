@@ -1046,7 +1046,7 @@ def test_the_static_form_goes_with_the_confirmations_first_run_on_a_device_of_ru
 
     # Pass 2's rider off (its own test): on this device the leader's line moves it from its
     # pass-2 batch to the confirmation's, which then takes the static run along.
-    monkeypatch.setattr(Search, "_static_rider", lambda self, ranked, runs: None)
+    monkeypatch.setattr(Search, "_static_riders", lambda self, ranked, runs: [])
     alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2)
     device = device_of(4)
     calls = _forms_at_once(device)
@@ -1083,7 +1083,7 @@ def test_a_static_run_made_beside_a_confirmation_that_then_moved_is_counted_and_
         return dataclasses.replace(found, candidate=lower)
 
     monkeypatch.setattr(Search, "confirm", moved)
-    monkeypatch.setattr(Search, "_static_rider", lambda self, ranked, runs: None)  # as above
+    monkeypatch.setattr(Search, "_static_riders", lambda self, ranked, runs: [])  # as above
 
     def plan_with(at_once: int):
         device = linear_device(EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95)
@@ -1365,3 +1365,65 @@ def test_a_rider_whose_leader_moves_is_counted_static_and_the_pick_verified_wher
     search = together.stages[0].details["search"]
     assert search["static_runs"] == 2
     assert search["runs"] == alone.stages[0].details["search"]["runs"]
+
+
+def test_a_near_rivals_static_form_rides_with_pass_two_and_verifies_it_where_it_wins(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: on a device of runs at once, the static forms of the candidates whose pass-1
+    line is within SECOND_RUN_SHARE of the leader's go with pass 2's runs where its group
+    has room, each at its predicted batch; where such a candidate becomes the pick (the
+    leader's confirmation found less than its run: ``Search.rival``), its static run, the
+    verification, was made there and none follows. On a card hf_gpt2's leader (4 blocks
+    checkpointed) lost to a candidate 0.2% behind it by its line, whose static form then ran
+    alone for 30.1 s (H200, session 19). The pick is the one a device of one run at a time
+    makes."""
+    from strategies._compile_search import SECOND_RUN_SHARE
+
+    seen: dict = {}
+    real_measure, real_confirm = Search.measure, Search.confirm
+
+    def measure(self, variants, meanwhile=None, then=None):
+        seen["variants"] = list(variants)
+        return real_measure(self, variants, meanwhile, then)
+
+    def short_first(self, winner, hold_back, static=False, static_beside=False):
+        found = real_confirm(self, winner, hold_back, static=static, static_beside=static_beside)
+        if "leader" in seen or found is None:
+            return found
+        seen["leader"] = winner
+        others = [v for v in seen["variants"] if v is not winner]
+        rival = max(m.samples_per_s for v in others for m in v.runs.values())
+        short = found.measured.model_copy(update={"samples_per_s": 0.8 * rival})
+        return dataclasses.replace(found, measured=short)
+
+    monkeypatch.setattr(Search, "measure", measure)
+    monkeypatch.setattr(Search, "confirm", short_first)
+
+    def device_of(at_once: int):
+        # Checkpointing nearly free: every candidate's rate within a few percent.
+        device = linear_device(EAGER_FLAT, fixed_ms=0.01, recompute=0.04)
+        device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+        return device
+
+    # verify_steps 2, the probes' steps: as on a card, a run of a probe's steps verifies.
+    alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2)
+    seen.clear()
+    device = device_of(6)  # pass 2 makes 3 runs: room for 3 more
+    calls = _forms_at_once(device)
+    together = _plan(workload, profile, strategies, device, verify_steps=2)
+    assert together.stages[0].picked
+    assert together.candidate == alone.candidate and together.verified == alone.verified
+    leader = seen["leader"]
+    pick = next(
+        v for v in seen["variants"] if _blocks(v.choices) == _blocks(together.candidate.choices)
+    )
+    assert pick is not leader
+    assert pick.fit.samples_per_s >= SECOND_RUN_SHARE * leader.fit.samples_per_s
+    riding = [call for call in calls if any(static for _, static in call)]
+    # Pass 2's three runs, and the three near lines' static forms beside them.
+    assert riding and sum(static for _, static in riding[0]) == 3, calls
+    assert (together.candidate.batch_size, True) in riding[0], calls
+    # The pick's static form ran once, with pass 2: no static run followed the rival's win.
+    statics = [p.candidate for p in together.probes if _static_form(p)]
+    assert statics.count(together.candidate) == 1, statics
