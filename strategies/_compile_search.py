@@ -574,7 +574,9 @@ class Search:
         self.stage, self.settings, self.eager = stage, settings, eager
         self.runs_before = len(stage.probes)
         self.started = time.perf_counter()
-        self.static_runs = 0  # the pick's static form (confirm_static): not the search's
+        # Static forms run: the pick's (confirm_static), pass 2's riders, the confirmation's
+        # static_beside. Not the search's runs.
+        self.static_runs = 0
         # Pass-1 runs of a form the trial then sent static, made again: not the search's.
         self.void_runs = 0
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.

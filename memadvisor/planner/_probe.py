@@ -150,13 +150,16 @@ def find_batch(
         within: stop bisecting once the batch the pick may take is at most this fraction
             (of the largest fit) above that fit: a bench's search for the largest batch
             that holds needs no run to gain the last percent (each run of a compiled hand
-            cell compiles afresh). Likewise no upward probe within it above the largest
-            fit, and a ``start`` within it above ``floor`` starts at ``floor``. 0, the
+            cell compiles afresh). A ``start`` within it above ``floor`` starts at
+            ``floor`` (within the limit: the pick if nothing above it fits). 0, the
             planner's: bisect to the sample.
         ceiling: no upward probe above this batch (None: none): where a bound the search
             trusts more than the extrapolation says the edge is (a compiled line capped by
             its largest allocation: gpt's confirmation on a card ran 317, 306 and 279 above
-            such a cap at 252, all out of memory).
+            such a cap at 252, all out of memory). An upward probe within ``within`` of the
+            largest fit is not made where that fit is within the margin (``within_margin``).
+            Without a ceiling the extrapolation aims at the edge, the margin below it taken
+            after, so a guess near the fit says nothing of the pick: it is probed.
         next_if_out: called before each probe with its batch and the batch the search
             probes next should that one run out (None: the search would stop there), so that
             a caller that can make two runs at once makes both (``Prober.largest``).
@@ -211,8 +214,10 @@ def find_batch(
             top = upper if guess is None else min(guess, max_batch)
             if ceiling is not None:
                 top = min(top, ceiling)
-            if top <= lo or top - lo <= within * lo:
-                break  # the guess (or the ceiling) is close enough: the largest fit stands
+                if top - lo <= within * lo and (within_margin is None or within_margin(lo)):
+                    break  # the ceiling is close enough: the largest fit stands
+            if top <= lo:
+                break
             if not run(top, (lo, 1, True) if descend else None):
                 hi = top
                 break
