@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from memadvisor import errors
@@ -67,6 +69,12 @@ class Device(ABC):
     def close(self) -> None:
         """Give back what the device holds (processes, files); default: nothing to give."""
         return None
+
+    def host_busy(self) -> AbstractContextManager[None]:
+        """While the block runs the planner works in its own process beside this device's
+        runs (the compile trial beside pass 1): a device whose runs time their steps on the
+        planner's host makes them wait until it ends. Default: nothing waits."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:

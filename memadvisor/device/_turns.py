@@ -20,8 +20,17 @@ and then takes the turn (:func:`taking_turn`). Record locks belong to the proces
 a run forks (a compile worker) holds none of them, and the kernel releases them when the
 run's process dies, so a crashed sibling blocks no one.
 
+A second lock file, the **host lock** (its path in the fork server's setup, ``host_lock``),
+is the planner's: while the planner compiles in its own process beside runs (the compile
+trial beside pass 1), it holds byte 0 of it (:func:`host_busy`), and a run waits until it is
+free before its timed steps, made at once or alone (:func:`taking_turn`). Why: on a card
+hf_gpt2's pass-1 runs were timed while the trial compiled beside them, and its bf16
+candidate measured 56,389 samples/s at batch 727 where its static form had run 118,749 at
+1020 in another plan (H200, session 20): ranked on that, a tf32 pick at 85,336 was handed on.
+
 Known limitations:
-    * POSIX only (``fcntl``); runs at once exist only where the fork server does.
+    * POSIX only (``fcntl``); runs at once exist only where the fork server does; a run in a
+      fresh worker process (no fork server) does not wait for the host lock.
     * Record locks are released when the process closes *any* descriptor of the file: a
       child keeps one descriptor for all of them (:data:`_held`), opened once.
     * A run waits for the slowest sibling's compile before its timed steps: the group takes
@@ -36,7 +45,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Gate", "done_warming", "start_warming", "taking_turn"]
+__all__ = ["Gate", "done_warming", "host_busy", "set_host_lock", "start_warming", "taking_turn"]
 
 _TURN = 0
 _GATE = 1
@@ -56,6 +65,8 @@ class _Held:
 
 
 _held: _Held | None = None  # set in a forked child by start_warming; one group per process
+# The planner's host lock (set_host_lock, in the fork server: its children inherit it).
+_host_lock: str | None = None
 
 
 def _lock(fd: int, cmd: int, byte: int) -> None:
@@ -125,18 +136,58 @@ def done_warming() -> None:
         _held.warming = False
 
 
+def set_host_lock(path: str | None) -> None:
+    """In the fork server, from its setup: the planner's host lock, which every run it forks
+    waits for before its timed steps (None: none)."""
+    global _host_lock
+    _host_lock = path
+
+
+@contextlib.contextmanager
+def host_busy(path: str) -> Iterator[None]:
+    """The planner's side: hold the host lock ``path`` while the block runs (a compile in the
+    planner's own process beside runs), so that no run takes its timed steps meanwhile.
+    Released when the block ends, by an error too, and by the kernel if the process dies."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        _lock(fd, fcntl.LOCK_EX, 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _wait_for_host() -> None:
+    """Wait until the planner holds no host lock (a no-op where none was set)."""
+    if _host_lock is None:
+        return
+    import fcntl
+
+    try:
+        fd = os.open(_host_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return  # its folder is gone (the planner closed the device): nothing to wait for
+    try:
+        _lock(fd, fcntl.LOCK_SH, 0)
+    finally:
+        os.close(fd)  # a shared lock taken and given back: the planner's was free
+
+
 @contextlib.contextmanager
 def taking_turn(lock_path: str | None) -> Iterator[None]:
     """Hold the turn of the runs sharing ``lock_path`` while the block runs: after every
     sibling's first step has ended, and with no other run's timed steps beside it. None: no
     turn to take, the block runs at once.
 
-    Waits while a sibling warms up or holds the turn. Released when the block ends, by an
-    error too, and by the kernel when the process dies holding it. A process that did not
-    :func:`start_warming` on this file (a runner called outside a fork of the zygote) waits
-    for the turn only.
+    Waits while a sibling warms up or holds the turn, and while the planner holds the host
+    lock (:func:`host_busy`; also for a lone run, ``lock_path`` None). Released when the
+    block ends, by an error too, and by the kernel when the process dies holding it. A
+    process that did not :func:`start_warming` on this file (a runner called outside a fork
+    of the zygote) waits for the turn only.
     """
     if lock_path is None:
+        _wait_for_host()
         yield
         return
     import fcntl
@@ -147,12 +198,14 @@ def taking_turn(lock_path: str | None) -> Iterator[None]:
             if index != _held.index:  # a shared lock waits for the sibling's first step
                 _lock(_held.fd, fcntl.LOCK_SH, _WARMING + index)
                 _lock(_held.fd, fcntl.LOCK_UN, _WARMING + index)
+        _wait_for_host()
         _lock(_held.fd, fcntl.LOCK_EX, _TURN)
         try:
             yield
         finally:
             _lock(_held.fd, fcntl.LOCK_UN, _TURN)
         return
+    _wait_for_host()
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         _lock(fd, fcntl.LOCK_EX, _TURN)

@@ -48,7 +48,9 @@ runner takes the turn after its first step and holds it through its timed steps
 (:func:`memadvisor.device._turns.taking_turn`), which waits until no sibling is still in its
 first step and none holds the turn, so their timed steps come in turn and apart from the
 siblings' compiles. A single ``run`` has no lock. The zygote removes the file once every
-child of the message is collected.
+child of the message is collected. Where the setup names a ``host_lock`` (the planner's:
+held while it compiles in its own process beside runs), every run, at once or alone, also
+waits for it before its timed steps (:func:`memadvisor.device._turns.host_busy`).
 
 A run's work is a *runner* ``f(workload, candidate, steps, context) -> Measurement``: by
 default :func:`cuda_runner`; ``setup["runner"]`` (``"file.py:function"``) names another,
@@ -277,6 +279,7 @@ def _setup(setup: dict[str, Any], answers: IO[str]) -> _State | None:
         else:
             _say(answers, {"status": "unloadable", "message": f"{type(e).__name__}: {e}"})
         return None
+    _turns.set_host_lock(setup.get("host_lock"))  # the children inherit it
     try:
         context, runner = _context(setup, threads)
     except Exception as e:  # noqa: BLE001 - e.g. a strategy that does not import

@@ -54,6 +54,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -61,6 +62,7 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,6 +70,7 @@ import torch
 
 from memadvisor import _torch_private
 from memadvisor._log import logger
+from memadvisor.device import _turns
 from memadvisor.device._base import Device
 from memadvisor.device._lifetime import (
     absolute_sys_path,
@@ -224,6 +227,8 @@ class CudaDevice(Device):
         # 0700, and removed however this process ends (a janitor process removes it if this
         # one is killed): the saved workload is a pickle of the user's model and code.
         self._dir = private_dir("memadvisor-cuda-")
+        # Held by this process while it compiles beside the children's runs (host_busy).
+        self._host_lock = str(self._dir / "host.lock")
         self._finalizer = weakref.finalize(self, remove_private_dir, self._dir)
         self._workload_path: Path | None = None
         self._baseline_allocated: int | None = None
@@ -256,6 +261,14 @@ class CudaDevice(Device):
         """Stop the zygote; remove the saved workload and requests."""
         self._stop_zygote()
         self._finalizer()
+
+    def host_busy(self) -> AbstractContextManager[None]:
+        """See :meth:`Device.host_busy`: the fork server's children, at once or alone, wait
+        for it before their timed steps (:func:`memadvisor.device._turns.host_busy`); the
+        fresh processes and this process's own runs do not."""
+        if self.mode != "fork_server":
+            return contextlib.nullcontext()
+        return _turns.host_busy(self._host_lock)
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -356,6 +369,7 @@ class CudaDevice(Device):
             # Appended after the child's own stdlib and site-packages, never before them.
             "sys_path": absolute_sys_path(),
             "target_files": _target_files(),
+            "host_lock": self._host_lock,
         }
 
     # -- fork server --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -395,3 +396,49 @@ def test_the_fork_server_restarts_for_the_users_environment_not_for_what_compile
     assert environment_changed(unset, {**unset, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}) == [
         "TORCHINDUCTOR_CACHE_DIR"
     ]
+
+
+def _hold(lock: str, released: dict[str, float]) -> None:
+    """Hold the host lock for two of the stub's first steps; note when it was let go."""
+    from memadvisor.device import _turns
+
+    with _turns.host_busy(lock):
+        time.sleep(2 * runner.FIRST_STEP_S)
+        released["at"] = time.time()
+
+
+def test_no_run_times_its_steps_while_the_planner_holds_the_host_lock(
+    tmp_path_factory: pytest.TempPathFactory, times_dir: Path
+) -> None:
+    """Rule: where the setup names a host lock, a run of the fork server, made at once with
+    others or alone, takes its timed steps only once the planner (here the test's process,
+    through host_busy) no longer holds it: on a card hf_gpt2's pass-1 runs were timed while
+    the compile trial compiled in the planner's process, and a candidate measured half its
+    rate (session 20). Without the lock held, the same runs go on at once."""
+    lock = str(tmp_path_factory.mktemp("host") / "host.lock")
+    zygote = ForkServer(
+        _setup(host_lock=lock),
+        stderr_path=tmp_path_factory.mktemp("zygote-host") / "stderr",
+        env={runner.TIMES_VARIABLE: str(times_dir)},
+    )
+    assert zygote.start(TIMEOUT_S)["status"] == "ready", zygote.stderr_tail()
+    try:
+        for batches in ((43, 44), (45,)):
+            released: dict[str, float] = {}
+            holder = threading.Thread(target=_hold, args=(lock, released))
+            holder.start()
+            time.sleep(0.2)  # the lock is held before the runs start
+            if len(batches) > 1:
+                answers = zygote.run_many(_runs(*batches), timeout_s=TIMEOUT_S)
+            else:
+                answers = [zygote.run(_candidate(batches[0]), steps=2, timeout_s=TIMEOUT_S)]
+            holder.join()
+            assert [a["status"] for a in answers] == ["ok"] * len(batches), answers
+            recorded = [runner.times(times_dir, a["measurement"]["peak_bytes"]) for a in answers]
+            assert max(r["first_done"] for r in recorded) < released["at"], recorded
+            assert min(r["turn_from"] for r in recorded) >= released["at"], (recorded, released)
+        free = zygote.run_many(_runs(46, 47), timeout_s=TIMEOUT_S)
+        recorded = [runner.times(times_dir, a["measurement"]["peak_bytes"]) for a in free]
+        assert min(r["turn_from"] for r in recorded) - max(r["first_done"] for r in recorded) < 1.0
+    finally:
+        zygote.close()

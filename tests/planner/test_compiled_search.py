@@ -10,6 +10,7 @@ pay.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -867,6 +868,48 @@ def _trial_beside_pass_one(device, monkeypatch) -> list[bool]:
     device.run_many = run_many
     monkeypatch.setattr(Compile, "trial", trial)
     return waited
+
+
+def test_the_device_is_told_its_host_is_busy_while_the_trial_compiles_beside_its_runs(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: while the compile trial runs in the planner's process beside pass 1's runs, the
+    device's ``host_busy`` is held (a card's runs wait for it before their timed steps: on
+    one, hf_gpt2's bf16 candidate timed beside the trial's compile measured half its rate
+    and lost, session 20), and it is let go once the trial ends: the runs after it, pass
+    2's, are not held."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    _trial_beside_pass_one(device, monkeypatch)
+    busy = threading.Event()
+    during_trial: list[bool] = []
+    outside: list[bool] = []
+
+    @contextlib.contextmanager
+    def host_busy():
+        busy.set()
+        try:
+            yield
+        finally:
+            busy.clear()
+
+    device.host_busy = host_busy
+    real_trial, real_many = Compile.trial, device.run_many
+
+    def trial(self, *args, **kwargs):
+        during_trial.append(busy.is_set())
+        return real_trial(self, *args, **kwargs)
+
+    def run_many(workload, runs):
+        answers = real_many(workload, runs)
+        outside.append(busy.is_set())
+        return answers
+
+    monkeypatch.setattr(Compile, "trial", trial)
+    device.run_many = run_many
+    plan = _plan(workload, profile, strategies, device)
+    assert plan.stages[0].picked, plan.stages[0].summary
+    assert during_trial and all(during_trial), during_trial
+    assert not busy.is_set() and outside and not outside[-1], outside
 
 
 def test_the_trial_compiles_while_the_first_runs_are_on_a_device_of_processes(
