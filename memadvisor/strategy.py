@@ -263,10 +263,15 @@ class PickStage(ABC):
         """While this thread compiles and another waits on the device's runs (the compile
         trial beside pass 1): :meth:`describe` from this thread says what this process does,
         from the other what the device runs, and the progress line shows both, so neither
-        hides the other; and the device's runs take their timed steps after this process's
-        work, not beside it (the planner's stage: ``Device.host_busy``). Default: nothing
-        changes."""
+        hides the other (default: nothing changes)."""
         yield
+
+    def compiling_here(self) -> contextlib.AbstractContextManager[None]:
+        """While the block runs this process works beside the device's runs (the compile
+        trial beside pass 1): the device's runs take their timed steps after it, not beside
+        it (the planner's stage: ``Device.host_busy``). Leave the block before waiting for
+        those runs: they wait for it to end. Default: nothing waits."""
+        return contextlib.nullcontext()
 
 
 @dataclass

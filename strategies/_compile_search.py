@@ -100,6 +100,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import Counter
@@ -697,10 +698,17 @@ class Search:
         Where ``call`` raises (a Ctrl-C during the trial), it propagates at once, without
         waiting for the runs: the plan's end closes the device, which ends them."""
         with self.stage.side_by_side():  # the line says both: the trial here, the runs there
+            # The runs' timed steps wait for this process's compile (a card's host is one),
+            # held from before they start and let go before they are waited for.
+            busy = contextlib.ExitStack()
+            busy.enter_context(self.stage.compiling_here())
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs")
             pending = pool.submit(self._run_in_groups, runs, ask, reserve, free)
             try:
-                answered = call()
+                try:
+                    answered = call()
+                finally:
+                    busy.close()
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise

@@ -250,25 +250,25 @@ class ProberStage(PickStage):
         """See :meth:`PickStage.side_by_side`. Why: on a card the compile trial ran in this
         process beside pass 1's runs and its line ("compiling default mode ... in this
         process") stood alone for 200 s of swin_t's plan, the runs it waited beside unsaid
-        (session 19). The device's runs meanwhile wait for this process's work before their
-        timed steps (:meth:`Device.host_busy`): hf_gpt2's bf16 candidate, timed beside the
-        trial's compile, measured half what its static form ran in another plan, and lost
-        (session 20)."""
-        # And the device's runs take their timed steps after this process's work, not
-        # beside it (Device.host_busy).
-        with self._prober.device.host_busy():
-            bar = self._bar
-            if bar is None or self._two is not None:
-                yield
-                return
-            two = _TwoLines(bar, threading.get_ident())
-            self._two, self._prober.bar = two, two
-            try:
-                yield
-            finally:
-                self._two, self._prober.bar = None, bar
-                if two.device_text:
-                    bar.describe(two.device_text)
+        (session 19)."""
+        bar = self._bar
+        if bar is None or self._two is not None:
+            yield
+            return
+        two = _TwoLines(bar, threading.get_ident())
+        self._two, self._prober.bar = two, two
+        try:
+            yield
+        finally:
+            self._two, self._prober.bar = None, bar
+            if two.device_text:
+                bar.describe(two.device_text)
+
+    def compiling_here(self) -> contextlib.AbstractContextManager[None]:
+        """See :meth:`PickStage.compiling_here`: the device's :meth:`Device.host_busy`. Why:
+        hf_gpt2's bf16 candidate, timed beside the compile trial in this process, measured
+        half what its static form ran in another plan, and lost (H200, session 20)."""
+        return self._prober.device.host_busy()
 
 
 class _TwoLines:

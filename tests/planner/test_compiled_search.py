@@ -876,8 +876,9 @@ def test_the_device_is_told_its_host_is_busy_while_the_trial_compiles_beside_its
     """Rule: while the compile trial runs in the planner's process beside pass 1's runs, the
     device's ``host_busy`` is held (a card's runs wait for it before their timed steps: on
     one, hf_gpt2's bf16 candidate timed beside the trial's compile measured half its rate
-    and lost, session 20), and it is let go once the trial ends: the runs after it, pass
-    2's, are not held."""
+    and lost, session 20), and it is let go once the trial ends, before the runs are waited
+    for: here, as on a card, the runs end only once it is free (a first form held it while
+    it waited for them, and the plans on the card hung until killed)."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
     _trial_beside_pass_one(device, monkeypatch)
     busy = threading.Event()
@@ -901,6 +902,10 @@ def test_the_device_is_told_its_host_is_busy_while_the_trial_compiles_beside_its
 
     def run_many(workload, runs):
         answers = real_many(workload, runs)
+        for _ in range(500):  # their timed steps wait for the host, as a card's runs do
+            if not busy.is_set():
+                break
+            time.sleep(0.01)
         outside.append(busy.is_set())
         return answers
 
@@ -909,7 +914,7 @@ def test_the_device_is_told_its_host_is_busy_while_the_trial_compiles_beside_its
     plan = _plan(workload, profile, strategies, device)
     assert plan.stages[0].picked, plan.stages[0].summary
     assert during_trial and all(during_trial), during_trial
-    assert not busy.is_set() and outside and not outside[-1], outside
+    assert outside and not any(outside), outside  # every run saw the host free in the end
 
 
 def test_the_trial_compiles_while_the_first_runs_are_on_a_device_of_processes(
