@@ -7,7 +7,10 @@ checkpointed 23 of 24 blocks at batch 7 (full checkpointing ran out at 8 in eage
 compiled full checkpointing held batch 11 and ran 12% faster (issue 27). The search
 therefore measures compiled variants of several eager combinations, not only of the pick:
 
-1. Candidates (:func:`search_variants`): the eager pick's choices, then the same choices with
+1. Candidates (:func:`search_variants`): the eager pick's choices, the same in the plan's
+   autocast precision where the pick has none (:func:`_autocast_instead`), then with the
+   loss computed as the user's where the pick chunks it and the model is compiled whole
+   (:func:`_users_loss_instead`), then the pick's choices with
    other checkpointed sets (none, half, all of what checkpointing offers), best by the
    estimate first, then a partitioner budget in place of the pick's checkpointing; at most
    :attr:`CompileSearch.max_candidates`. Each is compiled in its *search form*: each
@@ -381,6 +384,11 @@ def search_variants(
         scored = stage.score(lowered)
         if scored is not None:
             found.append((lowered, plain[0], start_of(scored)))
+    users_loss = _users_loss_instead(lowered or own, strategies)
+    if plain and users_loss is not None and not search_form(plain[0], profile, settings).regional:
+        scored = stage.score(users_loss)
+        if scored is not None:
+            found.append((users_loss, plain[0], start_of(scored)))
     others = []
     axis = _recompute_axis(stage)
     if plain and axis is not None:
@@ -413,7 +421,8 @@ def search_variants(
                 COMPILE: (choice if settings.confirm_offered else form).static().to_json(),
             },
             label=label(choices, form, len(profile.blocks), strategies)
-            + (f", {_changed(own, choices)}" if choices is lowered else ""),
+            + (f", {_changed(own, choices)}" if choices is lowered else "")
+            + (_users_loss_words(own, choices) if choices is users_loss else ""),
             start_batch=start,
             eager=EagerLines.of(profile, choices, stage.strategies, start),
         )
@@ -473,6 +482,38 @@ def _autocast_instead(stage: PickStage, own: dict[str, JsonValue]) -> dict[str, 
             return None  # the pick has one already
         return {**own, strategy.name: lowering[0]}
     return None
+
+
+def _users_loss_instead(
+    choices: dict[str, JsonValue], strategies: Sequence[Strategy]
+) -> dict[str, JsonValue] | None:
+    """``choices`` without the strategies that compute the loss another way (their facts say
+    ``loss_changed``: the chunked loss head); None where none of them does.
+
+    Why: a chunked loss saves eager the fp32 logits, but compiled whole the head and the
+    loss fuse, and the chunks' loop stays in the graph. On an H200 at 8 GiB (session 20)
+    hf_gpt2's eager pick came out tf32 with 4 blocks checkpointed and the loss in 32 chunks
+    (33,966 samples/s, its near rivals within noise); every compiled candidate kept the
+    chunks, and the pick ran 64,013 samples/s where bf16 compiled with the user's loss had
+    run 118,749 (session 19). The candidates are the eager pick's choices varied, so this
+    one is searched beside them.
+
+    Known limitations: only where the search form compiles the whole model (regional, the
+    loss stays eager and the chunks keep their saving); one candidate, at the autocast
+    precision where the search adds one, not crossed with the checkpointing axis."""
+    candidate = Candidate(batch_size=1, choices=choices)
+    changed = {
+        s.name for s, c in chosen_strategies(candidate, strategies) if s.facts(c).loss_changed
+    }
+    if not changed:
+        return None
+    return {n: c for n, c in choices.items() if n not in changed}
+
+
+def _users_loss_words(own: dict[str, JsonValue], choices: dict[str, JsonValue]) -> str:
+    """``', bf16, the loss as yours'``: what sets the user's-loss candidate apart."""
+    precision = _changed(own, choices)
+    return f"{', ' + precision if precision else ''}, the loss as yours"
 
 
 def _neutral(strategies: Sequence[Strategy], name: str, choice: JsonValue) -> bool:

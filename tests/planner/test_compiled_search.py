@@ -21,6 +21,7 @@ from collections import Counter
 
 import pytest
 import torch
+from pydantic import JsonValue
 
 from memadvisor.errors import ProbeProcessError
 from memadvisor.planner import Progress, plan_workload
@@ -31,6 +32,7 @@ from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Plan
+from memadvisor.strategy import Strategy
 from strategies._compile_model import Line
 from strategies._compile_search import CONFIRM_RUNS, Search, search_variants
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
@@ -1475,3 +1477,80 @@ def test_a_near_rivals_static_form_rides_with_pass_two_and_verifies_it_where_it_
     # The pick's static form ran once, with pass 2: no static run followed the rival's win.
     statics = [p.candidate for p in together.probes if _static_form(p)]
     assert statics.count(together.candidate) == 1, statics
+
+
+class _ChunkedLoss(Strategy):
+    """The loss in chunks (its facts say it computes the loss another way), no other effect:
+    the chunked loss head's shape, for the compile search's candidates."""
+
+    name = "loss_head"
+
+    def is_neutral(self, choice) -> bool:
+        return not choice
+
+    def choices(self, profile, config) -> list[JsonValue]:
+        return [None, 4]
+
+    def effect(self, profile, choice, model) -> None:
+        return None
+
+    def apply(self, step, choice):
+        return step
+
+    def facts(self, choice) -> Facts:
+        return Facts(loss_changed=bool(choice))
+
+    def explain(self, choice, profile):
+        return None
+
+
+def test_where_the_eager_pick_chunks_the_loss_a_candidate_computes_it_as_the_users(
+    workload, profile, strategies, linear_device, monkeypatch
+) -> None:
+    """Rule: where the eager pick computes the loss another way (a chunked loss head) and the
+    search compiles the whole model, one candidate drops that choice, in the autocast
+    precision where the search adds one; every other candidate keeps the pick's. On an H200
+    hf_gpt2's eager pick carried the loss in 32 chunks, every compiled candidate kept them,
+    and the pick ran 0.54 of bf16 compiled with the user's loss (sessions 19-20). Where the
+    form is regional (the loss stays eager, the chunks keep their saving), or the pick does
+    not chunk, there is no such candidate."""
+    every = [*strategies, _ChunkedLoss()]
+    device = linear_device(EAGER_FLAT)
+    space = SearchSpace(profile, [*every, Compile()], _config())
+    prober = Prober(device, workload, space, space.config)
+    stage = ProberStage(prober, "compile", Progress(enabled=False))
+
+    def candidates(eager_choices: dict, settings: CompileSearch) -> list:
+        eager = prober.confirm(space.score_choices(eager_choices))
+        assert eager is not None
+        variants, _ = search_variants(stage, eager, ["default"], settings, lambda c, b: 0.5)
+        return variants
+
+    whole = CompileSearch(regional=False, max_candidates=8)
+    found = candidates({"precision": "fp32", "loss_head": 4}, whole)
+    users = [v for v in found if "loss_head" not in v.choices]
+    assert len(users) == 1, [v.label for v in found]
+    # The fake precision states no autocast (no lowered candidate): the pick's own precision.
+    assert users[0].choices["precision"] == "fp32"
+    assert users[0].label.endswith(", the loss as yours"), users[0].label
+    assert all(v.choices.get("loss_head") == 4 for v in found if v is not users[0])
+    assert users[0].final_choices.get("loss_head") is None  # handed on as searched
+    # Regional, or an eager pick that does not chunk: none.
+    regional = CompileSearch(regional=True, max_candidates=8)
+    assert parse_choice(
+        candidates({"precision": "fp32", "loss_head": 4}, regional)[0].form
+    ).regional
+    assert all(
+        "loss_head" in v.choices
+        for v in candidates({"precision": "fp32", "loss_head": 4}, regional)
+    )
+    assert all("loss_head" not in v.choices for v in candidates({"precision": "bf16"}, whole))
+    assert not any(v.label.endswith("the loss as yours") for v in candidates(BF16, whole))
+    # Where the search adds an autocast candidate, the user's loss goes with its precision.
+    monkeypatch.setattr(
+        "strategies._compile_search._autocast_instead", lambda stage, own: {**own, **BF16}
+    )
+    found = candidates({"precision": "fp32", "loss_head": 4}, whole)
+    users = [v for v in found if "loss_head" not in v.choices]
+    assert len(users) == 1 and users[0].choices["precision"] == "bf16"
+    assert users[0].label.endswith(", bf16, the loss as yours"), users[0].label
