@@ -56,7 +56,7 @@ from torch import nn
 
 from memadvisor.errors import BadInputError
 from memadvisor.schema.advice import Advice, Check, ReportPart
-from memadvisor.schema.candidate import Candidate, Estimate, Measurement
+from memadvisor.schema.candidate import Candidate, Estimate, Measurement, RanOutFirst
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Probe, StageOutcome
 from memadvisor.step import Step, step_from_call_form
@@ -204,15 +204,29 @@ class PickStage(ABC):
         a run already made of the same is answered without the device."""
 
     def run_many(
-        self, runs: Sequence[tuple[dict[str, JsonValue], int]]
+        self,
+        runs: Sequence[tuple[dict[str, JsonValue], int]],
+        retry_at: Sequence[int | None] | None = None,
     ) -> list[Measurement | None | Exception]:
         """Each ``(choices, batch)`` of ``runs`` as :meth:`run` makes it, on the device at once
         where it can (:attr:`concurrent_runs`); per run, in order: its measurement, None (it
-        ran out), or the error of a run that failed otherwise. Default: one after another."""
+        ran out), or the error of a run that failed otherwise. Default: one after another.
+
+        ``retry_at``: per run, a smaller batch measured where the run runs out (in the same
+        process where the device keeps it: ``Device.run_many_retrying``); that run's answer
+        is then the smaller batch's measurement, its ``ran_out_first`` set, and both batches
+        are logged. Default: the retry is a run of its own."""
         answers: list[Measurement | None | Exception] = []
-        for choices, batch in runs:
+        for i, (choices, batch) in enumerate(runs):
             try:
-                answers.append(self.run(choices, batch))
+                answer = self.run(choices, batch)
+                retry = retry_at[i] if retry_at is not None else None
+                if answer is None and retry is not None and 0 < retry < batch:
+                    smaller = self.run(choices, retry)
+                    if smaller is not None:
+                        first = RanOutFirst(batch_size=batch, message="out of memory", steps=0)
+                        answer = smaller.model_copy(update={"ran_out_first": first})
+                answers.append(answer)
             except Exception as e:  # noqa: BLE001 - every run's error is its answer
                 answers.append(e)
         return answers

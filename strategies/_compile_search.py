@@ -621,12 +621,15 @@ class Search:
         self.static_runs = 0
         # Pass-1 runs of a form the trial then sent static, made again: not the search's.
         self.void_runs = 0
+        # Pass-1 runs retried at half their batch in their own process: not the search's.
+        self.free_retries = 0
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
 
     @property
     def runs_used(self) -> int:
-        return len(self.stage.probes) - self.runs_before - self.static_runs - self.void_runs
+        made = len(self.stage.probes) - self.runs_before
+        return made - self.static_runs - self.void_runs - self.free_retries
 
     @property
     def runs_left(self) -> int:
@@ -680,10 +683,10 @@ class Search:
             first = [(v, b) for v, b in first if id(v) not in out]
             meanwhile = then = None
         if meanwhile is None:
-            not_run = self._run_in_groups(first, ask, reserve, 1)
+            not_run = self._run_in_groups(first, ask, reserve, 1, retry=True)
         else:
             before = {id(v): dict(v.choices) for v in variants}
-            not_run, dropped = self._beside(first, ask, reserve, 1, meanwhile)
+            not_run, dropped = self._beside(first, ask, reserve, 1, meanwhile, retry=True)
             out = self._drop(variants, dropped)
             changed = [v for v in variants if id(v) not in out and v.choices != before[id(v)]]
             for v in changed:  # measured in a form that is not searched: measured again
@@ -729,7 +732,13 @@ class Search:
         return winner
 
     def _beside(
-        self, runs: list[tuple[Variant, int]], ask: _Asked, reserve: int, free: int, call: Meanwhile
+        self,
+        runs: list[tuple[Variant, int]],
+        ask: _Asked,
+        reserve: int,
+        free: int,
+        call: Meanwhile,
+        retry: bool = False,
     ) -> tuple[list[tuple[Variant, int]], dict[int, str | None]]:
         """``runs`` made on the device (:meth:`_run_in_groups`, waited for on a thread) while
         ``call`` runs here; (the runs not made, what ``call`` answered). This thread is the
@@ -744,7 +753,7 @@ class Search:
             busy = contextlib.ExitStack()
             busy.enter_context(self.stage.compiling_here())
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs")
-            pending = pool.submit(self._run_in_groups, runs, ask, reserve, free)
+            pending = pool.submit(self._run_in_groups, runs, ask, reserve, free, retry=retry)
             try:
                 try:
                     answered = call()
@@ -900,6 +909,7 @@ class Search:
         reserve: int,
         free: int = 0,
         riders: Sequence[tuple[dict[str, JsonValue], int]] = (),
+        retry: bool = False,
     ) -> list[tuple[Variant, int]]:
         """``runs`` in their order, as many at once as the device makes
         (``PickStage.concurrent_runs``), while the budget allows: runs beyond ``reserve`` are
@@ -907,7 +917,13 @@ class Search:
         :attr:`CompileSearch.max_seconds` have passed. Returns those not run. ``riders``
         (choices, batch: :meth:`_static_riders`) go with the first group as far as it has
         room, each counted as a static run, their answers left in the prober's record for the
-        run that asks for them."""
+        run that asks for them. ``retry`` (pass 1): on a device that retries in the run's own
+        process (``retries_in_process``: a card's fork server), a run of a dynamic-batch
+        form that runs out is measured again at half its batch there (``PickStage.run_many``'s
+        ``retry_at``; :meth:`_half`): that process's graph serves the smaller batch, where
+        pass 2's retry was a process and a compile of its own (cnn's regional plan on an
+        H200: a 21.5 s round of 88 s, session 20). Such a retry is not one of the search's
+        runs."""
         left = list(runs)
         made = 0
         at_once = max(1, self.stage.concurrent_runs)
@@ -924,7 +940,7 @@ class Search:
             riders = ()  # the first group only
             if len(group) == 1 and not extra:
                 v, batch = group[0]
-                self._run(v, batch, *ask.of(v))
+                self._run(v, batch, *ask.of(v), retry=retry)
                 continue
             riding = ""
             if extra:
@@ -936,11 +952,15 @@ class Search:
                 f"/{ask.total} at once ({'; '.join(v.label for v, _ in group)}{riding})"
             )
             before = len(self.stage.probes)
-            answers = self.stage.run_many([(v.choices, batch) for v, batch in group] + extra)
+            halves = [self._half(v, batch) if retry else None for v, batch in group]
+            answers = self.stage.run_many(
+                [(v.choices, batch) for v, batch in group] + extra,
+                retry_at=halves + [None] * len(extra) if any(halves) else None,
+            )
             for choices, _ in extra:
                 self.static_runs += self._made_since(before, choices)
-            for (v, batch), answer in zip(group, answers[: len(group)], strict=True):
-                self._take(v, batch, answer)
+            for (v, batch), answer, half in zip(group, answers[: len(group)], halves, strict=True):
+                self._take_retried(v, batch, answer, half)
             self._again_static(group)
         return left
 
@@ -1027,15 +1047,45 @@ class Search:
         except Exception as e:  # noqa: BLE001 - a compiled run failing drops this candidate
             return e
 
-    def _run(self, v: Variant, batch: int, index: int, total: int) -> bool | None:
+    def _run(
+        self, v: Variant, batch: int, index: int, total: int, retry: bool = False
+    ) -> bool | None:
         """One run of ``v`` at ``batch``, its line refitted: True fitted, False ran out, None
-        failed otherwise (``v.error``)."""
+        failed otherwise (``v.error``). ``retry``: :meth:`_run_in_groups`' (pass 1)."""
         self.stage.describe(f"compiling candidate {index}/{total} ({v.label})")
-        taken = self._take(v, batch, self._answer(v, batch))
+        half = self._half(v, batch) if retry else None
+        if half is None:
+            taken = self._take(v, batch, self._answer(v, batch))
+        else:
+            try:
+                answer = self.stage.run_many([(v.choices, batch)], retry_at=[half])[0]
+            except Exception as e:  # noqa: BLE001 - as _answer: the run's error is its answer
+                answer = e
+            taken = self._take_retried(v, batch, answer, half)
         if v.static_pending:
             self._again_static([(v, batch)])
             return True if v.runs else (False if v.lowest_failure is not None else None)
         return taken
+
+    def _half(self, v: Variant, batch: int) -> int | None:
+        """The batch a pass-1 run of ``v`` at ``batch`` is retried at in its own process
+        where it runs out: half, for a dynamic-batch form on a device that retries in the
+        run's process (``retries_in_process``); None elsewhere (pass 2 retries it)."""
+        if not self.stage.device.retries_in_process or not is_dynamic(v.form) or batch < 2:
+            return None
+        return batch // 2
+
+    def _take_retried(
+        self, v: Variant, batch: int, answer: Measurement | None | Exception, half: int | None
+    ) -> bool | None:
+        """:meth:`_take` for a run asked to retry at ``half``: where it ran out and measured
+        ``half`` in its process (``ran_out_first``), both are taken, and the retry is not
+        counted as one of the search's runs (no process, no compile of its own)."""
+        if isinstance(answer, Measurement) and answer.ran_out_first is not None and half:
+            self._take(v, batch, None)
+            self.free_retries += 1
+            return self._take(v, half, answer)
+        return self._take(v, batch, answer)
 
     def _take(self, v: Variant, batch: int, answer: Measurement | None | Exception) -> bool | None:
         """What a run of ``v`` at ``batch`` answered, kept and its line refitted: True

@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from memadvisor import errors
+from memadvisor.schema.candidate import RanOutFirst
 from memadvisor.schema.device import DeviceCapabilities
 
 if TYPE_CHECKING:
@@ -69,6 +70,40 @@ class Device(ABC):
     def close(self) -> None:
         """Give back what the device holds (processes, files); default: nothing to give."""
         return None
+
+    def run_many_retrying(
+        self, workload: Workload, runs: Sequence[tuple[Candidate, int, int | None]]
+    ) -> list[Measurement | Exception]:
+        """Each ``(candidate, steps, retry_at)`` of ``runs`` as :meth:`run_many` makes it;
+        where a candidate runs out of memory and ``retry_at`` is a smaller batch, that batch
+        of it is measured too, and answers with ``ran_out_first`` saying what ran out (an
+        out-of-memory where the retry ran out too). Default: the runs, then the retries as
+        runs of their own, each from a clean state. A device that keeps a run's process
+        (``CudaDevice``'s fork server) makes the retry in it: a compiled step with a dynamic
+        batch then trains the smaller batch without a second compile."""
+        answers = self.run_many(workload, [(c, steps) for c, steps, _ in runs])
+        again = [
+            (i, candidate.model_copy(update={"batch_size": retry}), steps, answers[i])
+            for i, (candidate, steps, retry) in enumerate(runs)
+            if retry is not None
+            and 0 < retry < candidate.batch_size
+            and isinstance(answers[i], Exception)
+            and self.is_oom(answers[i])  # type: ignore[arg-type]
+        ]
+        if not again:
+            return answers
+        retried = self.run_many(workload, [(c, steps) for _, c, steps, _ in again])
+        for (i, _, _, error), answer in zip(again, retried, strict=True):
+            if isinstance(answer, Exception):
+                continue  # the retry ran out (or failed): the first batch's error stands
+            text = str(error).strip()
+            first = RanOutFirst(
+                batch_size=runs[i][0].batch_size,
+                message=(text.splitlines() or [type(error).__name__])[0][:500],
+                steps=int(getattr(error, "memadvisor_steps_completed", 0)),
+            )
+            answers[i] = answer.model_copy(update={"ran_out_first": first})
+        return answers
 
     def host_busy(self) -> AbstractContextManager[None]:
         """While the block runs the planner works in its own process beside this device's

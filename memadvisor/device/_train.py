@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ import torch
 from memadvisor import _torch_private
 from memadvisor.device._turns import taking_turn
 from memadvisor.errors import is_oom
-from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.candidate import Candidate, Measurement, RanOutFirst
 from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import Profile
 from memadvisor.step import base_step, running
@@ -66,6 +67,7 @@ def train_candidate(
     copy_model: bool = True,
     strategies: Sequence[Strategy] | None = None,
     turn_lock: str | None = None,
+    retry_at: int | None = None,
 ) -> Measurement:
     """Train ``candidate`` for ``steps`` steps on ``device`` and measure it.
 
@@ -75,8 +77,18 @@ def train_candidate(
     lock file of runs made at once (:func:`taking_turn`); the first step (compile, warm-up)
     runs without it, the timed steps after it hold it. None: a lone run, no lock.
 
+    ``retry_at``: a smaller batch to train in this process, with the same model, optimizer
+    and rewritten step (a compiled one's graph), where ``candidate`` runs out of memory; the
+    measurement is then that batch's, its ``ran_out_first`` says what ran out. Its peak
+    counts from the run's start as a fresh run's does, once the failed steps' memory is
+    freed (their frames collected, the allocator's cache emptied). Why: a compiled candidate
+    with a dynamic batch that ran out in the compile search's first pass was run again at
+    half its batch in a process of its own, a compile and a round of the search (cnn's
+    regional plan on an H200: 21.5 s of an 88 s plan, session 20).
+
     Raises:
-        torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit;
+        torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit
+            (with ``retry_at``: the first batch's, where the retry ran out too);
             ``memadvisor_steps_completed`` on the error says how many steps finished.
     """
     torch.cuda.synchronize(device)
@@ -85,6 +97,8 @@ def train_candidate(
     torch.cuda.reset_peak_memory_stats(device)
     cache_before = _torch_private.compile_cache_counts()
     times_ms: list[float] = []
+    first: RanOutFirst | None = None
+    started = time.perf_counter()
     try:
         model = copy.deepcopy(workload.model) if copy_model else workload.model
         for p in model.parameters():
@@ -92,23 +106,25 @@ def train_candidate(
         run = _apply(workload, model.to(device), candidate, strategy_names, profile, strategies)
         model = run.model
         optimizer = run.make_optimizer(model)
-        batch = run.batch(candidate.batch_size, device)
-        held: list = []  # the last output, alive into the next step as a user's loop keeps it
-        with contextlib.ExitStack() as turn:  # the turn ends with the steps, by an error too
-            for done in range(steps):
-                if done == 1:  # before the first timed step; the wait is in no step's time
-                    turn.enter_context(taking_turn(turn_lock))
-                t0 = time.perf_counter()
-                train_step(
-                    run,
-                    model,
-                    optimizer,
-                    batch,
-                    accumulation_steps=candidate.accumulation_steps,
-                    held=held,
-                )
-                torch.cuda.synchronize(device)
-                times_ms.append((time.perf_counter() - t0) * 1e3)
+        try:
+            _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms)
+        except Exception as e:
+            if retry_at is None or not is_oom(e) or not 0 < retry_at < candidate.batch_size:
+                raise
+            first = RanOutFirst(
+                batch_size=candidate.batch_size,
+                message=(str(e).strip().splitlines() or [type(e).__name__])[0][:500],
+                steps=len(times_ms),
+            )
+        if first is not None:  # out of the except block: the failed steps' frames can go
+            failed_ms = (time.perf_counter() - started) * 1e3
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            candidate = candidate.model_copy(update={"batch_size": retry_at})
+            times_ms.clear()
+            _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms)
+            times_ms[0] += failed_ms  # the compile was in the batch that ran out
     except Exception as e:
         if is_oom(e):
             e.memadvisor_steps_completed = len(times_ms)  # type: ignore[attr-defined]
@@ -133,4 +149,36 @@ def train_candidate(
         compile_cache_hits=hits if compiled else None,
         compile_cache_misses=misses if compiled else None,
         compile_cache_bypasses=bypasses if compiled else None,
+        ran_out_first=first,
     )
+
+
+def _steps(
+    run: Workload,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    candidate: Candidate,
+    steps: int,
+    device: torch.device,
+    turn_lock: str | None,
+    times_ms: list[float],
+) -> None:
+    """``steps`` training steps of ``candidate``'s batch, each step's time appended to
+    ``times_ms`` as it ends; the timed steps (all but the first) in the turn."""
+    batch = run.batch(candidate.batch_size, device)
+    held: list = []  # the last output, alive into the next step as a user's loop keeps it
+    with contextlib.ExitStack() as turn:  # the turn ends with the steps, by an error too
+        for done in range(steps):
+            if done == 1:  # before the first timed step; the wait is in no step's time
+                turn.enter_context(taking_turn(turn_lock))
+            t0 = time.perf_counter()
+            train_step(
+                run,
+                model,
+                optimizer,
+                batch,
+                accumulation_steps=candidate.accumulation_steps,
+                held=held,
+            )
+            torch.cuda.synchronize(device)
+            times_ms.append((time.perf_counter() - t0) * 1e3)

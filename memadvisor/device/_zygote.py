@@ -28,7 +28,9 @@ stderr):
 * parent -> zygote, stdin: ``{"setup": {...}}`` once (the worker's request fields: target
   or saved workload, target files, sys.path, profile path, strategies, budget, device
   index, and optionally ``runner``), then ``{"run": {"id", "candidate", "steps"}}`` per
-  run, or ``{"runs": [run, run, ...]}`` (each such a run) for runs made at once, and
+  run (optionally with ``retry_at``: a smaller batch to train in the same child where the
+  candidate's runs out, :attr:`RunContext.retry_at`), or ``{"runs": [run, run, ...]}`` (each
+  such a run) for runs made at once, and
   ``{"exit": true}`` or end-of-file to stop. A run may carry ``profile_path``: the zygote
   loads that profile once, for this run and the next (a zygote started before the plan's
   profile existed, :meth:`ForkServer.spawn`).
@@ -135,6 +137,9 @@ class RunContext:
     # The lock file of the runs forked with this one (a "runs" message), taken for the timed
     # steps; set in the child only (its private copy), None for a single run.
     turn_lock: str | None = None
+    # The run's smaller batch to train in the same process where its own runs out
+    # (train_candidate's retry_at); set in the child only, from the run's "retry_at".
+    retry_at: int | None = None
 
 
 # -- the child's work -----------------------------------------------------------------------
@@ -170,6 +175,7 @@ def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) 
         profile=context.profile,
         copy_model=False,  # this child owns its copy-on-write copy of the model
         turn_lock=context.turn_lock,
+        retry_at=context.retry_at,
     )
 
 
@@ -215,6 +221,7 @@ def _child(
         for fd in siblings:
             os.close(fd)
         state.context.turn_lock = run.get("turn_lock")  # this child's copy of the context
+        state.context.retry_at = run.get("retry_at")
         if state.context.turn_lock is not None:
             _turns.start_warming(
                 state.context.turn_lock, int(run["turn_index"]), int(run["turn_count"])
@@ -601,7 +608,7 @@ class ForkServer:
 
         Args:
             runs: each ``{"candidate": {...}, "steps": n}``, optionally with
-                ``profile_path`` (as :meth:`run`'s).
+                ``profile_path`` (as :meth:`run`'s) and ``retry_at``.
             timeout_s: for the whole group: every answer must be in by then.
 
         Raises:
@@ -665,7 +672,8 @@ class ForkServer:
         self._close_pipes()
 
     def _numbered(self, run: dict[str, Any]) -> dict[str, Any]:
-        """``run`` (candidate, steps, profile_path) with the next id, as the zygote reads it.
+        """``run`` (candidate, steps, profile_path, retry_at) with the next id, as the zygote
+        reads it.
 
         Raises:
             ZygoteDied: the zygote is not running (checked before an id is spent).
@@ -678,8 +686,9 @@ class ForkServer:
             "candidate": run["candidate"],
             "steps": run["steps"],
         }
-        if run.get("profile_path") is not None:
-            numbered["profile_path"] = run["profile_path"]
+        for optional in ("profile_path", "retry_at"):
+            if run.get(optional) is not None:
+                numbered[optional] = run[optional]
         return numbered
 
     def _check_id(self, answer: dict[str, Any], run: dict[str, Any]) -> None:

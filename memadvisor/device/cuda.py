@@ -254,7 +254,12 @@ class CudaDevice(Device):
             room = (free - RESERVE_BYTES) // (self.budget_bytes + PER_PROCESS_BYTES)
             concurrent = min(MAX_CONCURRENT_RUNS, max(1, room))
         return self._card.model_copy(
-            update={"free_bytes": free, "fresh_processes": fresh, "concurrent_runs": concurrent}
+            update={
+                "free_bytes": free,
+                "fresh_processes": fresh,
+                "concurrent_runs": concurrent,
+                "retries_in_process": self.mode == "fork_server",
+            }
         )
 
     def close(self) -> None:
@@ -451,10 +456,36 @@ class CudaDevice(Device):
             raise self._crashed(answer, candidate)
         return _measurement(answer, candidate, self._fall_back)
 
-    def _run_group(
-        self, workload: Workload, group: list[tuple[Candidate, int]]
+    def run_many_retrying(
+        self, workload: Workload, runs: Sequence[tuple[Candidate, int, int | None]]
     ) -> list[Measurement | Exception]:
-        """``group``'s runs at once in children of the zygote (:meth:`run_many`)."""
+        """See :meth:`Device.run_many_retrying`: with a fork server, each run's retry in its
+        own child (``train_candidate``'s ``retry_at``), the runs made at once as
+        :meth:`run_many` makes them; elsewhere the default's runs of their own."""
+        runs = list(runs)
+        if self.mode != "fork_server":
+            return super().run_many_retrying(workload, runs)
+        self._send_workload(workload)
+        size = self.capabilities.concurrent_runs
+        answers: list[Measurement | Exception] = []
+        for start in range(0, len(runs), size):
+            group = runs[start : start + size]
+            if self.mode != "fork_server":  # fell back within this call
+                answers += super().run_many_retrying(workload, group)
+            else:  # a group of one too: the retry is its child's
+                answers += self._run_group(
+                    workload, [(c, steps) for c, steps, _ in group], [r for *_, r in group]
+                )
+        return answers
+
+    def _run_group(
+        self,
+        workload: Workload,
+        group: list[tuple[Candidate, int]],
+        retries: Sequence[int | None] | None = None,
+    ) -> list[Measurement | Exception]:
+        """``group``'s runs at once in children of the zygote (:meth:`run_many`), each
+        retried in its child at ``retries``' batch where it runs out (None: none)."""
         zygote = self._serving_zygote()
         if zygote is None:
             return super().run_many(workload, group)
@@ -463,6 +494,9 @@ class CudaDevice(Device):
             {"candidate": c.model_dump(mode="json"), "steps": steps, "profile_path": profile_path}
             for c, steps in group
         ]
+        for request, retry in zip(requests, retries or [None] * len(group), strict=True):
+            if retry is not None:
+                request["retry_at"] = retry
         timeout_s = self.timeout_s * len(group)
         try:
             answers = zygote.run_many(requests, timeout_s)

@@ -34,7 +34,15 @@ from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
-__all__ = ["BatchSearch", "find_batch", "next_descent_probe", "probe", "probe_many", "safe_below"]
+__all__ = [
+    "BatchSearch",
+    "find_batch",
+    "next_descent_probe",
+    "probe",
+    "probe_many",
+    "ran_out_record",
+    "safe_below",
+]
 
 TryBatch = Callable[[int], bool]
 Extrapolate = Callable[[int], "int | None"]
@@ -286,17 +294,26 @@ def probe_many(
     steps: int,
     *,
     stage: str = "probe",
+    retry_at: Sequence[int | None] | None = None,
 ) -> list[tuple[Probe | None, Measurement | None, Exception | None]]:
     """Run ``candidates`` for ``steps`` steps each through ``device.run_many`` (at once where
     the device can); per candidate, in order: its probe record and its measurement (None
     when it ran out) and None, or (None, None, the error) for a run that failed otherwise,
     which no record counts. Each record's wall time is the whole group's.
 
+    ``retry_at``: per candidate, a smaller batch to measure where it runs out
+    (``device.run_many_retrying``); such a run's record is the retry's (its batch), its
+    measurement's ``ran_out_first`` says what ran out (the caller records that).
+
     Raises:
         PlanningError: the device answered a different number of runs than it was given.
     """
     t0 = time.perf_counter()
-    answers = device.run_many(workload, [(c, steps) for c in candidates])
+    if retry_at is not None and any(r is not None for r in retry_at):
+        runs = [(c, steps, r) for c, r in zip(candidates, retry_at, strict=True)]
+        answers = device.run_many_retrying(workload, runs)
+    else:
+        answers = device.run_many(workload, [(c, steps) for c in candidates])
     if len(answers) != len(candidates):
         raise PlanningError(
             f"{type(device).__name__}.run_many answered {len(answers)} runs for "
@@ -307,6 +324,8 @@ def probe_many(
     for i, candidate in enumerate(candidates):
         answer = answers[i]
         if not isinstance(answer, Exception):
+            if answer.ran_out_first is not None and retry_at is not None and retry_at[i]:
+                candidate = candidate.model_copy(update={"batch_size": retry_at[i]})
             out.append((_fitted(candidate, answer, t0, stage), answer, None))
         elif device.is_oom(answer):
             out.append((_ran_out(candidate, _failure(answer), t0, stage), None, None))
@@ -325,6 +344,23 @@ def _failure(error: BaseException) -> tuple[str, int]:
     text = str(error).strip()
     message = text.splitlines()[0] if text else type(error).__name__
     return message, int(getattr(error, "memadvisor_steps_completed", 0))
+
+
+def ran_out_record(candidate: Candidate, measured: Measurement, stage: str) -> Probe | None:
+    """The record of the batch that ran out before ``measured``'s retry in the same process
+    (``measured.ran_out_first``), ``candidate``'s choices at that batch; None where none did."""
+    first = measured.ran_out_first
+    if first is None:
+        return None
+    at = candidate.model_copy(update={"batch_size": first.batch_size})
+    return Probe(
+        batch_size=first.batch_size,
+        fits=False,
+        steps=first.steps,
+        error=first.message,
+        stage=stage,
+        candidate=at,
+    )
 
 
 def _ran_out(candidate: Candidate, failure: tuple[str, int], t0: float, stage: str) -> Probe:

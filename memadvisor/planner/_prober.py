@@ -19,7 +19,14 @@ from pydantic import JsonValue
 
 from memadvisor import strategy
 from memadvisor.device import Device
-from memadvisor.planner._probe import BatchSearch, find_batch, probe, probe_many, safe_below
+from memadvisor.planner._probe import (
+    BatchSearch,
+    find_batch,
+    probe,
+    probe_many,
+    ran_out_record,
+    safe_below,
+)
 from memadvisor.planner._progress import Stage
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -147,12 +154,21 @@ class Prober:
         return measured
 
     def run_many(
-        self, candidates: list[Candidate], steps: int, stage: str
+        self,
+        candidates: list[Candidate],
+        steps: int,
+        stage: str,
+        retry_at: list[int | None] | None = None,
     ) -> list[Measurement | None | Exception]:
         """Each of ``candidates`` for ``steps`` steps, as :meth:`run` answers it: those no
         earlier run answers go to the device together (``Device.run_many``: at once where it
         can). Per candidate, in order: its measurement, None (it ran out), or the error of a
         run that failed otherwise (not recorded, as :meth:`run` records none).
+
+        ``retry_at``: per candidate, a smaller batch the device measures where it runs out
+        (``Device.run_many_retrying``): its answer is then that batch's measurement, whose
+        ``ran_out_first`` says what ran out; both are recorded, the batch that ran out
+        first, as two runs would be (one device run spent).
 
         Raises:
             RunsSpent: the runs left (:attr:`runs_left`) do not cover them; none ran.
@@ -169,15 +185,28 @@ class Prober:
         self._spend(len(to_run), candidates[to_run[0]])
         doing = self.doing or stage
         batches = ", ".join(str(candidates[i].batch_size) for i in to_run)
-        self._describe(f"{doing}: batches {batches} running at once")
+        many = (
+            f"batches {batches} running at once" if len(to_run) > 1 else f"batch {batches} running"
+        )
+        self._describe(f"{doing}: {many}")
         ran = probe_many(
-            self.device, self.workload, [candidates[i] for i in to_run], steps, stage=stage
+            self.device,
+            self.workload,
+            [candidates[i] for i in to_run],
+            steps,
+            stage=stage,
+            retry_at=[retry_at[i] for i in to_run] if retry_at is not None else None,
         )
         for i, (record, measured, error) in zip(to_run, ran, strict=True):
             if record is None:
                 answers[i] = error
                 continue
-            self._keep(candidates[i], steps, record, measured, doing)
+            failed = ran_out_record(candidates[i], measured, stage) if measured else None
+            if failed is not None and record.candidate is not None:
+                self._keep(candidates[i], steps, failed, None, doing)
+                self._keep(record.candidate, steps, record, measured, doing)
+            else:
+                self._keep(candidates[i], steps, record, measured, doing)
             answers[i] = measured
         return answers
 

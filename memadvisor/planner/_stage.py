@@ -174,10 +174,13 @@ class ProberStage(PickStage):
         return self._prober.run(candidate, self._prober.steps, self._name)
 
     def run_many(
-        self, runs: Sequence[tuple[dict[str, JsonValue], int]]
+        self,
+        runs: Sequence[tuple[dict[str, JsonValue], int]],
+        retry_at: Sequence[int | None] | None = None,
     ) -> list[Measurement | None | Exception]:
         candidates = [Candidate(batch_size=max(1, b), choices=c) for c, b in runs]
-        return self._prober.run_many(candidates, self._prober.steps, self._name)
+        retries = list(retry_at) if retry_at is not None else None
+        return self._prober.run_many(candidates, self._prober.steps, self._name, retries)
 
     @property
     def concurrent_runs(self) -> int:

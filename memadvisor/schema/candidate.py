@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-__all__ = ["Candidate", "Estimate", "Measurement", "MemoryKind", "PeakPhase"]
+__all__ = ["Candidate", "Estimate", "Measurement", "MemoryKind", "PeakPhase", "RanOutFirst"]
 
 PeakPhase = Literal["forward", "backward", "optimizer"]
 MemoryKind = Literal["params", "grads", "optimizer_state", "activations", "temporaries"]
@@ -68,6 +68,17 @@ class Estimate(BaseModel):
         return max(self.peak_bytes, self.reserved_peak_bytes or 0)
 
 
+class RanOutFirst(BaseModel):
+    """A run that ran out of memory at a larger batch first and then measured its own in the
+    same process (a compiled run with a dynamic batch: no second compile)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_size: int = Field(gt=0, description="The batch that ran out.")
+    message: str = Field(description="The out-of-memory error's first line.")
+    steps: int = Field(ge=0, description="Steps that batch completed before it ran out.")
+
+
 class Measurement(BaseModel):
     """A candidate run on a device for some sustained steps."""
 
@@ -102,6 +113,13 @@ class Measurement(BaseModel):
         None,
         description="Runs on several ranks (DDP, FSDP2): each rank's peak, rank 0 first; "
         "peak_bytes is the largest. None for a run on one device.",
+    )
+    ran_out_first: RanOutFirst | None = Field(
+        None,
+        description="The run ran out at this larger batch first, then measured this one in "
+        "the same process (Device.run_many_retrying): its peak counts from the process's "
+        "start as a fresh run's does, after the failed step's memory was freed. None: one "
+        "batch from a clean state.",
     )
 
     @property

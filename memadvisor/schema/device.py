@@ -137,6 +137,12 @@ class DeviceCapabilities(_Model):
         description="Runs it makes at once through Device.run_many: their starts and "
         "compiles overlap, their timed steps are taken in turn. 1: one at a time.",
     )
+    retries_in_process: bool = Field(
+        False,
+        description="Device.run_many_retrying measures a run's retry at a smaller batch in "
+        "the run's own process (no second start, no second compile): the compile search "
+        "asks for it in its first pass and does not count it as a run.",
+    )
     total_bytes: int | None = Field(None, ge=0, description="A card's memory; None: not a card.")
     free_bytes: int | None = Field(
         None, ge=0, description="A card's free bytes when these were read; None: not a card."

@@ -291,6 +291,33 @@ def test_runs_made_at_once_on_the_card_measure_what_runs_alone_measure() -> None
         assert joint.peak_bytes == single.peak_bytes
 
 
+@gpu
+def test_a_run_that_runs_out_is_retried_at_the_smaller_batch_in_its_own_child() -> None:
+    """Rule: through the fork server, a run given ``retry_at`` that runs out of memory trains
+    that smaller batch in the same child (Device.run_many_retrying): its answer is that
+    batch's measurement, ``ran_out_first`` saying what ran out, its allocated peak what the
+    same batch measures in a fresh child (within 1%: the failed step's memory freed), in a
+    group of runs made at once and alone. A run that fits keeps its own batch."""
+    device = _device(1024 * MIB, target=GPT)
+    workload = load_target(GPT)
+    try:
+        assert device.capabilities.retries_in_process
+        alone = device.run(workload, Candidate(batch_size=2), steps=3)
+        together = device.run_many_retrying(
+            workload,
+            [(Candidate(batch_size=4096), 3, 2), (Candidate(batch_size=1), 3, None)],
+        )
+        single = device.run_many_retrying(workload, [(Candidate(batch_size=4096), 3, 2)])
+    finally:
+        device.close()
+    for retried in (together[0], single[0]):
+        assert not isinstance(retried, Exception), retried
+        assert retried.ran_out_first is not None and retried.ran_out_first.batch_size == 4096
+        print(f"fresh b2 {alone.peak_bytes} B; retried b2 {retried.peak_bytes} B")
+        assert abs(retried.peak_bytes - alone.peak_bytes) <= 0.01 * alone.peak_bytes
+    assert not isinstance(together[1], Exception) and together[1].ran_out_first is None
+
+
 def _run_words(p) -> str:
     """``'probe b582 OOM precision=bf16 checkpointing=4'``: a run in a few words."""
     choices = " ".join(
@@ -488,6 +515,35 @@ def test_run_many_makes_runs_at_once_through_the_fork_server(monkeypatch, tmp_pa
         assert device._zygote is zygote and device.notes == []
     finally:
         device.close()
+
+
+def test_a_retry_goes_to_the_fork_servers_child_and_its_answer_comes_back(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Rule: CudaDevice.run_many_retrying sends each run's ``retry_at`` to its child (the
+    stub runner stands for train_candidate's retry there), at once and alone, and the
+    answer comes back as the retry's Measurement with ``ran_out_first``; a run given no
+    retry that runs out is an out-of-memory error, as run_many answers it. The device says
+    it retries in the run's process."""
+    from memadvisor.schema.candidate import Measurement
+
+    device, helpers, _ = _concurrent_stub_device(monkeypatch, tmp_path)
+    workload = load_target(f"{helpers}:build")
+    try:
+        assert device.capabilities.retries_in_process
+        answers = device.run_many_retrying(
+            workload,
+            [(Candidate(batch_size=1000), 2, 500), (Candidate(batch_size=1001), 2, None)],
+        )
+        alone = device.run_many_retrying(workload, [(Candidate(batch_size=1002), 2, 7)])
+    finally:
+        device.close()
+    retried, ran_out = answers
+    for answer, batch, retry in ((retried, 1000, 500), (alone[0], 1002, 7)):
+        assert isinstance(answer, Measurement), answer
+        assert answer.ran_out_first is not None and answer.ran_out_first.batch_size == batch
+        assert answer.samples_per_s == retry  # the stub's word for the batch it was given
+    assert is_oom(ran_out), ran_out
 
 
 def test_run_many_makes_no_more_at_once_than_the_card_has_room_for(

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from memadvisor.schema.candidate import Measurement
+from memadvisor.schema.candidate import Measurement, RanOutFirst
 from memadvisor.workload import train_step
 
 BUG_BATCH = 13  # raises a KeyError: an error that is not out-of-memory
@@ -81,6 +81,15 @@ def run(workload, candidate, steps, context) -> Measurement:
     if batch_size == LINGERING_BATCH and os.fork() == 0:
         time.sleep(20)  # as a pool process the run left behind: holds every inherited fd
         os._exit(0)
+    retry = getattr(context, "retry_at", None)
+    if batch_size >= OOM_FROM and retry:
+        # Stands for train_candidate's retry: this batch ran out after a step, then the
+        # retry's batch was measured in this child (its pid in peak_bytes, the batch as rate).
+        first = RanOutFirst(batch_size=batch_size, message="fake: ran out", steps=1)
+        return Measurement(
+            steps=steps, peak_bytes=os.getpid(), step_ms=1.0, samples_per_s=float(retry),
+            ran_out_first=first,
+        )  # fmt: skip
     # A parallel CPU op (10^6 floats) after the fork: it hangs in a child forked after
     # OpenMP started its pool (the zygote builds single-threaded to prevent that).
     torch.randn(1_000_000).exp().sum()

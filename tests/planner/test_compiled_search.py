@@ -1554,3 +1554,60 @@ def test_where_the_eager_pick_chunks_the_loss_a_candidate_computes_it_as_the_use
     users = [v for v in found if "loss_head" not in v.choices]
     assert len(users) == 1 and users[0].choices["precision"] == "bf16"
     assert users[0].label.endswith(", bf16, the loss as yours"), users[0].label
+
+
+def test_a_first_run_that_runs_out_is_retried_at_half_in_its_own_process_where_the_device_can(
+    workload, profile, strategies, linear_device, trials, record_run_many
+) -> None:
+    """Rule: on a device that retries a run in its own process (``retries_in_process``: a
+    card's fork server, where a dynamic-batch graph serves the smaller batch without a second
+    compile), a pass-1 run of a dynamic form that runs out is measured at half its batch
+    within pass 1 (``Device.run_many_retrying``), not in pass 2; both batches are recorded,
+    the retry is not counted among the search's runs, and the plan picks what it picks
+    where pass 2 retries it. cnn's regional plan on an H200 spent a 21.5 s round of 88 s on
+    pass 2's retries (session 20)."""
+
+    def device_of(in_process: bool):
+        device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+        groups = _concurrent(device, 4, record_run_many)
+        device.capabilities = device.capabilities.model_copy(
+            update={"retries_in_process": in_process}
+        )
+        real_run, starts = device.run, {}
+
+        def budget_form_runs_out_first(workload, candidate, steps):
+            form = candidate.choices.get("compile")
+            if isinstance(form, dict) and form.get("activation_memory_budget") is not None:
+                first = starts.setdefault("budget", candidate.batch_size)
+                if candidate.batch_size == first:
+                    raise torch.OutOfMemoryError("fake: the budget form ran out at its start")
+            return real_run(workload, candidate, steps)
+
+        device.run = budget_form_runs_out_first
+        retried: list[list] = []
+        real_retrying = device.run_many_retrying
+
+        def retrying(workload, runs):
+            retried.append([(c.batch_size, r) for c, _, r in runs])
+            return real_retrying(workload, runs)
+
+        device.run_many_retrying = retrying
+        return device, groups, starts, retried
+
+    before, _, _, not_asked = device_of(False)
+    late = _plan(workload, profile, strategies, before, CompileSearch(max_runs=12))
+    device, groups, starts, retried = device_of(True)
+    plan = _plan(workload, profile, strategies, device, CompileSearch(max_runs=12))
+    assert not not_asked and plan.candidate == late.candidate, (not_asked, plan.candidate)
+    half = starts["budget"] // 2
+    # Pass 1's group asked for retries; the budget form's came back at half its batch.
+    assert retried and any((starts["budget"], half) in call for call in retried), retried
+    budget_runs = [
+        p.batch_size
+        for p in plan.probes
+        if isinstance(p.candidate.choices.get("compile"), dict)
+        and p.candidate.choices["compile"].get("activation_memory_budget") is not None
+    ]
+    assert budget_runs[:2] == [starts["budget"], half], budget_runs
+    search = plan.stages[0].details["search"]
+    assert search["runs"] == len(_compile_runs(plan)) - 1, search  # the retry not counted
