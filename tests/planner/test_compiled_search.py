@@ -752,17 +752,10 @@ def test_the_first_timing_runs_go_to_the_device_at_once_and_pick_what_one_at_a_t
     assert groups[0] == [b for b, _, _ in timing(alone)]
 
 
-def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
-    workload, profile, strategies, linear_device, trials, record_run_many
-) -> None:
-    """A candidate whose only run ran out gets its retry at half the batch in the same group
-    as the second pass's runs, not a group of its own after them (lm350m on a card: the
-    partitioner-budget candidate ran out at 14, its retry at 7 waited for the winner's second
-    run, 8.7 s after 12.3 s)."""
-    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
-    groups = _concurrent(device, 4, record_run_many)
-    real_run = device.run
-    starts: dict[str, int] = {}
+def _budget_form_runs_out_first(device) -> dict[str, int]:
+    """``device`` made to run the partitioner-budget candidate out of memory at the first
+    batch it is run at (kept as ``starts["budget"]`` in the dict returned) and nowhere else."""
+    real_run, starts = device.run, {}
 
     def budget_form_runs_out_first(workload, candidate, steps):
         form = candidate.choices.get("compile")
@@ -773,6 +766,19 @@ def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
         return real_run(workload, candidate, steps)
 
     device.run = budget_form_runs_out_first
+    return starts
+
+
+def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
+    workload, profile, strategies, linear_device, trials, record_run_many
+) -> None:
+    """A candidate whose only run ran out gets its retry at half the batch in the same group
+    as the second pass's runs, not a group of its own after them (lm350m on a card: the
+    partitioner-budget candidate ran out at 14, its retry at 7 waited for the winner's second
+    run, 8.7 s after 12.3 s)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    groups = _concurrent(device, 4, record_run_many)
+    starts = _budget_form_runs_out_first(device)
     _plan(workload, profile, strategies, device, CompileSearch(max_runs=12))  # room for it
     assert "budget" in starts and len(groups) >= 2, groups
     retry = starts["budget"] // 2
@@ -1573,17 +1579,7 @@ def test_a_first_run_that_runs_out_is_retried_at_half_in_its_own_process_where_t
         device.capabilities = device.capabilities.model_copy(
             update={"retries_in_process": in_process}
         )
-        real_run, starts = device.run, {}
-
-        def budget_form_runs_out_first(workload, candidate, steps):
-            form = candidate.choices.get("compile")
-            if isinstance(form, dict) and form.get("activation_memory_budget") is not None:
-                first = starts.setdefault("budget", candidate.batch_size)
-                if candidate.batch_size == first:
-                    raise torch.OutOfMemoryError("fake: the budget form ran out at its start")
-            return real_run(workload, candidate, steps)
-
-        device.run = budget_form_runs_out_first
+        starts = _budget_form_runs_out_first(device)
         retried: list[list] = []
         real_retrying = device.run_many_retrying
 
