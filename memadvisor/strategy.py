@@ -224,7 +224,9 @@ class PickStage(ABC):
                 if answer is None and retry is not None and 0 < retry < batch:
                     smaller = self.run(choices, retry)
                     if smaller is not None:
-                        first = RanOutFirst(batch_size=batch, message="out of memory", steps=0)
+                        first = RanOutFirst(
+                            batch_size=batch, message="out of memory", steps=0, same_process=False
+                        )
                         answer = smaller.model_copy(update={"ran_out_first": first})
                 answers.append(answer)
             except Exception as e:  # noqa: BLE001 - every run's error is its answer

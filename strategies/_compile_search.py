@@ -1079,11 +1079,13 @@ class Search:
         self, v: Variant, batch: int, answer: Measurement | None | Exception, half: int | None
     ) -> bool | None:
         """:meth:`_take` for a run asked to retry at ``half``: where it ran out and measured
-        ``half`` in its process (``ran_out_first``), both are taken, and the retry is not
-        counted as one of the search's runs (no process, no compile of its own)."""
-        if isinstance(answer, Measurement) and answer.ran_out_first is not None and half:
+        ``half`` (``ran_out_first`` naming ``batch``), both are taken; a retry made in the
+        run's own process is not counted as one of the search's runs (no process, no compile
+        of its own), one made as a run of its own (a fork server that fell back) is."""
+        first = answer.ran_out_first if isinstance(answer, Measurement) else None
+        if first is not None and half and first.batch_size == batch:
             self._take(v, batch, None)
-            self.free_retries += 1
+            self.free_retries += 1 if first.same_process else 0
             return self._take(v, half, answer)
         return self._take(v, batch, answer)
 

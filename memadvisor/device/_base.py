@@ -78,9 +78,11 @@ class Device(ABC):
         where a candidate runs out of memory and ``retry_at`` is a smaller batch, that batch
         of it is measured too, and answers with ``ran_out_first`` saying what ran out (an
         out-of-memory where the retry ran out too). Default: the runs, then the retries as
-        runs of their own, each from a clean state. A device that keeps a run's process
-        (``CudaDevice``'s fork server) makes the retry in it: a compiled step with a dynamic
-        batch then trains the smaller batch without a second compile."""
+        runs of their own, each from a clean state (``same_process`` False). A device that
+        keeps a run's process (``CudaDevice``'s fork server) makes the retry in it: a
+        compiled step with a dynamic batch then trains the smaller batch without a second
+        compile. A device may also answer a run without its retry (the out-of-memory error),
+        as ``CudaDevice`` does where its fork server fell back within the call."""
         answers = self.run_many(workload, [(c, steps) for c, steps, _ in runs])
         again = [
             (i, candidate.model_copy(update={"batch_size": retry}), steps, answers[i])
@@ -101,6 +103,7 @@ class Device(ABC):
                 batch_size=runs[i][0].batch_size,
                 message=(text.splitlines() or [type(error).__name__])[0][:500],
                 steps=int(getattr(error, "memadvisor_steps_completed", 0)),
+                same_process=False,
             )
             answers[i] = answer.model_copy(update={"ran_out_first": first})
         return answers

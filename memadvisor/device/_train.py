@@ -81,15 +81,19 @@ def train_candidate(
     and rewritten step (a compiled one's graph), where ``candidate`` runs out of memory; the
     measurement is then that batch's, its ``ran_out_first`` says what ran out. Its peak
     counts from the run's start as a fresh run's does, once the failed steps' memory is
-    freed (their frames collected, the allocator's cache emptied). Why: a compiled candidate
+    freed (their frames collected, their gradients dropped, the allocator's cache
+    emptied); the optimizer's state, where the failed batch made a step, stays, as a fresh
+    run makes it in its first step. Its first step runs in the turn (runs made at once:
+    the siblings may be timing), and ``first_step_ms`` is the failed batch's first step
+    where it ended (the compile), else the time to its error. Why: a compiled candidate
     with a dynamic batch that ran out in the compile search's first pass was run again at
     half its batch in a process of its own, a compile and a round of the search (cnn's
     regional plan on an H200: 21.5 s of an 88 s plan, session 20).
 
     Raises:
         torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit
-            (with ``retry_at``: the first batch's, where the retry ran out too);
-            ``memadvisor_steps_completed`` on the error says how many steps finished.
+            (with ``retry_at``: the first batch's message and steps, where the retry ran out
+            too); ``memadvisor_steps_completed`` on the error says how many steps finished.
     """
     torch.cuda.synchronize(device)
     base_allocated = torch.cuda.memory_allocated(device)
@@ -98,7 +102,7 @@ def train_candidate(
     cache_before = _torch_private.compile_cache_counts()
     times_ms: list[float] = []
     first: RanOutFirst | None = None
-    started = time.perf_counter()
+    first_ms = 0.0
     try:
         model = copy.deepcopy(workload.model) if copy_model else workload.model
         for p in model.parameters():
@@ -106,6 +110,7 @@ def train_candidate(
         run = _apply(workload, model.to(device), candidate, strategy_names, profile, strategies)
         model = run.model
         optimizer = run.make_optimizer(model)
+        steps_began = time.perf_counter()
         try:
             _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms)
         except Exception as e:
@@ -116,17 +121,35 @@ def train_candidate(
                 message=(str(e).strip().splitlines() or [type(e).__name__])[0][:500],
                 steps=len(times_ms),
             )
-        if first is not None:  # out of the except block: the failed steps' frames can go
-            failed_ms = (time.perf_counter() - started) * 1e3
+            # The compile is in the first step: its time where it ended, else until the error.
+            first_ms = times_ms[0] if times_ms else (time.perf_counter() - steps_began) * 1e3
+        if first is not None and retry_at is not None:
+            # Out of the except block: the failed steps' frames can go. Their gradients too
+            # (train_step frees them only after a step that ends): a fresh run has none.
+            for p in model.parameters():
+                p.grad = None
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             candidate = candidate.model_copy(update={"batch_size": retry_at})
             times_ms.clear()
-            _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms)
-            times_ms[0] += failed_ms  # the compile was in the batch that ran out
+            try:
+                # In the turn from its first step: the process's warming ended with the
+                # batch that ran out, and siblings may be timing.
+                _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms, 0)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                ran_out = True
+            else:
+                ran_out = False
+            if ran_out:  # the first batch's error stands (what ran out first, its steps)
+                error = torch.OutOfMemoryError(first.message)
+                error.memadvisor_steps_completed = first.steps  # type: ignore[attr-defined]
+                raise error
+            times_ms[0] = max(times_ms[0], first_ms)
     except Exception as e:
-        if is_oom(e):
+        if is_oom(e) and not hasattr(e, "memadvisor_steps_completed"):  # a retry's has its own
             e.memadvisor_steps_completed = len(times_ms)  # type: ignore[attr-defined]
         raise
     peak = torch.cuda.max_memory_allocated(device) - base_allocated
@@ -162,14 +185,16 @@ def _steps(
     device: torch.device,
     turn_lock: str | None,
     times_ms: list[float],
+    turn_from: int = 1,
 ) -> None:
     """``steps`` training steps of ``candidate``'s batch, each step's time appended to
-    ``times_ms`` as it ends; the timed steps (all but the first) in the turn."""
+    ``times_ms`` as it ends; the steps from ``turn_from`` on (the timed ones: all but the
+    first) in the turn."""
     batch = run.batch(candidate.batch_size, device)
     held: list = []  # the last output, alive into the next step as a user's loop keeps it
     with contextlib.ExitStack() as turn:  # the turn ends with the steps, by an error too
         for done in range(steps):
-            if done == 1:  # before the first timed step; the wait is in no step's time
+            if done == turn_from:  # before the first timed step; the wait is in no step's time
                 turn.enter_context(taking_turn(turn_lock))
             t0 = time.perf_counter()
             train_step(

@@ -77,6 +77,11 @@ class RanOutFirst(BaseModel):
     batch_size: int = Field(gt=0, description="The batch that ran out.")
     message: str = Field(description="The out-of-memory error's first line.")
     steps: int = Field(ge=0, description="Steps that batch completed before it ran out.")
+    same_process: bool = Field(
+        True,
+        description="The smaller batch ran in the process that ran out (False: a run of its "
+        "own, a fresh start and compile: Device.run_many_retrying's default).",
+    )
 
 
 class Measurement(BaseModel):
@@ -116,10 +121,10 @@ class Measurement(BaseModel):
     )
     ran_out_first: RanOutFirst | None = Field(
         None,
-        description="The run ran out at this larger batch first, then measured this one in "
-        "the same process (Device.run_many_retrying): its peak counts from the process's "
-        "start as a fresh run's does, after the failed step's memory was freed. None: one "
-        "batch from a clean state.",
+        description="The run ran out at this larger batch first, then measured this one "
+        "(Device.run_many_retrying; in the same process where same_process): its peak counts "
+        "from the process's start as a fresh run's does, after the failed steps' activations "
+        "and gradients were freed. None: one batch from a clean state.",
     )
 
     @property

@@ -230,6 +230,83 @@ def test_train_candidate_takes_the_turn_after_its_first_step_and_gives_it_back(
     assert events == ["step", "turn False", "step", "step", "back"]
 
 
+def test_train_candidate_retries_the_smaller_batch_in_its_process_from_no_gradients(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Rule: train_candidate given ``retry_at`` trains that batch where its own runs out: the
+    answer is the smaller batch's measurement with ``ran_out_first`` (the batch, its message,
+    the steps it completed); the retry starts without the failed steps' gradients (a
+    backward that ran before the failure left them), takes the turn from its first step,
+    and reports the failed batch's first step as the compile's; where the retry runs out
+    too, the error is the first batch's, with its steps. (On the CPU: the CUDA calls around
+    the steps are stubbed.)"""
+    import contextlib
+
+    import torch
+
+    from memadvisor.device import _train
+    from memadvisor.workload import Workload
+
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    for name in ("max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 1)
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def recorded(lock_path):
+        events.append("turn")
+        yield
+
+    step = _train.train_step
+    too_big: dict[str, int] = {"from": 8}
+
+    def fails_after_backward(run, model, optimizer, batch, **kwargs):
+        size = len(batch)
+        events.append(f"step {size} grads {any(p.grad is not None for p in model.parameters())}")
+        if (
+            size >= too_big["from"]
+            and events.count(f"step {size} grads False") + events.count(f"step {size} grads True")
+            == 2
+        ):
+            model(batch).square().mean().backward()  # gradients made, then the step fails
+            raise torch.OutOfMemoryError(f"fake: batch {size} does not fit")
+        return step(run, model, optimizer, batch, **kwargs)
+
+    monkeypatch.setattr(_train, "taking_turn", recorded)
+    monkeypatch.setattr(_train, "train_step", fails_after_backward)
+    built = runner.build()
+    workload = Workload(
+        model=built["model"], sample_batch=built["sample_batch"], loss_fn=runner._loss
+    )
+
+    def train(batch: int, retry_at: int | None):
+        return _train.train_candidate(
+            workload, Candidate(batch_size=batch), 3, device=torch.device("cpu"),
+            strategies=[], turn_lock=str(tmp_path / "turn.lock"), retry_at=retry_at,
+        )  # fmt: skip
+
+    measured = train(8, 4)
+    assert measured.ran_out_first is not None
+    assert (measured.ran_out_first.batch_size, measured.ran_out_first.steps) == (8, 1)
+    assert measured.ran_out_first.same_process
+    assert "batch 8 does not fit" in measured.ran_out_first.message
+    assert measured.samples_per_s > 0 and measured.first_step_ms is not None
+    retry_steps = [e for e in events if e.startswith("step 4")]
+    assert retry_steps[0] == "step 4 grads False", events  # the failed step's grads dropped
+    first_retry = events.index("step 4 grads False")
+    assert events[first_retry - 1] == "turn", events  # in the turn from its first step
+    # Both run out: the first batch's error, its steps.
+    events.clear()
+    too_big["from"] = 2
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        train(8, 4)
+    assert "batch 8 does not fit" in str(caught.value)
+    assert caught.value.memadvisor_steps_completed == 1
+
+
 def test_the_turn_is_one_process_at_a_time_and_is_free_again_after_it(tmp_path: Path) -> None:
     """Rule: taking_turn excludes other processes while held (a process asking for it waits)
     and leaves the file free once the block ends."""
