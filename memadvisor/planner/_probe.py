@@ -325,7 +325,7 @@ def probe_many(
         answer = answers[i]
         if not isinstance(answer, Exception):
             if answer.ran_out_first is not None and retry_at is not None and retry_at[i]:
-                candidate = candidate.model_copy(update={"batch_size": retry_at[i]})
+                candidate = _at(candidate, retry_at[i])
             out.append((_fitted(candidate, answer, t0, stage), answer, None))
         elif device.is_oom(answer):
             out.append((_ran_out(candidate, _failure(answer), t0, stage), None, None))
@@ -352,7 +352,7 @@ def ran_out_record(candidate: Candidate, measured: Measurement, stage: str) -> P
     first = measured.ran_out_first
     if first is None:
         return None
-    at = candidate.model_copy(update={"batch_size": first.batch_size})
+    at = _at(candidate, first.batch_size)
     return Probe(
         batch_size=first.batch_size,
         fits=False,
@@ -360,6 +360,13 @@ def ran_out_record(candidate: Candidate, measured: Measurement, stage: str) -> P
         error=first.message,
         stage=stage,
         candidate=at,
+    )
+
+
+def _at(candidate: Candidate, batch: int) -> Candidate:
+    """``candidate`` at another batch (its choices and accumulation kept)."""
+    return Candidate(
+        batch_size=batch, accumulation_steps=candidate.accumulation_steps, choices=candidate.choices
     )
 
 
