@@ -23,10 +23,12 @@ run's process dies, so a crashed sibling blocks no one.
 A second lock file, the **host lock** (its path in the fork server's setup, ``host_lock``),
 is the planner's: while the planner compiles in its own process beside runs (the compile
 trial beside pass 1), it holds byte 0 of it (:func:`host_busy`), and a run waits until it is
-free before its timed steps, made at once or alone (:func:`taking_turn`). Why: on a card
-hf_gpt2's pass-1 runs were timed while the trial compiled beside them, and its bf16
-candidate measured 56,389 samples/s at batch 727 where its static form had run 118,749 at
-1020 in another plan (H200, session 20): ranked on that, a tf32 pick at 85,336 was handed on.
+free before its timed steps, made at once or alone (:func:`taking_turn`). Why: the turn
+kept timed steps apart from the siblings' compiles (timed beside them, compiled runs measured
+7-30% slow on a card, docs/design.md, session 13), but not from the trial compiling in the
+planner's process, whose inductor workers take the same cores. (It was built when hf_gpt2's
+bf16 candidate measured half its rate in pass 1; with the lock it still did, H200, session
+20: that gap has another cause, not found.)
 
 Known limitations:
     * POSIX only (``fcntl``); runs at once exist only where the fork server does; a run in a

@@ -269,8 +269,8 @@ class ProberStage(PickStage):
 
     def compiling_here(self) -> contextlib.AbstractContextManager[None]:
         """See :meth:`PickStage.compiling_here`: the device's :meth:`Device.host_busy`. Why:
-        hf_gpt2's bf16 candidate, timed beside the compile trial in this process, measured
-        half what its static form ran in another plan, and lost (H200, session 20)."""
+        the trial compiling here takes the host's cores from the runs' timed steps, as a
+        sibling's compile did before the turn kept them apart (docs/design.md, session 13)."""
         return self._prober.device.host_busy()
 
 

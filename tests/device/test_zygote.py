@@ -489,9 +489,9 @@ def test_no_run_times_its_steps_while_the_planner_holds_the_host_lock(
 ) -> None:
     """Rule: where the setup names a host lock, a run of the fork server, made at once with
     others or alone, takes its timed steps only once the planner (here the test's process,
-    through host_busy) no longer holds it: on a card hf_gpt2's pass-1 runs were timed while
-    the compile trial compiled in the planner's process, and a candidate measured half its
-    rate (session 20). Without the lock held, the same runs go on at once."""
+    through host_busy) no longer holds it: the compile trial in the planner's process takes
+    the host's cores as a sibling's compile does, which the turn keeps away from timed steps.
+    Without the lock held, the same runs go on at once."""
     lock = str(tmp_path_factory.mktemp("host") / "host.lock")
     zygote = ForkServer(
         _setup(host_lock=lock),

@@ -882,9 +882,9 @@ def test_the_device_is_told_its_host_is_busy_while_the_trial_compiles_beside_its
     workload, profile, strategies, linear_device, trials, monkeypatch
 ) -> None:
     """Rule: while the compile trial runs in the planner's process beside pass 1's runs, the
-    device's ``host_busy`` is held (a card's runs wait for it before their timed steps: on
-    one, hf_gpt2's bf16 candidate timed beside the trial's compile measured half its rate
-    and lost, session 20), and it is let go once the trial ends, before the runs are waited
+    device's ``host_busy`` is held (a card's runs wait for it before their timed steps: the
+    trial's compile takes the host's cores, as a sibling's compile would), and it is let go
+    once the trial ends, before the runs are waited
     for: here, as on a card, the runs end only once it is free (a first form held it while
     it waited for them, and the plans on the card hung until killed)."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
