@@ -161,6 +161,18 @@ def test_an_out_of_memory_run_among_runs_made_at_once_leaves_the_others_alone(
     assert len(pids) == 2 and [a["measurement"]["steps"] for a in answers[::3]] == [3, 3]
 
 
+def _stub_cuda(monkeypatch) -> None:
+    """The CUDA calls train_candidate makes around its steps, stubbed: it runs on the CPU."""
+    import torch
+
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    for name in ("max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 1)
+
+
 def test_train_candidate_takes_the_turn_after_its_first_step_and_gives_it_back(
     monkeypatch, tmp_path: Path
 ) -> None:
@@ -175,12 +187,7 @@ def test_train_candidate_takes_the_turn_after_its_first_step_and_gives_it_back(
     from memadvisor.device import _train
     from memadvisor.workload import Workload
 
-    for name in ("synchronize", "reset_peak_memory_stats"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    for name in ("memory_allocated", "memory_reserved"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
-    for name in ("max_memory_allocated", "max_memory_reserved"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 1)
+    _stub_cuda(monkeypatch)
     events: list[str] = []
     taking_turn = _train.taking_turn
 
@@ -247,12 +254,7 @@ def test_train_candidate_retries_the_smaller_batch_in_its_process_from_no_gradie
     from memadvisor.device import _train
     from memadvisor.workload import Workload
 
-    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    for name in ("memory_allocated", "memory_reserved"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
-    for name in ("max_memory_allocated", "max_memory_reserved"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 1)
+    _stub_cuda(monkeypatch)
     events: list[str] = []
 
     @contextlib.contextmanager
