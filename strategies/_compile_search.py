@@ -26,13 +26,17 @@ therefore measures compiled variants of several eager combinations, not only of 
 2. Pass 1: one run each, at the batch eager allows it (the estimate's, corrected by what the
    device found for the eager pick), so each gets a line of its compiled memory
    (:func:`~strategies._compile_model.fit_step`; from one run, eager's per-sample bytes
-   scaled by what was measured).
+   scaled by what was measured). On a device that retries a run in its own process
+   (``retries_in_process``: a card's fork server), a dynamic-batch run that runs out
+   measures half its batch there, its graph serving it without a second compile
+   (:meth:`Search._half`); such a retry is not counted among the search's runs.
 3. Pass 2: the candidates whose line says they could beat the eager pick, best first, one
    run more at the batch their line predicts, while the budget allows: a second point for
    the line where it matters, and the batch search's start. A candidate whose every run
    compiles afresh (checkpointed blocks on torch 2.11 CUDA) gets it only where its line is
    within :data:`SECOND_RUN_SHARE` of the best's: runs made at once wait for the slowest.
-   Then, budget left, a candidate whose only run ran out gets one at half that batch. On a
+   Then, budget left, a candidate whose only run ran out (not retried in pass 1) gets one
+   at half that batch. On a
    device of runs at once, where these runs leave runs free in their group, the leader's
    static form (the pick's verification if the leader stays the pick at that batch) goes
    with them, and those of candidates whose line is within :data:`SECOND_RUN_SHARE` of the
