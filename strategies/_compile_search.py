@@ -89,6 +89,11 @@ Known limitations:
       candidate 0.2% behind it by its line): where the pick is another, or its
       confirmation moves, the riders' runs were spent and the static form runs again; the
       group waits for their cold compiles (resnet50's pass 2 on an H200: 53.8 s with one).
+    * A pass-1 retry in the run's own process starts after a failed step: its allocated
+      peak is a fresh run's (the failed steps' memory freed), but the allocator's segments
+      may be split, so it can run out where a fresh process would fit (the candidate then
+      has no line from pass 1). Where the retry runs out too, the answer is the first
+      batch's out-of-memory, and pass 2 retries the same half as a run of its own.
     * The candidates are ranked on their dynamic graphs; only the winner's static graph is
       run. Where the static one runs out at the winner's batch, the search's pick goes to
       the verification, which steps the batch down.
