@@ -573,7 +573,8 @@ def test_run_many_makes_no_more_at_once_than_the_card_has_room_for(
 def test_concurrent_runs_are_a_fork_servers_only(monkeypatch, tmp_path: Path) -> None:
     """Rule: runs are made at once only by a fork server's children, and only as many as the
     free bytes hold: 1 for a device of fresh processes or of this process, 1 on a card
-    without room for two, MAX_CONCURRENT_RUNS on an 80 GiB card at a 1 GiB budget."""
+    without room for two, MAX_CONCURRENT_RUNS on an 80 GiB card at a 1 GiB budget. So are a
+    run's retries in its own process (a fresh process per run retries in another)."""
     from memadvisor.device.cuda import MAX_CONCURRENT_RUNS, CudaDevice
 
     _concurrent_stub_device(monkeypatch, tmp_path)[0].close()  # the fake card's patches
@@ -581,11 +582,13 @@ def test_concurrent_runs_are_a_fork_servers_only(monkeypatch, tmp_path: Path) ->
         device = CudaDevice(GIB, **kwargs)
         try:
             assert device.capabilities.concurrent_runs == 1, kwargs
+            assert not device.capabilities.retries_in_process, kwargs
         finally:
             device.close()
     device = CudaDevice(GIB)
     try:
         assert device.capabilities.concurrent_runs == MAX_CONCURRENT_RUNS
+        assert device.capabilities.retries_in_process
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (3 * GIB, 80 * GIB))
         assert device.capabilities.concurrent_runs == 1
     finally:
