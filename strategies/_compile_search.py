@@ -1024,7 +1024,9 @@ class Search:
             near = v is leader or (
                 by_rate and v.fit.samples_per_s >= SECOND_RUN_SHARE * leader.fit.samples_per_s
             )
-            if not near or len(riders) >= room or v.fit.largest_batch < 1:
+            if len(riders) >= room:
+                break
+            if not near or v.fit.largest_batch < 1:
                 continue
             if v.final_differs or not is_dynamic(v.form) or compiles_every_run(v):
                 continue

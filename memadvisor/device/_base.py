@@ -98,13 +98,8 @@ class Device(ABC):
         for (i, _, _, error), answer in zip(again, retried, strict=True):
             if isinstance(answer, Exception):
                 continue  # the retry ran out (or failed): the first batch's error stands
-            text = str(error).strip()
-            first = RanOutFirst(
-                batch_size=runs[i][0].batch_size,
-                message=(text.splitlines() or [type(error).__name__])[0][:500],
-                steps=int(getattr(error, "memadvisor_steps_completed", 0)),
-                same_process=False,
-            )
+            steps = int(getattr(error, "memadvisor_steps_completed", 0))
+            first = RanOutFirst.of(runs[i][0].batch_size, error, steps, same_process=False)
             answers[i] = answer.model_copy(update={"ran_out_first": first})
         return answers
 

@@ -116,11 +116,7 @@ def train_candidate(
         except Exception as e:
             if retry_at is None or not is_oom(e) or not 0 < retry_at < candidate.batch_size:
                 raise
-            first = RanOutFirst(
-                batch_size=candidate.batch_size,
-                message=(str(e).strip().splitlines() or [type(e).__name__])[0][:500],
-                steps=len(times_ms),
-            )
+            first = RanOutFirst.of(candidate.batch_size, e, len(times_ms), same_process=True)
             # The compile is in the first step: its time where it ended, else until the error.
             first_ms = times_ms[0] if times_ms else (time.perf_counter() - steps_began) * 1e3
         if first is not None and retry_at is not None:

@@ -307,15 +307,7 @@ class CudaDevice(Device):
             self._send_workload(workload)
         if self.mode != "fork_server" or len(runs) < 2:
             return super().run_many(workload, runs)
-        size = self.capabilities.concurrent_runs
-        answers: list[Measurement | Exception] = []
-        for start in range(0, len(runs), size):
-            group = runs[start : start + size]
-            if self.mode != "fork_server" or len(group) == 1:
-                answers += super().run_many(workload, group)
-            else:
-                answers += self._run_group(workload, group)
-        return answers
+        return self._in_groups(workload, [(c, steps, None) for c, steps in runs])
 
     # -- what the children need -------------------------------------------------------------
 
@@ -466,26 +458,38 @@ class CudaDevice(Device):
         if self.mode != "fork_server":
             return super().run_many_retrying(workload, runs)
         self._send_workload(workload)
+        return self._in_groups(workload, runs)
+
+    def _in_groups(
+        self, workload: Workload, runs: list[tuple[Candidate, int, int | None]]
+    ) -> list[Measurement | Exception]:
+        """``runs`` (:meth:`run_many`'s, or :meth:`run_many_retrying`'s with their retries)
+        in groups of at most ``capabilities.concurrent_runs``, each made at once by the fork
+        server's children (:meth:`_run_group`); a lone run without a retry as :meth:`run`
+        makes it, and a group after the fork server fell back within the call the base's
+        way."""
         size = self.capabilities.concurrent_runs
         answers: list[Measurement | Exception] = []
         for start in range(0, len(runs), size):
             group = runs[start : start + size]
-            if self.mode != "fork_server":  # fell back within this call
+            plain = [(c, steps) for c, steps, _ in group]
+            retries = [retry for *_, retry in group]
+            if self.mode == "fork_server" and (len(group) > 1 or retries[0] is not None):
+                answers += self._run_group(workload, plain, retries)
+            elif any(r is not None for r in retries):
                 answers += super().run_many_retrying(workload, group)
-            else:  # a group of one too: the retry is its child's
-                answers += self._run_group(
-                    workload, [(c, steps) for c, steps, _ in group], [r for *_, r in group]
-                )
+            else:
+                answers += super().run_many(workload, plain)
         return answers
 
     def _run_group(
         self,
         workload: Workload,
         group: list[tuple[Candidate, int]],
-        retries: Sequence[int | None] | None = None,
+        retries: Sequence[int | None],
     ) -> list[Measurement | Exception]:
         """``group``'s runs at once in children of the zygote (:meth:`run_many`), each
-        retried in its child at ``retries``' batch where it runs out (None: none)."""
+        retried in its child at ``retries``' batch where it runs out (None: not retried)."""
         zygote = self._serving_zygote()
         if zygote is None:
             return super().run_many(workload, group)
@@ -494,7 +498,7 @@ class CudaDevice(Device):
             {"candidate": c.model_dump(mode="json"), "steps": steps, "profile_path": profile_path}
             for c, steps in group
         ]
-        for request, retry in zip(requests, retries or [None] * len(group), strict=True):
+        for request, retry in zip(requests, retries, strict=True):
             if retry is not None:
                 request["retry_at"] = retry
         timeout_s = self.timeout_s * len(group)

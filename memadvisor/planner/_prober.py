@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import JsonValue
@@ -158,7 +159,7 @@ class Prober:
         candidates: list[Candidate],
         steps: int,
         stage: str,
-        retry_at: list[int | None] | None = None,
+        retry_at: Sequence[int | None] | None = None,
     ) -> list[Measurement | None | Exception]:
         """Each of ``candidates`` for ``steps`` steps, as :meth:`run` answers it: those no
         earlier run answers go to the device together (``Device.run_many``: at once where it

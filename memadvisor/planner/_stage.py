@@ -179,8 +179,7 @@ class ProberStage(PickStage):
         retry_at: Sequence[int | None] | None = None,
     ) -> list[Measurement | None | Exception]:
         candidates = [Candidate(batch_size=max(1, b), choices=c) for c, b in runs]
-        retries = list(retry_at) if retry_at is not None else None
-        return self._prober.run_many(candidates, self._prober.steps, self._name, retries)
+        return self._prober.run_many(candidates, self._prober.steps, self._name, retry_at)
 
     @property
     def concurrent_runs(self) -> int:

@@ -83,6 +83,16 @@ class RanOutFirst(BaseModel):
         "own, a fresh start and compile: Device.run_many_retrying's default).",
     )
 
+    @classmethod
+    def of(
+        cls, batch_size: int, error: BaseException, steps: int, *, same_process: bool
+    ) -> RanOutFirst:
+        """What ran out: ``batch_size``, ``error``'s first line (its type where it says
+        nothing), the ``steps`` it completed."""
+        lines = str(error).strip().splitlines()
+        message = (lines[0] if lines else type(error).__name__)[:500]
+        return cls(batch_size=batch_size, message=message, steps=steps, same_process=same_process)
+
 
 class Measurement(BaseModel):
     """A candidate run on a device for some sustained steps."""
