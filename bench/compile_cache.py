@@ -31,36 +31,27 @@ from plan_speed import MODELS  # noqa: E402
 
 
 def _child(target: str, batch: int, dynamic: bool, choices: dict[str, Any], steps: int) -> None:
+    """One run as the planner's device makes it (``train_candidate``), the compile choice
+    made dynamic in its batch (the compile search's form) or static (the user's)."""
     started = time.perf_counter()
     import torch
 
     from memadvisor import _torch_private
-    from memadvisor.apply import apply_candidate
+    from memadvisor.device._train import train_candidate
     from memadvisor.schema.candidate import Candidate
-    from memadvisor.strategy import load_strategies
     from memadvisor.target import load_target
-    from memadvisor.workload import tensor_leaves, train_step
 
+    compile_choice = choices.get("compile", "default")
+    if not isinstance(compile_choice, dict):
+        compile_choice = {"mode": compile_choice}
+    compile_choice = {**compile_choice, "dynamic_batch": dynamic}
     workload = load_target(target)
-    device = torch.device("cuda")
-    candidate = Candidate(batch_size=batch, choices=choices)
-    model = apply_candidate(workload.model.to(device), candidate, load_strategies())
-    optimizer = workload.make_optimizer(model)
-    batch_data = workload.batch(batch, device)
-    if dynamic:
-        for t in tensor_leaves(batch_data):
-            if t.dim() >= 1:
-                torch._dynamo.mark_dynamic(t, 0)
+    candidate = Candidate(batch_size=batch, choices={**choices, "compile": compile_choice})
     ready_s = time.perf_counter() - started
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        train_step(workload, model, optimizer, batch_data)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    measured = train_candidate(
+        workload, candidate, steps, device=torch.device("cuda"), copy_model=False
+    )
     counters = _torch_private.dynamo_counters()
-    steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     print(
         "RESULT "
         + json.dumps(
@@ -68,16 +59,13 @@ def _child(target: str, batch: int, dynamic: bool, choices: dict[str, Any], step
                 "batch": batch,
                 "dynamic": dynamic,
                 "import_build_s": round(ready_s, 2),
-                "first_step_s": round(times[0], 2),
-                "steady_ms": round(steady * 1e3, 2),
-                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                "first_step_s": round(measured.first_step_ms / 1e3, 2),
+                "steady_ms": round(measured.step_ms, 2),
+                "samples_per_s": round(measured.samples_per_s, 1),
+                "peak_gib": round(measured.peak_bytes / 2**30, 3),
                 "graphs": counters.get("stats", {}).get("unique_graphs", 0),
-                "fxgraph": {
-                    k: v for k, v in counters.get("inductor", {}).items() if "fxgraph" in k
-                },
-                "aot_autograd": {
-                    k: v for k, v in counters.get("aot_autograd", {}).items() if "cache" in k
-                },
+                "cache_hits": measured.compile_cache_hits,
+                "cache_misses": measured.compile_cache_misses,
             }
         ),
         flush=True,
