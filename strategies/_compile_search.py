@@ -634,6 +634,10 @@ class Search:
         self.free_retries = 0
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
+        # Pass 2's riders (_static_riders): those sent, "label at batch"; and why a near
+        # candidate's static form did not ride, by label (what a card's plan shows of it).
+        self.riders: list[str] = []
+        self.not_riding: dict[str, str] = {}
 
     @property
     def runs_used(self) -> int:
@@ -1014,6 +1018,10 @@ class Search:
         at_once = self.stage.concurrent_runs
         room = at_once - len(runs)
         if at_once <= 1 or not runs or room <= 0 or not ranked:
+            if ranked and runs and at_once > 1:
+                self.not_riding[ranked[0].label] = (
+                    f"no room: pass 2 makes {len(runs)} runs, {at_once} at once"
+                )
             return []
         leader = ranked[0]
         assert leader.fit is not None
@@ -1024,13 +1032,16 @@ class Search:
             near = v is leader or (
                 by_rate and v.fit.samples_per_s >= SECOND_RUN_SHARE * leader.fit.samples_per_s
             )
-            if len(riders) >= room:
-                break
-            if not near or v.fit.largest_batch < 1:
+            if not near:
                 continue
-            if v.final_differs or not is_dynamic(v.form) or compiles_every_run(v):
+            why = _why_not_riding(v)
+            if why is None and len(riders) >= room:
+                why = f"no room: {room} beside pass 2's {len(runs)} runs"
+            if why is not None:
+                self.not_riding[v.label] = why
                 continue
             riders.append(({**v.choices, COMPILE: _static(v.form)}, v.fit.largest_batch))
+            self.riders.append(f"{v.label} at {v.fit.largest_batch}")
         return riders
 
     def _again_static(self, group: list[tuple[Variant, int]]) -> None:
@@ -1242,6 +1253,21 @@ def handed_on(found: Confirmed) -> Confirmed:
     return dataclasses.replace(
         found, candidate=found.candidate.model_copy(update={"choices": choices})
     )
+
+
+def _why_not_riding(v: Variant) -> str | None:
+    """Why ``v``'s static form may not ride with pass 2 (:meth:`Search._static_riders`);
+    None where it may."""
+    assert v.fit is not None
+    if v.fit.largest_batch < 1:
+        return "its line predicts no batch"
+    if v.final_differs:
+        return "the form handed on differs from the searched one (a run of its own)"
+    if not is_dynamic(v.form):
+        return "searched static: its pass-2 run is its static form"
+    if compiles_every_run(v):
+        return "every run compiles afresh: its confirmation runs the static form"
+    return None
 
 
 def is_dynamic(form: JsonValue) -> bool:

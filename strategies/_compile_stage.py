@@ -352,6 +352,8 @@ def _details(
             **settings.model_dump(),
             "runs": search.runs_used,
             "static_runs": search.static_runs,
+            "riders": list(search.riders),
+            "not_riding": dict(search.not_riding),
             "left_out": list(left_out),
         }
     }

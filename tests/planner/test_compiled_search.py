@@ -1485,6 +1485,53 @@ def test_a_near_rivals_static_form_rides_with_pass_two_and_verifies_it_where_it_
     assert statics.count(together.candidate) == 1, statics
 
 
+def test_the_search_says_which_static_forms_rode_with_pass_two_and_why_a_near_one_did_not(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: the compile stage's search details name pass 2's riders ("label at batch") and,
+    by label, why a near candidate's static form did not ride. On a card (H100, session 21)
+    hf_gpt2's pass 2 made two runs with four at once and no rider went, and the plan's record
+    could not say why; its winner's static form then ran alone for 36.2 s."""
+    device = linear_device(EAGER_FLAT, fixed_ms=0.01, recompute=0.04)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    calls = _forms_at_once(device)
+    plan = _plan(workload, profile, strategies, device, verify_steps=2)
+    search = plan.stages[0].details["search"]
+    riding = [call for call in calls if any(static for _, static in call)]
+    assert len(search["riders"]) == sum(static for _, static in riding[0]), (search, calls)
+    assert search["riders"] and all(" at " in r for r in search["riders"])
+    # Four at once leave room for one rider beside pass 2's three runs: near candidates
+    # beyond it are named with the reason.
+    assert search["not_riding"], search
+    assert all(why.startswith("no room") for why in search["not_riding"].values()), search
+
+
+def test_a_rider_is_refused_for_the_reason_its_candidate_gives() -> None:
+    """Rule: a near candidate's static form does not ride where its line predicts no batch,
+    where the form handed on differs from the searched one, where it was searched static, or
+    where every run of it compiled afresh; each with its own reason, and None where it may."""
+    from types import SimpleNamespace
+
+    from strategies._compile_search import _why_not_riding
+
+    dynamic = {"mode": "default", "dynamic_batch": True}
+
+    def variant(batch=10, differs=False, form=dynamic, bypasses=0):
+        run = SimpleNamespace(compile_cache_bypasses=bypasses)
+        return SimpleNamespace(
+            fit=SimpleNamespace(largest_batch=batch),
+            final_differs=differs,
+            form=form,
+            runs={batch: run},
+        )
+
+    assert _why_not_riding(variant()) is None
+    assert "no batch" in _why_not_riding(variant(batch=0))
+    assert "differs" in _why_not_riding(variant(differs=True))
+    assert "static" in _why_not_riding(variant(form="default"))
+    assert "afresh" in _why_not_riding(variant(bypasses=2))
+
+
 class _ChunkedLoss(Strategy):
     """The loss in chunks (its facts say it computes the loss another way), no other effect:
     the chunked loss head's shape, for the compile search's candidates."""
