@@ -402,11 +402,14 @@ def search_variants(
     axis = _recompute_axis(stage)
     if plain and axis is not None:
         name, options = axis
+        # Where the autocast candidate is searched, the checkpointing axis varies it, not
+        # the eager pick's precision (_axis_base).
+        base = lowered if lowered is not None else own
         for option in _spread(options):
-            choices = {n: c for n, c in own.items() if n != name}
+            choices = {n: c for n, c in base.items() if n != name}
             if not _neutral(strategies, name, option):
                 choices[name] = option
-            scored = stage.score(choices) if choices != own else None
+            scored = stage.score(choices) if choices not in (own, base) else None
             if scored is not None:
                 others.append((_worth(stage.config.objective, scored), choices, start_of(scored)))
     others.sort(key=lambda item: item[0], reverse=True)
@@ -430,7 +433,7 @@ def search_variants(
                 COMPILE: (choice if settings.confirm_offered else form).static().to_json(),
             },
             label=label(choices, form, len(profile.blocks), strategies)
-            + (f", {_changed(own, choices)}" if choices is lowered else "")
+            + "".join(f", {w}" for w in [_precision_changed(own, choices, axis)] if w)
             + (_users_loss_words(own, choices) if choices is users_loss else ""),
             start_batch=start,
             eager=EagerLines.of(profile, choices, stage.strategies, start),
@@ -468,6 +471,18 @@ def _changed(own: dict[str, JsonValue], choices: dict[str, JsonValue]) -> str:
     return ", ".join(str(c) for n, c in choices.items() if own.get(n) != c)
 
 
+def _precision_changed(
+    own: dict[str, JsonValue],
+    choices: dict[str, JsonValue],
+    axis: tuple[str, list[JsonValue]] | None,
+) -> str:
+    """``'bf16'``: what a candidate sets otherwise than the eager pick beyond the
+    checkpointing axis (its label says that part), for the label of the autocast candidate
+    and of the axis's candidates built on it; empty for the others."""
+    name = axis[0] if axis is not None else None
+    return ", ".join(str(c) for n, c in choices.items() if n != name and own.get(n) != c)
+
+
 def _autocast_instead(stage: PickStage, own: dict[str, JsonValue]) -> dict[str, JsonValue] | None:
     """The eager pick's choices with the plan's autocast precision (bf16, fp16) where the
     pick trains without one though that precision passed its check; else None.
@@ -479,8 +494,15 @@ def _autocast_instead(stage: PickStage, own: dict[str, JsonValue]) -> dict[str, 
     while bf16 compiled held 1,339 at 90,619 with a dynamic batch (session 17): the
     search never compiled bf16.
 
-    Known limitations: one precision, the first the plan offers with an autocast, at the
-    eager pick's other choices only (not crossed with the checkpointing axis)."""
+    The checkpointing axis's candidates are built on this one where it is searched
+    (:func:`search_variants`): compiled, hf_gpt2's bf16 ran 1.3-1.46x tf32's rate at batch
+    1020 alone on an H100, and a tf32 eager pick's plan, whose axis varied tf32, picked
+    75,238 samples/s where a bf16 eager pick's found 92,602 with 4 blocks checkpointed
+    (session 21, docs/design.md).
+
+    Known limitations: one precision, the first the plan offers with an autocast; where it
+    is searched, the eager pick's precision is searched only with its own checkpointing (a
+    model whose compiled step runs faster without the autocast loses the axis there)."""
     for strategy in stage.strategies:
         options = stage.options.get(strategy.name, [])
         lowering = [o for o in options if o is not None and strategy.facts(o).autocast]

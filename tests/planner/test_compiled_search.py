@@ -1318,6 +1318,40 @@ def test_where_eager_keeps_fp32_the_search_compiles_the_autocast_precision_too(
     assert "no checkpointing, bf16" in stage.summary
 
 
+def test_where_the_autocast_candidate_is_searched_the_checkpointing_axis_varies_it(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the eager pick keeps fp32 and the search compiles the autocast precision
+    too, the candidates that vary the checkpointing are built on the autocast one, not on
+    the eager pick's precision, and their labels say so. On an H100 (session 21) hf_gpt2's
+    eager pick came out tf32 in one plan and bf16 in the next (near in eager); the tf32 plan
+    searched tf32 with 2 and 4 blocks checkpointed and picked bf16 without checkpointing,
+    75,238 samples/s, where the bf16 plan's candidates (bf16, 2 and 4 blocks) found bf16 with
+    4 blocks, 92,602 samples/s; compiled, bf16 ran 1.3-1.46x tf32's rate at batch 1020."""
+    precision = next(s for s in strategies if s.name == "precision")
+    precision.facts = lambda c: Facts(autocast="bf16") if c == "bf16" else Facts()
+    device = linear_device(EAGER_FLAT, fixed_ms=3.0)
+    step_ms = device.step_ms
+
+    def slow_eager_bf16(candidate):
+        ms = step_ms(candidate)
+        eager_bf16 = device.compiled(candidate) is None and device.key(candidate)[0] == "bf16"
+        return 3.0 * ms if eager_bf16 else ms
+
+    device.step_ms = slow_eager_bf16
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert stage.eager_candidate.choices.get("precision", "fp32") == "fp32"
+    checkpointed = [v for v in stage.variants if _blocks(v.choices)]
+    assert checkpointed, [v.choices for v in stage.variants]
+    assert all(v.choices.get("precision") == "bf16" for v in checkpointed), [
+        v.choices for v in stage.variants
+    ]
+    # The eager pick's own choices are still searched.
+    assert any(v.choices.get("precision", "fp32") == "fp32" for v in stage.variants)
+    assert re.search(r"checkpoint \d+/\d+ blocks, bf16", stage.summary), stage.summary
+
+
 def test_where_the_eager_pick_has_an_autocast_no_other_precision_is_compiled(
     workload, profile, strategies, linear_device, trials
 ) -> None:
