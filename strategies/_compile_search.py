@@ -760,7 +760,8 @@ class Search:
             and v.error is None
         ]
         pass_two = second + retries
-        self._run_in_groups(pass_two, ask, reserve, riders=self._static_riders(ranked, pass_two))
+        riders = self._static_riders(ranked, pass_two, reserve)
+        self._run_in_groups(pass_two, ask, reserve, riders=riders)
         winner = self.best([v for v in variants if v.error is None or v.runs])
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
@@ -1009,7 +1010,7 @@ class Search:
         )
 
     def _static_riders(
-        self, ranked: Sequence[Variant], runs: Sequence[tuple[Variant, int]]
+        self, ranked: Sequence[Variant], runs: Sequence[tuple[Variant, int]], reserve: int
     ) -> list[tuple[dict[str, JsonValue], int]]:
         """The static forms to go with pass 2's runs where they leave the device runs free in
         their first group, each at its candidate's predicted batch: pass 2's leader's
@@ -1029,6 +1030,11 @@ class Search:
         checkpointed, 111,497 samples/s by its line) lost to no checkpointing (111,248) once
         confirmed, and that one's static form then ran alone for 30.1 s (H200, session 19).
 
+        The room is what pass 2's first group leaves as it is made: its runs as many as the
+        search's runs allow beyond those held back, not as many as are queued (hf_gpt2 on an
+        H100, session 21: four queued, two allowed, four at once; counted from the four, no
+        rider went, and the winner's static form then ran alone for 13.6 s).
+
         None where the device makes one run at a time, where pass 2 fills its group or makes
         no run; a candidate rides not where its form is static or not the one handed on
         (its confirmation runs the offered form), nor where every run of it compiles afresh
@@ -1038,11 +1044,15 @@ class Search:
         Known limitations: each rider is a cold compile beside pass 2's runs on the host's
         cores, for a candidate that may not be picked."""
         at_once = self.stage.concurrent_runs
-        room = at_once - len(runs)
-        if at_once <= 1 or not runs or room <= 0 or not ranked:
-            if ranked and runs and at_once > 1:
+        # The first group's runs as _run_in_groups makes them: at most at_once, and only
+        # those the search's runs allow beyond the ones held back for the confirmations.
+        allowed = self.runs_left - reserve if self._may_run(reserve) else 0
+        group = min(len(runs), at_once, max(0, allowed))
+        room = at_once - group
+        if at_once <= 1 or group <= 0 or room <= 0 or not ranked:
+            if ranked and group > 0 and at_once > 1:
                 self.not_riding[ranked[0].label] = (
-                    f"no room: pass 2 makes {len(runs)} runs, {at_once} at once"
+                    f"no room: pass 2 makes {group} runs at once, {at_once} at most"
                 )
             return []
         leader = ranked[0]
@@ -1058,7 +1068,7 @@ class Search:
                 continue
             why = _why_not_riding(v)
             if why is None and len(riders) >= room:
-                why = f"no room: {room} beside pass 2's {len(runs)} runs"
+                why = f"no room: {room} beside pass 2's {group} runs"
             if why is not None:
                 self.not_riding[v.label] = why
                 continue

@@ -1102,7 +1102,7 @@ def test_the_static_form_goes_with_the_confirmations_first_run_on_a_device_of_ru
 
     # Pass 2's rider off (its own test): on this device the leader's line moves it from its
     # pass-2 batch to the confirmation's, which then takes the static run along.
-    monkeypatch.setattr(Search, "_static_riders", lambda self, ranked, runs: [])
+    monkeypatch.setattr(Search, "_static_riders", lambda self, ranked, runs, reserve: [])
     alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2)
     device = device_of(4)
     calls = _forms_at_once(device)
@@ -1139,7 +1139,8 @@ def test_a_static_run_made_beside_a_confirmation_that_then_moved_is_counted_and_
         return dataclasses.replace(found, candidate=lower)
 
     monkeypatch.setattr(Search, "confirm", moved)
-    monkeypatch.setattr(Search, "_static_riders", lambda self, ranked, runs: [])  # as above
+    # As above: no rider.
+    monkeypatch.setattr(Search, "_static_riders", lambda self, ranked, runs, reserve: [])
 
     def plan_with(at_once: int):
         device = linear_device(EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95)
@@ -1538,6 +1539,30 @@ def test_the_search_says_which_static_forms_rode_with_pass_two_and_why_a_near_on
     # beyond it are named with the reason.
     assert search["not_riding"], search
     assert all(why.startswith("no room") for why in search["not_riding"].values()), search
+
+
+def test_the_riders_room_is_what_pass_twos_runs_leave_as_the_budget_allows_them(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: pass 2's queued runs beyond what the search's runs allow (the rest held back for
+    the confirmations) take no room from the riders: the room is at_once less the runs the
+    first group makes. On an H100 (session 21) hf_gpt2's pass 2 queued four, made two, four at
+    once, and no static form rode; the winner's then ran alone for 13.6 s. Here three at
+    once, three candidates: pass 1 makes three runs, pass 2 queues three and the budget of
+    seven (two held back) allows two."""
+    device = linear_device(EAGER_FLAT, fixed_ms=0.01, recompute=0.04)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 3})
+    calls = _forms_at_once(device)
+    search = CompileSearch(max_runs=7, max_candidates=3)
+    plan = _plan(workload, profile, strategies, device, search=search, verify_steps=2)
+    details = plan.stages[0].details["search"]
+    compiled = [c for c in calls if c is not calls[0]]  # the first: eager's timing runs
+    first, second = compiled[0], compiled[1]
+    assert len(first) == 3 and not any(static for _, static in first), calls
+    made = [b for b, static in second if not static]
+    assert len(made) == 2, calls  # three queued, two allowed
+    assert [static for _, static in second].count(True) == 1, (calls, details)
+    assert len(details["riders"]) == 1, details
 
 
 def test_a_rider_is_refused_for_the_reason_its_candidate_gives() -> None:
