@@ -996,7 +996,7 @@ class Search:
             for choices, _ in extra:
                 self.static_runs += self._made_since(before, choices)
             for (v, batch), answer, half in zip(group, answers[: len(group)], halves, strict=True):
-                self._take_retried(v, batch, answer, half)
+                self._take_retried(v, batch, answer, half, before)
             self._again_static(group)
         return left
 
@@ -1111,11 +1111,12 @@ class Search:
         if half is None:
             taken = self._take(v, batch, self._answer(v, batch))
         else:
+            before = len(self.stage.probes)
             try:
                 answer = self.stage.run_many([(v.choices, batch)], retry_at=[half])[0]
             except Exception as e:  # noqa: BLE001 - as _answer: the run's error is its answer
                 answer = e
-            taken = self._take_retried(v, batch, answer, half)
+            taken = self._take_retried(v, batch, answer, half, before)
         if v.static_pending:
             self._again_static([(v, batch)])
             return True if v.runs else (False if v.lowest_failure is not None else None)
@@ -1130,18 +1131,41 @@ class Search:
         return batch // 2
 
     def _take_retried(
-        self, v: Variant, batch: int, answer: Measurement | None | Exception, half: int | None
+        self,
+        v: Variant,
+        batch: int,
+        answer: Measurement | None | Exception,
+        half: int | None,
+        since: int,
     ) -> bool | None:
         """:meth:`_take` for a run asked to retry at ``half``: where it ran out and measured
         ``half`` (``ran_out_first`` naming ``batch``), both are taken; a retry made in the
         run's own process is not counted as one of the search's runs (no process, no compile
-        of its own), one made as a run of its own (a fork server that fell back) is."""
+        of its own), one made as a run of its own (a fork server that fell back) is. Where
+        the retry ran out too (a record of ``half`` run out among the stage's records from
+        ``since`` on), both are taken as run out, and pass 2 retries below ``half``, not at
+        it: the run's own process had answered that batch, and a retry there is a process
+        and a compile."""
         first = answer.ran_out_first if isinstance(answer, Measurement) else None
         if first is not None and half and first.batch_size == batch:
             self._take(v, batch, None)
             self.free_retries += 1 if first.same_process else 0
             return self._take(v, half, answer)
+        if answer is None and half and self._ran_out_at(v, half, since):
+            self._take(v, batch, None)
+            self.free_retries += 1  # the retry's record: no run of the search's
+            return self._take(v, half, None)
         return self._take(v, batch, answer)
+
+    def _ran_out_at(self, v: Variant, batch: int, since: int) -> bool:
+        """Whether the stage's records from ``since`` on say ``v`` ran out at ``batch``."""
+        return any(
+            not p.fits
+            and p.batch_size == batch
+            and p.candidate is not None
+            and p.candidate.choices == v.choices
+            for p in self.stage.probes[since:]
+        )
 
     def _take(self, v: Variant, batch: int, answer: Measurement | None | Exception) -> bool | None:
         """What a run of ``v`` at ``batch`` answered, kept and its line refitted: True

@@ -77,7 +77,8 @@ class Device(ABC):
         """Each ``(candidate, steps, retry_at)`` of ``runs`` as :meth:`run_many` makes it;
         where a candidate runs out of memory and ``retry_at`` is a smaller batch, that batch
         of it is measured too, and answers with ``ran_out_first`` saying what ran out (an
-        out-of-memory where the retry ran out too). Default: the runs, then the retries as
+        out-of-memory where the retry ran out too, ``memadvisor_retry_ran_out`` on it the
+        retry's batch). Default: the runs, then the retries as
         runs of their own, each from a clean state (``same_process`` False). A device that
         keeps a run's process (``CudaDevice``'s fork server) makes the retry in it: a
         compiled step with a dynamic batch then trains the smaller batch without a second
@@ -95,9 +96,13 @@ class Device(ABC):
         if not again:
             return answers
         retried = self.run_many(workload, [(c, steps) for _, c, steps, _ in again])
-        for (i, _, _, error), answer in zip(again, retried, strict=True):
+        for (i, retry, _, error), answer in zip(again, retried, strict=True):
             if isinstance(answer, Exception):
-                continue  # the retry ran out (or failed): the first batch's error stands
+                # The retry ran out (or failed): the first batch's error stands, and says
+                # where the retry ran out.
+                if self.is_oom(answer):
+                    error.memadvisor_retry_ran_out = retry.batch_size  # type: ignore[attr-defined]
+                continue
             steps = int(getattr(error, "memadvisor_steps_completed", 0))
             first = RanOutFirst.of(runs[i][0].batch_size, error, steps, same_process=False)
             answers[i] = answer.model_copy(update={"ran_out_first": first})

@@ -93,7 +93,8 @@ def train_candidate(
     Raises:
         torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit
             (with ``retry_at``: the first batch's message and steps, where the retry ran out
-            too); ``memadvisor_steps_completed`` on the error says how many steps finished.
+            too, and ``memadvisor_retry_ran_out`` on it the retry's batch);
+            ``memadvisor_steps_completed`` on the error says how many steps finished.
     """
     torch.cuda.synchronize(device)
     base_allocated = torch.cuda.memory_allocated(device)
@@ -142,6 +143,8 @@ def train_candidate(
             if ran_out:  # the first batch's error stands (what ran out first, its steps)
                 error = torch.OutOfMemoryError(first.message)
                 error.memadvisor_steps_completed = first.steps  # type: ignore[attr-defined]
+                # ... and says the retry ran out too: the search then tries no batch above it
+                error.memadvisor_retry_ran_out = retry_at  # type: ignore[attr-defined]
                 raise error
             times_ms[0] = max(times_ms[0], first_ms)
     except Exception as e:

@@ -186,11 +186,15 @@ def _error_answer(e: BaseException) -> dict[str, Any]:
         return {"status": "unforkable", "message": str(e)}
     if isinstance(e, Exception) and is_oom(e):
         text = str(e).strip()
-        return {
+        answer: dict[str, Any] = {
             "status": "oom",
             "message": text.splitlines()[0] if text else type(e).__name__,
             "steps_completed": int(getattr(e, "memadvisor_steps_completed", 0)),
         }
+        retried = getattr(e, "memadvisor_retry_ran_out", None)
+        if retried is not None:  # the retry in this child ran out too (train_candidate)
+            answer["retry_ran_out"] = int(retried)
+        return answer
     return {
         "status": "error",
         "type": type(e).__name__,

@@ -716,6 +716,8 @@ def _measurement(
     if status == "oom":
         error = torch.OutOfMemoryError(answer["message"])
         error.memadvisor_steps_completed = answer.get("steps_completed", 0)  # type: ignore[attr-defined]
+        if answer.get("retry_ran_out") is not None:  # its retry in the child ran out too
+            error.memadvisor_retry_ran_out = answer["retry_ran_out"]  # type: ignore[attr-defined]
         raise error
     if status == "unloadable":
         fall_back(f"a fresh process could not load the workload ({answer['message']})")

@@ -295,6 +295,7 @@ def probe_many(
     *,
     stage: str = "probe",
     retry_at: Sequence[int | None] | None = None,
+    ran_out_too: dict[int, int] | None = None,
 ) -> list[tuple[Probe | None, Measurement | None, Exception | None]]:
     """Run ``candidates`` for ``steps`` steps each through ``device.run_many`` (at once where
     the device can); per candidate, in order: its probe record and its measurement (None
@@ -303,7 +304,9 @@ def probe_many(
 
     ``retry_at``: per candidate, a smaller batch to measure where it runs out
     (``device.run_many_retrying``); such a run's record is the retry's (its batch), its
-    measurement's ``ran_out_first`` says what ran out (the caller records that).
+    measurement's ``ran_out_first`` says what ran out (the caller records that). Where the
+    retry ran out too, the record is the first batch's, and ``ran_out_too`` (when given)
+    gets the candidate's index and the retry's batch (the caller records that).
 
     Raises:
         PlanningError: the device answered a different number of runs than it was given.
@@ -329,6 +332,9 @@ def probe_many(
             out.append((_fitted(candidate, answer, t0, stage), answer, None))
         elif device.is_oom(answer):
             out.append((_ran_out(candidate, _failure(answer), t0, stage), None, None))
+            retried = getattr(answer, "memadvisor_retry_ran_out", None)
+            if ran_out_too is not None and retry_at is not None and retried == retry_at[i]:
+                ran_out_too[i] = int(retried)
             answers[i] = None  # type: ignore[call-overload]  # its traceback goes (below)
             ran_out = True
         else:
@@ -360,6 +366,20 @@ def ran_out_record(candidate: Candidate, measured: Measurement, stage: str) -> P
         error=first.message,
         stage=stage,
         candidate=at,
+    )
+
+
+def retry_ran_out_record(candidate: Candidate, batch: int, stage: str) -> Probe:
+    """The record of ``candidate``'s retry at ``batch`` in the same process, which ran out
+    after the candidate's own batch had (``probe_many``'s ``ran_out_too``)."""
+    return Probe(
+        batch_size=batch,
+        fits=False,
+        steps=0,
+        error=f"ran out retried at batch {batch} in the process where batch "
+        f"{candidate.batch_size} had run out",
+        stage=stage,
+        candidate=_at(candidate, batch),
     )
 
 

@@ -26,6 +26,7 @@ from memadvisor.planner._probe import (
     probe,
     probe_many,
     ran_out_record,
+    retry_ran_out_record,
     safe_below,
 )
 from memadvisor.planner._progress import Stage
@@ -169,7 +170,8 @@ class Prober:
         ``retry_at``: per candidate, a smaller batch the device measures where it runs out
         (``Device.run_many_retrying``): its answer is then that batch's measurement, whose
         ``ran_out_first`` says what ran out; both are recorded, the batch that ran out
-        first, as two runs would be (one device run spent).
+        first, as two runs would be (one device run spent). Where the retry ran out too, the
+        answer is None and both batches are recorded as run out.
 
         Raises:
             RunsSpent: the runs left (:attr:`runs_left`) do not cover them; none ran.
@@ -190,6 +192,7 @@ class Prober:
             f"batches {batches} running at once" if len(to_run) > 1 else f"batch {batches} running"
         )
         self._describe(f"{doing}: {many}")
+        too: dict[int, int] = {}
         ran = probe_many(
             self.device,
             self.workload,
@@ -197,10 +200,18 @@ class Prober:
             steps,
             stage=stage,
             retry_at=[retry_at[i] for i in to_run] if retry_at is not None else None,
+            ran_out_too=too,
         )
-        for i, (record, measured, error) in zip(to_run, ran, strict=True):
+        for j, (i, (record, measured, error)) in enumerate(zip(to_run, ran, strict=True)):
             if record is None:
                 answers[i] = error
+                continue
+            if j in too:  # its retry ran out too: that batch's record after the first's
+                self._keep(candidates[i], steps, record, None, doing)
+                again = retry_ran_out_record(candidates[i], too[j], stage)
+                assert again.candidate is not None
+                self._keep(again.candidate, steps, again, None, doing)
+                answers[i] = None
                 continue
             failed = ran_out_record(candidates[i], measured, stage) if measured else None
             if failed is not None and record.candidate is not None:

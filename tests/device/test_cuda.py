@@ -644,6 +644,35 @@ def test_a_group_the_fork_server_cannot_fork_is_made_one_by_one_in_fresh_process
         device.close()
 
 
+def test_a_retry_that_ran_out_too_in_the_child_says_so_in_the_parents_error() -> None:
+    """Rule: where a run's retry in its own child ran out too (train_candidate raises the
+    first batch's error with ``memadvisor_retry_ran_out``), the child's answer carries the
+    retry's batch and the parent's out-of-memory error has it again; an error without it
+    carries none."""
+    from memadvisor.device._zygote import _error_answer
+    from memadvisor.device.cuda import _measurement
+
+    def fall_back(reason: str) -> None:
+        raise AssertionError(reason)
+
+    answers = []
+    for retried in (500, None):
+        error = torch.OutOfMemoryError("fake: batch 1000 does not fit")
+        error.memadvisor_steps_completed = 1
+        if retried is not None:
+            error.memadvisor_retry_ran_out = retried
+        try:
+            raise error
+        except torch.OutOfMemoryError as e:
+            answers.append(_error_answer(e))
+    assert answers[0]["retry_ran_out"] == 500 and "retry_ran_out" not in answers[1], answers
+    for answer, retried in zip(answers, (500, None), strict=True):
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            _measurement(answer, Candidate(batch_size=1000), fall_back)
+        assert getattr(caught.value, "memadvisor_retry_ran_out", None) == retried
+        assert caught.value.memadvisor_steps_completed == 1
+
+
 def test_a_childs_user_code_error_is_bad_input_in_the_parent_whatever_its_subclass() -> None:
     """The child says whether its error was bad input (a UserCodeError is one): the parent
     raises BadInputError (exit 2), not PlanningError, for every subclass; other errors stay

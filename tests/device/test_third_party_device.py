@@ -131,3 +131,34 @@ def test_the_report_names_the_new_kind_and_reads_its_times_as_it_says() -> None:
     text = out.getvalue()
     assert "npu-like" in text
     assert "this device's times do not" in text
+
+
+def test_the_default_retry_that_runs_out_too_leaves_the_first_error_naming_the_retry() -> None:
+    """Rule: ``Device.run_many_retrying``'s default makes a retry as a run of its own; where
+    it runs out too, the answer is the first batch's out-of-memory error (the device's own),
+    with ``memadvisor_retry_ran_out`` the retry's batch; where the retry fits, its
+    measurement says what ran out first; a run given no retry carries no such word."""
+    from memadvisor.schema.candidate import Candidate
+    from memadvisor.workload import Workload
+
+    batch = (torch.randn(8, 32), torch.randint(0, 4, (8,)))
+    workload = Workload(
+        model=_model(), sample_batch=batch, loss_fn=lambda out, b: F.cross_entropy(out, b[1])
+    )
+    device = NpuLike(gib_to_bytes(BUDGET_GB))
+    huge, fits = 1_000_000, 4
+    answers = device.run_many_retrying(
+        workload,
+        [
+            (Candidate(batch_size=huge), 2, huge // 2),  # both run out
+            (Candidate(batch_size=huge), 2, fits),  # the retry fits
+            (Candidate(batch_size=huge), 2, None),  # no retry asked
+        ],
+    )
+    both, retried, alone = answers
+    assert isinstance(both, NpuOutOfMemoryError), both
+    assert f"batch {huge}" in str(both) and both.memadvisor_retry_ran_out == huge // 2
+    assert not isinstance(retried, Exception) and retried.ran_out_first is not None
+    assert retried.ran_out_first.batch_size == huge
+    assert isinstance(alone, NpuOutOfMemoryError)
+    assert not hasattr(alone, "memadvisor_retry_ran_out")

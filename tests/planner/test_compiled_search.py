@@ -769,6 +769,42 @@ def _budget_form_runs_out_first(device) -> dict[str, int]:
     return starts
 
 
+def test_where_the_retry_in_its_own_process_runs_out_too_pass_two_retries_below_it(
+    workload, profile, strategies, linear_device, trials, record_run_many
+) -> None:
+    """Rule: a pass-1 run retried at half its batch in its own process that runs out there
+    too records both batches as run out (the retry's not counted among the search's runs),
+    and pass 2's retry goes below the half, not to it: that batch had its answer, and a
+    retry in pass 2 is a process and a compile of its own (session 20's review)."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+    _concurrent(device, 4, record_run_many)
+    device.capabilities = device.capabilities.model_copy(update={"retries_in_process": True})
+    real_run, starts = device.run, {}
+
+    def budget_form_runs_out_above_a_quarter(workload, candidate, steps):
+        form = candidate.choices.get("compile")
+        if isinstance(form, dict) and form.get("activation_memory_budget") is not None:
+            first = starts.setdefault("budget", candidate.batch_size)
+            if candidate.batch_size > first // 4:
+                raise torch.OutOfMemoryError("fake: the budget form ran out")
+        return real_run(workload, candidate, steps)
+
+    device.run = budget_form_runs_out_above_a_quarter
+    plan = _plan(workload, profile, strategies, device, CompileSearch(max_runs=12))
+    first = starts["budget"]
+    budget_runs = [
+        (p.batch_size, p.fits)
+        for p in plan.probes
+        if isinstance(p.candidate.choices.get("compile"), dict)
+        and p.candidate.choices["compile"].get("activation_memory_budget") is not None
+    ]
+    assert budget_runs[:2] == [(first, False), (first // 2, False)], budget_runs
+    assert (first // 4, True) in budget_runs, budget_runs
+    assert budget_runs.count((first // 2, False)) == 1, budget_runs  # not retried again
+    search = plan.stages[0].details["search"]
+    assert search["runs"] == len(_compile_runs(plan)) - 1, search  # the retry not counted
+
+
 def test_a_retry_at_half_the_batch_goes_with_the_second_pass_runs_at_once(
     workload, profile, strategies, linear_device, trials, record_run_many
 ) -> None:
