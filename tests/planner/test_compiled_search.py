@@ -1325,14 +1325,9 @@ def test_failed_dynamic_forms_go_static_together_on_a_device_of_runs_at_once(
     assert plan.stages[0].picked and _blocks(plan.candidate.choices) == BLOCKS
 
 
-def test_where_eager_keeps_fp32_the_search_compiles_the_autocast_precision_too(
-    workload, profile, strategies, linear_device, trials
-) -> None:
-    """Rule: eager, bf16's casts cost more than they save (its steps 3x fp32's here), so
-    the eager pick is fp32; compiled, the casts fuse away and bf16's halved bytes hold a
-    larger batch. The search compiles the eager pick's choices in bf16 too, and picks it
-    (hf_gpt2 on an H100: eager tf32 624 at 23,473/s; compiled tf32 52,706/s; bf16
-    compiled held 1,339 at 90,619/s with a dynamic batch, never searched: session 17)."""
+def _plan_where_eager_keeps_fp32(workload, profile, strategies, linear_device) -> Plan:
+    """A plan where bf16 is an autocast and eager's bf16 steps take 3x fp32's (its casts cost
+    more than they save), so the eager pick keeps fp32; compiled, the casts are free."""
     precision = next(s for s in strategies if s.name == "precision")
     precision.facts = lambda c: Facts(autocast="bf16") if c == "bf16" else Facts()
     device = linear_device(EAGER_FLAT, fixed_ms=3.0)
@@ -1344,7 +1339,18 @@ def test_where_eager_keeps_fp32_the_search_compiles_the_autocast_precision_too(
         return 3.0 * ms if eager_bf16 else ms
 
     device.step_ms = slow_eager_bf16
-    plan = _plan(workload, profile, strategies, device)
+    return _plan(workload, profile, strategies, device)
+
+
+def test_where_eager_keeps_fp32_the_search_compiles_the_autocast_precision_too(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: eager, bf16's casts cost more than they save (its steps 3x fp32's here), so
+    the eager pick is fp32; compiled, the casts fuse away and bf16's halved bytes hold a
+    larger batch. The search compiles the eager pick's choices in bf16 too, and picks it
+    (hf_gpt2 on an H100: eager tf32 624 at 23,473/s; compiled tf32 52,706/s; bf16
+    compiled held 1,339 at 90,619/s with a dynamic batch, never searched: session 17)."""
+    plan = _plan_where_eager_keeps_fp32(workload, profile, strategies, linear_device)
     stage = plan.stages[0]
     assert stage.eager_candidate.choices.get("precision", "fp32") == "fp32"
     lowered = [v for v in stage.variants if v.choices.get("precision") == "bf16"]
@@ -1365,18 +1371,7 @@ def test_where_the_autocast_candidate_is_searched_the_checkpointing_axis_varies_
     searched tf32 with 2 and 4 blocks checkpointed and picked bf16 without checkpointing,
     75,238 samples/s, where the bf16 plan's candidates (bf16, 2 and 4 blocks) found bf16 with
     4 blocks, 92,602 samples/s; compiled, bf16 ran 1.3-1.46x tf32's rate at batch 1020."""
-    precision = next(s for s in strategies if s.name == "precision")
-    precision.facts = lambda c: Facts(autocast="bf16") if c == "bf16" else Facts()
-    device = linear_device(EAGER_FLAT, fixed_ms=3.0)
-    step_ms = device.step_ms
-
-    def slow_eager_bf16(candidate):
-        ms = step_ms(candidate)
-        eager_bf16 = device.compiled(candidate) is None and device.key(candidate)[0] == "bf16"
-        return 3.0 * ms if eager_bf16 else ms
-
-    device.step_ms = slow_eager_bf16
-    plan = _plan(workload, profile, strategies, device)
+    plan = _plan_where_eager_keeps_fp32(workload, profile, strategies, linear_device)
     stage = plan.stages[0]
     assert stage.eager_candidate.choices.get("precision", "fp32") == "fp32"
     checkpointed = [v for v in stage.variants if _blocks(v.choices)]
