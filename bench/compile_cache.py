@@ -2,10 +2,15 @@
 
 The planner measures compiled candidates in fresh processes, each compiling the model again.
 This bench runs such processes one after another on one ``TORCHINDUCTOR_CACHE_DIR`` (new,
-so the first is cold) and prints, per process, the first step (compile included), the
-steady step, the peak, and what dynamo, inductor's FX-graph cache and AOTAutograd's cache
-did (hits, misses). A run is ``BATCH:static`` (shapes as training compiles them) or
-``BATCH:dynamic`` (the batch dimension marked dynamic, so one graph serves every batch).
+so the first is cold), each a ``train_candidate`` run as the planner's device makes it
+(the model built, rewritten and trained in it), and prints, per process, the imports and
+the workload's load (``import_load_s``), the first step (the compile in it), the steady
+step, the peak, dynamo's graphs, and what inductor's
+FX-graph cache and AOTAutograd's cache did together (hits, misses). A run is
+``BATCH:static`` (shapes as training compiles them) or ``BATCH:dynamic`` (the compile
+choice's ``dynamic_batch``, so one graph serves every batch). Run one at a time on a host:
+a compile in another process slows a small model's timed steps (docs/design.md, session
+21).
 
     python bench/compile_cache.py --model gpt2 --runs 8:static,8:static,12:static,8:dynamic
 
@@ -58,7 +63,7 @@ def _child(target: str, batch: int, dynamic: bool, choices: dict[str, Any], step
             {
                 "batch": batch,
                 "dynamic": dynamic,
-                "import_build_s": round(ready_s, 2),
+                "import_load_s": round(ready_s, 2),
                 "first_step_s": round(measured.first_step_ms / 1e3, 2),
                 "steady_ms": round(measured.step_ms, 2),
                 "samples_per_s": round(measured.samples_per_s, 1),

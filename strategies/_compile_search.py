@@ -35,8 +35,8 @@ therefore measures compiled variants of several eager combinations, not only of 
    the line where it matters, and the batch search's start. A candidate whose every run
    compiles afresh (checkpointed blocks on torch 2.11 CUDA) gets it only where its line is
    within :data:`SECOND_RUN_SHARE` of the best's: runs made at once wait for the slowest.
-   Then, budget left, a candidate whose only run ran out (not retried in pass 1) gets one
-   at half that batch. On a
+   Then, budget left, a candidate whose only run ran out gets one at half that batch
+   (where its pass-1 retry in its own process ran out too, half the retry's). On a
    device of runs at once, where these runs leave runs free in their group, the leader's
    static form (the pick's verification if the leader stays the pick at that batch) goes
    with them, and those of candidates whose line is within :data:`SECOND_RUN_SHARE` of the
@@ -124,8 +124,8 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from memadvisor import _torch_private
 from memadvisor.errors import ProbeProcessError, is_our_bug
-from memadvisor.schema.candidate import Candidate, Measurement
-from memadvisor.schema.plan import StepFit
+from memadvisor.schema.candidate import RETRY_RAN_OUT_HERE, Candidate, Measurement
+from memadvisor.schema.plan import Probe, StepFit
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Confirmed, Estimated, PickStage, Strategy, chosen_strategies
 from strategies._compile_model import EagerLines, fit_step, predicted, samples_per_s
@@ -389,10 +389,12 @@ def search_variants(
         return max(1, min(int(scored.largest_batch * scale), stage.config.max_batch))
 
     lowered = _autocast_instead(stage, own)
+    lowered_searched = False
     if plain and lowered is not None:
         scored = stage.score(lowered)
         if scored is not None:
             found.append((lowered, plain[0], start_of(scored)))
+            lowered_searched = True
     users_loss = _users_loss_instead(lowered or own, strategies)
     if plain and users_loss is not None and not search_form(plain[0], profile, settings).regional:
         scored = stage.score(users_loss)
@@ -404,7 +406,7 @@ def search_variants(
         name, options = axis
         # Where the autocast candidate is searched, the checkpointing axis varies it, not
         # the eager pick's precision (_axis_base).
-        base = lowered if lowered is not None else own
+        base = lowered if lowered is not None and lowered_searched else own
         for option in _spread(options):
             choices = {n: c for n, c in base.items() if n != name}
             if not _neutral(strategies, name, option):
@@ -433,8 +435,11 @@ def search_variants(
                 COMPILE: (choice if settings.confirm_offered else form).static().to_json(),
             },
             label=label(choices, form, len(profile.blocks), strategies)
-            + "".join(f", {w}" for w in [_precision_changed(own, choices, axis)] if w)
-            + (_users_loss_words(own, choices) if choices is users_loss else ""),
+            + (
+                _users_loss_words(own, choices)
+                if choices is users_loss
+                else "".join(f", {w}" for w in [_precision_changed(own, choices, axis)] if w)
+            ),
             start_batch=start,
             eager=EagerLines.of(profile, choices, stage.strategies, start),
         )
@@ -478,7 +483,8 @@ def _precision_changed(
 ) -> str:
     """``'bf16'``: what a candidate sets otherwise than the eager pick beyond the
     checkpointing axis (its label says that part), for the label of the autocast candidate
-    and of the axis's candidates built on it; empty for the others."""
+    and of the axis's candidates built on it; empty for the eager pick's own and the
+    budgeted ones (the user's-loss candidate's label says its own words)."""
     name = axis[0] if axis is not None else None
     return ", ".join(str(c) for n, c in choices.items() if n != name and own.get(n) != c)
 
@@ -657,7 +663,8 @@ class Search:
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
         # Pass 2's riders (_static_riders): those sent, "label at batch"; and why a near
-        # candidate's static form did not ride, by label (what a card's plan shows of it).
+        # candidate's static form did not ride, by label (the leader's alone where pass 2
+        # leaves no room): what a card's plan shows of it.
         self.riders: list[str] = []
         self.not_riding: dict[str, str] = {}
 
@@ -1143,28 +1150,34 @@ class Search:
         run's own process is not counted as one of the search's runs (no process, no compile
         of its own), one made as a run of its own (a fork server that fell back) is. Where
         the retry ran out too (a record of ``half`` run out among the stage's records from
-        ``since`` on), both are taken as run out, and pass 2 retries below ``half``, not at
-        it: the run's own process had answered that batch, and a retry there is a process
-        and a compile."""
+        ``since`` on), both are taken as run out (the retry's counted as the success's is),
+        and pass 2 retries below ``half``, not at it: that batch had its answer, and a retry
+        in pass 2 is a process and a compile."""
         first = answer.ran_out_first if isinstance(answer, Measurement) else None
         if first is not None and half and first.batch_size == batch:
             self._take(v, batch, None)
             self.free_retries += 1 if first.same_process else 0
             return self._take(v, half, answer)
-        if answer is None and half and self._ran_out_at(v, half, since):
+        again = self._ran_out_at(v, half, since) if answer is None and half else None
+        if again is not None:
             self._take(v, batch, None)
-            self.free_retries += 1  # the retry's record: no run of the search's
+            # Its record is no run of the search's where it ran in the first's process.
+            self.free_retries += 1 if (again.error or "").startswith(RETRY_RAN_OUT_HERE) else 0
             return self._take(v, half, None)
         return self._take(v, batch, answer)
 
-    def _ran_out_at(self, v: Variant, batch: int, since: int) -> bool:
-        """Whether the stage's records from ``since`` on say ``v`` ran out at ``batch``."""
-        return any(
-            not p.fits
-            and p.batch_size == batch
-            and p.candidate is not None
-            and p.candidate.choices == v.choices
-            for p in self.stage.probes[since:]
+    def _ran_out_at(self, v: Variant, batch: int, since: int) -> Probe | None:
+        """The stage's record from ``since`` on of ``v`` run out at ``batch``; None."""
+        return next(
+            (
+                p
+                for p in self.stage.probes[since:]
+                if not p.fits
+                and p.batch_size == batch
+                and p.candidate is not None
+                and p.candidate.choices == v.choices
+            ),
+            None,
         )
 
     def _take(self, v: Variant, batch: int, answer: Measurement | None | Exception) -> bool | None:

@@ -78,7 +78,8 @@ class Device(ABC):
         where a candidate runs out of memory and ``retry_at`` is a smaller batch, that batch
         of it is measured too, and answers with ``ran_out_first`` saying what ran out (an
         out-of-memory where the retry ran out too, ``memadvisor_retry_ran_out`` on it the
-        retry's batch). Default: the runs, then the retries as
+        retry's batch, ``memadvisor_retry_same_process`` whether it ran in the first's
+        process). Default: the runs, then the retries as
         runs of their own, each from a clean state (``same_process`` False). A device that
         keeps a run's process (``CudaDevice``'s fork server) makes the retry in it: a
         compiled step with a dynamic batch then trains the smaller batch without a second
@@ -102,6 +103,7 @@ class Device(ABC):
                 # where the retry ran out.
                 if self.is_oom(answer):
                     error.memadvisor_retry_ran_out = retry.batch_size  # type: ignore[attr-defined]
+                    error.memadvisor_retry_same_process = False  # type: ignore[attr-defined]
                 continue
             steps = int(getattr(error, "memadvisor_steps_completed", 0))
             first = RanOutFirst.of(runs[i][0].batch_size, error, steps, same_process=False)

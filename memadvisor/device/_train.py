@@ -93,7 +93,8 @@ def train_candidate(
     Raises:
         torch.OutOfMemoryError: (or another error ``is_oom`` accepts) when it does not fit
             (with ``retry_at``: the first batch's message and steps, where the retry ran out
-            too, and ``memadvisor_retry_ran_out`` on it the retry's batch);
+            too, ``memadvisor_retry_ran_out`` on it the retry's batch and
+            ``memadvisor_retry_same_process`` True);
             ``memadvisor_steps_completed`` on the error says how many steps finished.
     """
     torch.cuda.synchronize(device)
@@ -145,6 +146,7 @@ def train_candidate(
                 error.memadvisor_steps_completed = first.steps  # type: ignore[attr-defined]
                 # ... and says the retry ran out too: the search then tries no batch above it
                 error.memadvisor_retry_ran_out = retry_at  # type: ignore[attr-defined]
+                error.memadvisor_retry_same_process = True  # type: ignore[attr-defined]
                 raise error
             times_ms[0] = max(times_ms[0], first_ms)
     except Exception as e:

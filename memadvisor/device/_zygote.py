@@ -192,8 +192,9 @@ def _error_answer(e: BaseException) -> dict[str, Any]:
             "steps_completed": int(getattr(e, "memadvisor_steps_completed", 0)),
         }
         retried = getattr(e, "memadvisor_retry_ran_out", None)
-        if retried is not None:  # the retry in this child ran out too (train_candidate)
+        if retried is not None:  # the retry ran out too (train_candidate's, in this child)
             answer["retry_ran_out"] = int(retried)
+            answer["retry_same_process"] = bool(getattr(e, "memadvisor_retry_same_process", True))
         return answer
     return {
         "status": "error",

@@ -718,6 +718,8 @@ def _measurement(
         error.memadvisor_steps_completed = answer.get("steps_completed", 0)  # type: ignore[attr-defined]
         if answer.get("retry_ran_out") is not None:  # its retry in the child ran out too
             error.memadvisor_retry_ran_out = answer["retry_ran_out"]  # type: ignore[attr-defined]
+            same = bool(answer.get("retry_same_process", True))
+            error.memadvisor_retry_same_process = same  # type: ignore[attr-defined]
         raise error
     if status == "unloadable":
         fall_back(f"a fresh process could not load the workload ({answer['message']})")

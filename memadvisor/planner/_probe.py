@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from memadvisor.device import Device
 from memadvisor.errors import PlanningError
-from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.candidate import RETRY_RAN_OUT_HERE, Candidate, Measurement
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
 
@@ -295,7 +295,7 @@ def probe_many(
     *,
     stage: str = "probe",
     retry_at: Sequence[int | None] | None = None,
-    ran_out_too: dict[int, int] | None = None,
+    ran_out_too: dict[int, tuple[int, bool]] | None = None,
 ) -> list[tuple[Probe | None, Measurement | None, Exception | None]]:
     """Run ``candidates`` for ``steps`` steps each through ``device.run_many`` (at once where
     the device can); per candidate, in order: its probe record and its measurement (None
@@ -306,7 +306,8 @@ def probe_many(
     (``device.run_many_retrying``); such a run's record is the retry's (its batch), its
     measurement's ``ran_out_first`` says what ran out (the caller records that). Where the
     retry ran out too, the record is the first batch's, and ``ran_out_too`` (when given)
-    gets the candidate's index and the retry's batch (the caller records that).
+    gets the candidate's index, the retry's batch and whether it ran in the first's
+    process (the caller records that).
 
     Raises:
         PlanningError: the device answered a different number of runs than it was given.
@@ -334,7 +335,8 @@ def probe_many(
             out.append((_ran_out(candidate, _failure(answer), t0, stage), None, None))
             retried = getattr(answer, "memadvisor_retry_ran_out", None)
             if ran_out_too is not None and retry_at is not None and retried == retry_at[i]:
-                ran_out_too[i] = int(retried)
+                here = bool(getattr(answer, "memadvisor_retry_same_process", False))
+                ran_out_too[i] = (int(retried), here)
             answers[i] = None  # type: ignore[call-overload]  # its traceback goes (below)
             ran_out = True
         else:
@@ -369,15 +371,21 @@ def ran_out_record(candidate: Candidate, measured: Measurement, stage: str) -> P
     )
 
 
-def retry_ran_out_record(candidate: Candidate, batch: int, stage: str) -> Probe:
-    """The record of ``candidate``'s retry at ``batch`` in the same process, which ran out
-    after the candidate's own batch had (``probe_many``'s ``ran_out_too``)."""
+def retry_ran_out_record(candidate: Candidate, batch: int, same_process: bool, stage: str) -> Probe:
+    """The record of ``candidate``'s retry at ``batch``, which ran out after the candidate's
+    own batch had (``probe_many``'s ``ran_out_too``): in that run's process
+    (``same_process``; the record begins with :data:`RETRY_RAN_OUT_HERE`) or as a run of its
+    own."""
+    where = (
+        f"{RETRY_RAN_OUT_HERE} batch {candidate.batch_size} had run out"
+        if same_process
+        else f"ran out too, retried as a run of its own after batch {candidate.batch_size}"
+    )
     return Probe(
         batch_size=batch,
         fits=False,
         steps=0,
-        error=f"ran out retried at batch {batch} in the process where batch "
-        f"{candidate.batch_size} had run out",
+        error=where,
         stage=stage,
         candidate=_at(candidate, batch),
     )

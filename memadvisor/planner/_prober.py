@@ -192,7 +192,7 @@ class Prober:
             f"batches {batches} running at once" if len(to_run) > 1 else f"batch {batches} running"
         )
         self._describe(f"{doing}: {many}")
-        too: dict[int, int] = {}
+        too: dict[int, tuple[int, bool]] = {}
         ran = probe_many(
             self.device,
             self.workload,
@@ -208,7 +208,7 @@ class Prober:
                 continue
             if j in too:  # its retry ran out too: that batch's record after the first's
                 self._keep(candidates[i], steps, record, None, doing)
-                again = retry_ran_out_record(candidates[i], too[j], stage)
+                again = retry_ran_out_record(candidates[i], *too[j], stage)
                 assert again.candidate is not None
                 self._keep(again.candidate, steps, again, None, doing)
                 answers[i] = None

@@ -12,7 +12,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-__all__ = ["Candidate", "Estimate", "Measurement", "MemoryKind", "PeakPhase", "RanOutFirst"]
+__all__ = [
+    "RETRY_RAN_OUT_HERE",
+    "Candidate",
+    "Estimate",
+    "Measurement",
+    "MemoryKind",
+    "PeakPhase",
+    "RanOutFirst",
+]
+
+# How the record of a retry that ran out too in the run's own process begins (the prober
+# writes it, the compile search counts it as no run of its own).
+RETRY_RAN_OUT_HERE = "ran out too, retried in the process where"
 
 PeakPhase = Literal["forward", "backward", "optimizer"]
 MemoryKind = Literal["params", "grads", "optimizer_state", "activations", "temporaries"]

@@ -661,6 +661,7 @@ def test_a_retry_that_ran_out_too_in_the_child_says_so_in_the_parents_error() ->
         error.memadvisor_steps_completed = 1
         if retried is not None:
             error.memadvisor_retry_ran_out = retried
+            error.memadvisor_retry_same_process = True
         try:
             raise error
         except torch.OutOfMemoryError as e:
@@ -670,6 +671,8 @@ def test_a_retry_that_ran_out_too_in_the_child_says_so_in_the_parents_error() ->
         with pytest.raises(torch.OutOfMemoryError) as caught:
             _measurement(answer, Candidate(batch_size=1000), fall_back)
         assert getattr(caught.value, "memadvisor_retry_ran_out", None) == retried
+        same = getattr(caught.value, "memadvisor_retry_same_process", None)
+        assert same is (True if retried else None)
         assert caught.value.memadvisor_steps_completed == 1
 
 

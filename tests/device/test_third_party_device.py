@@ -158,6 +158,7 @@ def test_the_default_retry_that_runs_out_too_leaves_the_first_error_naming_the_r
     both, retried, alone = answers
     assert isinstance(both, NpuOutOfMemoryError), both
     assert f"batch {huge}" in str(both) and both.memadvisor_retry_ran_out == huge // 2
+    assert both.memadvisor_retry_same_process is False  # a run of its own
     assert not isinstance(retried, Exception) and retried.ran_out_first is not None
     assert retried.ran_out_first.batch_size == huge
     assert isinstance(alone, NpuOutOfMemoryError)

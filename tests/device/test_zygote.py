@@ -307,7 +307,8 @@ def test_train_candidate_retries_the_smaller_batch_in_its_process_from_no_gradie
         train(8, 4)
     assert "batch 8 does not fit" in str(caught.value)
     assert caught.value.memadvisor_steps_completed == 1
-    assert caught.value.memadvisor_retry_ran_out == 4  # and says the retry ran out too
+    assert caught.value.memadvisor_retry_ran_out == 4  # and says the retry ran out too,
+    assert caught.value.memadvisor_retry_same_process is True  # here
 
 
 def test_the_turn_is_one_process_at_a_time_and_is_free_again_after_it(tmp_path: Path) -> None:
