@@ -405,8 +405,8 @@ def search_variants(
     if plain and axis is not None:
         name, options = axis
         # Where the autocast candidate is searched, the checkpointing axis varies it, not
-        # the eager pick's precision (_axis_base).
-        base = lowered if lowered is not None and lowered_searched else own
+        # the eager pick's precision (_autocast_instead says why).
+        base = lowered if lowered_searched and lowered is not None else own
         for option in _spread(options):
             choices = {n: c for n, c in base.items() if n != name}
             if not _neutral(strategies, name, option):
