@@ -30,6 +30,8 @@ __all__ = [
     "UserCodeError",
     "is_oom",
     "is_our_bug",
+    "mark_retry_ran_out",
+    "retry_ran_out",
     "user_code_frame",
 ]
 
@@ -159,6 +161,23 @@ def is_oom(error: BaseException) -> bool:
         message = str(error.args[0])
         return any(m in message for m in _OOM_MESSAGES)
     return False
+
+
+def mark_retry_ran_out(error: BaseException, batch: int, *, same_process: bool) -> None:
+    """Note on ``error`` (a run's out-of-memory) that its retry at the smaller ``batch`` ran
+    out too, in the run's own process or as a run of its own (``Device.run_many_retrying``):
+    the one place the two attributes are spelled, read back by :func:`retry_ran_out`."""
+    error.memadvisor_retry_ran_out = int(batch)  # type: ignore[attr-defined]
+    error.memadvisor_retry_same_process = bool(same_process)  # type: ignore[attr-defined]
+
+
+def retry_ran_out(error: BaseException) -> tuple[int, bool] | None:
+    """(the retry's batch, whether it ran in the run's own process) where ``error`` says its
+    retry ran out too (:func:`mark_retry_ran_out`); None where it does not."""
+    batch = getattr(error, "memadvisor_retry_ran_out", None)
+    if batch is None:
+        return None
+    return int(batch), bool(getattr(error, "memadvisor_retry_same_process", False))
 
 
 # torch's own files and the standard library's: code that runs the user's, not code they wrote.

@@ -92,8 +92,9 @@ Known limitations:
     * A pass-1 retry in the run's own process starts after a failed step: its allocated
       peak is a fresh run's (the failed steps' memory freed), but the allocator's segments
       may be split, so it can run out where a fresh process would fit (the candidate then
-      has no line from pass 1). Where the retry runs out too, the answer is the first
-      batch's out-of-memory, and pass 2 retries the same half as a run of its own.
+      has no line from pass 1). Where the retry runs out too, both batches count as run out
+      and pass 2 retries at half the retry's batch: a split allocator, not the batch, may
+      have stopped the retry.
     * The candidates are ranked on their dynamic graphs; only the winner's static graph is
       run. Where the static one runs out at the winner's batch, the search's pick goes to
       the verification, which steps the batch down.
@@ -402,6 +403,7 @@ def search_variants(
             found.append((users_loss, plain[0], start_of(scored)))
     others = []
     axis = _recompute_axis(stage)
+    axis_name = axis[0] if axis is not None else None
     if plain and axis is not None:
         name, options = axis
         # Where the autocast candidate is searched, the checkpointing axis varies it, not
@@ -438,7 +440,7 @@ def search_variants(
             + (
                 _users_loss_words(own, choices)
                 if choices is users_loss
-                else "".join(f", {w}" for w in [_precision_changed(own, choices, axis)] if w)
+                else "".join(f", {w}" for w in [_changed(own, choices, axis_name)] if w)
             ),
             start_batch=start,
             eager=EagerLines.of(profile, choices, stage.strategies, start),
@@ -471,22 +473,13 @@ def _recompute_axis(stage: PickStage) -> tuple[str, list[JsonValue]] | None:
     return None
 
 
-def _changed(own: dict[str, JsonValue], choices: dict[str, JsonValue]) -> str:
-    """``'bf16'``: the choices that differ from ``own``'s, for a candidate's label."""
-    return ", ".join(str(c) for n, c in choices.items() if own.get(n) != c)
-
-
-def _precision_changed(
-    own: dict[str, JsonValue],
-    choices: dict[str, JsonValue],
-    axis: tuple[str, list[JsonValue]] | None,
+def _changed(
+    own: dict[str, JsonValue], choices: dict[str, JsonValue], besides: str | None = None
 ) -> str:
-    """``'bf16'``: what a candidate sets otherwise than the eager pick beyond the
-    checkpointing axis (its label says that part), for the label of the autocast candidate
-    and of the axis's candidates built on it; empty for the eager pick's own and the
-    budgeted ones (the user's-loss candidate's label says its own words)."""
-    name = axis[0] if axis is not None else None
-    return ", ".join(str(c) for n, c in choices.items() if n != name and own.get(n) != c)
+    """``'bf16'``: the choices that differ from ``own``'s, for a candidate's label; not
+    ``besides``'s (the checkpointing axis, which the label says in its own words). Empty
+    for the eager pick's own choices and the budgeted ones."""
+    return ", ".join(str(c) for n, c in choices.items() if n != besides and own.get(n) != c)
 
 
 def _autocast_instead(stage: PickStage, own: dict[str, JsonValue]) -> dict[str, JsonValue] | None:

@@ -102,8 +102,7 @@ class Device(ABC):
                 # The retry ran out (or failed): the first batch's error stands, and says
                 # where the retry ran out.
                 if self.is_oom(answer):
-                    error.memadvisor_retry_ran_out = retry.batch_size  # type: ignore[attr-defined]
-                    error.memadvisor_retry_same_process = False  # type: ignore[attr-defined]
+                    errors.mark_retry_ran_out(error, retry.batch_size, same_process=False)
                 continue
             steps = int(getattr(error, "memadvisor_steps_completed", 0))
             first = RanOutFirst.of(runs[i][0].batch_size, error, steps, same_process=False)

@@ -28,7 +28,7 @@ import torch
 
 from memadvisor import _torch_private
 from memadvisor.device._turns import taking_turn
-from memadvisor.errors import is_oom
+from memadvisor.errors import is_oom, mark_retry_ran_out
 from memadvisor.schema.candidate import Candidate, Measurement, RanOutFirst
 from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import Profile
@@ -145,8 +145,7 @@ def train_candidate(
                 error = torch.OutOfMemoryError(first.message)
                 error.memadvisor_steps_completed = first.steps  # type: ignore[attr-defined]
                 # ... and says the retry ran out too: the search then tries no batch above it
-                error.memadvisor_retry_ran_out = retry_at  # type: ignore[attr-defined]
-                error.memadvisor_retry_same_process = True  # type: ignore[attr-defined]
+                mark_retry_ran_out(error, retry_at, same_process=True)
                 raise error
             times_ms[0] = max(times_ms[0], first_ms)
     except Exception as e:

@@ -180,7 +180,7 @@ def cuda_runner(workload: Any, candidate: Any, steps: int, context: RunContext) 
 
 
 def _error_answer(e: BaseException) -> dict[str, Any]:
-    from memadvisor.errors import BadInputError, is_oom
+    from memadvisor.errors import BadInputError, is_oom, retry_ran_out
 
     if isinstance(e, Unforkable) or _FORKED_AUTOGRAD in str(e):
         return {"status": "unforkable", "message": str(e)}
@@ -191,10 +191,9 @@ def _error_answer(e: BaseException) -> dict[str, Any]:
             "message": text.splitlines()[0] if text else type(e).__name__,
             "steps_completed": int(getattr(e, "memadvisor_steps_completed", 0)),
         }
-        retried = getattr(e, "memadvisor_retry_ran_out", None)
+        retried = retry_ran_out(e)
         if retried is not None:  # the retry ran out too (train_candidate's, in this child)
-            answer["retry_ran_out"] = int(retried)
-            answer["retry_same_process"] = bool(getattr(e, "memadvisor_retry_same_process", True))
+            answer["retry_ran_out"], answer["retry_same_process"] = retried
         return answer
     return {
         "status": "error",

@@ -81,7 +81,12 @@ from memadvisor.device._lifetime import (
 )
 from memadvisor.device._train import RESULT_MARKER, train_candidate
 from memadvisor.device._zygote import ForkServer, ZygoteDied
-from memadvisor.errors import BadInputError, PlanningError, ProbeProcessError
+from memadvisor.errors import (
+    BadInputError,
+    PlanningError,
+    ProbeProcessError,
+    mark_retry_ran_out,
+)
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.device import DeviceCapabilities, card_capabilities
 from memadvisor.schema.profile import Profile
@@ -717,9 +722,8 @@ def _measurement(
         error = torch.OutOfMemoryError(answer["message"])
         error.memadvisor_steps_completed = answer.get("steps_completed", 0)  # type: ignore[attr-defined]
         if answer.get("retry_ran_out") is not None:  # its retry in the child ran out too
-            error.memadvisor_retry_ran_out = answer["retry_ran_out"]  # type: ignore[attr-defined]
             same = bool(answer.get("retry_same_process", True))
-            error.memadvisor_retry_same_process = same  # type: ignore[attr-defined]
+            mark_retry_ran_out(error, answer["retry_ran_out"], same_process=same)
         raise error
     if status == "unloadable":
         fall_back(f"a fresh process could not load the workload ({answer['message']})")

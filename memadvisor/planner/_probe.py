@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from memadvisor.device import Device
-from memadvisor.errors import PlanningError
+from memadvisor.errors import PlanningError, retry_ran_out
 from memadvisor.schema.candidate import RETRY_RAN_OUT_HERE, Candidate, Measurement
 from memadvisor.schema.plan import Probe
 from memadvisor.workload import Workload
@@ -333,10 +333,10 @@ def probe_many(
             out.append((_fitted(candidate, answer, t0, stage), answer, None))
         elif device.is_oom(answer):
             out.append((_ran_out(candidate, _failure(answer), t0, stage), None, None))
-            retried = getattr(answer, "memadvisor_retry_ran_out", None)
-            if ran_out_too is not None and retry_at is not None and retried == retry_at[i]:
-                here = bool(getattr(answer, "memadvisor_retry_same_process", False))
-                ran_out_too[i] = (int(retried), here)
+            retried = retry_ran_out(answer)
+            asked = retry_at[i] if retry_at is not None else None
+            if ran_out_too is not None and retried is not None and retried[0] == asked:
+                ran_out_too[i] = retried
             answers[i] = None  # type: ignore[call-overload]  # its traceback goes (below)
             ran_out = True
         else:
