@@ -35,11 +35,23 @@ sys.path.insert(0, str(HERE.parent))
 from plan_speed import MODELS  # noqa: E402
 
 
-def _child(target: str, batch: int, dynamic: bool, choices: dict[str, Any], steps: int) -> None:
+def _child(
+    target: str,
+    batch: int,
+    dynamic: bool,
+    choices: dict[str, Any],
+    steps: int,
+    budget_gib: float | None = None,
+) -> None:
     """One run as the planner's device makes it (``train_candidate``), the compile choice
-    made dynamic in its batch (the compile search's form) or static (the user's)."""
+    made dynamic in its batch (the compile search's form) or static (the user's); with
+    ``budget_gib``, capped as a probe process is (the card's memory fraction)."""
     started = time.perf_counter()
     import torch
+
+    if budget_gib is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(budget_gib * 2**30 / total)
 
     from memadvisor import _torch_private
     from memadvisor.device._train import train_candidate
@@ -71,6 +83,11 @@ def _child(target: str, batch: int, dynamic: bool, choices: dict[str, Any], step
                 "graphs": counters.get("stats", {}).get("unique_graphs", 0),
                 "cache_hits": measured.compile_cache_hits,
                 "cache_misses": measured.compile_cache_misses,
+                # The allocator's own count of cudaMalloc failures it answered by freeing its
+                # cache and retrying: many a step is a step slowed near the cap.
+                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries"),
+                "reserved_peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
+                "budget_gib": budget_gib,
             }
         ),
         flush=True,
@@ -85,25 +102,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--cache-dir", help="default: a new temporary directory")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--budget-gib", type=float, help="cap each run's process as a probe's (default: none)"
+    )
+    parser.add_argument(
+        "--expandable",
+        action="store_true",
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as a plan's runs have",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     choices = json.loads(args.choices)
     if args.child:
         target, batch, mode = args.child
-        _child(target, int(batch), mode == "dynamic", choices, args.steps)
+        _child(target, int(batch), mode == "dynamic", choices, args.steps, args.budget_gib)
         return
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="compile-cache-"))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     env["TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO"] = "0"
+    if args.expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     for run in args.runs.split(","):
         batch, mode = run.split(":")
         cmd = [sys.executable, str(HERE), "--child", MODELS[args.model], batch, mode]
         cmd += ["--choices", args.choices, "--steps", str(args.steps)]
+        if args.budget_gib is not None:
+            cmd += ["--budget-gib", str(args.budget_gib)]
         started = time.perf_counter()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - started
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         record = {"model": args.model, "run": run, "choices": choices, "wall_s": round(wall, 1)}
+        record["expandable"] = args.expandable
         if lines:
             record |= json.loads(lines[-1][len("RESULT ") :])
         else:
