@@ -323,7 +323,9 @@ def cuda_memory_counters(device: torch.device | str | int | None = None) -> dict
 
     Returns:
         ``allocated``, ``allocated_peak``, ``reserved``, ``reserved_peak`` (bytes) and
-        ``allocations`` (cumulative count of allocations).
+        ``allocations`` (cumulative count of allocations) and ``alloc_retries`` (cumulative
+        count of allocations that failed, made the allocator free its cache, and were
+        tried again: a step that fits only so is slow).
     """
     if device is None:
         index = torch.cuda.current_device()
@@ -342,6 +344,7 @@ def cuda_memory_counters(device: torch.device | str | int | None = None) -> dict
             "reserved": reserved["current"],
             "reserved_peak": reserved["peak"],
             "allocations": s["allocation"]["all"]["allocated"],
+            "alloc_retries": int(s.get("num_alloc_retries", 0)),
         }
     flat = torch.cuda.memory_stats(index)  # pragma: no cover - moved in a future torch
     return {  # pragma: no cover
@@ -350,6 +353,7 @@ def cuda_memory_counters(device: torch.device | str | int | None = None) -> dict
         "reserved": flat.get("reserved_bytes.all.current", 0),
         "reserved_peak": flat.get("reserved_bytes.all.peak", 0),
         "allocations": flat.get("allocation.all.allocated", 0),
+        "alloc_retries": flat.get("num_alloc_retries", 0),
     }
 
 

@@ -28,7 +28,7 @@ import torch
 
 from memadvisor import _torch_private
 from memadvisor.device._turns import taking_turn
-from memadvisor.errors import is_oom, mark_retry_ran_out
+from memadvisor.errors import check_allocator_retries, is_oom, mark_retry_ran_out
 from memadvisor.schema.candidate import Candidate, Measurement, RanOutFirst
 from memadvisor.schema.config import samples_per_s
 from memadvisor.schema.profile import Profile
@@ -189,9 +189,11 @@ def _steps(
 ) -> None:
     """``steps`` training steps of ``candidate``'s batch, each step's time appended to
     ``times_ms`` as it ends; the steps from ``turn_from`` on (the timed ones: all but the
-    first) in the turn."""
+    first) in the turn. Where the allocator retried an allocation in most timed steps, the
+    batch counts as out of memory (``AllocatorRetriesError``, after the last step)."""
     batch = run.batch(candidate.batch_size, device)
     held: list = []  # the last output, alive into the next step as a user's loop keeps it
+    retries = [_torch_private.cuda_memory_counters(device)["alloc_retries"]]
     with contextlib.ExitStack() as turn:  # the turn ends with the steps, by an error too
         for done in range(steps):
             if done == turn_from:  # before the first timed step; the wait is in no step's time
@@ -207,3 +209,5 @@ def _steps(
             )
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)
+            retries.append(_torch_private.cuda_memory_counters(device)["alloc_retries"])
+    check_allocator_retries(retries, candidate.batch_size, times_ms[-steps:])

@@ -171,6 +171,10 @@ def _stub_cuda(monkeypatch) -> None:
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
     for name in ("max_memory_allocated", "max_memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 1)
+    from memadvisor import _torch_private
+
+    # The allocator never retried: every batch fits (tests/device/test_train.py: when not).
+    monkeypatch.setattr(_torch_private, "cuda_memory_counters", lambda *a: {"alloc_retries": 0})
 
 
 def test_train_candidate_takes_the_turn_after_its_first_step_and_gives_it_back(

@@ -1,0 +1,106 @@
+"""A run's steps on a card (memadvisor/device/_train.py), on the CPU with the CUDA calls it
+makes stubbed: what the allocator's retry counter decides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memadvisor import _torch_private
+from memadvisor.device import _train
+from memadvisor.errors import AllocatorRetriesError, is_oom
+from memadvisor.schema.candidate import Candidate
+from memadvisor.workload import Workload
+
+
+@pytest.fixture
+def retrying(monkeypatch) -> dict:
+    """The CUDA calls train_candidate makes, on the CPU; the allocator's retry count rises by
+    one each time it is read after a step of a batch in ``state["at"]`` (the loss records the
+    batch it saw)."""
+    state: dict = {"at": set(), "batch": None, "count": 0}
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 0)
+
+    def counters(device=None) -> dict[str, int]:
+        if state["batch"] in state["at"]:
+            state["count"] += 1
+        state["batch"] = None
+        return {"alloc_retries": state["count"]}
+
+    monkeypatch.setattr(_torch_private, "cuda_memory_counters", counters)
+    return state
+
+
+def _workload(state: dict) -> Workload:
+    def loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        state["batch"] = len(batch)
+        return out.square().mean()
+
+    torch.manual_seed(0)
+    return Workload(model=nn.Linear(8, 4), sample_batch=torch.randn(4, 8), loss_fn=loss)
+
+
+def _run(state: dict, batch: int, steps: int = 5, retry_at: int | None = None):
+    return _train.train_candidate(
+        _workload(state),
+        Candidate(batch_size=batch),
+        steps,
+        device=torch.device("cpu"),
+        strategies=[],
+        retry_at=retry_at,
+    )
+
+
+def test_a_batch_the_allocator_retries_in_every_timed_step_ran_out(retrying: dict) -> None:
+    """Rule: a run whose timed steps (all but the first) made the caching allocator free its
+    cache and retry, most of them, raises an out-of-memory error that says so and how many
+    steps ended; one that retried in its first step only (warm-up, the optimizer's state)
+    fits."""
+    retrying["at"] = {8}
+    with pytest.raises(AllocatorRetriesError) as caught:
+        _run(retrying, 8)
+    assert is_oom(caught.value)
+    assert caught.value.retried_steps == 4 and caught.value.timed_steps == 4
+    assert caught.value.memadvisor_steps_completed == 5
+    assert "batch 8" in str(caught.value) and "4 of 4" in str(caught.value)
+    assert "\n" not in str(caught.value)  # a fork server's child sends the first line
+
+    retrying["at"] = set()
+    retrying["count"] = 0
+    measured = _run(retrying, 8)
+    assert measured.steps == 5 and measured.ran_out_first is None
+
+
+def test_the_retries_share_decides_and_a_lone_retry_does_not(monkeypatch) -> None:
+    """Rule: the count is per step (did the counter move in it), over the timed steps, and
+    it takes at least half of them; a retry in the first step and one timed step in four
+    are not enough."""
+    from memadvisor.errors import check_allocator_retries
+
+    times = [100.0, 10.0, 12.0, 11.0, 10.0]
+    check_allocator_retries([0, 7, 7, 7, 8, 8], 300, times)  # first step's 7, then 1 of 4
+    with pytest.raises(AllocatorRetriesError) as caught:
+        check_allocator_retries([0, 0, 1, 1, 2, 2], 300, times)  # 2 of 4
+    assert caught.value.retried_steps == 2 and "11.0 ms a step" in str(caught.value)
+    check_allocator_retries([0, 5], 300, [100.0])  # one step: nothing timed
+
+
+def test_a_retried_batch_is_run_again_smaller_in_the_same_process(retrying: dict) -> None:
+    """Rule: with ``retry_at``, a batch that ran out by the allocator's retries is measured
+    at the smaller batch in the same run, which says what ran out first and why."""
+    retrying["at"] = {8}
+    measured = _run(retrying, 8, retry_at=4)
+    assert measured.ran_out_first is not None
+    assert measured.ran_out_first.batch_size == 8
+    assert "caching allocator" in measured.ran_out_first.message
+    assert measured.samples_per_s > 0
+
+    retrying["at"] = {8, 4}
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        _run(retrying, 8, retry_at=4)
+    assert getattr(caught.value, "memadvisor_retry_ran_out", None) == 4
