@@ -157,7 +157,10 @@ def fit_step(
             predicts below a batch of ``runs`` whose held bytes stayed within
             ``limit_bytes``: under expandable segments the same form fitted at 302 and the
             cap said 252, and the search dropped compile on that (docs/design.md, "The
-            allocator is part of the plan").
+            allocator is part of the plan"). A run that fitted only by the allocator
+            retrying in most steps is not among ``runs``: it ran out
+            (``AllocatorRetriesError``; the GPT example's at 302 did, 2.3x slower a step
+            than at 250, docs/design.md, session 22).
     """
     if not runs:
         return None
