@@ -7,7 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor.errors import BadInputError, UserCodeError, is_our_bug
+from memadvisor.errors import (
+    AllocatorRetriesError,
+    BadInputError,
+    UserCodeError,
+    check_allocator_retries,
+    is_oom,
+    is_our_bug,
+)
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
 from strategies.precision import AutocastForward
@@ -189,3 +196,16 @@ def test_make_batch_and_the_optimizer_factory_raising_are_the_users_code() -> No
     )
     with pytest.raises(UserCodeError, match="The optimizer factory raised ZeroDivisionError"):
         w.make_optimizer(w.model)
+
+
+def test_the_retries_share_decides_and_a_lone_retry_does_not() -> None:
+    """Rule: the count is per step (did the counter move in it), over the timed steps, and
+    it takes at least half of them; a retry in the first step and one timed step in four
+    are not enough."""
+    times = [100.0, 10.0, 12.0, 11.0, 10.0]
+    check_allocator_retries([0, 7, 7, 7, 8, 8], 300, times)  # first step's 7, then 1 of 4
+    with pytest.raises(AllocatorRetriesError) as caught:
+        check_allocator_retries([0, 0, 1, 1, 2, 2], 300, times)  # 2 of 4
+    assert caught.value.retried_steps == 2 and "11.0 ms a step" in str(caught.value)
+    assert is_oom(caught.value)  # every stage that asks is_oom takes it as running out
+    check_allocator_retries([0, 5], 300, [100.0])  # one step: nothing timed

@@ -76,20 +76,6 @@ def test_a_batch_the_allocator_retries_in_every_timed_step_ran_out(retrying: dic
     assert measured.steps == 5 and measured.ran_out_first is None
 
 
-def test_the_retries_share_decides_and_a_lone_retry_does_not(monkeypatch) -> None:
-    """Rule: the count is per step (did the counter move in it), over the timed steps, and
-    it takes at least half of them; a retry in the first step and one timed step in four
-    are not enough."""
-    from memadvisor.errors import check_allocator_retries
-
-    times = [100.0, 10.0, 12.0, 11.0, 10.0]
-    check_allocator_retries([0, 7, 7, 7, 8, 8], 300, times)  # first step's 7, then 1 of 4
-    with pytest.raises(AllocatorRetriesError) as caught:
-        check_allocator_retries([0, 0, 1, 1, 2, 2], 300, times)  # 2 of 4
-    assert caught.value.retried_steps == 2 and "11.0 ms a step" in str(caught.value)
-    check_allocator_retries([0, 5], 300, [100.0])  # one step: nothing timed
-
-
 def test_a_retried_batch_is_run_again_smaller_in_the_same_process(retrying: dict) -> None:
     """Rule: with ``retry_at``, a batch that ran out by the allocator's retries is measured
     at the smaller batch in the same run, which says what ran out first and why."""
