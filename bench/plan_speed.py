@@ -56,11 +56,19 @@ STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
 # -- the child: one plan, as the CLI makes it -----------------------------------------------
 
 
-def _child(target: str, budget_gib: float, compile_policy: str, out: Path, device: str) -> None:
+def _child(
+    target: str,
+    budget_gib: float,
+    compile_policy: str,
+    out: Path,
+    device: str,
+    compile_search: dict[str, Any] | None = None,
+) -> None:
     import logging
 
     from memadvisor.planner import plan_workload
     from memadvisor.schema.config import PlanConfig
+    from memadvisor.strategy import load_strategies
     from memadvisor.target import load_target
 
     # Each stage, probe and note as a timed line on stderr as it happens: rich's bars draw
@@ -76,7 +84,19 @@ def _child(target: str, budget_gib: float, compile_policy: str, out: Path, devic
         budget_bytes=int(budget_gib * 2**30), device=device, options={"compile": compile_policy}
     )
     workload = load_target(target)
-    plan = plan_workload(workload, config, target=target, progress=False)
+    strategies = None
+    if compile_search:
+        # The compile stage's search settings (CompileSearch's fields) for this plan only:
+        # the search runs in this process, the probes' processes load strategies by name.
+        from strategies._compile_search import CompileSearch
+        from strategies.compile import Compile
+
+        search = CompileSearch(**compile_search)
+        strategies = [
+            Compile(search=search) if isinstance(s, Compile) else s
+            for s in load_strategies(config.strategies)
+        ]
+    plan = plan_workload(workload, config, target=target, progress=False, strategies=strategies)
     out.write_text(plan.model_dump_json())
 
 
@@ -120,11 +140,14 @@ def plan_one(
     device: str = "cuda",
     save_to: Path | None = None,
     timeout_s: float | None = None,
+    compile_search: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan ``model`` in a fresh process; its JSON record (``error`` set when it failed).
 
     ``save_to``: where the plan's JSON is copied; ``timeout_s``: the plan's process is ended
-    after this long (the record then says so, with the wall time it had)."""
+    after this long (the record then says so, with the wall time it had);
+    ``compile_search``: ``CompileSearch`` fields for the compile stage (the record keeps
+    them as ``compile_search_overrides``)."""
     # A plan cut by --timeout-s may leave its probe processes writing in it: the row still
     # gets written (session 22: resnet50's row was lost to "Directory not empty").
     with tempfile.TemporaryDirectory(prefix="plan-speed-", ignore_cleanup_errors=True) as tmp:
@@ -146,6 +169,8 @@ def plan_one(
             "--device",
             device,
         ]
+        if compile_search:
+            cmd += ["--compile-search", json.dumps(compile_search)]
         started = time.perf_counter()
         try:
             done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout_s)
@@ -162,6 +187,8 @@ def plan_one(
             "plan_wall_s": round(wall_s, 1),
             "commit": _commit(),
         }
+        if compile_search:
+            record["compile_search_overrides"] = compile_search
         if returncode != 0 or not out.exists():
             return record | {"error": f"exit code {returncode}"}
         plan = json.loads(out.read_text())
@@ -295,12 +322,28 @@ def main() -> None:
         choices=("cuda", "simulated", "estimate"),
         help="cuda: the bench; estimate or simulated: a CPU smoke of its plumbing",
     )
+    parser.add_argument(
+        "--compile-search",
+        type=json.loads,
+        default=None,
+        help="JSON of CompileSearch's fields for the compile stage, e.g. "
+        "'{\"dynamic_batch\": false}' (the search in static forms)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.budget_gb, args.compile, args.out, args.device)
+        _child(args.child, args.budget_gb, args.compile, args.out, args.device, args.compile_search)
         return
+    if args.compile_search:
+        from pydantic import ValidationError
+
+        from strategies._compile_search import CompileSearch
+
+        try:
+            CompileSearch(**args.compile_search)
+        except (TypeError, ValidationError) as e:
+            sys.exit(f"--compile-search {json.dumps(args.compile_search)}: {e}")
     if args.table:
         records = [json.loads(line) for line in args.table.read_text().splitlines() if line]
         print(table(records))
@@ -328,6 +371,7 @@ def main() -> None:
             args.device,
             save_to=args.save_plans / f"{model}.json" if args.save_plans else None,
             timeout_s=args.timeout_s,
+            compile_search=args.compile_search,
         )
         print(json.dumps(record), flush=True)
         with args.json.open("a") as f:

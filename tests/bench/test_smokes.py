@@ -56,6 +56,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
         "--save-plans", "plans", "--timeout-s", "100", "--json", OUT,
+        "--compile-search", '{"dynamic_batch": false}',
     ],
     "loop_gap": [
         "--models", "cnn", "--budget-gib", "0.05", "--warmup", "1", "--short", "2", "--long",
@@ -80,7 +81,9 @@ FIELDS: dict[str, set[str]] = {
 }  # fmt: skip
 FIELDS["loop_gap"] = {"model", "verified_samples_per_s", "train_step_short", "loop_long"}
 # Values every JSON line of that smoke has (a default that must hold).
-VALUES: dict[str, dict[str, object]] = {"plan_speed": {"cache": "cold"}}
+VALUES: dict[str, dict[str, object]] = {
+    "plan_speed": {"cache": "cold", "compile_search_overrides": {"dynamic_batch": False}}
+}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
     "cards": "runs shell commands over cards (tests/bench/test_cards.py runs it with --cards)",
