@@ -20,6 +20,10 @@ Known limitations:
       for compiled cells (compile's memory is measured, not estimated), and extrapolates
       along the estimate's bytes per sample until two runs measured theirs: a cell whose
       runs never ran out (``lowest_oom`` None) found a batch that holds, not the largest.
+    * A cell's runs are the planner's (``train_candidate``): a batch whose steps fit only by
+      the allocator freeing its cache and retrying in most of them counts as running out
+      there too (``AllocatorRetriesError``, session 22), where a person watching for OOMs
+      alone would keep it and its slower steps.
 """
 
 from __future__ import annotations
