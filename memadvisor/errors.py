@@ -21,6 +21,7 @@ from types import CodeType
 import torch
 
 __all__ = [
+    "ALLOCATOR_RETRIES",
     "RETRIED_STEPS_SHARE",
     "AllocatorRetriesError",
     "BadInputError",
@@ -34,6 +35,7 @@ __all__ = [
     "is_oom",
     "is_our_bug",
     "mark_retry_ran_out",
+    "ran_out_by_retries",
     "retry_ran_out",
     "user_code_frame",
 ]
@@ -143,6 +145,9 @@ class SimulatedOutOfMemoryError(MemadvisorError, torch.OutOfMemoryError):
 #: retried an allocation, at or above which the run counts as out of memory
 #: (:class:`AllocatorRetriesError`).
 RETRIED_STEPS_SHARE = 0.5
+#: How :class:`AllocatorRetriesError`'s message begins (a probe's record keeps the message's
+#: first line; :func:`ran_out_by_retries` reads it back).
+ALLOCATOR_RETRIES = "Out of memory in effect:"
 
 
 class AllocatorRetriesError(MemadvisorError, torch.OutOfMemoryError):
@@ -173,7 +178,7 @@ class AllocatorRetriesError(MemadvisorError, torch.OutOfMemoryError):
 
     def __init__(self, batch: int, retried_steps: int, timed_steps: int, step_ms: float) -> None:
         super().__init__(
-            f"Out of memory in effect: batch {batch} fitted only by the CUDA caching allocator "
+            f"{ALLOCATOR_RETRIES} batch {batch} fitted only by the CUDA caching allocator "
             f"freeing its cache and retrying an allocation in {retried_steps} of {timed_steps} "
             f"timed steps ({step_ms:.1f} ms a step); memadvisor counts such a batch as not "
             "fitting, as a smaller one steps without the retries."
@@ -181,6 +186,12 @@ class AllocatorRetriesError(MemadvisorError, torch.OutOfMemoryError):
         self.batch = batch
         self.retried_steps = retried_steps
         self.timed_steps = timed_steps
+
+
+def ran_out_by_retries(message: str | None) -> bool:
+    """Whether a run's out-of-memory message (a probe's ``error``) is
+    :class:`AllocatorRetriesError`'s: it fitted, but only by the allocator's retries."""
+    return bool(message) and message.startswith(ALLOCATOR_RETRIES)
 
 
 def check_allocator_retries(counts: Sequence[int], batch: int, times_ms: Sequence[float]) -> None:

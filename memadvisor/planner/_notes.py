@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pydantic import JsonValue
 
+from memadvisor.errors import ran_out_by_retries
 from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Tie
 from memadvisor.planner._rerank import TIE_FRACTION
 from memadvisor.schema.advice import Check
@@ -75,8 +76,18 @@ def runs_note(
     that tally cannot: how many runs found the pick's batch, and which run verified it.
     """
     search = best.search.probe_count
-    tried = ", ".join(f"{b} {'fits' if ok else 'OOM'}" for b, ok in best.search.tried)
+    retried = _ran_out_by_retries(runs, best)
+    tried = ", ".join(
+        f"{b} {'fits' if ok else 'retries' if b in retried else 'OOM'}"
+        for b, ok in best.search.tried
+    )
     text = f"The pick's batch took {search} device run{'s' if search != 1 else ''} ({tried})"
+    if retried:
+        text += (
+            "; 'retries': it fitted only by the CUDA caching allocator freeing its cache and "
+            "retrying an allocation in most steps, slower than the batch below, and counts "
+            "as running out"
+        )
     found = best.search
     if (
         config.measured_margin
@@ -100,6 +111,19 @@ def runs_note(
             f"verify_steps={config.verify_steps}) is its verification."
         )
     return f"{text}, and a run of its own verified it over {verified.steps} steps."
+
+
+def _ran_out_by_retries(runs: Sequence[Probe], best: Confirmed) -> set[int]:
+    """The batches of the pick's choices that ran out by the allocator's retries
+    (``AllocatorRetriesError``), by the runs' records."""
+    choices = getattr(getattr(best, "candidate", None), "choices", None)
+    return {
+        r.batch_size
+        for r in runs
+        if not r.fits
+        and ran_out_by_retries(r.error)
+        and (choices is None or (r.candidate is not None and r.candidate.choices == choices))
+    }
 
 
 def screen_notes(checks: Sequence[Check], config: PlanConfig) -> list[str]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from memadvisor.errors import AllocatorRetriesError
 from memadvisor.planner._notes import runs_note
 from memadvisor.planner._probe import BatchSearch
-from memadvisor.schema.candidate import Measurement
+from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.plan import Probe
 
 MIB = 2**20
 VERIFIED = Measurement(steps=20, peak_bytes=90 * MIB, step_ms=1.0, samples_per_s=1.0)
@@ -64,3 +66,25 @@ def test_a_strategy_not_offered_at_all_says_why_without_the_checks_hint() -> Non
     assert notes[0] == "s: not offered: the loss is opaque."
     assert notes[1].startswith("p bf16 was not considered") and "checks='report'" in notes[1]
     assert len(notes) == 2
+
+
+def test_a_batch_that_ran_out_by_the_allocators_retries_is_named_so() -> None:
+    """Rule: a failed run of the pick's choices whose error is AllocatorRetriesError's is
+    listed as 'retries', not 'OOM', and the note says once what that means; another
+    candidate's retries at the same batch do not mark it (cnn on an H100, session 22)."""
+    bf16 = Candidate(batch_size=2233, choices={"precision": "bf16"})
+    message = str(AllocatorRetriesError(2233, 19, 19, 154.4))
+    runs = [
+        Probe(batch_size=2301, fits=False, steps=1, error="CUDA out of memory.", candidate=bf16),
+        Probe(batch_size=2233, fits=False, steps=20, error=message, candidate=bf16),
+        Probe(batch_size=2163, fits=True, steps=20, candidate=bf16),
+    ]
+    best = _best([(2301, False), (2233, False), (2163, True)], 2163)
+    best.candidate = bf16
+    config = PlanConfig(budget_bytes=100 * MIB)
+    note = runs_note(runs, best, VERIFIED, config)  # type: ignore[arg-type]
+    assert "(2301 OOM, 2233 retries, 2163 fits)" in note
+    assert "freeing its cache" in note
+    best.candidate = Candidate(batch_size=2163, choices={"precision": "fp32"})
+    other = runs_note(runs, best, VERIFIED, config)  # type: ignore[arg-type]
+    assert "(2301 OOM, 2233 OOM, 2163 fits)" in other and "freeing" not in other
