@@ -58,6 +58,11 @@ class Job:
 BARRIER = "wait"
 
 
+def _default_sigint() -> None:
+    """In a job's process before it runs bash: SIGINT back to its default action."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def read_jobs(text: str) -> list[Job]:
     """The jobs of a file's text: one command a line; blank lines and ``#`` comments out; a
     line ``wait`` marks the next job to start only once every job before it has ended."""
@@ -173,7 +178,10 @@ def _start(job: Job, card: int, out: Path, log) -> None:
     log.write(f"[job {job.number}] card {card}: {command}\n")
     job.card = card
     # A session of its own: a signal reaches the job's whole process group (bash and its
-    # children), as a Ctrl-C in a terminal would.
+    # children), as a Ctrl-C in a terminal would. SIGINT as by default in it: started from a
+    # shell's background (`... &`) this process ignores SIGINT, its children would inherit
+    # that, and a bash that starts with SIGINT ignored cannot trap it, so the deadline's
+    # SIGINT would reach no job and each would be killed 15 s later with nothing written.
     job.process = subprocess.Popen(
         ["bash", "-c", command],
         env=env,
@@ -182,6 +190,7 @@ def _start(job: Job, card: int, out: Path, log) -> None:
         text=True,
         bufsize=1,
         start_new_session=True,
+        preexec_fn=_default_sigint,
     )
     os.set_blocking(job.process.stdout.fileno(), False)
 

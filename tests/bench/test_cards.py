@@ -3,6 +3,7 @@ its card, within a deadline; what each printed in one log."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -38,11 +39,25 @@ def test_jobs_run_one_a_card_at_a_time_in_order_each_told_its_card(tmp_path: Pat
     assert {j.card for j in done} == {0, 1}
 
 
+@pytest.mark.parametrize("launched_ignoring_sigint", [False, True])
 def test_past_the_deadline_a_job_is_interrupted_and_past_start_by_none_starts(
-    tmp_path: Path,
+    tmp_path: Path, launched_ignoring_sigint: bool
 ) -> None:
     """Rule: at the deadline a running job gets SIGINT (a bench writes what it has, here a
-    trap's line); a job that would start after --start-by does not start."""
+    trap's line); a job that would start after --start-by does not start. Also where
+    cards.py itself was started ignoring SIGINT (from a shell's background, `... &`): its
+    jobs take SIGINT as by default."""
+    if not launched_ignoring_sigint:
+        _deadline_case(tmp_path)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what its jobs would inherit
+    try:
+        _deadline_case(tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _deadline_case(tmp_path: Path) -> None:
     loop = "trap 'echo interrupted; exit 3' INT; echo started; while true; do sleep 0.1; done"
     text = loop + "\necho never"
     done, log, said = _run(tmp_path, text, 1, deadline_s=1.5, start_by_s=1.0)
