@@ -196,7 +196,9 @@ def ran_out_by_retries(message: str | None) -> bool:
 
 def check_allocator_retries(counts: Sequence[int], batch: int, times_ms: Sequence[float]) -> None:
     """Raise :class:`AllocatorRetriesError` where the allocator retried in at least
-    :data:`RETRIED_STEPS_SHARE` of a run's timed steps.
+    :data:`RETRIED_STEPS_SHARE` of a run's timed steps, at a batch above 1: at batch 1 no
+    smaller batch steps without the retries, and a slow step beats no plan (the budget
+    would otherwise read as too small for a model that trains in it).
 
     Args:
         counts: the allocator's cumulative retry count before the first step, then after
@@ -205,7 +207,7 @@ def check_allocator_retries(counts: Sequence[int], batch: int, times_ms: Sequenc
         times_ms: each step's time, for the message (the median of all but the first).
     """
     timed = len(counts) - 2  # the first step (compile, warm-up, the optimizer's state) is not
-    if timed < 1:
+    if timed < 1 or batch <= 1:
         return
     retried = sum(1 for i in range(1, timed + 1) if counts[i + 1] > counts[i])
     if retried and retried >= RETRIED_STEPS_SHARE * timed:

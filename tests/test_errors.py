@@ -201,7 +201,7 @@ def test_make_batch_and_the_optimizer_factory_raising_are_the_users_code() -> No
 def test_the_retries_share_decides_and_a_lone_retry_does_not() -> None:
     """Rule: the count is per step (did the counter move in it), over the timed steps, and
     it takes at least half of them; a retry in the first step and one timed step in four
-    are not enough."""
+    are not enough; at batch 1 (nothing smaller to step without them) retries never count."""
     times = [100.0, 10.0, 12.0, 11.0, 10.0]
     check_allocator_retries([0, 7, 7, 7, 8, 8], 300, times)  # first step's 7, then 1 of 4
     with pytest.raises(AllocatorRetriesError) as caught:
@@ -209,3 +209,4 @@ def test_the_retries_share_decides_and_a_lone_retry_does_not() -> None:
     assert caught.value.retried_steps == 2 and "11.0 ms a step" in str(caught.value)
     assert is_oom(caught.value)  # every stage that asks is_oom takes it as running out
     check_allocator_retries([0, 5], 300, [100.0])  # one step: nothing timed
+    check_allocator_retries([0, 1, 2, 3, 4, 5], 1, times)  # batch 1: nothing smaller to take
