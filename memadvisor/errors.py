@@ -204,7 +204,8 @@ def check_allocator_retries(counts: Sequence[int], batch: int, times_ms: Sequenc
         counts: the allocator's cumulative retry count before the first step, then after
             each step (one more than the steps).
         batch: the run's batch, for the message.
-        times_ms: each step's time, for the message (the median of all but the first).
+        times_ms: each step's time, for the message (the middle one of all but the first,
+            sorted).
     """
     timed = len(counts) - 2  # the first step (compile, warm-up, the optimizer's state) is not
     if timed < 1 or batch <= 1:

@@ -116,13 +116,13 @@ def runs_note(
 def _ran_out_by_retries(runs: Sequence[Probe], best: Confirmed) -> set[int]:
     """The batches of the pick's choices that ran out by the allocator's retries
     (``AllocatorRetriesError``), by the runs' records."""
-    choices = getattr(getattr(best, "candidate", None), "choices", None)
     return {
         r.batch_size
         for r in runs
         if not r.fits
         and ran_out_by_retries(r.error)
-        and (choices is None or (r.candidate is not None and r.candidate.choices == choices))
+        and r.candidate is not None
+        and r.candidate.choices == best.candidate.choices
     }
 
 

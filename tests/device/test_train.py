@@ -7,32 +7,27 @@ import pytest
 import torch
 from torch import nn
 
-from memadvisor import _torch_private
 from memadvisor.device import _train
 from memadvisor.errors import AllocatorRetriesError, is_oom
 from memadvisor.schema.candidate import Candidate
 from memadvisor.workload import Workload
+from tests.fixtures.cuda_stubs import stub_cuda
 
 
 @pytest.fixture
 def retrying(monkeypatch) -> dict:
-    """The CUDA calls train_candidate makes, on the CPU; the allocator's retry count rises by
-    one each time it is read after a step of a batch in ``state["at"]`` (the loss records the
+    """train_candidate's CUDA calls on the CPU; the allocator's retry count rises by one
+    each time it is read after a step of a batch in ``state["at"]`` (the loss records the
     batch it saw)."""
     state: dict = {"at": set(), "batch": None, "count": 0}
-    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 0)
 
-    def counters(device=None) -> dict[str, int]:
+    def count() -> int:
         if state["batch"] in state["at"]:
             state["count"] += 1
         state["batch"] = None
-        return {"alloc_retries": state["count"]}
+        return state["count"]
 
-    monkeypatch.setattr(_torch_private, "cuda_memory_counters", counters)
+    stub_cuda(monkeypatch, retries=count)
     return state
 
 

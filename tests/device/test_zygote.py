@@ -17,6 +17,7 @@ import pytest
 from memadvisor.device._zygote import ForkServer, ZygoteDied
 from memadvisor.schema.candidate import Candidate
 from tests.device import zygote_runner as runner
+from tests.fixtures.cuda_stubs import stub_cuda
 from tests.fixtures.procs import processes
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -161,22 +162,6 @@ def test_an_out_of_memory_run_among_runs_made_at_once_leaves_the_others_alone(
     assert len(pids) == 2 and [a["measurement"]["steps"] for a in answers[::3]] == [3, 3]
 
 
-def _stub_cuda(monkeypatch) -> None:
-    """The CUDA calls train_candidate makes around its steps, stubbed: it runs on the CPU."""
-    import torch
-
-    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    for name in ("memory_allocated", "memory_reserved"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
-    for name in ("max_memory_allocated", "max_memory_reserved"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 1)
-    from memadvisor import _torch_private
-
-    # The allocator never retried: every batch fits (tests/device/test_train.py: when not).
-    monkeypatch.setattr(_torch_private, "cuda_memory_counters", lambda *a: {"alloc_retries": 0})
-
-
 def test_train_candidate_takes_the_turn_after_its_first_step_and_gives_it_back(
     monkeypatch, tmp_path: Path
 ) -> None:
@@ -191,7 +176,7 @@ def test_train_candidate_takes_the_turn_after_its_first_step_and_gives_it_back(
     from memadvisor.device import _train
     from memadvisor.workload import Workload
 
-    _stub_cuda(monkeypatch)
+    stub_cuda(monkeypatch)
     events: list[str] = []
     taking_turn = _train.taking_turn
 
@@ -258,7 +243,7 @@ def test_train_candidate_retries_the_smaller_batch_in_its_process_from_no_gradie
     from memadvisor.device import _train
     from memadvisor.workload import Workload
 
-    _stub_cuda(monkeypatch)
+    stub_cuda(monkeypatch)
     events: list[str] = []
 
     @contextlib.contextmanager

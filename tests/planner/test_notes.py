@@ -27,7 +27,7 @@ def _best(tried: list[tuple[int, bool]], batch: int) -> SimpleNamespace:
         lowest_failure=min((b for b, ok in tried if not ok), default=None),
         tried=tried,
     )
-    return SimpleNamespace(search=search, found_batch=batch)
+    return SimpleNamespace(search=search, found_batch=batch, candidate=Candidate(batch_size=batch))
 
 
 def test_a_fit_above_the_pick_is_explained_by_the_headroom_below_the_failure() -> None:
@@ -80,7 +80,7 @@ def test_a_batch_that_ran_out_by_the_allocators_retries_is_named_so() -> None:
         Probe(batch_size=2163, fits=True, steps=20, candidate=bf16),
     ]
     best = _best([(2301, False), (2233, False), (2163, True)], 2163)
-    best.candidate = bf16
+    best.candidate = bf16.model_copy(update={"batch_size": 2163})
     config = PlanConfig(budget_bytes=100 * MIB)
     note = runs_note(runs, best, VERIFIED, config)  # type: ignore[arg-type]
     assert "(2301 OOM, 2233 retries, 2163 fits)" in note
