@@ -190,9 +190,16 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
 
+    def retries() -> int:
+        """The caching allocator's retries so far: a retry frees the cache and allocates
+        again, a step's worth of time near the cap (docs/design.md, session 22)."""
+        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else 0
+
+    retried: list[int] = []  # by step, the allocator's retries in it
     try:
         for _ in range(spec["steps"]):
             sync()
+            before = retries()
             t0 = time.perf_counter()
             loop_step(
                 workload, model, optimizer, batch, k,
@@ -200,6 +207,7 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
             )  # fmt: skip
             sync()
             times.append(time.perf_counter() - t0)
+            retried.append(retries() - before)
             out["steps"] += 1
     except Exception as e:  # noqa: BLE001 - an OOM is the answer; anything else is reported
         if not is_oom(e):
@@ -221,6 +229,10 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
             for i in range(0, quarter * 4 if len(steady) >= 4 else len(steady), quarter)
         ]
     out["first_step_s"] = times[0] if times else None
+    # Steps after the warm-up in which the allocator retried, and its retries in them: where
+    # the loop's mean falls below its median, whether the cap's retries are why.
+    out["retried_steps"] = sum(1 for r in retried[spec["warmup"] :] if r > 0)
+    out["alloc_retries"] = sum(retried[spec["warmup"] :])
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_reserved() / GIB
     return out

@@ -115,12 +115,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from memadvisor import _torch_private
@@ -140,6 +142,7 @@ __all__ = [
     "Search",
     "Variant",
     "blocks_repeat",
+    "checkpointed_graphs_cached",
     "input_sizes",
     "outside_share",
     "regional_pays",
@@ -192,6 +195,9 @@ REGIONAL_OUTSIDE_MAX = 0.25
 # regional static, 3,266 whole (128). t5_base's T5Blocks take 2 (its encoder's and its
 # decoder's sequence): regional ran 153.9 (24 blocks checkpointed, 57), whole at most 128.4.
 REGIONAL_MAX_SIZES = 2
+# The first torch release (major, minor) whose inductor caches were seen to take a graph with
+# checkpointed blocks (checkpointed_graphs_cached): 2.13 on a CPU; 2.11 on a card never did.
+CHECKPOINTED_CACHED_FROM = (2, 13)
 
 
 # What runs beside pass 1 (the compile trial): why each variant it rules out may not be
@@ -236,6 +242,15 @@ class CompileSearch(BaseModel):
         "compiles again for each new batch in each probe process. The pick is handed on in "
         "its static form, which the plan's verification runs (docs/design.md, 'A dynamic "
         "batch while searching').",
+    )
+    checkpointed_static: bool | None = Field(
+        None,
+        description="Measure candidates that checkpoint blocks in their static form though "
+        "dynamic_batch is on: where inductor's caches do not take a checkpointed graph, each "
+        "of their runs compiles afresh anyway, and a static run is also the verification of "
+        "a pick at its batch. None: where this torch is not known to cache such graphs "
+        "(checkpointed_graphs_cached; docs/design.md, 'Checkpointed candidates searched "
+        "static').",
     )
     confirm_offered: bool = Field(
         False,
@@ -347,13 +362,47 @@ def regional_pays(profile: Profile) -> bool:
     )
 
 
-def search_form(choice: CompileChoice, profile: Profile, settings: CompileSearch) -> CompileChoice:
+def checkpointed_graphs_cached(version: str | None = None) -> bool:
+    """Whether this torch (or ``version``) is known to keep a graph with checkpointed blocks
+    in inductor's FX graph and AOTAutograd caches, so that a dynamic-batch run of such a
+    candidate in a new process loads it instead of compiling: torch
+    :data:`CHECKPOINTED_CACHED_FROM` or newer.
+
+    Known limitations: two points, not a rule read from torch. On torch 2.11 on a card every
+    run of a checkpointed candidate said the caches would not take its graphs (session 10),
+    and on torch 2.13 on a CPU the GPT example's checkpointed regional graph was found in a
+    new process; 2.12, and 2.13 on a card, were not measured. Where this guesses wrong, a
+    checkpointed candidate is searched in the other form: a compile more or fewer, the same
+    pick."""
+    text = str(torch.__version__ if version is None else version)
+    found = re.match(r"(\d+)\.(\d+)", text)
+    if found is None:
+        return True  # an unknown build: searched as everything else is, dynamic
+    return (int(found.group(1)), int(found.group(2))) >= CHECKPOINTED_CACHED_FROM
+
+
+def static_when_checkpointed(settings: CompileSearch) -> bool:
+    """Whether a candidate that checkpoints blocks is searched in its static form:
+    :attr:`CompileSearch.checkpointed_static`, or where it is None, where this torch's
+    caches are not known to take such a graph (:func:`checkpointed_graphs_cached`)."""
+    if not settings.dynamic_batch:
+        return True
+    if settings.checkpointed_static is not None:
+        return settings.checkpointed_static
+    return not checkpointed_graphs_cached()
+
+
+def search_form(
+    choice: CompileChoice, profile: Profile, settings: CompileSearch, checkpoints: bool = False
+) -> CompileChoice:
     """The form a candidate is measured in: regional where the settings ask and
-    :func:`regional_pays`, with a dynamic batch where they ask for it."""
+    :func:`regional_pays`, with a dynamic batch where they ask for it, but for a candidate
+    that ``checkpoints`` blocks where :func:`static_when_checkpointed`."""
     update: dict[str, bool] = {}
     if settings.regional and not choice.regional and regional_pays(profile):
         update["regional"] = True
-    if settings.dynamic_batch and not choice.dynamic_batch:
+    dynamic = settings.dynamic_batch and not (checkpoints and static_when_checkpointed(settings))
+    if dynamic and not choice.dynamic_batch:
         update["dynamic_batch"] = True
     return choice.model_copy(update=update) if update else choice
 
@@ -429,7 +478,7 @@ def search_variants(
     seen: set[str] = set()
     left_out: list[str] = []
     for choices, choice, start in found:
-        form = search_form(choice, profile, settings)
+        form = search_form(choice, profile, settings, bool(_recomputing(choices, strategies)))
         variant = Variant(
             choices={**choices, COMPILE: form.to_json()},
             final_choices={

@@ -655,6 +655,14 @@ def _trial_forms(
                 for item in static_later or []:
                     if item.key == _key(base):
                         item.also += [key, _key(static_for[key])]
+        twin = _batch_twin(v.form)
+        if key not in out and twin is not None and _key(twin) in out and out[_key(twin)].ok:
+            # The same compile but for a static or dynamic batch (a checkpointed candidate
+            # searched static beside dynamic ones: checkpointed_static): the twin's trial
+            # answers whether the model compiles and matches eager, and this form's first
+            # device run compiles it; a dynamic form that then fails in the compiler is
+            # searched static (Search._static_instead).
+            out[key] = _standing_for_twin(out[_key(twin)], twin)
         if key not in out:
             batch = v.start_batch if v.start_batch else start_batch
             out[key] = _trial(stage, strategy, v.choices, batch)
@@ -705,6 +713,30 @@ def _standing_for(done: _Trial) -> _Trial:
         f"budget, whose trial stands for it ({done.sentence})",
         error=done.error,
     )
+
+
+def _standing_for_twin(done: _Trial, twin: JsonValue) -> _Trial:
+    """The trial of a form answered by ``done``, that of ``twin``, the same form with the
+    batch the other way (static or dynamic): its compile time too, as the pick's estimate
+    of its one-off cost, a compile of the same graph but for the batch's symbol."""
+    parsed = _parse(twin)
+    batch = "dynamic" if parsed is not None and parsed.dynamic_batch else "static"
+    return _Trial(
+        ok=done.ok,
+        sentence=f"not trialled: the same compile as the form with a {batch} batch, whose "
+        f"trial stands for it ({done.sentence})",
+        error=done.error,
+        one_off_ms=done.one_off_ms,
+    )
+
+
+def _batch_twin(form: JsonValue) -> JsonValue | None:
+    """``form`` with its batch the other way, static for dynamic and dynamic for static, as
+    JSON; None when it does not parse."""
+    parsed = _parse(form)
+    if parsed is None:
+        return None
+    return parsed.model_copy(update={"dynamic_batch": not parsed.dynamic_batch}).to_json()
 
 
 def _trial(

@@ -273,6 +273,7 @@ def test_the_user_loop_of_a_plan_that_changed_the_loss_trains_with_the_plans_ste
          "mode": "apply", "compile_backend": "eager", "steps": 2, "warmup": 1}
     )  # fmt: skip
     assert out["ooms"] == 0 and out["steps"] == 2
+    assert out["retried_steps"] == out["alloc_retries"] == 0  # no allocator on a CPU
     assert "loss_head" in out["trained_with"]
     assert not [w for w in recwarn if "memadvisor_step" in str(w.message)]
 

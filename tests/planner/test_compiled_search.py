@@ -1764,3 +1764,83 @@ def test_a_first_run_that_runs_out_is_retried_at_half_in_its_own_process_where_t
     assert budget_runs[:2] == [starts["budget"], half], budget_runs
     search = plan.stages[0].details["search"]
     assert search["runs"] == len(_compile_runs(plan)) - 1, search  # the retry not counted
+
+
+def test_checkpointed_candidates_searched_static_are_verified_by_their_own_run(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the caches do not take a checkpointed graph (torch 2.11 on a card), a
+    candidate that checkpoints blocks is searched in its static form
+    (``CompileSearch.checkpointed_static``), the others with a dynamic batch: its runs
+    compile afresh either way, and its run at the batch it is picked at is the pick's
+    verification, where the dynamic form needs a static run more (the GPT example on an
+    H100, session 22: a 21.7 s static run after a 28.6 s pass). The twin forms share one
+    trial; the pick is the dynamic search's configuration, in no more device runs."""
+    config = {"verify_steps": 2}  # a run takes the verifying steps, as on a card
+
+    def plan_on(static: bool):
+        device = linear_device(
+            EAGER_FLAT, fixed_ms=30.0, uncached_checkpointed=True
+        )
+        trials.clear()
+        search = CompileSearch(checkpointed_static=static)
+        plan = _plan(workload, profile, strategies, device, search, **config)
+        return plan, [choice for choice, _ in trials]
+
+    (dynamic, dynamic_trials), (static, static_trials) = plan_on(False), plan_on(True)
+    stage = static.stages[0]
+    assert stage.picked and _blocks(static.candidate.choices) > 0, stage.summary
+    assert static.candidate.choices == dynamic.candidate.choices
+    assert abs(static.candidate.batch_size / dynamic.candidate.batch_size - 1) <= 0.03
+    runs = [p for p in static.probes if p.stage == "compile"]
+    # Checkpointed candidates ran static only, the one without checkpointing dynamic only.
+    assert {_static_form(p) for p in runs if _blocks(p.candidate.choices)} == {True}
+    assert {_static_form(p) for p in runs if not _blocks(p.candidate.choices)} == {False}
+    # The pick's own search run verified it: no static run beside or after the search.
+    assert static.candidate in [p.candidate for p in runs if p.fits]
+    assert stage.details["search"]["static_runs"] == 0
+    assert not [p for p in static.probes if p.stage == "verify"]
+    # Here the confirmation moves past pass 2's batch, so both plans confirm in static runs
+    # and make as many; the run saved is where the pick's batch is one the search ran (the
+    # GPT example's capped line on a card), measured there, not here.
+    assert len(runs) <= len([p for p in dynamic.probes if p.stage == "compile"])
+    # One trial for both forms, as for the dynamic search; the static forms name it.
+    assert len(static_trials) == len(dynamic_trials) == 1, static_trials
+    twin = "not trialled: the same compile as the form with a"
+    twins = [v for v in stage.variants if v.trial.startswith(twin)]
+    assert twins and all(v.ok for v in twins), [v.trial for v in stage.variants]
+
+
+def test_checkpointed_candidates_are_searched_static_where_this_torch_is_not_known_to_cache_them(
+    monkeypatch,
+) -> None:
+    """Rule: by default (``checkpointed_static`` None) a checkpointed candidate is searched
+    static on a torch whose caches bypass its graph (2.11 on a card) and dynamic where they
+    take it (2.13); a setting says so either way, and a search without a dynamic batch
+    searches everything static."""
+    from strategies import _compile_search as cs
+
+    assert not cs.checkpointed_graphs_cached("2.11.0+cu130")
+    assert not cs.checkpointed_graphs_cached("2.12.1")
+    assert cs.checkpointed_graphs_cached("2.13.0+cpu")
+    assert cs.checkpointed_graphs_cached("2.14.0.dev20261120")
+    assert cs.checkpointed_graphs_cached("3.0.0")
+    choice = parse_choice(REGIONAL)
+    profile = _profile_of_repeated_blocks()
+
+    def dynamic(settings: CompileSearch, checkpoints: bool) -> bool:
+        return cs.search_form(choice, profile, settings, checkpoints).dynamic_batch
+
+    for version, cached in (("2.11.0+cu130", False), ("2.13.0", True)):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert dynamic(CompileSearch(), checkpoints=True) is cached, version
+        assert dynamic(CompileSearch(), checkpoints=False), version
+        assert not dynamic(CompileSearch(checkpointed_static=True), checkpoints=True)
+        assert dynamic(CompileSearch(checkpointed_static=False), checkpoints=True)
+        assert not dynamic(CompileSearch(dynamic_batch=False), checkpoints=False)
+
+
+def _profile_of_repeated_blocks():
+    from tests.planner.conftest import make_profile
+
+    return make_profile()
