@@ -1779,9 +1779,7 @@ def test_checkpointed_candidates_searched_static_are_verified_by_their_own_run(
     config = {"verify_steps": 2}  # a run takes the verifying steps, as on a card
 
     def plan_on(static: bool):
-        device = linear_device(
-            EAGER_FLAT, fixed_ms=30.0, uncached_checkpointed=True
-        )
+        device = linear_device(EAGER_FLAT, fixed_ms=30.0, uncached_checkpointed=True)
         trials.clear()
         search = CompileSearch(checkpointed_static=static)
         plan = _plan(workload, profile, strategies, device, search, **config)
