@@ -22,7 +22,12 @@ therefore measures compiled variants of several eager combinations, not only of 
    :data:`REGIONAL_MAX_SIZES` input sizes (a vision hierarchy's stages): then the whole
    model is compiled (:func:`regional_pays`); and with a dynamic batch
    (:attr:`CompileSearch.dynamic_batch`), so one graph in inductor's cache serves every
-   batch the candidate's runs try; the pick is handed on static.
+   batch the candidate's runs try; the pick is handed on static. A candidate that
+   checkpoints blocks is measured static where this torch's caches do not take its graph
+   (:func:`checkpointed_graphs_cached`, :attr:`CompileSearch.checkpointed_static`): each of
+   its runs compiles afresh either way, and its run at the batch it is picked at is then
+   the pick's verification, where a dynamic winner needs a static run more (the GPT
+   example on an H100: 21.7 s of an 85 s plan). Forms that differ only so share one trial.
 2. Pass 1: one run each, at the batch eager allows it (the estimate's, corrected by what the
    device found for the eager pick), so each gets a line of its compiled memory
    (:func:`~strategies._compile_model.fit_step`; from one run, eager's per-sample bytes
@@ -95,9 +100,14 @@ Known limitations:
       has no line from pass 1). Where the retry runs out too, both batches count as run out
       and pass 2 retries at half the retry's batch: a split allocator, not the batch, may
       have stopped the retry.
-    * The candidates are ranked on their dynamic graphs; only the winner's static graph is
-      run. Where the static one runs out at the winner's batch, the search's pick goes to
-      the verification, which steps the batch down.
+    * The candidates are ranked on their searched graphs, dynamic or (checkpointed, above)
+      static; only the winner's static graph is run. A static graph has run 17% faster than
+      its dynamic one and as much slower, so a candidate can lose on its dynamic rate to one
+      its static form would beat: hf_gpt2 on an H100 (session 23) picked 4 blocks at 1898
+      on 94,943 samples/s dynamic against no checkpointing's 93,871 at 1020, and verified
+      92,847 static, where session 22's plan verified no checkpointing's static form at 1020
+      at 106,353. Where the static one runs out at the winner's batch, the search's pick
+      goes to the verification, which steps the batch down.
     * Runs made at once time their steps in turn, after every sibling's first step (its
       compile) has ended, but a sibling's teardown may overlap them: their step times, which
       rank the candidates, are less sure than a lone run's. The winner's static run (the
@@ -178,6 +188,12 @@ SECOND_RUN_SHARE = 0.95
 # example's 2-of-4-checkpointed winner at 254: 19,888 dynamic, 17,317 static), which the
 # static run then says. Below this share the static form would need more than the gaps seen.
 DYNAMIC_ALLOWANCE = 0.85
+# How much faster a candidate's static graph has run than its dynamic one, at most: cnn's
+# regional form without checkpointing at batch 2098 on an H100, 38,163 samples/s dynamic and
+# 48,111 static (1.26x, session 22); hf_gpt2's whole model at 1020, 90,555 and 106,353
+# (1.17x). Where pass 2's leader is searched static (checkpointed_static), a dynamic
+# candidate's line is set against it at this gain (Search._static_riders).
+STATIC_GAIN_MAX = 1.3
 # Where this share of the step's activations or more is kept outside the repeated blocks (a
 # small LM's head and loss, whose logits outweigh its blocks), candidates are compiled whole
 # while searching, not block by block: the regional form leaves that part eager. On an H100 at
@@ -709,6 +725,9 @@ class Search:
         # leaves no room): what a card's plan shows of it.
         self.riders: list[str] = []
         self.not_riding: dict[str, str] = {}
+        # Candidates whose static form rode only at the static form's gain against a static
+        # leader (STATIC_GAIN_MAX), by id: rode_past weighs their riders against the pick.
+        self.gained_riders: set[int] = set()
 
     @property
     def runs_used(self) -> int:
@@ -1107,12 +1126,21 @@ class Search:
         leader = ranked[0]
         assert leader.fit is not None
         by_rate = self.stage.config.objective != "largest_batch"
+        bar = SECOND_RUN_SHARE * leader.fit.samples_per_s
+        # A leader searched static, and a cold compile in the group anyway: a dynamic
+        # candidate's line is set against it at the static form's gain (STATIC_GAIN_MAX).
+        unlike = (
+            by_rate
+            and not is_dynamic(leader.form)
+            and any(not is_dynamic(v.form) or compiles_every_run(v) for v, _ in runs[:group])
+        )
         riders: list[tuple[dict[str, JsonValue], int]] = []
         for v in ranked:
             assert v.fit is not None
-            near = v is leader or (
-                by_rate and v.fit.samples_per_s >= SECOND_RUN_SHARE * leader.fit.samples_per_s
-            )
+            near = v is leader or (by_rate and v.fit.samples_per_s >= bar)
+            gained = False
+            if not near and unlike and is_dynamic(v.form):
+                near = gained = STATIC_GAIN_MAX * v.fit.samples_per_s >= bar
             if not near:
                 continue
             why = _why_not_riding(v)
@@ -1123,7 +1151,49 @@ class Search:
                 continue
             riders.append(({**v.choices, COMPILE: _static(v.form)}, v.fit.largest_batch))
             self.riders.append(f"{v.label} at {v.fit.largest_batch}")
+            if gained:
+                self.gained_riders.add(id(v))
         return riders
+
+    def rode_past(
+        self, variants: Sequence[Variant], winner: Variant, found: Confirmed
+    ) -> tuple[Variant, Confirmed] | None:
+        """The candidate other than ``winner`` whose static form rode with pass 2 at the
+        static form's gain (:meth:`_static_riders`, :data:`STATIC_GAIN_MAX`: a dynamic line
+        against a static leader), fitted within the pick's limit and measured more than
+        ``found`` (the objective's way), with that run as its confirmation; None where none
+        did. No device run: the rider's run answers.
+
+        Why: a rider's candidate is ranked on its dynamic line, and the winner, searched
+        static, on its static runs; on a card the static graph of the candidate without
+        checkpointing ran 1.26x its dynamic one (cnn at 2098, H100, session 22), which its
+        line cannot show. Where its rider then measured more than the winner's static
+        confirmation, both runs are the form the user runs, at batches within the limit."""
+        objective = self.stage.config.objective
+        bar = worth(objective, found.candidate.batch_size, found.measured.samples_per_s)
+        best: tuple[Variant, Confirmed] | None = None
+        for v in variants:
+            if v is winner or v.error is not None or id(v) not in self.gained_riders:
+                continue
+            static = {**v.choices, COMPILE: _static(v.form)}
+            rode = [
+                p.batch_size
+                for p in self.stage.probes[self.runs_before :]
+                if p.fits and p.candidate is not None and p.candidate.choices == static
+            ]
+            if not rode:
+                continue
+            before = len(self.stage.probes)
+            try:  # no run left to make: answered from the rider's record
+                c = self.stage.confirm(static, max(rode), max_runs=0, within=MIN_SPEEDUP - 1.0)
+            finally:
+                self.static_runs += len(self.stage.probes) - before
+            if c is None or self.stage.held_bytes(c.measured) > self.stage.limit_bytes:
+                continue
+            key = worth(objective, c.candidate.batch_size, c.measured.samples_per_s)
+            if key > bar:
+                best, bar = (v, c), key
+        return best
 
     def _again_static(self, group: list[tuple[Variant, int]]) -> None:
         """The runs of ``group`` that :meth:`_static_instead` sent static, made again in that

@@ -213,7 +213,7 @@ def compiled_pick(
         winner = search.measure(variants, meanwhile=trial, then=then)
         measurable = [v for v in variants if _ok(trials, v)]
         found = final = searched = displaced = None
-        final_why = static_why = ""
+        final_why = static_why = rode_words = ""
         if winner is not None:
             differs = winner.final_differs
             # Where every run of the winner compiles anyway, its confirmation runs the static
@@ -248,6 +248,19 @@ def compiled_pick(
                 static, static_why = search.confirm_static(winner, found)
                 if static is not None:
                     searched, found = found, static
+            if (
+                found is not None
+                and not differs
+                and not is_dynamic(found.candidate.choices[COMPILE])
+            ):
+                # A static form that rode with pass 2 and measured more (Search.rode_past).
+                rode = search.rode_past(measurable, winner, found)
+                if rode is not None:
+                    if displaced is None:
+                        displaced = (winner, found)
+                    rode_words = _rode_words(rode, winner, found)
+                    winner, found = rode
+                    searched, static_why = None, ""
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(stage.probes) > runs_before
         cache_report = shared.report() if ran else None
@@ -289,6 +302,8 @@ def compiled_pick(
     summary = _verdict(records, best, eager_best, picked, unconfirmed)
     if found is not None and (searched is not None or static_why):
         summary += " " + _static_words(found, searched, static_why)
+    if rode_words:
+        summary += " " + rode_words
     summary += " " + _searched(search, variants, left_out, best[0] if best else None)
     outcome = StageOutcome(
         strategy=COMPILE,
@@ -323,6 +338,18 @@ def compiled_pick(
     pick = handed_on(best[1])
     _record_gain(strategy, pick, eager_best)
     return Refinement(pick=pick, outcome=outcome, notes=notes)
+
+
+def _rode_words(rode: tuple[Variant, Confirmed], winner: Variant, found: Confirmed) -> str:
+    """Why the pick is a rider's candidate (Search.rode_past), in a sentence."""
+    v, static = rode
+    return (
+        f"The static form of {v.label}, run beside the second pass at batch "
+        f"{static.candidate.batch_size}, ran {static.measured.samples_per_s:.1f} samples/s, "
+        f"more than {winner.label}'s {found.measured.samples_per_s:.1f} at batch "
+        f"{found.candidate.batch_size}, the best by the lines (searched static): it is the "
+        "pick, its run the verification."
+    )
 
 
 def _static_words(found: Confirmed, searched: Confirmed | None, why: str) -> str:

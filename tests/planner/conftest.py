@@ -221,7 +221,8 @@ class LinearDevice(FakeDevice):
     phase, the optimizer's update, that the activations overtake only near the edge); what
     fits is the line's alone. Time:
     ``1 ms + b * per_sample_ms * (1 + recompute * blocks / BLOCKS)``, ``per_sample_ms`` halved
-    in bf16; compiled ``speedup`` times faster, its regional form ``regional_speed`` of that.
+    in bf16; compiled ``speedup`` times faster, its regional form ``regional_speed`` of that,
+    a dynamic-batch form ``dynamic_slowdown`` times slower than its static one.
     """
 
     def __init__(
@@ -239,12 +240,16 @@ class LinearDevice(FakeDevice):
         fixed_ms: float = 1.0,
         recompute: float = 0.3,
         uncached_checkpointed: bool = False,
+        dynamic_slowdown: float = 1.0,
         **kwargs,
     ) -> None:
         super().__init__(self.edge, **kwargs)
         # Compiled runs with checkpointed blocks say the cache would not take their graphs
         # (torch 2.11 on a card); the others that they found them there.
         self.uncached_checkpointed = uncached_checkpointed
+        # A dynamic-batch form's step takes this many times its static form's (a conv net's
+        # regional graph on a card: 1.26x, session 22).
+        self.dynamic_slowdown = dynamic_slowdown
         self.eager_per_sample = eager_per_sample
         self.compiled_per_sample = compiled_per_sample
         self.fixed_bytes, self.compiled_fixed_bytes = fixed_bytes, compiled_fixed_bytes
@@ -292,6 +297,8 @@ class LinearDevice(FakeDevice):
         if choice is not None:
             regional = isinstance(choice, dict) and choice.get("regional")
             ms /= self.speedup * (self.regional_speed if regional else 1.0)
+            if isinstance(choice, dict) and choice.get("dynamic_batch"):
+                ms *= self.dynamic_slowdown
         return candidate.accumulation_steps * ms
 
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
