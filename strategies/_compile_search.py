@@ -156,6 +156,7 @@ __all__ = [
     "Variant",
     "blocks_repeat",
     "checkpointed_graphs_cached",
+    "static_when_checkpointed",
     "input_sizes",
     "outside_share",
     "regional_pays",

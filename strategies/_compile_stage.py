@@ -85,6 +85,7 @@ from strategies._compile_search import (
     handed_on,
     is_dynamic,
     search_variants,
+    static_when_checkpointed,
     worth,
 )
 from strategies._compile_trial import CompileResult
@@ -377,6 +378,8 @@ def _details(
     out: dict[str, JsonValue] = {
         "search": {
             **settings.model_dump(),
+            # checkpointed_static as this plan took it (None: by this torch's caches).
+            "checkpointed_searched": "static" if static_when_checkpointed(settings) else "dynamic",
             "runs": search.runs_used,
             "static_runs": search.static_runs,
             "riders": list(search.riders),

@@ -1797,6 +1797,8 @@ def test_checkpointed_candidates_searched_static_are_verified_by_their_own_run(
     # The pick's own search run verified it: no static run beside or after the search.
     assert static.candidate in [p.candidate for p in runs if p.fits]
     assert stage.details["search"]["static_runs"] == 0
+    assert stage.details["search"]["checkpointed_searched"] == "static"
+    assert dynamic.stages[0].details["search"]["checkpointed_searched"] == "dynamic"
     assert not [p for p in static.probes if p.stage == "verify"]
     # Here the confirmation moves past pass 2's batch, so both plans confirm in static runs
     # and make as many; the run saved is where the pick's batch is one the search ran (the
