@@ -221,6 +221,14 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         # gap between the two is slow steps (an allocator freeing its cache at the cap).
         out["samples_per_s_median"] = cand.batch_size * k / statistics.median(steady)
         out["slowest_step_s"] = max(steady)
+        # Where the slow steps fall (indices after the warm-up, over 1.5x the median): every
+        # n-th (a collector, a periodic host task), together (a clock, a neighbour), or few.
+        middle = statistics.median(steady)
+        out["slow_steps"] = [i for i, t in enumerate(steady) if t > 1.5 * middle]
+        ordered = sorted(steady)
+        out["step_ms_p10_p50_p90"] = [
+            1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.1, 0.5, 0.9)
+        ]
         # The median rate of each quarter of the steps: a loop that slows as it goes (a card
         # that lowers its clocks under sustained load) against the plan's 20-step run.
         quarter = max(1, len(steady) // 4)

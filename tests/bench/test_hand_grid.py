@@ -274,6 +274,8 @@ def test_the_user_loop_of_a_plan_that_changed_the_loss_trains_with_the_plans_ste
     )  # fmt: skip
     assert out["ooms"] == 0 and out["steps"] == 2
     assert out["retried_steps"] == out["alloc_retries"] == 0  # no allocator on a CPU
+    low, middle, high = out["step_ms_p10_p50_p90"]
+    assert 0 < low <= middle <= high and isinstance(out["slow_steps"], list)
     assert "loss_head" in out["trained_with"]
     assert not [w for w in recwarn if "memadvisor_step" in str(w.message)]
 
