@@ -1812,7 +1812,7 @@ def test_checkpointed_candidates_searched_static_are_verified_by_their_own_run(
 
 
 def test_checkpointed_candidates_are_searched_static_where_this_torch_is_not_known_to_cache_them(
-    monkeypatch,
+    monkeypatch, profile
 ) -> None:
     """Rule: by default (``checkpointed_static`` None) a checkpointed candidate is searched
     static on a torch whose caches bypass its graph (2.11 on a card) and dynamic where they
@@ -1826,7 +1826,6 @@ def test_checkpointed_candidates_are_searched_static_where_this_torch_is_not_kno
     assert cs.checkpointed_graphs_cached("2.14.0.dev20261120")
     assert cs.checkpointed_graphs_cached("3.0.0")
     choice = parse_choice(REGIONAL)
-    profile = _profile_of_repeated_blocks()
 
     def dynamic(settings: CompileSearch, checkpoints: bool) -> bool:
         return cs.search_form(choice, profile, settings, checkpoints).dynamic_batch
@@ -1838,12 +1837,6 @@ def test_checkpointed_candidates_are_searched_static_where_this_torch_is_not_kno
         assert not dynamic(CompileSearch(checkpointed_static=True), checkpoints=True)
         assert dynamic(CompileSearch(checkpointed_static=False), checkpoints=True)
         assert not dynamic(CompileSearch(dynamic_batch=False), checkpoints=False)
-
-
-def _profile_of_repeated_blocks():
-    from tests.planner.conftest import make_profile
-
-    return make_profile()
 
 
 def test_a_dynamic_candidates_static_form_rides_against_a_static_leader_and_wins_where_faster(
