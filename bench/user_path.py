@@ -148,6 +148,7 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import memadvisor
+    from memadvisor import _torch_private
     from memadvisor.errors import is_oom
     from memadvisor.workload import Workload
 
@@ -193,7 +194,7 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     def retries() -> int:
         """The caching allocator's retries so far: a retry frees the cache and allocates
         again, a step's worth of time near the cap (docs/design.md, session 22)."""
-        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else 0
+        return _torch_private.cuda_memory_counters(device)["alloc_retries"] if cuda else 0
 
     retried: list[int] = []  # by step, the allocator's retries in it
     try:
@@ -219,11 +220,11 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         out["samples_per_s"] = cand.batch_size * k * len(steady) / sum(steady)
         # The plan's rate is a median of its steps; the mean above is what the user gets. A
         # gap between the two is slow steps (an allocator freeing its cache at the cap).
-        out["samples_per_s_median"] = cand.batch_size * k / statistics.median(steady)
+        middle = statistics.median(steady)
+        out["samples_per_s_median"] = cand.batch_size * k / middle
         out["slowest_step_s"] = max(steady)
         # Where the slow steps fall (indices after the warm-up, over 1.5x the median): every
         # n-th (a collector, a periodic host task), together (a clock, a neighbour), or few.
-        middle = statistics.median(steady)
         out["slow_steps"] = [i for i, t in enumerate(steady) if t > 1.5 * middle]
         ordered = sorted(steady)
         out["step_ms_p10_p50_p90"] = [

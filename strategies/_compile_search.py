@@ -328,6 +328,11 @@ class Variant:
         self.lowest_failure, self.fit, self.error = None, None, error
 
     @property
+    def static_choices(self) -> dict[str, JsonValue]:
+        """Its choices with the search form's batch static: what a pick of it hands on."""
+        return {**self.choices, COMPILE: _static(self.form)}
+
+    @property
     def final_differs(self) -> bool:
         """Whether the form handed on differs from the searched one in more than a static
         batch: then it gets a run of its own (``Search.confirm_final``)."""
@@ -934,7 +939,7 @@ class Search:
         overlaps it (docs/design.md, session 16)."""
         assert winner.fit is not None
         start = winner.fit.largest_batch
-        in_static = {**winner.choices, COMPILE: _static(winner.form)}  # what is handed on
+        in_static = winner.static_choices  # what is handed on
         choices = in_static if static else winner.choices
         beside = None
         if static_beside and not static and is_dynamic(winner.form):
@@ -1160,7 +1165,7 @@ class Search:
             if why is not None:
                 self.not_riding[v.label] = why
                 continue
-            riders.append(({**v.choices, COMPILE: _static(v.form)}, v.fit.largest_batch))
+            riders.append((v.static_choices, v.fit.largest_batch))
             self.riders.append(f"{v.label} at {v.fit.largest_batch}")
             if gained:
                 self.gained_riders.add(id(v))
@@ -1186,7 +1191,7 @@ class Search:
         for v in variants:
             if v is winner or v.error is not None or id(v) not in self.gained_riders:
                 continue
-            static = {**v.choices, COMPILE: _static(v.form)}
+            static = v.static_choices
             rode = [
                 p.batch_size
                 for p in self.stage.probes[self.runs_before :]
@@ -1367,7 +1372,7 @@ class Search:
             return True  # answered: the error says why
         v.static_because = first_line(error)
         v.trialled_as = v.form
-        v.choices = {**v.choices, COMPILE: _static(v.form)}
+        v.choices = v.static_choices
         v.forget()
         return True
 

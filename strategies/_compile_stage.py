@@ -735,29 +735,29 @@ def _trial_static(
             trials[key] = _standing_for(tried)
 
 
-def _standing_for(done: _Trial) -> _Trial:
-    """The trial of a partitioner-budget form, answered by ``done``, its form's without one."""
+def _standing_for(
+    done: _Trial, form: str = "without a partitioner budget", one_off_ms: float | None = None
+) -> _Trial:
+    """The trial of a form answered by ``done``, that of the same compile but for ``form``
+    (how the trialled one differs): the form without its partitioner budget, or with the
+    batch the other way (static or dynamic), whose compile time is then kept
+    (``one_off_ms``) as the pick's estimate of its one-off cost, a compile of the same graph
+    but for the batch's symbol."""
     return _Trial(
         ok=done.ok,
-        sentence="not trialled: the same compile as the form without a partitioner "
-        f"budget, whose trial stands for it ({done.sentence})",
+        sentence=f"not trialled: the same compile as the form {form}, whose trial stands for "
+        f"it ({done.sentence})",
         error=done.error,
+        one_off_ms=one_off_ms,
     )
 
 
 def _standing_for_twin(done: _Trial, twin: JsonValue) -> _Trial:
-    """The trial of a form answered by ``done``, that of ``twin``, the same form with the
-    batch the other way (static or dynamic): its compile time too, as the pick's estimate
-    of its one-off cost, a compile of the same graph but for the batch's symbol."""
+    """:func:`_standing_for` for ``twin``'s trial, ``twin`` the same form with the batch the
+    other way."""
     parsed = _parse(twin)
     batch = "dynamic" if parsed is not None and parsed.dynamic_batch else "static"
-    return _Trial(
-        ok=done.ok,
-        sentence=f"not trialled: the same compile as the form with a {batch} batch, whose "
-        f"trial stands for it ({done.sentence})",
-        error=done.error,
-        one_off_ms=done.one_off_ms,
-    )
+    return _standing_for(done, f"with a {batch} batch", done.one_off_ms)
 
 
 def _batch_twin(form: JsonValue) -> JsonValue | None:
