@@ -230,6 +230,9 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         out["step_ms_p10_p50_p90"] = [
             1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.1, 0.5, 0.9)
         ]
+        # Every step's time (ms, the warm-up's too): whether the first steps after the
+        # compile, which a plan's 20-step run times, run faster than the loop's later ones.
+        out["step_ms"] = [round(1e3 * t, 2) for t in times]
         # The median rate of each quarter of the steps: a loop that slows as it goes (a card
         # that lowers its clocks under sustained load) against the plan's 20-step run.
         quarter = max(1, len(steady) // 4)
