@@ -48,7 +48,8 @@ therefore measures compiled variants of several eager combinations, not only of 
    leader's as room allows (:meth:`Search._static_riders`). Where the leader is searched
    static (checkpointed) and the group compiles cold anyway, a dynamic candidate's line is
    set against it at :data:`STATIC_GAIN_MAX`, and such a rider that then measures more than
-   the winner's static confirmation is the pick (:meth:`Search.rode_past`).
+   the winner's static confirmation is the pick; a near rider is, where it measured
+   :data:`MIN_SPEEDUP` more (:meth:`Search.rode_past`).
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
    from its predicted batch (a line through dynamic-batch runs needs only
    :data:`DYNAMIC_ALLOWANCE` of the bar to be confirmed). Then its static form, the one the
@@ -104,13 +105,15 @@ Known limitations:
       and pass 2 retries at half the retry's batch: a split allocator, not the batch, may
       have stopped the retry.
     * The candidates are ranked on their searched graphs, dynamic or (checkpointed, above)
-      static; only the winner's static graph is run. A static graph has run 17% faster than
-      its dynamic one and as much slower, so a candidate can lose on its dynamic rate to one
-      its static form would beat: hf_gpt2 on an H100 (session 23) picked 4 blocks at 1898
-      on 94,943 samples/s dynamic against no checkpointing's 93,871 at 1020, and verified
-      92,847 static, where session 22's plan verified no checkpointing's static form at 1020
-      at 106,353. Where the static one runs out at the winner's batch, the search's pick
-      goes to the verification, which steps the batch down.
+      static; only the winner's static graph is run, and the riders' where pass 2 left room
+      for them (a rider that ran faster is the pick: :meth:`Search.rode_past`). A static
+      graph has run 17% faster than its dynamic one and as much slower, so a candidate can
+      lose on its dynamic rate to one its static form would beat: hf_gpt2 on an H100
+      (session 23) picked 4 blocks at 1898 on 94,943 samples/s dynamic against no
+      checkpointing's 93,871 at 1020, and verified 92,847 static, where session 22's plan
+      verified no checkpointing's static form at 1020 at 106,353. Where the static one runs
+      out at the winner's batch, the search's pick goes to the verification, which steps the
+      batch down.
     * Runs made at once time their steps in turn, after every sibling's first step (its
       compile) has ended, but a sibling's teardown may overlap them: their step times, which
       rank the candidates, are less sure than a lone run's. The winner's static run (the
@@ -734,8 +737,10 @@ class Search:
         # leaves no room): what a card's plan shows of it.
         self.riders: list[str] = []
         self.not_riding: dict[str, str] = {}
-        # Candidates whose static form rode only at the static form's gain against a static
-        # leader (STATIC_GAIN_MAX), by id: rode_past weighs their riders against the pick.
+        # Candidates whose static form rode with pass 2, by id: rode_past weighs their
+        # riders against the pick. Those among them that rode only at the static form's gain
+        # against a static leader (STATIC_GAIN_MAX): what the details say of them.
+        self.rode: set[int] = set()
         self.gained_riders: set[int] = set()
 
     @property
@@ -1167,6 +1172,7 @@ class Search:
                 continue
             riders.append((v.static_choices, v.fit.largest_batch))
             self.riders.append(f"{v.label} at {v.fit.largest_batch}")
+            self.rode.add(id(v))
             if gained:
                 self.gained_riders.add(id(v))
         return riders
@@ -1174,22 +1180,41 @@ class Search:
     def rode_past(
         self, variants: Sequence[Variant], winner: Variant, found: Confirmed
     ) -> tuple[Variant, Confirmed] | None:
-        """The candidate other than ``winner`` whose static form rode with pass 2 at the
-        static form's gain (:meth:`_static_riders`, :data:`STATIC_GAIN_MAX`: a dynamic line
+        """The candidate other than ``winner`` whose static form rode with pass 2
+        (:meth:`_static_riders`: near the leader by its line, or at the static form's gain
         against a static leader), fitted within the pick's limit and measured more than
-        ``found`` (the objective's way), with that run as its confirmation; None where none
-        did. No device run: the rider's run answers.
+        ``found``, the winner's static confirmation (the objective's way), with that run as
+        its confirmation; None where none did. No device run: the rider's run answers.
 
-        Why: a rider's candidate is ranked on its dynamic line, and the winner, searched
-        static, on its static runs; on a card the static graph of the candidate without
-        checkpointing ran 1.26x its dynamic one (cnn at 2098, H100, session 22), which its
-        line cannot show. Where its rider then measured more than the winner's static
-        confirmation, both runs are the form the user runs, at batches within the limit."""
+        Why: the candidates are ranked on their searched graphs (dynamic, or static where
+        checkpointed) and only the winner's static form is confirmed, where a static graph
+        has run up to 1.26x its dynamic one and as much slower: cnn's candidate without
+        checkpointing at 2098 (H100, session 22), whose line cannot show it against a static
+        leader; hf_gpt2's bf16 without checkpointing at 1020, 65,274 samples/s dynamic and
+        76,927 static, beside a tf32 winner whose line led by 1% and whose static form ran
+        65,559 (H100, session 24). Where a rider then measured more than the winner's static
+        confirmation, both runs are the form the user runs, at batches within the limit.
+
+        A near rider (ranked on the same kind of graph as the winner) is taken only ahead by
+        :data:`MIN_SPEEDUP` under a rate objective: each side is one run of the verifying
+        steps, and a percent ahead is within their noise; there the winner stands, the pick
+        a device of one run at a time makes. A rider at the static form's gain is taken
+        ahead by any amount: its line, dynamic against a static leader's, could not rank it.
+
+        Known limitations: a device that makes one run at a time sends no riders, so there
+        the winner's static form stands where a card with room beside pass 2 may pick a
+        rider's that is faster by more than the noise."""
         objective = self.stage.config.objective
-        bar = worth(objective, found.candidate.batch_size, found.measured.samples_per_s)
+        batch, rate = found.candidate.batch_size, found.measured.samples_per_s
+        # A near rider, ranked on the same kind of graph as the winner, ahead by the runs'
+        # noise at least (MIN_SPEEDUP): one a hair ahead of the winner's static run is two
+        # 20-step runs alike, and the winner stands, as on a device of one run at a time.
+        margin = MIN_SPEEDUP if objective != "largest_batch" else 1.0
+        near_bar = worth(objective, batch, margin * rate)
         best: tuple[Variant, Confirmed] | None = None
+        chosen = None
         for v in variants:
-            if v is winner or v.error is not None or id(v) not in self.gained_riders:
+            if v is winner or v.error is not None or id(v) not in self.rode:
                 continue
             static = v.static_choices
             rode = [
@@ -1207,8 +1232,9 @@ class Search:
             if c is None or self.stage.held_bytes(c.measured) > self.stage.limit_bytes:
                 continue
             key = worth(objective, c.candidate.batch_size, c.measured.samples_per_s)
-            if key > bar:
-                best, bar = (v, c), key
+            bar = worth(objective, batch, rate) if id(v) in self.gained_riders else near_bar
+            if key > bar and (chosen is None or key > chosen):
+                best, chosen = (v, c), key
         return best
 
     def _again_static(self, group: list[tuple[Variant, int]]) -> None:

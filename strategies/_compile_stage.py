@@ -348,8 +348,9 @@ def _rode_words(rode: tuple[Variant, Confirmed], winner: Variant, found: Confirm
         f"The static form of {v.label}, run beside the second pass at batch "
         f"{static.candidate.batch_size}, ran {static.measured.samples_per_s:.1f} samples/s, "
         f"more than {winner.label}'s {found.measured.samples_per_s:.1f} at batch "
-        f"{found.candidate.batch_size}, the best by the lines (searched static): it is the "
-        "pick, its run the verification."
+        f"{found.candidate.batch_size}, the best by the lines"
+        f"{'' if is_dynamic(winner.form) else ' (searched static)'}: it is the pick, its run "
+        "the verification."
     )
 
 
