@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memadvisor.errors import AllocatorRetriesError
 from memadvisor.estimate import estimate
 from memadvisor.planner._prober import Prober, RunsSpent
 from memadvisor.planner._space import Scored, SearchSpace, limit_at
@@ -315,3 +316,48 @@ def test_a_probe_whose_runs_take_longer_in_their_steps_than_their_first_step_run
     found, _, ran, groups = _search_from(45, 2, strategies, workload, first_step_ms=0.1)
     assert groups == [] and ran == [b for b, _ in found.tried]
     assert found.tried == alone.tried
+
+
+class RetriesDevice(EstimateDevice):
+    """A card whose batches from ``retries_from`` up complete their steps but only by the
+    allocator's retries (AllocatorRetriesError after the last step, as train_candidate
+    raises it)."""
+
+    def __init__(self, profile, strategies, budget_bytes: int, retries_from: int) -> None:
+        super().__init__(profile, strategies, budget_bytes)
+        self.retries_from = retries_from
+
+    def run(self, workload, candidate: Candidate, steps: int) -> Measurement:
+        measured = super().run(workload, candidate, steps)
+        if candidate.batch_size >= self.retries_from:
+            error = AllocatorRetriesError(candidate.batch_size, steps - 1, steps - 1, 5.0)
+            error.memadvisor_steps_completed = steps  # type: ignore[attr-defined]
+            raise error
+        return measured
+
+
+def test_a_batch_out_of_memory_by_the_allocators_retries_answers_larger_batches_without_a_run(
+    strategies, workload
+) -> None:
+    """Rule: a run that completed its steps but counts as out of memory by the allocator's
+    retries (AllocatorRetriesError) answers, without a device run, the same batch and every
+    larger one of its choices for as many steps, as a run that ran out mid-step does. lm350m
+    on an H200 (session 24): the compile stage's confirmation ran 26, a cold compile and 18.1
+    s, after 23 had run out so, and the pick stayed below 23."""
+    profile = make_profile(param_mib=20)
+    budget = 160 * MIB
+    device = RetriesDevice(profile, strategies, budget, retries_from=30)
+    config = PlanConfig(budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4)
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    steps = prober.steps
+    assert prober.run(Candidate(batch_size=30, choices=BF16), steps, "compile") is None
+    (record,) = prober.probes
+    assert not record.fits and record.error.startswith("Out of memory in effect")
+    assert record.steps == steps  # it completed them
+    del device.calls[:]
+    for batch in (30, 31, 36):
+        assert prober.run(Candidate(batch_size=batch, choices=BF16), steps, "compile") is None
+    assert device.calls == []
+    # A smaller batch, or other choices, still runs.
+    assert prober.run(Candidate(batch_size=29, choices=BF16), steps, "compile") is not None
+    assert [b for b, _, _ in device.calls] == [29]
