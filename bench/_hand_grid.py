@@ -403,7 +403,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def derive(row: dict[str, Any]) -> dict[str, Any]:
     """Issue 27's ratios from a row's measurements: the best hand cell, the pick's verified
-    rate over it, the user's loop over the verified rate, the batch over what holds."""
+    rate over it, the user's loop over the verified rate (and over the pick run again in
+    the same call), the batch over what holds."""
     # An interrupted cell's batch is a lower bound of its own: shown, not rated.
     rated = [
         c for c in row.get("hand_grid", []) if c.get("samples_per_s") and not c.get("interrupted")
@@ -417,6 +418,8 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     rerun = (row.get("pick_rerun") or {}).get("samples_per_s")
     row["pick_rerun_over_best_hand"] = _ratio(rerun, row["best_hand_samples_per_s"])
     row["loop_over_verified"] = _ratio(row.get("user_loop_samples_per_s"), verified)
+    # The loop over the pick run again in the same call: the same host, minutes apart.
+    row["loop_over_rerun"] = _ratio(row.get("user_loop_samples_per_s"), rerun)
     holding = row.get("largest_batch_holding")
     row["batch_over_holding"] = _ratio(row.get("batch"), holding)
     return row

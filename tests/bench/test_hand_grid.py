@@ -185,9 +185,11 @@ def _cell(config: str, batch: int, rate: float) -> dict:
 def test_a_models_lines_join_into_one_row_with_its_ratios(grid) -> None:
     """The plan and loop from one call, eager and compiled cells from two more: the joined
     row has all six cells in grid order, keeps what a later call did not measure, takes a
-    rerun cell's latest line, and derives pick / best cell and loop / verified from them."""
+    rerun cell's latest line, and derives pick / best cell, loop / verified and loop / the
+    pick run again from them."""
     plan = {"model": "m", "verified_samples_per_s": 100.0, "user_loop_samples_per_s": 98.0,
-            "user_loop_ooms": 0, "compile_s": 12.0, "hand_grid": []}  # fmt: skip
+            "user_loop_ooms": 0, "compile_s": 12.0, "hand_grid": [],
+            "pick_rerun": {"samples_per_s": 80.0, "samples_per_s_each": [70, 80, 90]}}  # fmt: skip
     eager = {"model": "m", "verified_samples_per_s": None, "user_loop": [],
              "hand_grid": [_cell("eager", 4, 60.0), _cell("eager+half", 6, 70.0),
                            _cell("eager+all", 9, 65.0)]}  # fmt: skip
@@ -201,6 +203,7 @@ def test_a_models_lines_join_into_one_row_with_its_ratios(grid) -> None:
     assert row["best_hand"] == "compile+half"
     assert row["pick_over_best_hand"] == round(100.0 / 101.0, 4)
     assert row["loop_over_verified"] == 0.98
+    assert row["loop_over_rerun"] == round(98.0 / 80.0, 4)
     assert row["hand_cells"] == "6/6" and row["lines"] == 3
 
 

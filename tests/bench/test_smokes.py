@@ -65,7 +65,8 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     "user_path": [
         "--device", "simulated", "--models", "cnn", "--budget-gib", "0.05", "--steps", "3",
         "--warmup", "1", "--repeats", "1", "--no-plain", "--no-holding", "--hold-steps", "2",
-        "--hand", "eager+half,compile+all", "--rerun-pick", "--label", "smoke", "--json", OUT,
+        "--hand", "eager+half,compile+all", "--rerun-pick", "--rerun-repeats", "2", "--label",
+        "smoke", "--json", OUT,
     ],
 }  # fmt: skip
 # Fields every JSON line of that smoke carries (issue 27's rows: what "Done when" reads).
@@ -75,7 +76,8 @@ FIELDS: dict[str, set[str]] = {
         "model", "plan_wall_s", "compile_s", "pick", "verified_samples_per_s", "hand_grid",
         "best_hand_samples_per_s", "pick_over_best_hand", "pick_rerun_over_best_hand",
         "user_loop_samples_per_s",
-        "user_loop_ooms", "loop_over_verified", "largest_batch_holding", "device",
+        "user_loop_ooms", "loop_over_verified", "loop_over_rerun", "largest_batch_holding",
+        "device",
         "alloc_conf", "hand_alloc_conf",
     },
 }  # fmt: skip
