@@ -1848,11 +1848,13 @@ def test_a_dynamic_candidates_static_form_rides_against_a_static_leader_and_wins
     than the winner's static confirmation, it is the pick, its run the verification. cnn on
     an H100 (session 23): no checkpointing ran 37,964 samples/s dynamic at 2098, so 3 blocks
     checkpointed (static, 43,722 at 3207) was picked, where its static form had run 48,111
-    (session 22). Here a dynamic step takes 1.3x its static one."""
+    (session 22). Here a dynamic step takes 1.3x its static one, and a checkpointed block
+    recomputes at 0.4 of its forward."""
+    from strategies._compile_search import MIN_SPEEDUP
 
     def plan_on(slowdown: float):
         device = linear_device(
-            EAGER_FLAT, fixed_ms=1.0, recompute=0.3, uncached_checkpointed=True,
+            EAGER_FLAT, fixed_ms=1.0, recompute=0.4, uncached_checkpointed=True,
             dynamic_slowdown=slowdown,
         )  # fmt: skip
         _concurrent(device, 4, record_run_many)
@@ -1865,12 +1867,13 @@ def test_a_dynamic_candidates_static_form_rides_against_a_static_leader_and_wins
     assert plan.candidate.choices["compile"] == REGIONAL  # its static form
     assert stage.details["search"]["riders"], stage.details["search"]
     assert "run beside the second pass" in stage.summary
-    # The best by the lines, checkpointed and static, was confirmed and ran slower.
+    # The best by the lines, checkpointed and static, was confirmed and ran slower, by more
+    # than two runs' noise (MIN_SPEEDUP).
     static_winner = [
         v for v in stage.variants if v.confirmed and _blocks(v.choices) and v.measured is not None
     ]
     assert static_winner and all(
-        v.measured.samples_per_s < plan.verified.samples_per_s for v in static_winner
+        MIN_SPEEDUP * v.measured.samples_per_s <= plan.verified.samples_per_s for v in static_winner
     )
     # Within 3% of the best static configuration, by construction.
     rates = []
