@@ -50,3 +50,32 @@ def test_mapping_with_unknown_keys_lists_the_allowed_ones() -> None:
         workload_from_result(
             {"model": torch.nn.Linear(1, 1), "sample_batch": torch.ones(1, 1), "lossfn": None}
         )
+
+
+def test_a_factory_error_raised_from_another_names_the_innermost_cause(tmp_path: Path) -> None:
+    """Rule: where the factory's error was raised from another (a library's lazy import
+    wrapping what failed), the message names the innermost cause too: transformers'
+    "Could not import module 'GPT2LMHeadModel'" hid torchvision's ops failing to load beside
+    a CPU build of torch (session 24)."""
+    f = tmp_path / "lazy.py"
+    f.write_text(
+        "def build():\n"
+        "    try:\n"
+        "        raise RuntimeError('operator torchvision::nms does not exist\\nmore')\n"
+        "    except RuntimeError as e:\n"
+        "        raise ModuleNotFoundError(\"Could not import module 'GPT2LMHeadModel'\") from e\n"
+    )
+    with pytest.raises(BadInputError) as caught:
+        load_target(f"{f}:build")
+    message = str(caught.value)
+    assert "ModuleNotFoundError: Could not import module 'GPT2LMHeadModel'" in message
+    assert "(caused by RuntimeError: operator torchvision::nms does not exist)" in message
+    assert "more" not in message  # the cause's first line only
+
+
+def test_a_factory_error_raised_from_none_says_only_itself(tmp_path: Path) -> None:
+    f = tmp_path / "plain.py"
+    f.write_text("def build():\n    raise ValueError('no data here')\n")
+    with pytest.raises(BadInputError) as caught:
+        load_target(f"{f}:build")
+    assert str(caught.value).endswith("raised ValueError: no data here")
