@@ -37,6 +37,7 @@ __all__ = [
     "mark_retry_ran_out",
     "ran_out_by_retries",
     "retry_ran_out",
+    "root_cause",
     "user_code_frame",
 ]
 
@@ -316,6 +317,22 @@ def _raised_in_our_code(error: BaseException) -> bool:
         tb = tb.tb_next
     filename = str(Path(tb.tb_frame.f_code.co_filename).resolve())
     return filename.startswith(_OUR_CODE)
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost error along ``error``'s chain of causes (``__cause__``, or a wrapper's
+    ``inner_exception``: dynamo's BackendCompilerFailed keeps the backend's there); ``error``
+    itself where it was raised from none. The innermost one says what actually went wrong:
+    train_step turns a RuntimeError into "the model rejected the batch", and transformers'
+    lazy import says "Could not import module 'GPT2LMHeadModel'" where torchvision's ops
+    failed to load."""
+    seen = {id(error)}
+    while True:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            return error
+        error = inner
+        seen.add(id(error))
 
 
 def is_our_bug(error: BaseException) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, root_cause
 from memadvisor.workload import Workload, build_workload
 
 __all__ = [
@@ -143,23 +143,20 @@ def load_target(target: str) -> Workload:
             "(model, sample_batch) or a dict, and takes no command-line arguments."
         ) from e
     except Exception as e:
-        raise BadInputError(f"{target} raised {type(e).__name__}: {e}{_root_cause(e)}") from e
+        raise BadInputError(f"{target} raised {type(e).__name__}: {e}{_cause_words(e)}") from e
     return workload_from_result(result, origin=target)
 
 
-def _root_cause(error: BaseException) -> str:
-    """`` (caused by Type: first line)`` for the innermost error ``error`` was raised from,
-    '' where it was raised from none.
+def _cause_words(error: BaseException) -> str:
+    """`` (caused by Type: first line)`` for the innermost error ``error`` was raised from
+    (:func:`~memadvisor.errors.root_cause`), '' where it was raised from none.
 
     Why: a library's lazy import hides what failed behind its own message. transformers says
     "Could not import module 'GPT2LMHeadModel'. Are this object's requirements defined
     correctly?" where the cause was torchvision's ops failing to load beside a torch they
     were not built for ("RuntimeError: operator torchvision::nms does not exist"): the user
     is told to look at transformers."""
-    root, seen = error, {id(error)}
-    while root.__cause__ is not None and id(root.__cause__) not in seen:
-        root = root.__cause__
-        seen.add(id(root))
+    root = root_cause(error)
     if root is error:
         return ""
     text = str(root).strip()

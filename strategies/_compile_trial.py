@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from torch import nn
 
 from memadvisor import _torch_private
-from memadvisor.errors import BadInputError, is_oom, is_our_bug
+from memadvisor.errors import BadInputError, is_oom, is_our_bug, root_cause
 from memadvisor.schema.candidate import Candidate
 from memadvisor.step import base_step, running
 from memadvisor.strategy import apply_candidate, facts_of
@@ -226,21 +226,8 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b != 0 else math.inf
 
 
-def _root_cause(error: BaseException) -> BaseException:
-    # train_step turns a RuntimeError into "the model rejected the batch"; dynamo wraps the
-    # backend's exception (BackendCompilerFailed.inner_exception). The innermost one says
-    # what actually went wrong.
-    seen = {id(error)}
-    while True:
-        inner = getattr(error, "inner_exception", None) or error.__cause__
-        if not isinstance(inner, BaseException) or id(inner) in seen:
-            return error
-        error = inner
-        seen.add(id(error))
-
-
 def _describe(error: BaseException) -> str:
-    root = _root_cause(error)
+    root = root_cause(error)
     text = " ".join(line.strip() for line in str(root).splitlines() if line.strip())
     return f"{type(root).__name__}: {text[:300]}"
 
@@ -314,7 +301,7 @@ def try_compile(
         failure = e
     result |= _what_dynamo_did(before, _torch_private.dynamo_counters())
     if failure is not None:
-        oom = is_oom(_root_cause(failure)) or is_oom(failure)
+        oom = is_oom(root_cause(failure)) or is_oom(failure)
         reason = (
             f"the compiled step ran out of memory at batch {base.batch_size}."
             if oom
