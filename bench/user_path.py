@@ -450,8 +450,9 @@ def _rerun_pick(plan: Any, name: str, args: argparse.Namespace, device: Any) -> 
     host's noise is of the order of the 3% compared); ``samples_per_s`` is the median."""
     rates: list[float] = []
     peak_gib = None
-    for i in range(max(1, args.rerun_repeats)):
-        _say(f"{name}: the pick again ({i + 1} of {max(1, args.rerun_repeats)})")
+    repeats = max(1, args.rerun_repeats)
+    for i in range(repeats):
+        _say(f"{name}: the pick again ({i + 1} of {repeats})")
         try:
             m = device.run(_workload(name), plan.candidate, args.hold_steps)
         except Exception as e:  # noqa: BLE001 - an OOM here is a finding, not a crash
