@@ -7,9 +7,11 @@ cold cache of its own (``--cold-cache``, the default: a new ``TORCHINDUCTOR_CACH
 JSON line per plan, appended to ``--json`` (default ``bench/results/plan_speed.jsonl``):
 model, budget_gib, compile, label, cache, plan_wall_s (the process, what issue 27's 60 s
 counts), planner_wall_s, stage_wall_s, compile_s (the compile stage's wall time), pick,
-verified_samples_per_s, compile_variants, device, torch, commit. ``--save-plans DIR`` keeps
-each plan as ``DIR/<model>.json`` (``bench/user_path.py --plan`` runs the user's loop and
-the hand grid from it); ``--timeout-s`` ends a plan that runs longer and records that.
+verified_samples_per_s, compile_variants, device, torch, commit, outside_planner_s (the
+process's seconds around the planner: start and imports, the build, plan_workload's call,
+the write, the exit). ``--save-plans DIR`` keeps each plan as ``DIR/<model>.json``
+(``bench/user_path.py --plan`` runs the user's loop and the hand grid from it);
+``--timeout-s`` ends a plan that runs longer and records that.
 
 ``--label`` names the code that ran (``before``: the planner as it was, ``after``: with the
 stage scheduling of issue 16), and ``--table`` prints every model's labels side by side from
@@ -83,7 +85,9 @@ def _child(
     config = PlanConfig(
         budget_bytes=int(budget_gib * 2**30), device=device, options={"compile": compile_policy}
     )
+    loaded_at = time.time()  # this process's imports done
     workload = load_target(target)
+    built_at = time.time()
     strategies = None
     if compile_search:
         # The compile stage's search settings (CompileSearch's fields) for this plan only:
@@ -97,7 +101,17 @@ def _child(
             for s in load_strategies(config.strategies)
         ]
     plan = plan_workload(workload, config, target=target, progress=False, strategies=strategies)
+    planned_at = time.time()
     out.write_text(plan.model_dump_json())
+    # Where the process's seconds outside the planner went (the parent adds its exit): the
+    # imports before the model's build, the build, plan_workload's return after the planner's
+    # own clock stopped (its device closing), and the interpreter's exit after the write.
+    times = {"loaded_at": loaded_at, "built_at": built_at, "planned_at": planned_at}
+    _times_file(out).write_text(json.dumps(times | {"written_at": time.time()}))
+
+
+def _times_file(out: Path) -> Path:
+    return out.with_name(out.stem + ".times.json")
 
 
 # -- the parent ------------------------------------------------------------------------------
@@ -171,13 +185,15 @@ def plan_one(
         ]
         if compile_search:
             cmd += ["--compile-search", json.dumps(compile_search)]
-        started = time.perf_counter()
+        started, spawned_at = time.perf_counter(), time.time()
         try:
             done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout_s)
             returncode: int | str = done.returncode
         except subprocess.TimeoutExpired:
             returncode = f"none: ended after the --timeout-s of {timeout_s:g} s"
-        wall_s = time.perf_counter() - started
+        wall_s, exited_at = time.perf_counter() - started, time.time()
+        times_file = _times_file(out)
+        times = json.loads(times_file.read_text()) if times_file.exists() else None
         record: dict[str, Any] = {
             "model": model,
             "budget_gib": budget_gib,
@@ -189,6 +205,8 @@ def plan_one(
         }
         if compile_search:
             record["compile_search_overrides"] = compile_search
+        if times is not None:
+            record["outside_planner_s"] = _outside(times, spawned_at, exited_at)
         if returncode != 0 or not out.exists():
             return record | {"error": f"exit code {returncode}"}
         plan = json.loads(out.read_text())
@@ -233,6 +251,18 @@ def plan_one(
         "device": plan["device_name"],
         "torch": torch.__version__,
     }
+
+
+def _outside(times: dict[str, float], spawned_at: float, exited_at: float) -> dict[str, float]:
+    """The process's seconds around the planner, from the child's clock marks: its start
+    and imports (``start_s``), the model's build (``build_s``), ``plan_workload``'s call
+    (``plan_call_s``: the planner's wall plus what it does after its clock stops, the
+    device's close), the plan's JSON written (``write_s``) and the interpreter's exit after it
+    (``exit_s``). Wall clock of one host: parent and child read the same clock."""
+    marks = [spawned_at, times["loaded_at"], times["built_at"], times["planned_at"]]
+    marks += [times["written_at"], exited_at]
+    names = ("start_s", "build_s", "plan_call_s", "write_s", "exit_s")
+    return {n: round(b - a, 2) for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
 
 
 def _fit_words(fit: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -71,7 +71,9 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
 }  # fmt: skip
 # Fields every JSON line of that smoke carries (issue 27's rows: what "Done when" reads).
 FIELDS: dict[str, set[str]] = {
-    "plan_speed": {"model", "plan_wall_s", "compile_s", "cache", "pick", "plan_saved"},
+    "plan_speed": {
+        "model", "plan_wall_s", "compile_s", "cache", "pick", "plan_saved", "outside_planner_s",
+    },
     "user_path": {
         "model", "plan_wall_s", "compile_s", "pick", "verified_samples_per_s", "hand_grid",
         "best_hand_samples_per_s", "pick_over_best_hand", "pick_rerun_over_best_hand",
@@ -86,6 +88,18 @@ FIELDS["loop_gap"] = {"model", "verified_samples_per_s", "train_step_short", "lo
 VALUES: dict[str, dict[str, object]] = {
     "plan_speed": {"cache": "cold", "compile_search_overrides": {"dynamic_batch": False}}
 }
+
+
+def _parts_add_up(line: dict) -> None:
+    """plan_speed: the process's seconds around the planner add up to its wall, and the
+    plan_workload call holds the planner's own wall."""
+    parts = line["outside_planner_s"]
+    assert abs(sum(parts.values()) - line["plan_wall_s"]) < 0.5, (parts, line["plan_wall_s"])
+    assert parts["plan_call_s"] >= line["planner_wall_s"] - 0.1, (parts, line["planner_wall_s"])
+
+
+# A rule every JSON line of that smoke keeps, beyond its fields.
+RULES = {"plan_speed": _parts_add_up}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
     "cards": "runs shell commands over cards (tests/bench/test_cards.py runs it with --cards)",
@@ -152,6 +166,8 @@ def test_the_smoke_runs_and_writes_its_lines(name: str, tmp_path: Path) -> None:
                 assert FIELDS.get(name, set()) <= set(line), FIELDS[name] - set(line)
                 for key, value in VALUES.get(name, {}).items():
                     assert line[key] == value, (key, line[key])
+                if name in RULES:
+                    RULES[name](line)
     after = {p: p.stat().st_mtime_ns for p in results.glob("*")}
     assert after == before, "a smoke wrote into bench/results/"
 
