@@ -423,6 +423,28 @@ def test_a_zygote_whose_factory_initialized_cuda_forks_nothing_and_exits_on_clos
     assert zygote.process is not None and zygote.process.poll() == 0 and not zygote.alive
 
 
+def test_a_zygote_told_to_exit_exits_at_once_without_the_interpreters_teardown(
+    tmp_path: Path,
+) -> None:
+    """Rule: the zygote keeps nothing to save once every run has answered, so on close() it
+    exits at once (exit code 0) without an orderly interpreter exit: the teardown of torch
+    and the user's model took about 1.1 s on this CPU, which a plan's close waited for; a
+    handler the user's factory registered does not run in the planner's helper process."""
+    ran = tmp_path / "atexit-ran"
+    zygote = ForkServer(
+        _setup(target=f"{HELPERS}:build_registering_atexit"),
+        stderr_path=tmp_path / "stderr",
+        env={runner.ATEXIT_VARIABLE: str(ran)},
+    )
+    try:
+        assert zygote.start(TIMEOUT_S)["status"] == "ready", zygote.stderr_tail()
+        assert zygote.run(_candidate(3), steps=2, timeout_s=TIMEOUT_S)["status"] == "ok"
+    finally:
+        zygote.close()
+    assert zygote.process is not None and zygote.process.poll() == 0 and not zygote.alive
+    assert not ran.exists(), "the zygote ran its interpreter's exit handlers"
+
+
 def test_a_child_forked_after_autograd_started_its_threads_is_unforkable() -> None:
     """torch's error for a backward in a child forked after autograd's device threads started
     (a factory that ran a backward on a CUDA machine) means 'do not fork': the device then

@@ -52,6 +52,19 @@ def build_touching_cuda() -> dict:
     return build()
 
 
+def build_registering_atexit() -> dict:
+    """A factory that registers an exit handler (as a logger or tracker may): it writes the
+    file ``$MEMADVISOR_TEST_ATEXIT`` names when the interpreter exits in an orderly way."""
+    import atexit
+
+    path = os.environ[ATEXIT_VARIABLE]
+    atexit.register(lambda: Path(path).write_text(str(os.getpid())))
+    return build()
+
+
+ATEXIT_VARIABLE = "MEMADVISOR_TEST_ATEXIT"
+
+
 def _loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
