@@ -475,8 +475,8 @@ def _collect(pid: int, read_fd: int, parent_pid: int | None = None) -> tuple[byt
 def _exit_now(answers: IO[str]) -> NoReturn:
     """Exit at once when the parent says so: the zygote keeps nothing to save (every child
     has answered and ended; the parent removes the folders), and an interpreter's orderly exit
-    after torch and the user's model were imported tore them down for about 0.9 s on a CPU
-    with the tests' small model, which the plan's close waited for."""
+    after torch and the user's model were imported tore them down for 0.9-1.1 s on a CPU with
+    the tests' small model, which the plan's close waited for (docs/design.md, session 25)."""
     with contextlib.suppress(OSError, ValueError):
         answers.flush()
     sys.stderr.flush()
