@@ -4,7 +4,9 @@ rows on a card.
 ``peaks`` (CPU): examples/gpt.py as shipped (a 50304-token vocabulary, 64 tokens a row),
 profiled in fp32 and bf16 under CUDA's autocast policy; for each precision, batch and chunk
 count ('off', 4, 8, 32) two steps on the simulated device, its measured peak beside the
-estimate's, with the error (the table in docs/design.md, "The chunked loss head").
+estimate's, with the error (the table in docs/design.md, "The chunked loss head");
+``--target file.py:factory`` another model (the CI smoke's: the Llama example, 6 s against
+the GPT example's 29 s).
 
 ``cells`` (a card; ``--device simulated`` is its CPU smoke): a decoder LM at a budget (default
 ``lm350m``, examples/llama.py's 0.35B preset at 1024 tokens, at 8 GiB). Each cell is one JSON
@@ -91,7 +93,7 @@ def peaks(args: argparse.Namespace) -> None:
     from memadvisor.strategy import load_strategies
     from memadvisor.target import load_target
 
-    workload = load_target(f"{ROOT}/examples/gpt.py:build")
+    workload = load_target(args.target)
     with cuda_autocast_policy():
         profile = profile_workload(workload, device="cpu", precisions=args.precisions)
     strategies = load_strategies(["precision", "loss_head"])
@@ -362,6 +364,11 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[4, 8])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--chunks", nargs="+", default=["off", "4", "8", "32"])
+    p.add_argument(
+        "--target",
+        default=f"{ROOT}/examples/gpt.py:build",
+        help="file.py:factory (the docs' table: the GPT example; the CI smoke: a smaller one)",
+    )
     c = sub.add_parser("cells", help="each configuration at its largest batch on a device")
     c.add_argument("--models", default="lm350m", help=f"comma-separated, of {list(MODELS)}")
     c.add_argument("--cells", default="eager,eager+chunked", help=f"of {[*CELLS, 'plan']}")

@@ -47,7 +47,10 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     "precision_check": ["--device", "cpu", "--tiny", "--models", "gpt2", "--out", OUT],
     "probe_exit": ["--repeat", "1"],
     "loss_head": [
-        ["peaks", "--batches", "2", "--precisions", "fp32", "--chunks", "off", "8"],
+        [
+            "peaks", "--batches", "2", "--precisions", "fp32", "--chunks", "off", "8",
+            "--target", f"{ROOT}/examples/llama.py:build",
+        ],
         [
             "cells", "--device", "simulated", "--models", "llama", "--budget-gib", "0.08",
             "--cells", "eager,eager+chunked,compiled,plan", "--json", OUT,
