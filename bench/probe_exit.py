@@ -11,7 +11,8 @@ Two planners:
 
 Prints, per run: seconds from the signal until the plan's processes (the zygote, its child
 and the janitor) were gone, until the planner exited, and whether the temp folder (the
-pickled workload) was still there 5 s later; then each row's median and largest time.
+pickled workload) was still there 5 s later (``--linger-s``); then each row's median and
+largest time.
 ``--busy N`` runs N processes spinning on the CPU meanwhile: a loaded CI machine.
 
     python bench/probe_exit.py [--repeat 3] [--busy 0]
@@ -70,8 +71,9 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def probe(signum: int) -> tuple[float, float, bool]:
-    """The faked-card planner mid-probe: (exited, processes gone, folder left after 5 s)."""
+def probe(signum: int, linger_s: float = 5.0) -> tuple[float, float, bool]:
+    """The faked-card planner mid-probe: (exited, processes gone, folder left after
+    ``linger_s``)."""
     with tempfile.TemporaryDirectory() as work:
         tmp, started = Path(work, "tmp"), Path(work, "started")
         tmp.mkdir()
@@ -108,7 +110,7 @@ def probe(signum: int) -> tuple[float, float, bool]:
             planner.kill()
             planner.wait()
             exited = time.monotonic() - t0
-        time.sleep(max(0.0, 5 - gone))
+        time.sleep(max(0.0, linger_s - gone))
         left = any(tmp.glob("memadvisor-*"))
         for pid in processes:
             if alive(pid):
@@ -154,6 +156,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--busy", type=int, default=0, help="CPU-spinning processes meanwhile")
+    parser.add_argument(
+        "--linger-s", type=float, default=5.0, help="when to look for the temp folder after"
+    )
     args = parser.parse_args()
     exits: dict[str, list[float]] = {}
     print(f"load average {os.getloadavg()[0]:.1f}, {args.busy} spinning", flush=True)
@@ -161,11 +166,12 @@ def main() -> None:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             name = signal.Signals(signum).name
             for _ in range(args.repeat):
-                exited, gone, left = probe(signum)
+                exited, gone, left = probe(signum, args.linger_s)
                 exits.setdefault(f"fake card, {name}", []).append(exited)
                 print(
                     f"fake card, {name}: probe processes and janitor gone {gone:.2f} s, "
-                    f"planner exited {exited:.2f} s, temp folder left after 5 s: {left}",
+                    f"planner exited {exited:.2f} s, "
+                    f"temp folder left after {args.linger_s:g} s: {left}",
                     flush=True,
                 )
         for _ in range(args.repeat):
