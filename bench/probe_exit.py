@@ -71,7 +71,7 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def probe(signum: int, linger_s: float = 5.0) -> tuple[float, float, bool]:
+def probe(signum: int, linger_s: float) -> tuple[float, float, bool]:
     """The faked-card planner mid-probe: (exited, processes gone, folder left after
     ``linger_s``)."""
     with tempfile.TemporaryDirectory() as work:
