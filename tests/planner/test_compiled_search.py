@@ -1943,3 +1943,69 @@ def test_a_near_riders_static_form_that_ran_faster_than_the_winners_by_the_noise
     close, _ = together(1.01)
     assert close.candidate == plain.candidate, close.stages[0].summary
     assert "run beside the second pass" not in close.stages[0].summary
+
+
+def _slowed_first_runs(linear_device, factor: float, **kwargs):
+    """A LinearDevice whose first compiled run of each configuration (pass 1's) runs
+    ``factor`` of its rate: a process slowed by what shared its host."""
+
+    class SlowedFirstRuns(linear_device):
+        ran: set[str] = set()
+
+        def run(self, workload, candidate: Candidate, steps: int):
+            m = super().run(workload, candidate, steps)
+            key = json.dumps(candidate.choices, sort_keys=True)
+            if self.compiled(candidate) is None or key in self.ran:
+                return m
+            self.ran.add(key)
+            return m.model_copy(
+                update={"step_ms": m.step_ms / factor, "samples_per_s": m.samples_per_s * factor}
+            )
+
+    return SlowedFirstRuns(EAGER_FLAT, fixed_ms=3.0, **kwargs)
+
+
+def test_where_slowed_first_runs_leave_no_line_beating_eager_the_best_is_run_again(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where pass 1 leaves no candidate whose line could beat the eager pick but the
+    best's predicts MEASURE_AGAIN_SHARE of the bar or more, it is run once more at its batch
+    and keeps its faster run. Here compiled runs 1.09x eager, and each configuration's
+    first run is slowed to 0.72 of its rate (the GPT example on an H100, session 26: its
+    best candidate's one run at 0.72 of what five other plans measured, and the plan kept
+    eager): the run made again measures the compiled rate, and the plan compiles, verified
+    at that rate. Before, the plan kept eager."""
+    device = _slowed_first_runs(linear_device, factor=0.72, speedup=1.15)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    search = stage.details["search"]
+    again = search["measured_again"]
+    assert len(again) == 1 and again[0].endswith("the second kept"), again
+    assert stage.picked and "compile" in plan.candidate.choices, stage.summary
+    # The pick's verification is an undisturbed run: the compiled rate, not the slowed one.
+    rate = plan.candidate.batch_size / device.step_ms(plan.candidate) * 1e3
+    assert plan.verified is not None
+    assert abs(plan.verified.samples_per_s / rate - 1) < 0.01
+    assert "run again, as no line beat eager by one run" in stage.summary
+    assert search["runs"] <= search["max_runs"]
+
+
+@pytest.mark.parametrize(("speedup", "again"), [(0.8, True), (0.6, False)])
+def test_where_compiling_does_not_pay_a_run_again_keeps_eager_and_none_is_made_far_behind(
+    workload, profile, strategies, linear_device, trials, speedup: float, again: bool
+) -> None:
+    """Rule: a compiled step truly slower than eager keeps the eager pick, run again or not;
+    a candidate is run again only where its line predicts MEASURE_AGAIN_SHARE (0.7) of the
+    bar or more: at 0.8 of eager's speed once (one round, within the search's runs), at
+    0.6 never."""
+    device = linear_device(EAGER_LM, compiled_ratio=1.0, speedup=speedup, fixed_ms=3.0)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    search = stage.details["search"]
+    assert not stage.picked and plan.candidate == stage.eager_candidate
+    assert bool(search["measured_again"]) is again, search["measured_again"]
+    assert search["runs"] <= search["max_runs"]
+    repeated = Counter(
+        (p.batch_size, json.dumps(p.candidate.choices, sort_keys=True)) for p in _compile_runs(plan)
+    )
+    assert (max(repeated.values()) == 2) is again

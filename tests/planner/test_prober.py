@@ -361,3 +361,48 @@ def test_a_batch_out_of_memory_by_the_allocators_retries_answers_larger_batches_
     # A smaller batch, or other choices, still runs.
     assert prober.run(Candidate(batch_size=29, choices=BF16), steps, "compile") is not None
     assert [b for b, _, _ in device.calls] == [29]
+
+
+class _SlowOnce(EstimateDevice):
+    """EstimateDevice whose first run of each batch takes ``slowdown`` times as long."""
+
+    def __init__(self, *args, slowdown: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slowdown, self.seen = slowdown, set()
+
+    def run(self, workload, candidate: Candidate, steps: int) -> Measurement:
+        m = super().run(workload, candidate, steps)
+        if candidate.batch_size in self.seen:
+            return m
+        self.seen.add(candidate.batch_size)
+        return m.model_copy(
+            update={
+                "step_ms": m.step_ms * self.slowdown,
+                "samples_per_s": m.samples_per_s / self.slowdown,
+            }
+        )
+
+
+@pytest.mark.parametrize("slow_first", [True, False])
+def test_a_run_made_again_reaches_the_device_and_later_asks_get_the_faster(
+    strategies, workload, slow_first: bool
+) -> None:
+    """Rule: ``run_many(..., again=True)`` runs on the device though an earlier run answers
+    the same candidate, answers with the new run, logs both, and from then on the faster of
+    the two answers :meth:`Prober.run` (a run is slowed by what shares the host, never sped
+    up); without ``again`` the earlier run answers and the device is not asked."""
+    profile = make_profile(param_mib=20)
+    device = _SlowOnce(profile, strategies, 160 * MIB, slowdown=2.0 if slow_first else 0.5)
+    config = PlanConfig(budget_bytes=160 * MIB, probe_steps=2, timing_steps=2, verify_steps=4)
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    candidate = Candidate(batch_size=10, choices=BF16)
+    first = prober.run(candidate, 2, "compile")
+    assert prober.run_many([candidate], 2, "compile") == [first] and len(device.calls) == 1
+    [second] = prober.run_many([candidate], 2, "compile", again=True)
+    assert len(device.calls) == 2 and len(prober.probes) == 2
+    assert first is not None and isinstance(second, Measurement)
+    assert second.step_ms != first.step_ms
+    later = prober.run(candidate, 2, "compile")
+    assert len(device.calls) == 2
+    assert later is (second if slow_first else first)
+    assert later.step_ms == min(first.step_ms, second.step_ms)
