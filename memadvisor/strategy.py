@@ -207,7 +207,6 @@ class PickStage(ABC):
         self,
         runs: Sequence[tuple[dict[str, JsonValue], int]],
         retry_at: Sequence[int | None] | None = None,
-        again: bool = False,
     ) -> list[Measurement | None | Exception]:
         """Each ``(choices, batch)`` of ``runs`` as :meth:`run` makes it, on the device at once
         where it can (:attr:`concurrent_runs`); per run, in order: its measurement, None (it
@@ -216,12 +215,7 @@ class PickStage(ABC):
         ``retry_at``: per run, a smaller batch measured where the run runs out (in the same
         process where the device keeps it: ``Device.run_many_retrying``); that run's answer
         is then the smaller batch's measurement, its ``ran_out_first`` set, and both batches
-        are logged. Default: the retry is a run of its own.
-
-        ``again``: each run is made on the device though one of the same was made (a second
-        measurement of a rate a plan's choice hangs on); the answer is the new run's, and
-        where both fitted, :meth:`run` answers later with the faster. The planner's stage
-        does; the default, by :meth:`run`, answers from what a stage keeps."""
+        are logged. Default: the retry is a run of its own."""
         answers: list[Measurement | None | Exception] = []
         for i, (choices, batch) in enumerate(runs):
             try:

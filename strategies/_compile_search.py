@@ -35,10 +35,6 @@ therefore measures compiled variants of several eager combinations, not only of 
    (``retries_in_process``: a card's fork server), a dynamic-batch run that runs out
    measures half its batch there, its graph serving it without a second compile
    (:meth:`Search._half`); such a retry is not counted among the search's runs.
-   Where no candidate's line could then beat the eager pick, those within
-   :data:`MEASURE_AGAIN_SHARE` of the bar are run again at their batch, at once, each keeping
-   its faster run (:meth:`Search._measure_again`): one run's rate is one process's, slowed
-   by what shares the host, and the choice to compile at all hangs on it.
 3. Pass 2: the candidates whose line says they could beat the eager pick, best first, one
    run more at the batch their line predicts, while the budget allows: a second point for
    the line where it matters, and the batch search's start. A candidate whose every run
@@ -156,7 +152,6 @@ from strategies._compiled_forward import CompileChoice, parse_choice
 
 __all__ = [
     "COMPILE",
-    "MEASURE_AGAIN_SHARE",
     "MIN_SPEEDUP",
     "SECOND_RUN_SHARE",
     "CompileSearch",
@@ -206,15 +201,6 @@ DYNAMIC_ALLOWANCE = 0.85
 # (1.17x). Where pass 2's leader is searched static (checkpointed_static), a dynamic
 # candidate's line is set against it at this gain (Search._static_riders).
 STATIC_GAIN_MAX = 1.3
-# Where pass 1 leaves no candidate whose line could beat the eager pick, those whose line
-# predicts this share of the bar or more are run once more at their run's batch, at once, and
-# each keeps its faster run (Search._measure_again). One run's rate is one process's: the
-# GPT example's static 2-of-4-checkpointed form at batch 307 measured 26,255-27,023
-# samples/s in pass 1 of five plans on H100s (sessions 18-25) and 19,174 and 19,505 in two
-# others (sessions 22 and 26: 0.72 of the rest), where 19,505 made a plan keep eager
-# (23,080) and the hand grid's best cell, that form at 314, ran 25,665 (1.11x). A form that
-# truly runs below this share of eager is not worth a round; one slowed by 0.72 is.
-MEASURE_AGAIN_SHARE = 0.7
 # Where this share of the step's activations or more is kept outside the repeated blocks (a
 # small LM's head and loss, whose logits outweigh its blocks), candidates are compiled whole
 # while searching, not block by block: the regional form leaves that part eager. On an H100 at
@@ -754,9 +740,6 @@ class Search:
         # Candidates whose static form rode with pass 2, by id: rode_past weighs their
         # riders against the pick.
         self.rode: set[int] = set()
-        # Candidates run again after pass 1 (_measure_again), "label at batch": rates first,
-        # then "the faster kept" or not.
-        self.measured_again: list[str] = []
 
     @property
     def runs_used(self) -> int:
@@ -834,7 +817,6 @@ class Search:
                 not_run += [(v, b) for v, b in left if id(v) not in out]
         for v, _ in not_run:
             v.error = v.error or self._spent(reserve)
-        self._measure_again(variants, ask, reserve)
         promising = [v for v in variants if could_beat(objective, v.fit, self.eager, _allowance(v))]
         ranked = sorted(promising, key=lambda v: _worth_of(objective, v), reverse=True)
         second: list[tuple[Variant, int]] = []
@@ -864,79 +846,6 @@ class Search:
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
         return winner
-
-    def _measure_again(self, variants: Sequence[Variant], ask: _Asked, reserve: int) -> None:
-        """Where no candidate's line could beat the eager pick after pass 1 (ranked by
-        throughput), those whose line predicts :data:`MEASURE_AGAIN_SHARE` of the bar or more
-        run once more at their largest run's batch, as many at once as the device makes and
-        the budget allows (one group: a round), and each keeps its faster run (:meth:`_take`).
-
-        Why: whether the plan compiles at all hangs on pass 1's rates, one run each, and a
-        run is slowed by what shares its host (another process's teardown, its compile
-        workers), never sped up: the GPT example's pick on an H100 was eager at 23,080
-        samples/s because its best compiled candidate's one run measured 0.72 of what the
-        same form ran in five other plans (:data:`MEASURE_AGAIN_SHARE`'s note). The runs
-        are made again, not at a neighbouring batch: two runs one apart would make a time
-        line of their noise.
-
-        Known limitations: where the rate was not disturbed, the round is spent (a cold
-        compile a candidate on torch 2.11 for a checkpointed form: 25-30 s on the GPT
-        example); a candidate slowed in both runs stays behind; a run made again that runs
-        out where the first fitted counts as run out (the batch is at the edge)."""
-        objective = self.stage.config.objective
-        if objective == "largest_batch" or any(
-            could_beat(objective, v.fit, self.eager, _allowance(v)) for v in variants
-        ):
-            return
-        bar = MIN_SPEEDUP * self.eager.measured.samples_per_s
-
-        def share(v: Variant) -> float:
-            assert v.fit is not None
-            return v.fit.samples_per_s / (bar * _allowance(v))
-
-        near = [
-            v
-            for v in variants
-            if v.error is None
-            and v.runs
-            and v.fit is not None
-            and v.fit.largest_batch >= 1
-            and share(v) >= MEASURE_AGAIN_SHARE
-        ]
-        near.sort(key=share, reverse=True)
-        allowed = self.runs_left - reserve if self._may_run(reserve) else 0
-        near = near[: min(max(1, self.stage.concurrent_runs), max(0, allowed))]
-        if not near:
-            return
-        runs = [(v, max(v.runs)) for v in near]
-        before = {id(v): v.runs[b].samples_per_s for v, b in runs}
-        self.stage.describe(
-            f"measuring again candidate{'s' if len(runs) > 1 else ''} "
-            f"{', '.join(str(ask.of(v)[0]) for v, _ in runs)}/{ask.total} "
-            f"({'; '.join(v.label for v, _ in runs)}): no line beats eager by its one run"
-        )
-        try:
-            answers = self.stage.run_many([(v.choices, b) for v, b in runs], again=True)
-        except Exception as e:  # noqa: BLE001 - as _run_in_groups: every run's error its answer
-            answers = [e] * len(runs)
-        for (v, batch), answer in zip(runs, answers, strict=True):
-            if isinstance(answer, Exception):
-                if is_our_bug(answer):
-                    raise answer
-                # The first run stands: a process that failed measured nothing.
-                self.measured_again.append(
-                    f"{v.label} at {batch}: failed the second time ({first_line(answer)})"
-                )
-                continue
-            self._take(v, batch, answer)
-            if answer is None:
-                self.measured_again.append(f"{v.label} at {batch}: ran out the second time")
-                continue
-            kept = "the second" if v.runs[batch] is answer else "the first"
-            self.measured_again.append(
-                f"{v.label} at {batch}: {before[id(v)]:,.0f} then "
-                f"{answer.samples_per_s:,.0f} samples/s, {kept} kept"
-            )
 
     def _beside(
         self,
@@ -1428,8 +1337,8 @@ class Search:
         m = answer
         if m is None:
             v.lowest_failure = batch if v.lowest_failure is None else min(v.lowest_failure, batch)
-        elif batch not in v.runs or m.step_ms < v.runs[batch].step_ms:
-            v.runs[batch] = m  # a batch run again keeps its faster run (_measure_again)
+        else:
+            v.runs[batch] = m
         failure = v.lowest_failure
         cfg = self.stage.config
         v.fit = fit_step(

@@ -385,7 +385,6 @@ def _details(
             "static_runs": search.static_runs,
             "riders": list(search.riders),
             "not_riding": dict(search.not_riding),
-            "measured_again": list(search.measured_again),
             "left_out": list(left_out),
         }
     }
@@ -543,11 +542,6 @@ def _searched(
         words += (
             f"; one run only, as each of its runs compiles afresh and its line is below "
             f"{SECOND_RUN_SHARE:.0%} of the best's: {'; '.join(search.second_skipped)}"
-        )
-    if search.measured_again:
-        words += (
-            "; run again, as no line beat eager by one run and a run is slowed by what "
-            f"shares the host, never sped up: {'; '.join(search.measured_again)}"
         )
     return words + "."
 

@@ -171,16 +171,11 @@ class Prober:
         steps: int,
         stage: str,
         retry_at: Sequence[int | None] | None = None,
-        again: bool = False,
     ) -> list[Measurement | None | Exception]:
         """Each of ``candidates`` for ``steps`` steps, as :meth:`run` answers it: those no
         earlier run answers go to the device together (``Device.run_many``: at once where it
         can). Per candidate, in order: its measurement, None (it ran out), or the error of a
         run that failed otherwise (not recorded, as :meth:`run` records none).
-
-        ``again``: every candidate goes to the device, an earlier run of it or not (a second
-        measurement of a rate that decides the plan); where both fitted, the faster is what
-        a later ask is answered with (:meth:`_keep`), and the answer here is this run's.
 
         ``retry_at``: per candidate, a smaller batch the device measures where it runs out
         (``Device.run_many_retrying``): its answer is then that batch's measurement, whose
@@ -194,7 +189,7 @@ class Prober:
         answers: list[Measurement | None | Exception] = []
         to_run: list[int] = []
         for i, candidate in enumerate(candidates):
-            known, answer = (False, None) if again else self._known(candidate, steps)
+            known, answer = self._known(candidate, steps)
             answers.append(answer)
             if not known:
                 to_run.append(i)
@@ -233,7 +228,7 @@ class Prober:
                 self._keep(candidates[i], steps, failed, None, doing)
                 self._keep(record.candidate, steps, record, measured, doing)
             else:
-                self._keep(candidates[i], steps, record, measured, doing, faster=again)
+                self._keep(candidates[i], steps, record, measured, doing)
             answers[i] = measured
         return answers
 
@@ -269,31 +264,17 @@ class Prober:
         record: Probe,
         measured: Measurement | None,
         doing: str,
-        faster: bool = False,
     ) -> None:
-        """Log a device run and keep what it said; ``faster`` (a run made again that fitted):
-        where an earlier run of the same fitted in as many steps and ran faster, that one
-        stays the answer (the log has both): what shares a host slows a run, never speeds
-        one. A run made again that ran out is kept as any failure is."""
+        """Log a device run and keep what it said."""
         self.probes.append(record)
-        kept = self._runs.get(_key(candidate))
-        slower = (
-            faster
-            and measured is not None
-            and kept is not None
-            and kept.measured is not None
-            and kept.steps >= steps
-            and kept.measured.step_ms <= measured.step_ms
+        if measured is not None and candidate.accumulation_steps == 1:
+            key = json.dumps(candidate.choices, sort_keys=True)
+            self._fitted.setdefault(key, {})[candidate.batch_size] = measured
+        self._runs[_key(candidate)] = Run(
+            steps if measured else record.steps,
+            measured,
+            by_retries=measured is None and ran_out_by_retries(record.error),
         )
-        if not slower:
-            if measured is not None and candidate.accumulation_steps == 1:
-                key = json.dumps(candidate.choices, sort_keys=True)
-                self._fitted.setdefault(key, {})[candidate.batch_size] = measured
-            self._runs[_key(candidate)] = Run(
-                steps if measured else record.steps,
-                measured,
-                by_retries=measured is None and ran_out_by_retries(record.error),
-            )
         if self.bar is not None:
             self.bar.advance()
             self.bar.describe(
