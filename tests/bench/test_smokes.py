@@ -65,6 +65,10 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
         "--models", "cnn", "--budget-gib", "0.05", "--warmup", "1", "--short", "2", "--long",
         "3", "--rounds", "1", "--json", OUT,
     ],
+    "autotune_contention": [
+        "--device", "simulated", "--model", "cnn", "--batch", "8", "--budget-gib", "0.05",
+        "--steps", "3", "--choices", '{"precision": "bf16"}', "--json", OUT,
+    ],
     "user_path": [
         "--device", "simulated", "--models", "cnn", "--budget-gib", "0.05", "--steps", "3",
         "--warmup", "1", "--repeats", "1", "--no-plain", "--no-holding", "--hold-steps", "2",
@@ -87,6 +91,7 @@ FIELDS: dict[str, set[str]] = {
     },
 }  # fmt: skip
 FIELDS["loop_gap"] = {"model", "verified_samples_per_s", "train_step_short", "loop_long"}
+FIELDS["autotune_contention"] = {"phase", "runs_at_once", "samples_per_s_each", "best_configs"}
 # Values every JSON line of that smoke has (a default that must hold).
 VALUES: dict[str, dict[str, object]] = {
     "plan_speed": {"cache": "cold", "compile_search_overrides": {"dynamic_batch": False}}
@@ -101,8 +106,14 @@ def _parts_add_up(line: dict) -> None:
     assert parts["plan_call_s"] >= line["planner_wall_s"] - 0.1, (parts, line["planner_wall_s"])
 
 
+def _one_rate_a_run(line: dict) -> None:
+    """autotune_contention: a rate for each run of the phase, all of them measured."""
+    assert len(line["samples_per_s_each"]) == line["runs_at_once"], line
+    assert all(rate and rate > 0 for rate in line["samples_per_s_each"]), line
+
+
 # A rule every JSON line of that smoke keeps, beyond its fields.
-RULES = {"plan_speed": _parts_add_up}
+RULES = {"plan_speed": _parts_add_up, "autotune_contention": _one_rate_a_run}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
     "cards": "runs shell commands over cards (tests/bench/test_cards.py runs it with --cards)",

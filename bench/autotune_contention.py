@@ -1,0 +1,213 @@
+"""Does a compiled run's rate depend on who shared the card while it autotuned, and does the
+shared cache carry that on? One configuration, four ways, in fresh processes.
+
+Why (session 26, 2 x H100): the GPT example's bf16 form with 2 of 4 blocks checkpointed,
+compiled static at batch 307, measured 26,255-27,023 samples/s in pass 1 of five plans and
+19,174-20,172 in three others; in one plan it ran 20,162 and then, made again in a process
+of its own, 20,172: not a disturbance of one process. Alone in a hand cell the same form
+ran 25,665 at 314. Inductor autotunes its Triton kernels in the first step (several
+launch configurations timed on the card: ``triton.autotune_pointwise``, reductions) and
+writes each kernel's winner beside it in the cache (``*.best_config``,
+``autotune_local_cache``), which every later process sharing the cache reads instead of
+timing again. A plan compiles three or four candidates at once on one card beside its own
+trial, all sharing one cache: a winner timed while other processes ran on the card may be
+a loser alone, and stays one for every later run of that kernel, the plan's and (where the
+plan's cache is the user's) the user's.
+
+Phases, each a fresh device (its own fork server) with the cache directory named:
+
+* ``alone_fresh``: an empty cache, the configuration run alone (it autotunes alone).
+* ``at_once_fresh``: another empty cache, ``--at-once`` runs of it made at once (their first
+  steps, compiles and autotuning overlap, as a plan's pass 1; their timed steps in turn).
+* ``alone_after``: that cache, one run alone: it reads the winners the runs at once chose.
+* ``alone_after_no_best``: a copy of that cache without its ``*.best_config`` files, one run
+  alone: the same compiled kernels, autotuned again alone.
+* ``alone_fresh_again``: a third empty cache, alone (the host's drift over the call).
+
+If ``alone_after`` is as slow as ``at_once_fresh`` and ``alone_after_no_best`` as fast as
+``alone_fresh``, the contention's winners are the cause and the cache carries them.
+One JSON line per phase (``--json``), then a table.
+
+    python bench/autotune_contention.py --model gpt --batch 307 --json $OUT/autotune.jsonl
+    python bench/autotune_contention.py --device simulated --model cnn --batch 8 \\
+        --budget-gib 0.05 --steps 3 --choices '{"precision": "bf16"}' --json /tmp/a.jsonl
+
+Known limitations:
+    * One configuration, one batch; the default choices are the GPT example's (its block
+      names); another model needs ``--choices``.
+    * On the simulated (CPU) device there is no Triton autotuning: the smoke checks the
+      phases and the lines, not the effect.
+    * Runs made at once share the card as a plan's do, but without the planner's own trial
+      compiling beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _cache import cold_cache_env  # bench/, first on sys.path when run as a script
+from _targets import TARGETS
+
+from memadvisor.process_state import environ_set
+
+GIB = 2**30
+# The GPT example's bf16 form with blocks h.1 and h.3 checkpointed, compiled static: the
+# compile search's candidate 2 in session 26's plans.
+GPT_HALF = {
+    "optimizer_habits": "advice",
+    "precision": "bf16",
+    "checkpointing": ["h.1", "h.3"],
+    "compile": "default",
+}
+PHASES = ("alone_fresh", "at_once_fresh", "alone_after", "alone_after_no_best", "alone_fresh_again")
+
+
+def best_configs(cache: Path) -> int:
+    """How many autotuning winners (``*.best_config``) the cache directory holds."""
+    return sum(1 for _ in cache.rglob("*.best_config")) if cache.exists() else 0
+
+
+def _workload(name: str) -> Any:
+    from memadvisor.target import load_factory
+    from memadvisor.workload import Workload
+
+    job = dict(load_factory(TARGETS[name])())
+    return Workload(
+        model=job["model"], sample_batch=job["sample_batch"], loss_fn=job.get("loss_fn")
+    )
+
+
+def _profile(workload: Any) -> Any:
+    """The model's blocks (checkpointing reads their names), from fake tensors: no card."""
+    from memadvisor.device.fake import fake_workload, profile_fake
+
+    return profile_fake(fake_workload(workload))
+
+
+def _device(kind: str, budget_bytes: int, name: str, profile: Any) -> Any:
+    if kind == "simulated":
+        from memadvisor.device.simulated import SimulatedDevice
+
+        return SimulatedDevice(budget_bytes, profile=profile)
+    from memadvisor.device.cuda import CudaDevice
+
+    return CudaDevice(budget_bytes, target=TARGETS[name], profile=profile, fork_server=True)
+
+
+def run_phase(
+    phase: str, cache: Path, runs: int, args: argparse.Namespace, workload: Any, profile: Any
+) -> dict[str, Any]:
+    """``runs`` runs of the configuration at once (1: alone) on a fresh device whose
+    processes share ``cache``; the phase's line."""
+    from memadvisor.schema.candidate import Candidate
+
+    candidate = Candidate(batch_size=args.batch, choices=json.loads(args.choices))
+    started = time.perf_counter()
+    rates: list[float | None] = []
+    first_s: list[float | None] = []
+    errors: list[str] = []
+    with environ_set(cold_cache_env(cache)):
+        device = _device(args.device, round(args.budget_gib * GIB), args.model, profile)
+        try:
+            if runs == 1:
+                answers: list[Any] = []
+                try:
+                    answers.append(device.run(workload, candidate, args.steps))
+                except Exception as e:  # noqa: BLE001 - a run's failure is this phase's finding
+                    answers.append(e)
+            else:
+                answers = device.run_many(workload, [(candidate, args.steps)] * runs)
+        finally:
+            with contextlib.suppress(Exception):
+                device.close()
+    for answer in answers:
+        if isinstance(answer, Exception):
+            errors.append(f"{type(answer).__name__}: {str(answer)[:200]}")
+            rates.append(None)
+            first_s.append(None)
+            continue
+        rates.append(round(answer.samples_per_s, 1))
+        first_s.append(round(answer.first_step_ms / 1e3, 2) if answer.first_step_ms else None)
+    measured = [r for r in rates if r is not None]
+    return {
+        "bench": "autotune_contention",
+        "model": args.model,
+        "batch": args.batch,
+        "choices": json.loads(args.choices),
+        "phase": phase,
+        "runs_at_once": runs,
+        "samples_per_s_each": rates,
+        "samples_per_s": round(statistics.median(measured), 1) if measured else None,
+        "first_step_s_each": first_s,
+        "best_configs": best_configs(cache),
+        "errors": errors,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "label": args.label,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt", choices=sorted(TARGETS))
+    parser.add_argument("--batch", type=int, default=307)
+    parser.add_argument("--choices", default=json.dumps(GPT_HALF), help="the candidate's JSON")
+    parser.add_argument("--budget-gib", type=float, default=8.0)
+    parser.add_argument("--steps", type=int, default=20, help="steps a run (a plan's: 20)")
+    parser.add_argument("--at-once", type=int, default=3, help="runs made at once (pass 1's)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "simulated"])
+    parser.add_argument("--label", default="")
+    parser.add_argument("--json", type=Path, help="append one JSON line per phase here")
+    args = parser.parse_args(argv)
+    if args.at_once < 2:
+        parser.error(f"--at-once {args.at_once}: runs made at once are 2 or more")
+
+    workload = _workload(args.model)
+    profile = _profile(workload)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="autotune-contention-") as scratch:
+        root = Path(scratch)
+        shared = root / "at_once"
+        plan = {
+            "alone_fresh": (root / "fresh1", 1),
+            "at_once_fresh": (shared, args.at_once),
+            "alone_after": (shared, 1),
+            "alone_after_no_best": (root / "no_best", 1),
+            "alone_fresh_again": (root / "fresh2", 1),
+        }
+        for phase in PHASES:
+            cache, runs = plan[phase]
+            cache.mkdir(exist_ok=True)
+            if phase == "alone_after_no_best":
+                shutil.copytree(shared, cache, dirs_exist_ok=True)
+                for stale in cache.rglob("*.best_config"):
+                    stale.unlink()
+            print(f"[{time.strftime('%H:%M:%S')}] {phase}: {runs} run(s)", flush=True)
+            row = run_phase(phase, cache, runs, args, workload, profile)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if args.json is not None:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                with args.json.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print(f"{'phase':<22} {'at once':>7} {'samples/s':>10} {'each':<36} {'best_config':>11}")
+    for row in rows:
+        each = ", ".join("-" if r is None else f"{r:,.0f}" for r in row["samples_per_s_each"])
+        rate = row["samples_per_s"]
+        print(
+            f"{row['phase']:<22} {row['runs_at_once']:>7} "
+            f"{'-' if rate is None else f'{rate:,.0f}':>10} {each:<36} {row['best_configs']:>11}"
+        )
+    return 0 if all(row["samples_per_s"] is not None for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
