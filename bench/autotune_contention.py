@@ -25,7 +25,9 @@ Phases, each a fresh device (its own fork server) with the cache directory named
 * ``alone_fresh_again``: a third empty cache, alone (the host's drift over the call).
 
 If ``alone_after`` is as slow as ``at_once_fresh`` and ``alone_after_no_best`` as fast as
-``alone_fresh``, the contention's winners are the cause and the cache carries them.
+``alone_fresh``, the contention's winners are the cause and the cache carries them. Each
+line also says how many kernels autotuned in both its cache and ``alone_fresh``'s chose
+another launch configuration (``winners_against_alone``: the same kernel, the same file).
 One JSON line per phase (``--json``), then a table.
 
     python bench/autotune_contention.py --model gpt --batch 307 --json $OUT/autotune.jsonl
@@ -74,6 +76,32 @@ PHASES = ("alone_fresh", "at_once_fresh", "alone_after", "alone_after_no_best", 
 def best_configs(cache: Path) -> int:
     """How many autotuning winners (``*.best_config``) the cache directory holds."""
     return sum(1 for _ in cache.rglob("*.best_config")) if cache.exists() else 0
+
+
+# What a best_config file says besides the winner itself: not compared.
+_NOT_THE_WINNER = ("time_taken_ms", "triton_cache_hash", "found_by_coordesc")
+
+
+def _winners(cache: Path) -> dict[str, dict[str, Any]]:
+    """Each kernel's autotuning winner in ``cache``, by its file's path under it."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in cache.rglob("*.best_config") if cache.exists() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[str(path.relative_to(cache))] = {
+            k: v for k, v in data.items() if k not in _NOT_THE_WINNER
+        }
+    return out
+
+
+def winners_differing(reference: Path, other: Path) -> dict[str, int]:
+    """Kernels autotuned in both caches (the same kernel: the same path) and how many of
+    them chose another launch configuration in ``other`` than in ``reference``."""
+    a, b = _winners(reference), _winners(other)
+    common = set(a) & set(b)
+    return {"common": len(common), "differing": sum(1 for k in common if a[k] != b[k])}
 
 
 def _workload(name: str) -> Any:
@@ -192,19 +220,26 @@ def main(argv: list[str] | None = None) -> int:
                     stale.unlink()
             print(f"[{time.strftime('%H:%M:%S')}] {phase}: {runs} run(s)", flush=True)
             row = run_phase(phase, cache, runs, args, workload, profile)
+            # Against the winners chosen alone on an empty cache (the first phase's).
+            row["winners_against_alone"] = winners_differing(plan["alone_fresh"][0], cache)
             print(json.dumps(row), flush=True)
             rows.append(row)
             if args.json is not None:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 with args.json.open("a") as f:
                     f.write(json.dumps(row) + "\n")
-    print(f"{'phase':<22} {'at once':>7} {'samples/s':>10} {'each':<36} {'best_config':>11}")
+    print(
+        f"{'phase':<22} {'at once':>7} {'samples/s':>10} {'each':<30} {'best_config':>11} "
+        f"{'differ from alone':>17}"
+    )
     for row in rows:
         each = ", ".join("-" if r is None else f"{r:,.0f}" for r in row["samples_per_s_each"])
         rate = row["samples_per_s"]
+        against = row["winners_against_alone"]
         print(
             f"{row['phase']:<22} {row['runs_at_once']:>7} "
-            f"{'-' if rate is None else f'{rate:,.0f}':>10} {each:<36} {row['best_configs']:>11}"
+            f"{'-' if rate is None else f'{rate:,.0f}':>10} {each:<30} {row['best_configs']:>11} "
+            f"{against['differing']:>8} of {against['common']:<6}"
         )
     return 0 if all(row["samples_per_s"] is not None for row in rows) else 1
 
