@@ -46,7 +46,6 @@ Known limitations:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import statistics
@@ -58,6 +57,7 @@ from typing import Any
 
 from _cache import cold_cache_env  # bench/, first on sys.path when run as a script
 from _targets import TARGETS
+from user_path import device_for, workload_of
 
 from memadvisor.process_state import environ_set
 
@@ -70,7 +70,6 @@ GPT_HALF = {
     "checkpointing": ["h.1", "h.3"],
     "compile": "default",
 }
-PHASES = ("alone_fresh", "at_once_fresh", "alone_after", "alone_after_no_best", "alone_fresh_again")
 
 
 def best_configs(cache: Path) -> int:
@@ -104,31 +103,11 @@ def winners_differing(reference: Path, other: Path) -> dict[str, int]:
     return {"common": len(common), "differing": sum(1 for k in common if a[k] != b[k])}
 
 
-def _workload(name: str) -> Any:
-    from memadvisor.target import load_factory
-    from memadvisor.workload import Workload
-
-    job = dict(load_factory(TARGETS[name])())
-    return Workload(
-        model=job["model"], sample_batch=job["sample_batch"], loss_fn=job.get("loss_fn")
-    )
-
-
 def _profile(workload: Any) -> Any:
     """The model's blocks (checkpointing reads their names), from fake tensors: no card."""
     from memadvisor.device.fake import fake_workload, profile_fake
 
     return profile_fake(fake_workload(workload))
-
-
-def _device(kind: str, budget_bytes: int, name: str, profile: Any) -> Any:
-    if kind == "simulated":
-        from memadvisor.device.simulated import SimulatedDevice
-
-        return SimulatedDevice(budget_bytes, profile=profile)
-    from memadvisor.device.cuda import CudaDevice
-
-    return CudaDevice(budget_bytes, target=TARGETS[name], profile=profile, fork_server=True)
 
 
 def run_phase(
@@ -144,19 +123,12 @@ def run_phase(
     first_s: list[float | None] = []
     errors: list[str] = []
     with environ_set(cold_cache_env(cache)):
-        device = _device(args.device, round(args.budget_gib * GIB), args.model, profile)
+        device = device_for(args.device, round(args.budget_gib * GIB), args.model, profile)
         try:
-            if runs == 1:
-                answers: list[Any] = []
-                try:
-                    answers.append(device.run(workload, candidate, args.steps))
-                except Exception as e:  # noqa: BLE001 - a run's failure is this phase's finding
-                    answers.append(e)
-            else:
-                answers = device.run_many(workload, [(candidate, args.steps)] * runs)
+            # A lone run as run() makes it; each failure (an out-of-memory too) its answer.
+            answers = device.run_many(workload, [(candidate, args.steps)] * runs)
         finally:
-            with contextlib.suppress(Exception):
-                device.close()
+            device.close()
     for answer in answers:
         if isinstance(answer, Exception):
             errors.append(f"{type(answer).__name__}: {str(answer)[:200]}")
@@ -198,21 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.at_once < 2:
         parser.error(f"--at-once {args.at_once}: runs made at once are 2 or more")
 
-    workload = _workload(args.model)
+    workload = workload_of(args.model)
     profile = _profile(workload)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="autotune-contention-") as scratch:
         root = Path(scratch)
         shared = root / "at_once"
-        plan = {
-            "alone_fresh": (root / "fresh1", 1),
+        alone = root / "fresh1"
+        phases = {  # in the order they run: the cache each phase's processes share, its runs
+            "alone_fresh": (alone, 1),
             "at_once_fresh": (shared, args.at_once),
             "alone_after": (shared, 1),
             "alone_after_no_best": (root / "no_best", 1),
             "alone_fresh_again": (root / "fresh2", 1),
         }
-        for phase in PHASES:
-            cache, runs = plan[phase]
+        for phase, (cache, runs) in phases.items():
             cache.mkdir(exist_ok=True)
             if phase == "alone_after_no_best":
                 shutil.copytree(shared, cache, dirs_exist_ok=True)
@@ -221,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.strftime('%H:%M:%S')}] {phase}: {runs} run(s)", flush=True)
             row = run_phase(phase, cache, runs, args, workload, profile)
             # Against the winners chosen alone on an empty cache (the first phase's).
-            row["winners_against_alone"] = winners_differing(plan["alone_fresh"][0], cache)
+            row["winners_against_alone"] = winners_differing(alone, cache)
             print(json.dumps(row), flush=True)
             rows.append(row)
             if args.json is not None:

@@ -294,7 +294,9 @@ class Clock:
         return self.deadline_s is not None and time.perf_counter() - self.start > self.deadline_s
 
 
-def _device(kind: str, budget_bytes: int, name: str, profile: Any) -> Any:
+def device_for(kind: str, budget_bytes: int, name: str, profile: Any) -> Any:
+    """The device the bench measures on: the CPU's simulated card, or the card through a fork
+    server (the model built from its target in the probe processes)."""
     if kind == "simulated":
         from memadvisor.device.simulated import SimulatedDevice
 
@@ -304,7 +306,8 @@ def _device(kind: str, budget_bytes: int, name: str, profile: Any) -> Any:
     return CudaDevice(budget_bytes, target=MODELS[name], profile=profile, fork_server=True)
 
 
-def _workload(name: str) -> Any:
+def workload_of(name: str) -> Any:
+    """The model's workload, its loss a lambda as a user writes it (:func:`_job`)."""
     from memadvisor.workload import Workload
 
     job = _job(name)
@@ -411,7 +414,7 @@ def _grid(
     call's ``timeout -s INT``) during a cell ends the grid with the cells before it kept,
     the row still written: session 16 lost a finished cell's rate to a deadline that cut
     the next cell."""
-    workload = _workload(name)
+    workload = workload_of(name)
     out = []
     for cell in grid.cells(args.hand):
         if clock.passed():
@@ -454,7 +457,7 @@ def _rerun_pick(plan: Any, name: str, args: argparse.Namespace, device: Any) -> 
     for i in range(repeats):
         _say(f"{name}: the pick again ({i + 1} of {repeats})")
         try:
-            m = device.run(_workload(name), plan.candidate, args.hold_steps)
+            m = device.run(workload_of(name), plan.candidate, args.hold_steps)
         except Exception as e:  # noqa: BLE001 - an OOM here is a finding, not a crash
             return {"error": f"{type(e).__name__}: {str(e)[:300]}", "samples_per_s_each": rates}
         rates.append(round(m.samples_per_s, 2))
@@ -472,7 +475,7 @@ def _largest_holding(plan: Any, name: str, device: Any) -> int | None:
     state, searched from the pick's batch (``_hand_grid.largest_holding``)."""
     from memadvisor.schema.candidate import Candidate
 
-    workload = _workload(name)
+    workload = workload_of(name)
     choices = {k: v for k, v in plan.candidate.choices.items() if k != "batch_size"}
     steps = plan.config.verify_steps
 
@@ -523,7 +526,7 @@ def _cells_allocator(plan: Any) -> dict[str, str]:
 
 def _cells(row: dict[str, Any], plan: Any, name: str, args: Any, clock: Clock) -> None:
     """The hand grid, the pick again and its largest holding batch, in ``row``."""
-    device = _device(args.device, round(args.budget_gib * GIB), name, plan.profile)
+    device = device_for(args.device, round(args.budget_gib * GIB), name, plan.profile)
     try:
         row["hand_grid"] = _grid(plan, name, args, device, clock)
         row["pick_rerun"] = (

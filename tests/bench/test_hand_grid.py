@@ -336,7 +336,7 @@ def test_an_interrupted_grid_keeps_the_cells_before_it_and_starts_nothing_more(
             raise KeyboardInterrupt from None
 
     monkeypatch.setattr(user_path.grid, "measure_cell", measure_cell)
-    monkeypatch.setattr(user_path, "_workload", lambda name: None)
+    monkeypatch.setattr(user_path, "workload_of", lambda name: None)
     clock = user_path.Clock(None)
     args = SimpleNamespace(hand="eager", hold_steps=20, hand_search="dynamic")
     plan = SimpleNamespace(profile=None, config=None)
