@@ -247,6 +247,7 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
             for i in range(0, quarter * 4 if len(steady) >= 4 else len(steady), quarter)
         ]
     out["first_step_s"] = times[0] if times else None
+    out["cpu"] = _last_cpu()  # where the loop's thread ran last (process_spread.py's question)
     # Steps after the warm-up in which the allocator retried, and its retries in them: where
     # the loop's mean falls below its median, whether the cap's retries are why.
     out["retried_steps"] = sum(1 for r in retried[spec["warmup"] :] if r > 0)
@@ -256,7 +257,19 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _fresh(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _last_cpu() -> int | None:
+    """The core this process's main thread last ran on (Linux: /proc/self/stat's field 39);
+    None elsewhere."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[36])  # field 39 counted from 1, after pid and (comm)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _fresh(spec: dict[str, Any], timeout_s: float, cpus: set[int] | None = None) -> dict[str, Any]:
+    """The loop of ``spec`` in a fresh process (``cpus``: the cores it and everything it
+    starts may run on; None: the scheduler's choice), its USER_LOOP line's record."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
@@ -266,6 +279,7 @@ def _fresh(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             text=True,
             timeout=timeout_s,
             cwd=ROOT,
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}

@@ -27,7 +27,8 @@ BENCH = ROOT / "bench"
 OUT = "{out}"  # the JSON lines file in the test's temporary folder
 
 # name -> the smoke's arguments (OUT where its JSON lines go; None: prints only), or a list of
-# such runs where a bench has several commands (each its own process, in turn).
+# such runs where a bench has several commands (each its own process, in turn); a run whose
+# first word is a script (``plan_speed.py``) runs that bench instead, for what the smoke reads.
 SMOKES: dict[str, list[str] | list[list[str]]] = {
     "multi_gpu": ["--smoke", "--json", OUT],
     "estimate_speed": ["--blocks", "4", "--seconds", "0.2"],
@@ -68,6 +69,16 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     "autotune_contention": [
         "--device", "simulated", "--model", "cnn", "--batch", "8", "--budget-gib", "0.05",
         "--steps", "3", "--choices", '{"precision": "bf16"}', "--json", OUT,
+    ],
+    "process_spread": [
+        [  # the plan it reads, made first by another bench (a run naming its script)
+            "plan_speed.py", "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate",
+            "--compile", "off", "--save-plans", "plans", "--timeout-s", "100", "--json", "ps.jsonl",
+        ],
+        [
+            "--device", "simulated", "--model", "cnn", "--plan", "plans", "--budget-gib",
+            "0.25", "--steps", "3", "--warmup", "1", "--repeats", "1", "--json", OUT,
+        ],
     ],
     "user_path": [
         "--device", "simulated", "--models", "cnn", "--budget-gib", "0.05", "--steps", "3",
@@ -112,8 +123,23 @@ def _one_rate_a_run(line: dict) -> None:
     assert all(rate and rate > 0 for rate in line["samples_per_s_each"]), line
 
 
+FIELDS["process_spread"] = {"placement", "cores", "cpu", "cpu_node", "samples_per_s"}
+
+
+def _ran_where_bound(line: dict) -> None:
+    """process_spread: a bound run's loop ran on one of the cores it was bound to, and
+    measured a rate."""
+    assert line["samples_per_s"] and line["samples_per_s"] > 0, line
+    if line["cores"] is not None:
+        assert line["cpu"] in line["cores"], line
+
+
 # A rule every JSON line of that smoke keeps, beyond its fields.
-RULES = {"plan_speed": _parts_add_up, "autotune_contention": _one_rate_a_run}
+RULES = {
+    "plan_speed": _parts_add_up,
+    "autotune_contention": _one_rate_a_run,
+    "process_spread": _ran_where_bound,
+}
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
     "cards": "runs shell commands over cards (tests/bench/test_cards.py runs it with --cards)",
@@ -162,9 +188,10 @@ def test_the_smoke_runs_and_writes_its_lines(name: str, tmp_path: Path) -> None:
     results = ROOT / "bench" / "results"
     before = {p: p.stat().st_mtime_ns for p in results.glob("*")}
     for run in _runs(name):
+        script, run = (run[0], run[1:]) if run[0].endswith(".py") else (f"{name}.py", run)
         args = [a.replace(OUT, str(out)) for a in run]
         done = subprocess.run(
-            [sys.executable, str(BENCH / f"{name}.py"), *args],
+            [sys.executable, str(BENCH / script), *args],
             cwd=tmp_path,
             env=_env(),
             capture_output=True,

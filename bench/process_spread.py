@@ -1,0 +1,208 @@
+"""Is a fresh process's rate of one pick set by the CPU cores it lands on? The user's loop of a
+saved plan, run again and again in fresh processes, each bound to the card's NUMA node, to
+another node, or left to the scheduler, in turn.
+
+Why: the same pick (the GPT example: bf16, 2 of 4 blocks checkpointed, compile, batch 307)
+ran 23,718 to 33,770 samples/s in fresh processes minutes apart on one host (session 27,
+H200: loops and 200-step reruns), and 20,395 and 28,665 in session 24, while each
+process's own steps hold steady (its quarters within a few percent). A 12 ms step launches
+its kernels from one Python thread: if the core that thread lands on is on the socket far
+from the card, or shares a core with another process's work, every step pays for it, and a
+plan's verified rate is one such draw (docs/design.md, "The user's loop against its pick
+run again"). Inductor's autotuning winners differ from process to process too, but runs
+made at once measured as fast as runs alone (``bench/autotune_contention.py``, session 27).
+
+Placements, interleaved (near, far, any, near, ...), ``--repeats`` of each:
+
+* ``near``: the process (and every process it starts) on the cores of the card's NUMA node;
+* ``far``: on another node's cores (where the host has one node: its other half of cores);
+* ``any``: no binding (a user's default); the line says which core the loop ran on last
+  and whose node that is.
+
+One JSON line a run (``--json``), then a table of each placement's median and range.
+
+    python bench/process_spread.py --model gpt --plan bench/results/plans --repeats 4 \\
+        --json $OUT/spread.jsonl
+    python bench/process_spread.py --device simulated --model cnn --plan /tmp/p \\
+        --budget-gib 0.05 --steps 3 --warmup 1 --repeats 1 --json /tmp/s.jsonl   # CPU smoke
+
+Known limitations:
+    * Linux only (``os.sched_setaffinity``, ``/sys/devices/system/node``).
+    * The card's node is read from ``/sys/bus/pci/devices/<bus id>/numa_node`` (the bus id
+      from ``nvidia-smi``); where that says -1 or cannot be read, node 0 is taken as near.
+    * Binding moves the process, not its memory: pages the loop touched before it was bound
+      do not exist (it is bound from its start), but the card's pinned buffers are the
+      driver's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from user_path import GIB, _fresh
+
+PLACEMENTS = ("near", "far", "any")
+
+
+def _cpulist(text: str) -> set[int]:
+    """``0-3,8,10-11`` as a set of core numbers."""
+    cores: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def nodes(root: Path = Path("/sys/devices/system/node")) -> dict[int, set[int]]:
+    """Each NUMA node's cores this process may use ({0: every core} where none is listed)."""
+    allowed = os.sched_getaffinity(0)
+    out: dict[int, set[int]] = {}
+    for path in sorted(root.glob("node[0-9]*")):
+        try:
+            cores = _cpulist((path / "cpulist").read_text()) & allowed
+        except OSError:
+            continue
+        if cores:
+            out[int(path.name.removeprefix("node"))] = cores
+    return out or {0: set(allowed)}
+
+
+def card_node(card: str | None) -> int | None:
+    """The NUMA node of the card ``CUDA_VISIBLE_DEVICES`` names first (its index), by its PCI
+    bus id from nvidia-smi; None where that cannot be read."""
+    index = (card or "0").split(",")[0]
+    try:
+        bus = subprocess.run(
+            ["nvidia-smi", "-i", index, "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+        # nvidia-smi writes 00000000:19:00.0; sysfs names it 0000:19:00.0.
+        domain, _, rest = bus.partition(":")
+        path = Path("/sys/bus/pci/devices") / f"{domain[-4:]}:{rest}".lower() / "numa_node"
+        node = int(path.read_text())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return node if node >= 0 else None
+
+
+def placements(found: dict[int, set[int]], near_node: int | None) -> dict[str, Any]:
+    """The cores of each placement (``any``: None) and the nodes they are."""
+    near_node = near_node if near_node in found else min(found)
+    others = [n for n in found if n != near_node]
+    if others:
+        near, far, far_node = found[near_node], found[others[0]], others[0]
+    else:  # one node: its two halves stand for near and far
+        ordered = sorted(found[near_node])
+        half = max(1, len(ordered) // 2)
+        near, far, far_node = set(ordered[:half]), set(ordered[half:]) or set(ordered), None
+    return {
+        "near": near,
+        "far": far,
+        "any": None,
+        "near_node": near_node,
+        "far_node": far_node,
+    }
+
+
+def node_of(cpu: int | None, found: dict[int, set[int]]) -> int | None:
+    return next((n for n, cores in found.items() if cpu in cores), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--plan", type=Path, required=True, help="FILE, or DIR/<model>.json")
+    parser.add_argument("--budget-gib", type=float, default=8.0)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each placement")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "simulated"])
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="one run's limit")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--json", type=Path, help="append one JSON line per run here")
+    args = parser.parse_args(argv)
+
+    plan_path = args.plan / f"{args.model}.json" if args.plan.is_dir() else args.plan
+    if not plan_path.is_file():
+        parser.error(f"--plan {args.plan}: no plan {plan_path}; save one with plan_speed.py")
+    found = nodes()
+    near_node = card_node(os.environ.get("CUDA_VISIBLE_DEVICES")) if args.device == "cuda" else None
+    where = placements(found, near_node)
+    far = "the other half" if where["far_node"] is None else f"node {where['far_node']}"
+    listed = ", ".join(f"{n}: {len(c)} cores" for n, c in found.items())
+    print(
+        f"nodes {{{listed}}}; the card's node {near_node}; near = node {where['near_node']}, "
+        f"far = {far}",
+        flush=True,
+    )
+    spec = {
+        "model": args.model,
+        "plan": str(plan_path.resolve()),
+        "device": args.device,
+        "budget_bytes": round(args.budget_gib * GIB),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "compile_backend": "inductor",
+        "mode": "apply",
+    }
+    rows: list[dict[str, Any]] = []
+    # One cache for every run (the plan's may be gone): the first run compiles, the others
+    # read it, as a user's second run does.
+    with tempfile.TemporaryDirectory(prefix="process-spread-") as cache:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache) / "inductor"))
+        os.environ.setdefault("TRITON_CACHE_DIR", str(Path(cache) / "triton"))
+        for i in range(args.repeats):
+            for placement in PLACEMENTS:
+                cpus = where[placement]
+                t0 = time.perf_counter()
+                out = _fresh(spec, args.timeout_s, cpus)
+                row = {
+                    "bench": "process_spread",
+                    "model": args.model,
+                    "placement": placement,
+                    "repeat": i,
+                    "cores": sorted(cpus) if cpus is not None else None,
+                    "cpu": out.get("cpu"),
+                    "cpu_node": node_of(out.get("cpu"), found),
+                    "card_node": near_node,
+                    "samples_per_s": out.get("samples_per_s"),
+                    "samples_per_s_median": out.get("samples_per_s_median"),
+                    "step_ms_p10_p50_p90": out.get("step_ms_p10_p50_p90"),
+                    "first_step_s": out.get("first_step_s"),
+                    "ooms": out.get("ooms"),
+                    "error": out.get("error"),
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                    "label": args.label,
+                }
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if args.json is not None:
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    with args.json.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+    print(f"{'placement':<9} {'runs':>4} {'median samples/s':>17} {'range':<24} nodes ran on")
+    for placement in PLACEMENTS:
+        mine = [r for r in rows if r["placement"] == placement]
+        rates = [r["samples_per_s"] for r in mine if r["samples_per_s"] is not None]
+        span = f"{min(rates):,.0f}-{max(rates):,.0f}" if rates else "-"
+        median = f"{statistics.median(rates):,.0f}" if rates else "-"
+        ran_on = ",".join(str(r["cpu_node"]) for r in mine)
+        print(f"{placement:<9} {len(mine):>4} {median:>17} {span:<24} {ran_on}")
+    return 0 if all(r["samples_per_s"] is not None for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
