@@ -41,6 +41,8 @@ Known limitations:
       phases and the lines, not the effect.
     * Runs made at once share the card as a plan's do, but without the planner's own trial
       compiling beside them.
+    * Session 27's rows (``bench/results/autotune_contention.jsonl``) were made before
+      ``--allocator``, under the default allocator.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from _targets import TARGETS
 from user_path import device_for, workload_of
 
 from memadvisor.process_state import environ_set
+from strategies.allocator import planned_environment
 
 GIB = 2**30
 # The GPT example's bf16 form with blocks h.1 and h.3 checkpointed, compiled static: the
@@ -122,7 +125,11 @@ def run_phase(
     rates: list[float | None] = []
     first_s: list[float | None] = []
     errors: list[str] = []
-    with environ_set(cold_cache_env(cache)):
+    # A plan's runs are under expandable segments (strategies/allocator.py): so are these,
+    # unless --allocator default (session 27 call A ran them without: 307 ran out of memory
+    # alone on the cache the runs at once wrote, and fitted on it without its winners).
+    allocator = planned_environment() if args.allocator == "expandable" else {}
+    with environ_set(cold_cache_env(cache) | allocator):
         device = device_for(args.device, round(args.budget_gib * GIB), args.model, profile)
         try:
             # A lone run as run() makes it; each failure (an out-of-memory too) its answer.
@@ -152,6 +159,7 @@ def run_phase(
         "errors": errors,
         "wall_s": round(time.perf_counter() - started, 1),
         "label": args.label,
+        "allocator": args.allocator,
     }
 
 
@@ -164,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps a run (a plan's: 20)")
     parser.add_argument("--at-once", type=int, default=3, help="runs made at once (pass 1's)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "simulated"])
+    parser.add_argument(
+        "--allocator",
+        default="expandable",
+        choices=["expandable", "default"],
+        help="the runs' CUDA allocator: a plan's (expandable segments) or the process's own",
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path, help="append one JSON line per phase here")
     args = parser.parse_args(argv)
