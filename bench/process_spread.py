@@ -129,12 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=4, help="runs of each placement")
+    parser.add_argument(
+        "--placements",
+        default=",".join(PLACEMENTS),
+        help=f"which, in this order each repeat (of {', '.join(PLACEMENTS)})",
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "simulated"])
     parser.add_argument("--timeout-s", type=float, default=120.0, help="one run's limit")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path, help="append one JSON line per run here")
     args = parser.parse_args(argv)
 
+    chosen = [p for p in args.placements.split(",") if p]
+    if not chosen or set(chosen) - set(PLACEMENTS):
+        parser.error(f"--placements {args.placements!r}: name some of {', '.join(PLACEMENTS)}")
     plan_path = args.plan / f"{args.model}.json" if args.plan.is_dir() else args.plan
     if not plan_path.is_file():
         parser.error(f"--plan {args.plan}: no plan {plan_path}; save one with plan_speed.py")
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache) / "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(cache) / "triton"))
         for i in range(args.repeats):
-            for placement in PLACEMENTS:
+            for placement in chosen:
                 cpus = where[placement]
                 t0 = time.perf_counter()
                 out = _fresh(spec, args.timeout_s, cpus)
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     with args.json.open("a") as f:
                         f.write(json.dumps(row) + "\n")
     print(f"{'placement':<9} {'runs':>4} {'median samples/s':>17} {'range':<24} nodes ran on")
-    for placement in PLACEMENTS:
+    for placement in chosen:
         mine = [r for r in rows if r["placement"] == placement]
         rates = [r["samples_per_s"] for r in mine if r["samples_per_s"] is not None]
         span = f"{min(rates):,.0f}-{max(rates):,.0f}" if rates else "-"

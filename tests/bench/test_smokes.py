@@ -77,7 +77,8 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
         ],
         [
             "--device", "simulated", "--model", "cnn", "--plan", "plans", "--budget-gib",
-            "0.25", "--steps", "3", "--warmup", "1", "--repeats", "1", "--json", OUT,
+            "0.25", "--steps", "3", "--warmup", "1", "--repeats", "1", "--placements", "far",
+            "--json", OUT,
         ],
     ],
     "user_path": [
