@@ -19,6 +19,13 @@ Placements, interleaved (near, far, any, near, ...), ``--repeats`` of each:
 * ``any``: no binding (a user's default); the line says which core the loop ran on last
   and whose node that is.
 
+``--rounds R`` runs R loops in each process, one after the other, each with a new model,
+optimizer and batch: a rate that holds over a process's rounds and moves between processes
+is set at the process's start (its hashes, its context, its cores), one that moves between
+rounds by what each build allocates or by the time. Each round's line carries the card's
+clocks, power and temperature after it (nvidia-smi). ``--env PYTHONHASHSEED=0`` gives every
+process the same hashes. (Session 27 call C: bound or not, 25,263-30,154 samples/s.)
+
 One JSON line a run (``--json``), then a table of each placement's median and range.
 
     python bench/process_spread.py --model gpt --plan bench/results/plans --repeats 4 \\
@@ -134,12 +141,31 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(PLACEMENTS),
         help=f"which, in this order each repeat (of {', '.join(PLACEMENTS)})",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="loops a process, each with a new model, optimizer and batch (rate set at the "
+        "process's start, or by each build?)",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in every loop's environment (PYTHONHASHSEED=0: the same hashes each process)",
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "simulated"])
     parser.add_argument("--timeout-s", type=float, default=120.0, help="one run's limit")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path, help="append one JSON line per run here")
     args = parser.parse_args(argv)
 
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            parser.error(f"--env {item!r}: write NAME=VALUE")
+        os.environ[name] = value  # the loops' processes inherit it
     chosen = [p for p in args.placements.split(",") if p]
     if not chosen or set(chosen) - set(PLACEMENTS):
         parser.error(f"--placements {args.placements!r}: name some of {', '.join(PLACEMENTS)}")
@@ -165,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "compile_backend": "inductor",
         "mode": "apply",
+        "rounds": args.rounds,
     }
     rows: list[dict[str, Any]] = []
     # One cache for every run (the plan's may be gone): the first run compiles, the others
@@ -192,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     "first_step_s": out.get("first_step_s"),
                     "ooms": out.get("ooms"),
                     "error": out.get("error"),
+                    "rounds": out.get("rounds"),
+                    "env": args.env,
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "label": args.label,
                 }

@@ -257,6 +257,59 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def loop_rounds(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec["rounds"]`` (1) user loops one after the other in this process, each with a new
+    model, optimizer and batch (the last one's memory released first); the last loop's
+    record, with every round's mean and median rate and the card's clocks after it
+    (``rounds``). Why: whether a rate is set when a process starts (it holds over rounds)
+    or by what each build allocates (it moves between rounds: bench/process_spread.py)."""
+    import gc
+
+    count = max(1, int(spec.get("rounds", 1)))
+    rounds: list[dict[str, Any]] = []
+    out: dict[str, Any] = {}
+    for i in range(count):
+        if i:
+            gc.collect()
+            if spec["device"] == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+        out = user_loop(spec)
+        rounds.append(
+            {
+                "samples_per_s": out.get("samples_per_s"),
+                "samples_per_s_median": out.get("samples_per_s_median"),
+                "first_step_s": out.get("first_step_s"),
+                "card": card_state() if spec["device"] == "cuda" else None,
+            }
+        )
+        if out.get("ooms"):
+            break
+    if count > 1:
+        out["rounds"] = rounds
+    return out
+
+
+def card_state() -> dict[str, str] | None:
+    """The first visible card's SM and memory clocks, power and temperature now, as
+    nvidia-smi reports them (None where it cannot be run)."""
+    fields = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+    card = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "-i", card, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in done.stdout.strip().split(",")]
+    return dict(zip(fields, values, strict=False)) if len(values) == len(fields) else None
+
+
 def _last_cpu() -> int | None:
     """The core this process's main thread last ran on (Linux: /proc/self/stat's field 39);
     None elsewhere."""
@@ -746,7 +799,7 @@ def main() -> None:
     parser.add_argument("--user-loop", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.user_loop is not None:
-        result = user_loop(json.loads(args.user_loop.read_text()))
+        result = loop_rounds(json.loads(args.user_loop.read_text()))
         print("USER_LOOP " + json.dumps(result), flush=True)
         return
     if args.table is not None:

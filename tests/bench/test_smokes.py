@@ -78,7 +78,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
         [
             "--device", "simulated", "--model", "cnn", "--plan", "plans", "--budget-gib",
             "0.25", "--steps", "3", "--warmup", "1", "--repeats", "1", "--placements", "far",
-            "--json", OUT,
+            "--rounds", "2", "--env", "PYTHONHASHSEED=0", "--json", OUT,
         ],
     ],
     "user_path": [
@@ -129,10 +129,12 @@ FIELDS["process_spread"] = {"placement", "cores", "cpu", "cpu_node", "samples_pe
 
 def _ran_where_bound(line: dict) -> None:
     """process_spread: a bound run's loop ran on one of the cores it was bound to, and
-    measured a rate."""
+    each of its rounds measured a rate."""
     assert line["samples_per_s"] and line["samples_per_s"] > 0, line
     if line["cores"] is not None:
         assert line["cpu"] in line["cores"], line
+    # Two rounds in the one process (--rounds 2), each its own build and rate.
+    assert [r["samples_per_s"] > 0 for r in line["rounds"]] == [True, True], line
 
 
 # A rule every JSON line of that smoke keeps, beyond its fields.
