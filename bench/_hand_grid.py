@@ -262,13 +262,15 @@ def measure_cell(
     steps: int,
     say: Callable[[str], None] | None = None,
     dynamic_search: bool = True,
+    draws: int = 1,
 ) -> dict[str, Any]:
     """``cell`` at its own largest batch holding ``steps`` steps on ``device``: its record
     (``skipped`` where the cell has no meaning for this model). Interrupted, the record
     keeps the largest batch that held so far, marked ``interrupted`` (a lower bound: it
     counts for no ratio, :func:`derive`). A compiled cell's edge is searched with a dynamic
     batch and measured static there (:func:`static_at_edge`) unless ``dynamic_search`` is
-    False."""
+    False. ``draws`` > 1: the cell's form runs ``draws - 1`` more times at its batch, each a
+    fresh process, and its rate is the median of all (:func:`more_draws`)."""
     from memadvisor.planner._space import SearchSpace
     from memadvisor.schema.candidate import Candidate
     from memadvisor.strategy import load_strategies
@@ -310,10 +312,55 @@ def measure_cell(
         record = cell_record(cell, choices, stop.holding, time.perf_counter() - t0)
         record["interrupted"] = True
         return record
+    extra: list[float | None] = []
+    if draws > 1 and holding.measured is not None:
+        at_edge = Candidate(batch_size=holding.batch, choices=choices)
+        extra = more_draws(lambda: device.run(workload, at_edge, steps), draws - 1, device.is_oom)
     record = cell_record(cell, choices, holding, time.perf_counter() - t0)
     if searched is not choices:
         record["edge_found"] = "dynamic batch, then static at that batch"
+    if extra:
+        with_draws(record, extra)
     return record
+
+
+def more_draws(
+    run: Callable[[], Any], count: int, is_oom: Callable[[BaseException], bool]
+) -> list[float | None]:
+    """``count`` more runs of a cell's form at its batch: each one's samples/s (None where it
+    ran out of memory: the batch held once, not every time).
+
+    Why: one form's rate differs between fresh processes on one host by up to 1.4x (the GPT
+    example's pick, 23,718-33,770 samples/s in twelve processes, session 27), so one run
+    per cell compares draws, not forms; the median of a few compares the forms."""
+    rates: list[float | None] = []
+    for _ in range(count):
+        try:
+            rates.append(run().samples_per_s)
+        except KeyboardInterrupt:
+            break  # the draws so far stand
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            rates.append(None)
+    return rates
+
+
+def with_draws(record: dict[str, Any], extra: list[float | None]) -> dict[str, Any]:
+    """The cell's record with every draw (``samples_per_s_each``: the edge's run first), its
+    rate their median, and ``draw_ooms`` (draws that ran out at the batch that held)."""
+    each = [record["samples_per_s"], *(round(r, 2) if r is not None else None for r in extra)]
+    measured = sorted(r for r in each if r is not None)
+    record["samples_per_s_each"] = each
+    record["samples_per_s_first"] = record["samples_per_s"]
+    record["samples_per_s"] = round(_median(measured), 2) if measured else None
+    record["draw_ooms"] = sum(1 for r in each if r is None)
+    return record
+
+
+def _median(ordered: list[float]) -> float:
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def static_at_edge(

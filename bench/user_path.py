@@ -31,7 +31,10 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
   cell finds its edge with a dynamic batch (one compile for all its runs) and is measured
   static there (``--hand-search static``: static throughout, a compile per batch); each run
   is printed as it ends; a cell cut by ``--deadline-s`` or a Ctrl-C keeps the largest batch
-  that held, marked ``interrupted`` and in no ratio.
+  that held, marked ``interrupted`` and in no ratio. ``--cell-draws N`` runs each cell's form
+  N - 1 more times at its batch, fresh processes: its ``samples_per_s`` is the median of the
+  N (``samples_per_s_each``, ``draw_ooms``); with ``--rerun-pick --rerun-repeats N`` the pick
+  is set against the cells median to median (``pick_rerun_over_best_hand``).
 * ``--rerun-pick``: the pick run once more beside the hand cells, for a rate measured in
   the same call as theirs (``pick_rerun``, ``pick_rerun_over_best_hand``);
   ``--rerun-repeats N`` runs it N times, each a fresh process (``pick_rerun``'s
@@ -500,6 +503,7 @@ def _grid(
                 steps=args.hold_steps,
                 say=lambda words: _say(f"{name}: {words}"),
                 dynamic_search=args.hand_search == "dynamic",
+                draws=args.cell_draws,
             )
             clock.stopped = clock.stopped or bool(record.get("interrupted"))
         except KeyboardInterrupt:
@@ -757,6 +761,12 @@ def main() -> None:
         default="grid",
         help=f"hand cells: grid, eager, compile (three cells each), none, or some of "
         f"{','.join(grid.GRID)} (eager+none, compile+none: the bare cell alone)",
+    )
+    parser.add_argument(
+        "--cell-draws",
+        type=int,
+        default=1,
+        help="runs of each hand cell's form at its batch, fresh processes; its rate their median",
     )
     parser.add_argument(
         "--hand-search",

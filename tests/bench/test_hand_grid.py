@@ -155,6 +155,35 @@ def test_a_cell_cut_in_its_static_run_keeps_the_dynamic_edge_as_a_lower_bound(gr
     assert stopped.value.holding.batch == 90 and stopped.value.holding.measured == "dyn"
 
 
+def test_a_cells_rate_over_several_draws_is_their_median_and_a_draw_out_of_memory_is_counted(
+    grid,
+) -> None:
+    """Rule: with more draws, a cell's rate is the median of every draw that ran (the edge's
+    run among them, kept as the first), a draw that ran out at the batch that held is
+    counted and in no median, and an error that is not out of memory is raised."""
+    rates = iter([30.0, None, 10.0])
+
+    def run():
+        rate = next(rates)
+        if rate is None:
+            raise MemoryError("out")
+        return SimpleNamespace(samples_per_s=rate)
+
+    extra = grid.more_draws(run, 3, _is_oom)
+    assert extra == [30.0, None, 10.0]
+    record = grid.with_draws({"samples_per_s": 20.0}, extra)
+    assert record["samples_per_s"] == 20.0  # the median of 20, 30, 10: not the first alone
+    assert record["samples_per_s_each"] == [20.0, 30.0, None, 10.0]
+    assert record["samples_per_s_first"] == 20.0 and record["draw_ooms"] == 1
+    assert grid.with_draws({"samples_per_s": 20.0}, [40.0])["samples_per_s"] == 30.0
+
+    def broken():
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError):
+        grid.more_draws(broken, 1, _is_oom)
+
+
 def test_the_grid_is_bf16_by_compile_by_none_half_all(grid) -> None:
     """Six cells, all bf16: half the blocks is the first half of checkpointing's ranking;
     half of one block, or a model without blocks, has no such cell."""
@@ -338,7 +367,7 @@ def test_an_interrupted_grid_keeps_the_cells_before_it_and_starts_nothing_more(
     monkeypatch.setattr(user_path.grid, "measure_cell", measure_cell)
     monkeypatch.setattr(user_path, "workload_of", lambda name: None)
     clock = user_path.Clock(None)
-    args = SimpleNamespace(hand="eager", hold_steps=20, hand_search="dynamic")
+    args = SimpleNamespace(hand="eager", hold_steps=20, hand_search="dynamic", cell_draws=1)
     plan = SimpleNamespace(profile=None, config=None)
     cells = user_path._grid(plan, "gpt", args, None, clock)
     assert [c["config"] for c in cells] == ["eager", "eager+half", "eager+all"]

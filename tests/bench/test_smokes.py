@@ -85,7 +85,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
         "--device", "simulated", "--models", "cnn", "--budget-gib", "0.05", "--steps", "3",
         "--warmup", "1", "--repeats", "1", "--no-plain", "--no-holding", "--hold-steps", "2",
         "--hand", "eager+half,compile+all", "--rerun-pick", "--rerun-repeats", "2", "--label",
-        "smoke", "--json", OUT,
+        "smoke", "--cell-draws", "2", "--json", OUT,
     ],
 }  # fmt: skip
 # Fields every JSON line of that smoke carries (issue 27's rows: what "Done when" reads).
@@ -137,11 +137,20 @@ def _ran_where_bound(line: dict) -> None:
     assert [r["samples_per_s"] > 0 for r in line["rounds"]] == [True, True], line
 
 
+def _cells_drawn_twice(line: dict) -> None:
+    """user_path (--cell-draws 2): each measured cell carries its two draws and their median."""
+    for cell in line["hand_grid"]:
+        if cell.get("samples_per_s_first") is not None:
+            assert len(cell["samples_per_s_each"]) == 2, cell
+    assert any("samples_per_s_each" in c for c in line["hand_grid"]), line["hand_grid"]
+
+
 # A rule every JSON line of that smoke keeps, beyond its fields.
 RULES = {
     "plan_speed": _parts_add_up,
     "autotune_contention": _one_rate_a_run,
     "process_spread": _ran_where_bound,
+    "user_path": _cells_drawn_twice,
 }
 # Benches whose every path needs a card: imported only, for now (the reason each says).
 IMPORT_ONLY = {
