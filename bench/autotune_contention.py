@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from _cache import cold_cache_env  # bench/, first on sys.path when run as a script
+from _recorder import Recorder
 from _targets import TARGETS
 from user_path import device_for, workload_of
 
@@ -186,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
 
     workload = workload_of(args.model)
     profile = _profile(workload)
-    rows: list[dict[str, Any]] = []
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+    recorder = Recorder(args.json, lambda _: True, mode="a")  # appends: calls add up
+    rows = recorder.rows
     with tempfile.TemporaryDirectory(prefix="autotune-contention-") as scratch:
         root = Path(scratch)
         shared = root / "at_once"
@@ -209,11 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             # Against the winners chosen alone on an empty cache (the first phase's).
             row["winners_against_alone"] = winners_differing(alone, cache)
             print(json.dumps(row), flush=True)
-            rows.append(row)
-            if args.json is not None:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                with args.json.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+            recorder.write(row)
+    recorder.close()
     print(
         f"{'phase':<22} {'at once':>7} {'samples/s':>10} {'each':<30} {'best_config':>11} "
         f"{'differ from alone':>17}"

@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _recorder import Recorder
 from user_path import GIB, _fresh
 
 PLACEMENTS = ("near", "far", "any")
@@ -193,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "apply",
         "rounds": args.rounds,
     }
-    rows: list[dict[str, Any]] = []
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+    recorder = Recorder(args.json, lambda _: True, mode="a")  # appends: calls add up
+    rows = recorder.rows
     # One cache for every run (the plan's may be gone): the first run compiles, the others
     # read it, as a user's second run does.
     with tempfile.TemporaryDirectory(prefix="process-spread-") as cache:
@@ -225,11 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                     "label": args.label,
                 }
                 print(json.dumps(row), flush=True)
-                rows.append(row)
-                if args.json is not None:
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    with args.json.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                recorder.write(row)
+    recorder.close()
     print(f"{'placement':<9} {'runs':>4} {'median samples/s':>17} {'range':<24} nodes ran on")
     for placement in chosen:
         mine = [r for r in rows if r["placement"] == placement]
