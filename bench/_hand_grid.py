@@ -29,6 +29,7 @@ Known limitations:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -313,22 +314,28 @@ def measure_cell(
         record["interrupted"] = True
         return record
     extra: list[float | None] = []
+    stopped = False
     if draws > 1 and holding.measured is not None:
         at_edge = Candidate(batch_size=holding.batch, choices=choices)
-        extra = more_draws(lambda: device.run(workload, at_edge, steps), draws - 1, device.is_oom)
+        extra, stopped = more_draws(
+            lambda: device.run(workload, at_edge, steps), draws - 1, device.is_oom
+        )
     record = cell_record(cell, choices, holding, time.perf_counter() - t0)
     if searched is not choices:
         record["edge_found"] = "dynamic batch, then static at that batch"
     if extra:
         with_draws(record, extra)
+    if stopped:  # its batch and the draws so far stand; nothing more starts after it
+        record["draws_stopped"] = True
     return record
 
 
 def more_draws(
     run: Callable[[], Any], count: int, is_oom: Callable[[BaseException], bool]
-) -> list[float | None]:
+) -> tuple[list[float | None], bool]:
     """``count`` more runs of a cell's form at its batch: each one's samples/s (None where it
-    ran out of memory: the batch held once, not every time).
+    ran out of memory: the batch held once, not every time), and whether a Ctrl-C (a
+    deadline's SIGINT) stopped them (the draws before it stand).
 
     Why: one form's rate differs between fresh processes on one host by up to 1.4x (the GPT
     example's pick, 23,718-33,770 samples/s in twelve processes, session 27), so one run
@@ -338,29 +345,24 @@ def more_draws(
         try:
             rates.append(run().samples_per_s)
         except KeyboardInterrupt:
-            break  # the draws so far stand
+            return rates, True
         except Exception as e:
             if not is_oom(e):
                 raise
             rates.append(None)
-    return rates
+    return rates, False
 
 
 def with_draws(record: dict[str, Any], extra: list[float | None]) -> dict[str, Any]:
     """The cell's record with every draw (``samples_per_s_each``: the edge's run first), its
     rate their median, and ``draw_ooms`` (draws that ran out at the batch that held)."""
     each = [record["samples_per_s"], *(round(r, 2) if r is not None else None for r in extra)]
-    measured = sorted(r for r in each if r is not None)
+    measured = [r for r in each if r is not None]
     record["samples_per_s_each"] = each
     record["samples_per_s_first"] = record["samples_per_s"]
-    record["samples_per_s"] = round(_median(measured), 2) if measured else None
+    record["samples_per_s"] = round(statistics.median(measured), 2) if measured else None
     record["draw_ooms"] = sum(1 for r in each if r is None)
     return record
-
-
-def _median(ordered: list[float]) -> float:
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def static_at_edge(

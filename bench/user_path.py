@@ -505,7 +505,8 @@ def _grid(
                 dynamic_search=args.hand_search == "dynamic",
                 draws=args.cell_draws,
             )
-            clock.stopped = clock.stopped or bool(record.get("interrupted"))
+            cut = record.get("interrupted") or record.get("draws_stopped")
+            clock.stopped = clock.stopped or bool(cut)
         except KeyboardInterrupt:
             clock.stopped = True
             record = {"config": cell, "skipped": "interrupted"}

@@ -169,8 +169,8 @@ def test_a_cells_rate_over_several_draws_is_their_median_and_a_draw_out_of_memor
             raise MemoryError("out")
         return SimpleNamespace(samples_per_s=rate)
 
-    extra = grid.more_draws(run, 3, _is_oom)
-    assert extra == [30.0, None, 10.0]
+    extra, stopped = grid.more_draws(run, 3, _is_oom)
+    assert extra == [30.0, None, 10.0] and not stopped
     record = grid.with_draws({"samples_per_s": 20.0}, extra)
     assert record["samples_per_s"] == 20.0  # the median of 20, 30, 10: not the first alone
     assert record["samples_per_s_each"] == [20.0, 30.0, None, 10.0]
@@ -182,6 +182,20 @@ def test_a_cells_rate_over_several_draws_is_their_median_and_a_draw_out_of_memor
 
     with pytest.raises(ValueError):
         grid.more_draws(broken, 1, _is_oom)
+
+
+def test_draws_cut_by_a_ctrl_c_keep_those_before_it_and_say_so(grid) -> None:
+    """Rule: a Ctrl-C (a deadline's SIGINT) in a cell's draws keeps the draws before it and
+    says the draws stopped, so the grid starts no further cell."""
+    answers = iter([SimpleNamespace(samples_per_s=5.0), KeyboardInterrupt()])
+
+    def run():
+        answer = next(answers)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    assert grid.more_draws(run, 3, _is_oom) == ([5.0], True)
 
 
 def test_the_grid_is_bf16_by_compile_by_none_half_all(grid) -> None:
