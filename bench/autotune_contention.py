@@ -121,7 +121,8 @@ def run_phase(
     processes share ``cache``; the phase's line."""
     from memadvisor.schema.candidate import Candidate
 
-    candidate = Candidate(batch_size=args.batch, choices=json.loads(args.choices))
+    choices = json.loads(args.choices)
+    candidate = Candidate(batch_size=args.batch, choices=choices)
     started = time.perf_counter()
     rates: list[float | None] = []
     first_s: list[float | None] = []
@@ -150,7 +151,7 @@ def run_phase(
         "bench": "autotune_contention",
         "model": args.model,
         "batch": args.batch,
-        "choices": json.loads(args.choices),
+        "choices": choices,
         "phase": phase,
         "runs_at_once": runs,
         "samples_per_s_each": rates,

@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from _recorder import Recorder
-from user_path import GIB, _fresh
+from user_path import GIB, _fresh, card_query
 
 PLACEMENTS = ("near", "far", "any")
 
@@ -86,22 +85,16 @@ def nodes(root: Path = Path("/sys/devices/system/node")) -> dict[int, set[int]]:
     return out or {0: set(allowed)}
 
 
-def card_node(card: str | None) -> int | None:
+def card_node() -> int | None:
     """The NUMA node of the card ``CUDA_VISIBLE_DEVICES`` names first (its index), by its PCI
     bus id from nvidia-smi; None where that cannot be read."""
-    index = (card or "0").split(",")[0]
+    bus = (card_query(("pci.bus_id",)) or {}).get("pci.bus_id", "")
+    # nvidia-smi writes 00000000:19:00.0; sysfs names it 0000:19:00.0.
+    domain, _, rest = bus.partition(":")
     try:
-        bus = subprocess.run(
-            ["nvidia-smi", "-i", index, "--query-gpu=pci.bus_id", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
-        # nvidia-smi writes 00000000:19:00.0; sysfs names it 0000:19:00.0.
-        domain, _, rest = bus.partition(":")
         path = Path("/sys/bus/pci/devices") / f"{domain[-4:]}:{rest}".lower() / "numa_node"
         node = int(path.read_text())
-    except (OSError, ValueError, subprocess.SubprocessError):
+    except (OSError, ValueError):
         return None
     return node if node >= 0 else None
 
@@ -174,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if not plan_path.is_file():
         parser.error(f"--plan {args.plan}: no plan {plan_path}; save one with plan_speed.py")
     found = nodes()
-    near_node = card_node(os.environ.get("CUDA_VISIBLE_DEVICES")) if args.device == "cuda" else None
+    near_node = card_node() if args.device == "cuda" else None
     where = placements(found, near_node)
     far = "the other half" if where["far_node"] is None else f"node {where['far_node']}"
     listed = ", ".join(f"{n}: {len(c)} cores" for n, c in found.items())

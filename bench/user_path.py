@@ -76,6 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,13 @@ def loop_rounds(spec: dict[str, Any]) -> dict[str, Any]:
 def card_state() -> dict[str, str] | None:
     """The first visible card's SM and memory clocks, power and temperature now, as
     nvidia-smi reports them (None where it cannot be run)."""
-    fields = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+    return card_query(("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu"))
+
+
+def card_query(fields: Sequence[str]) -> dict[str, str] | None:
+    """nvidia-smi's ``--query-gpu`` of ``fields`` for the first card ``CUDA_VISIBLE_DEVICES``
+    names (its index; card 0 where unset), each as nvidia-smi writes it; None where
+    nvidia-smi cannot be run or answers otherwise."""
     card = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     try:
         done = subprocess.run(
@@ -310,7 +317,7 @@ def card_state() -> dict[str, str] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     values = [v.strip() for v in done.stdout.strip().split(",")]
-    return dict(zip(fields, values, strict=False)) if len(values) == len(fields) else None
+    return dict(zip(fields, values, strict=True)) if len(values) == len(fields) else None
 
 
 def _last_cpu() -> int | None:
