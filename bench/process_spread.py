@@ -149,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="set in every loop's environment (PYTHONHASHSEED=0: the same hashes each process)",
     )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each loop, N more steps under the profiler: the card's kernel time a step "
+        "against the step's time (does the card wait on the host?)",
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "simulated"])
     parser.add_argument("--timeout-s", type=float, default=120.0, help="one run's limit")
     parser.add_argument("--label", default="")
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_backend": "inductor",
         "mode": "apply",
         "rounds": args.rounds,
+        "profile_steps": args.profile_steps,
     }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                     "samples_per_s_median": out.get("samples_per_s_median"),
                     "step_ms_p10_p50_p90": out.get("step_ms_p10_p50_p90"),
                     "first_step_s": out.get("first_step_s"),
+                    "queue_ms_p50": out.get("queue_ms_p50"),
+                    "queue_over_step": out.get("queue_over_step"),
+                    "card_busy_ms_per_step": out.get("card_busy_ms_per_step"),
+                    "card_busy_over_step": out.get("card_busy_over_step"),
                     "ooms": out.get("ooms"),
                     "error": out.get("error"),
                     "rounds": out.get("rounds"),

@@ -207,15 +207,24 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         return _torch_private.cuda_memory_counters(device)["alloc_retries"] if cuda else 0
 
     retried: list[int] = []  # by step, the allocator's retries in it
+    # By step, the host's time to hand the step to the card (loop_step's return, before the
+    # sync): near the step's time, the card waits on the host and the host's speed is the
+    # rate; far below it, the card's work is (bench/process_spread.py's question).
+    queued: list[float] = []
+
+    def one_step() -> None:
+        loop_step(
+            workload, model, optimizer, batch, k,
+            step=step, outer=outer, device_type=device.type, scaler=scaler,
+        )  # fmt: skip
+
     try:
         for _ in range(spec["steps"]):
             sync()
             before = retries()
             t0 = time.perf_counter()
-            loop_step(
-                workload, model, optimizer, batch, k,
-                step=step, outer=outer, device_type=device.type, scaler=scaler,
-            )  # fmt: skip
+            one_step()
+            queued.append(time.perf_counter() - t0)
             sync()
             times.append(time.perf_counter() - t0)
             retried.append(retries() - before)
@@ -250,6 +259,11 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
             cand.batch_size * k / statistics.median(steady[i : i + quarter])
             for i in range(0, quarter * 4 if len(steady) >= 4 else len(steady), quarter)
         ]
+        out["queue_ms_p50"] = 1e3 * statistics.median(queued[spec["warmup"] : len(times)])
+        out["queue_over_step"] = out["queue_ms_p50"] / (1e3 * middle)
+        if cuda and spec.get("profile_steps") and not out["ooms"]:
+            out["card_busy_ms_per_step"] = _card_busy_ms(one_step, int(spec["profile_steps"]))
+            out["card_busy_over_step"] = out["card_busy_ms_per_step"] / (1e3 * middle)
     out["first_step_s"] = times[0] if times else None
     out["cpu"] = _last_cpu()  # where the loop's thread ran last (process_spread.py's question)
     # Steps after the warm-up in which the allocator retried, and its retries in them: where
@@ -259,6 +273,27 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_reserved() / GIB
     return out
+
+
+def _card_busy_ms(one_step: Any, steps: int) -> float:
+    """The card's kernel time a step (ms), from the profiler over ``steps`` more steps: the
+    sum of the kernels' own device times, gaps between them left out. Against the step's
+    wall time, the share of it the card computes; the rest it waits (on the host, or on
+    copies). Known limitation: kernels on several streams at once count twice."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+    busy_us = sum(
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return busy_us / 1e3 / max(1, steps)
 
 
 def loop_rounds(spec: dict[str, Any]) -> dict[str, Any]:
@@ -286,6 +321,8 @@ def loop_rounds(spec: dict[str, Any]) -> dict[str, Any]:
                 "samples_per_s": out.get("samples_per_s"),
                 "samples_per_s_median": out.get("samples_per_s_median"),
                 "first_step_s": out.get("first_step_s"),
+                "queue_over_step": out.get("queue_over_step"),
+                "card_busy_over_step": out.get("card_busy_over_step"),
                 "card": card_state() if spec["device"] == "cuda" else None,
             }
         )
