@@ -26,6 +26,15 @@ rounds by what each build allocates or by the time. Each round's line carries th
 clocks, power and temperature after it (nvidia-smi). ``--env PYTHONHASHSEED=0`` gives every
 process the same hashes. (Session 27 call C: bound or not, 25,263-30,154 samples/s.)
 
+Every loop says the host's share of its step (``queue_over_step``: the time until
+``loop_step`` returns, before the sync, over the step's), and with ``--profile-steps N`` the
+card's kernel time over the step from N more steps under the profiler
+(``card_busy_over_step``). Session 28 call 5: 0.994 and 0.62-0.75, the card waits on the
+host, so the host's speed is the rate. The remedies are run as variants of the same pick,
+on a copy of the plan: ``--fused-optimizer`` (AdamW's update in a few fused kernels, the
+optimizer_habits advice), ``--compile-mode reduce-overhead`` (CUDA graphs: the step's
+kernels replayed with one launch), and ``--batch N`` (the pick at another batch).
+
 One JSON line a run (``--json``), then a table of each placement's median and range.
 
     python bench/process_spread.py --model gpt --plan bench/results/plans --repeats 4 \\
@@ -118,6 +127,28 @@ def placements(found: dict[int, set[int]], near_node: int | None) -> dict[str, A
     }
 
 
+def plan_variant(text: str, batch: int | None, compile_mode: str | None) -> str | None:
+    """The saved plan ``text`` at ``batch`` and with ``compile_mode`` as its compile choice's
+    mode (each where given); None where neither is. Why: the same pick at another batch (the
+    hand grid's edge) or under CUDA graphs, with nothing else of the plan changed. A plan
+    that does not compile has no mode to change: ValueError."""
+    if batch is None and compile_mode is None:
+        return None
+    plan = json.loads(text)
+    candidate = plan["candidate"]
+    if batch is not None:
+        candidate["batch_size"] = batch
+    if compile_mode is not None:
+        choice = candidate["choices"].get("compile")
+        if choice in (None, "off", False):
+            raise ValueError(f"its compile choice is {choice!r}: no mode to set")
+        if isinstance(choice, dict):
+            candidate["choices"]["compile"] = {**choice, "mode": compile_mode}
+        else:
+            candidate["choices"]["compile"] = compile_mode
+    return json.dumps(plan)
+
+
 def node_of(cpu: int | None, found: dict[int, set[int]]) -> int | None:
     return next((n for n, cores in found.items() if cpu in cores), None)
 
@@ -150,6 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         help="set in every loop's environment (PYTHONHASHSEED=0: the same hashes each process)",
     )
     parser.add_argument(
+        "--batch", type=int, help="run the plan at this batch instead of its own (a copy)"
+    )
+    parser.add_argument(
+        "--compile-mode",
+        help="run the plan with this torch.compile mode (reduce-overhead: CUDA graphs) in "
+        "place of its compile choice's (a copy); the plan must compile",
+    )
+    parser.add_argument(
+        "--fused-optimizer",
+        action="store_true",
+        help="the loop's AdamW with fused=True (the optimizer_habits advice)",
+    )
+    parser.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -173,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     plan_path = args.plan / f"{args.model}.json" if args.plan.is_dir() else args.plan
     if not plan_path.is_file():
         parser.error(f"--plan {args.plan}: no plan {plan_path}; save one with plan_speed.py")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch {args.batch}: give a batch of at least 1")
+    try:
+        variant = plan_variant(plan_path.read_text(), args.batch, args.compile_mode)
+    except ValueError as e:
+        parser.error(f"--plan {plan_path}: {e}")
     found = nodes()
     near_node = card_node() if args.device == "cuda" else None
     where = placements(found, near_node)
@@ -183,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         f"far = {far}",
         flush=True,
     )
+    workdir = tempfile.TemporaryDirectory(prefix="process-spread-")
+    if variant is not None:  # the plan as the flags change it, a copy: the file stays
+        plan_path = Path(workdir.name) / f"{args.model}.json"
+        plan_path.write_text(variant)
     spec = {
         "model": args.model,
         "plan": str(plan_path.resolve()),
@@ -194,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "apply",
         "rounds": args.rounds,
         "profile_steps": args.profile_steps,
+        "fused_optimizer": args.fused_optimizer,
     }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = recorder.rows
     # One cache for every run (the plan's may be gone): the first run compiles, the others
     # read it, as a user's second run does.
-    with tempfile.TemporaryDirectory(prefix="process-spread-") as cache:
+    with workdir as cache:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache) / "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(cache) / "triton"))
         for i in range(args.repeats):
@@ -230,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                     "error": out.get("error"),
                     "rounds": out.get("rounds"),
                     "env": args.env,
+                    "batch": out.get("batch"),  # the batch the loop ran (--batch's, or the plan's)
+                    "compile_mode": args.compile_mode,
+                    "fused_optimizer": args.fused_optimizer,
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "label": args.label,
                 }

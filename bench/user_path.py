@@ -188,12 +188,15 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         model = torch.compile(model.to(device), backend=spec["compile_backend"])
         outer = dtype
-    optimizer = torch.optim.AdamW(model.parameters())
+    # fused=True: the update in a few fused kernels, the optimizer_habits advice (fewer
+    # launches for a step the host bounds: bench/process_spread.py --fused-optimizer).
+    fused = {"fused": True} if spec.get("fused_optimizer") else {}
+    optimizer = torch.optim.AdamW(model.parameters(), **fused)
     scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
     batch = workload.batch(cand.batch_size, device)
     k = cand.accumulation_steps
     times: list[float] = []
-    out: dict[str, Any] = {"ooms": 0, "steps": 0}
+    out: dict[str, Any] = {"ooms": 0, "steps": 0, "batch": cand.batch_size}
     if step is not None:
         out["trained_with"] = out_words
 

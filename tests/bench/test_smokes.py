@@ -78,7 +78,8 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
         [
             "--device", "simulated", "--model", "cnn", "--plan", "plans", "--budget-gib",
             "0.25", "--steps", "3", "--warmup", "1", "--repeats", "1", "--placements", "far",
-            "--rounds", "2", "--env", "PYTHONHASHSEED=0", "--json", OUT,
+            "--rounds", "2", "--env", "PYTHONHASHSEED=0", "--batch", "3", "--fused-optimizer",
+            "--json", OUT,
         ],
     ],
     "user_path": [
@@ -135,6 +136,9 @@ def _ran_where_bound(line: dict) -> None:
         assert line["cpu"] in line["cores"], line
     # Two rounds in the one process (--rounds 2), each its own build and rate.
     assert [r["samples_per_s"] > 0 for r in line["rounds"]] == [True, True], line
+    # The variant flags reach the row, and the loop says the host's share of its step.
+    assert (line["batch"], line["fused_optimizer"]) == (3, True), line
+    assert 0 < line["queue_over_step"] <= 1.0 + 1e-6, line
 
 
 def _cells_drawn_twice(line: dict) -> None:
