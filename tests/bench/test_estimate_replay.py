@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -12,20 +10,8 @@ from torch import nn
 
 import memadvisor
 
-BENCH = Path(__file__).parents[2] / "bench"
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_estimate_replay", BENCH / "estimate_replay.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_a_saved_plans_runs_are_replayed_against_the_estimate(tmp_path: Path) -> None:
+def test_a_saved_plans_runs_are_replayed_against_the_estimate(tmp_path: Path, load_bench) -> None:
     """Rule: every eager run of the plan that fitted gets one row, its measured peak (the
     probe's) beside today's estimate of the same candidate and their relative error, and the
     rows are appended as JSON lines. (How close the estimate is, is the estimate's tests'.)"""
@@ -44,7 +30,7 @@ def test_a_saved_plans_runs_are_replayed_against_the_estimate(tmp_path: Path) ->
     )
     path = tmp_path / "plan.json"
     plan.to_json(path)
-    replay = _load()
+    replay = load_bench("estimate_replay")
     out = tmp_path / "rows.jsonl"
     assert replay.main([str(path), "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]

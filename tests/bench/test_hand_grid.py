@@ -3,33 +3,19 @@ the largest batch that holds, and a model's lines joined across calls."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def grid():
-    return _load("_hand_grid")
+@pytest.fixture
+def grid(load_bench):
+    return load_bench("_hand_grid")
 
 
 @pytest.fixture
-def user_path(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # its own imports: _hand_grid, _targets
-    return _load("user_path")
+def user_path(load_bench):
+    return load_bench("user_path")
 
 
 class LinearCard:

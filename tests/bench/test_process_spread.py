@@ -3,26 +3,14 @@ with nothing else of the plan changed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
-
 
 @pytest.fixture
-def spread(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # its own imports: user_path, _recorder
-    spec = importlib.util.spec_from_file_location(
-        "bench_process_spread", BENCH / "process_spread.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def spread(load_bench):
+    return load_bench("process_spread")
 
 
 def _plan(compile_choice: object) -> str:
