@@ -29,8 +29,10 @@ process the same hashes. (Session 27 call C: bound or not, 25,263-30,154 samples
 Every loop says the host's share of its step (``queue_over_step``: the time until
 ``loop_step`` returns, before the sync, over the step's), and with ``--profile-steps N`` the
 card's kernel time over the step from N more steps under the profiler
-(``card_busy_over_step``). Session 28 call 5: 0.994 and 0.62-0.75, the card waits on the
-host, so the host's speed is the rate. The remedies are run as variants of the same pick,
+(``card_busy_over_step``) and its kernels a step (``kernels_per_step``); the host's time
+splits into forward and loss, backward, and the optimizer
+(``host_ms_forward_backward_optimizer``, medians). Session 28 call 5: 0.994 and 0.62-0.75,
+the card waits on the host, so the host's speed is the rate. The remedies are run as variants of the same pick,
 on a copy of the plan: ``--fused-optimizer`` (AdamW's update in a few fused kernels, the
 optimizer_habits advice), ``--compile-mode reduce-overhead`` (CUDA graphs: the step's
 kernels replayed with one launch), and ``--batch N`` (the pick at another batch).
@@ -281,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                     "queue_over_step": out.get("queue_over_step"),
                     "card_busy_ms_per_step": out.get("card_busy_ms_per_step"),
                     "card_busy_over_step": out.get("card_busy_over_step"),
+                    "kernels_per_step": out.get("kernels_per_step"),
+                    "host_ms_forward_backward_optimizer": out.get(
+                        "host_ms_forward_backward_optimizer"
+                    ),
                     "ooms": out.get("ooms"),
                     "error": out.get("error"),
                     "rounds": out.get("rounds"),

@@ -119,12 +119,19 @@ def loop_step(
     outer: Any = None,
     device_type: str = "cuda",
     scaler: Any = None,
+    marks: list[float] | None = None,
 ) -> None:
     """One optimizer step of the user's loop over ``k`` micro-batches: forward, the loss
     outside the model (``step``: the plan's step where it changed the loss; ``outer``: an
     autocast dtype on ``device_type`` around forward and loss, plain torch.compile's),
-    backward, the optimizer's step (``scaler``: fp16's GradScaler), ``zero_grad``."""
+    backward, the optimizer's step (``scaler``: fp16's GradScaler), ``zero_grad``.
+    ``marks``: the host's clock appended when forward and loss, backward, and the
+    optimizer have returned (no sync: where the host's time in a step goes)."""
     import torch
+
+    def mark() -> None:
+        if marks is not None:
+            marks.append(time.perf_counter())
 
     for _ in range(k):
         around = (
@@ -142,14 +149,17 @@ def loop_step(
                 loss = workload.loss(output, batch) / k
         if outer is None and step is None:  # apply_plan: the loss outside, as it comes
             loss = workload.loss(output, batch) / k
+        mark()
         (scaler.scale(loss) if scaler else loss).backward()
         del output, loss
+        mark()
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    mark()
 
 
 def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
@@ -214,20 +224,29 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     # sync): near the step's time, the card waits on the host and the host's speed is the
     # rate; far below it, the card's work is (bench/process_spread.py's question).
     queued: list[float] = []
+    # By step, the host's time in forward and loss, backward, and the optimizer (the last
+    # micro-batch's for the first two), from loop_step's marks.
+    phases: list[tuple[float, float, float]] = []
 
-    def one_step() -> None:
+    def one_step(marks: list[float] | None = None) -> None:
         loop_step(
             workload, model, optimizer, batch, k,
-            step=step, outer=outer, device_type=device.type, scaler=scaler,
+            step=step, outer=outer, device_type=device.type, scaler=scaler, marks=marks,
         )  # fmt: skip
 
     try:
         for _ in range(spec["steps"]):
             sync()
             before = retries()
+            marks: list[float] = []
             t0 = time.perf_counter()
-            one_step()
+            one_step(marks)
             queued.append(time.perf_counter() - t0)
+            loss_at, backward_at, optimizer_at = marks[-3:]
+            forward_from = marks[-4] if len(marks) > 3 else t0  # the last micro-batch's
+            phases.append(
+                (loss_at - forward_from, backward_at - loss_at, optimizer_at - backward_at)
+            )
             sync()
             times.append(time.perf_counter() - t0)
             retried.append(retries() - before)
@@ -264,9 +283,15 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
         ]
         out["queue_ms_p50"] = 1e3 * statistics.median(queued[spec["warmup"] : len(times)])
         out["queue_over_step"] = out["queue_ms_p50"] / (1e3 * middle)
+        timed = phases[spec["warmup"] : len(times)]
+        out["host_ms_forward_backward_optimizer"] = [
+            1e3 * statistics.median(p[i] for p in timed) for i in range(3)
+        ]
         if cuda and spec.get("profile_steps") and not out["ooms"]:
-            out["card_busy_ms_per_step"] = _card_busy_ms(one_step, int(spec["profile_steps"]))
-            out["card_busy_over_step"] = out["card_busy_ms_per_step"] / (1e3 * middle)
+            busy_ms, kernels = _card_busy(one_step, int(spec["profile_steps"]))
+            out["card_busy_ms_per_step"] = busy_ms
+            out["card_busy_over_step"] = busy_ms / (1e3 * middle)
+            out["kernels_per_step"] = kernels
     out["first_step_s"] = times[0] if times else None
     out["cpu"] = _last_cpu()  # where the loop's thread ran last (process_spread.py's question)
     # Steps after the warm-up in which the allocator retried, and its retries in them: where
@@ -278,11 +303,12 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _card_busy_ms(one_step: Any, steps: int) -> float:
-    """The card's kernel time a step (ms), from the profiler over ``steps`` more steps: the
-    sum of the kernels' own device times, gaps between them left out. Against the step's
-    wall time, the share of it the card computes; the rest it waits (on the host, or on
-    copies). Known limitation: kernels on several streams at once count twice."""
+def _card_busy(one_step: Any, steps: int) -> tuple[float, float]:
+    """The card's kernel time a step (ms) and its kernels (and copies) a step, from the
+    profiler over ``steps`` more steps: the sum of the kernels' own device times, gaps
+    between them left out. Against the step's wall time, the share of it the card computes;
+    the rest it waits (on the host, or on copies). Known limitation: kernels on several
+    streams at once count twice."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -291,12 +317,9 @@ def _card_busy_ms(one_step: Any, steps: int) -> float:
         for _ in range(steps):
             one_step()
         torch.cuda.synchronize()
-    busy_us = sum(
-        e.self_device_time_total
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    return busy_us / 1e3 / max(1, steps)
+    on_card = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in on_card)
+    return busy_us / 1e3 / max(1, steps), sum(e.count for e in on_card) / max(1, steps)
 
 
 def loop_rounds(spec: dict[str, Any]) -> dict[str, Any]:

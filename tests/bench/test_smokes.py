@@ -139,6 +139,11 @@ def _ran_where_bound(line: dict) -> None:
     # The variant flags reach the row, and the loop says the host's share of its step.
     assert (line["batch"], line["fused_optimizer"]) == (3, True), line
     assert 0 < line["queue_over_step"] <= 1.0 + 1e-6, line
+    # The host's time split into forward and loss, backward, the optimizer: parts of the
+    # time loop_step took, each measured (a CPU step is all host).
+    parts = line["host_ms_forward_backward_optimizer"]
+    assert len(parts) == 3 and all(p > 0 for p in parts), line
+    assert sum(parts) <= line["queue_ms_p50"] * 3, line
 
 
 def _cells_drawn_twice(line: dict) -> None:
