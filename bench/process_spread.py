@@ -32,10 +32,11 @@ card's kernel time over the step from N more steps under the profiler
 (``card_busy_over_step``) and its kernels a step (``kernels_per_step``); the host's time
 splits into forward and loss, backward, and the optimizer
 (``host_ms_forward_backward_optimizer``, medians). Session 28 call 5: 0.994 and 0.62-0.75,
-the card waits on the host, so the host's speed is the rate. The remedies are run as variants of the same pick,
-on a copy of the plan: ``--fused-optimizer`` (AdamW's update in a few fused kernels, the
-optimizer_habits advice), ``--compile-mode reduce-overhead`` (CUDA graphs: the step's
-kernels replayed with one launch), and ``--batch N`` (the pick at another batch).
+the card waits on the host, so the host's speed is the rate. The remedies are run as
+variants of the same pick, on a copy of the plan: ``--fused-optimizer`` (AdamW's update in a
+few fused kernels, the optimizer_habits advice), ``--compile-mode reduce-overhead`` (CUDA
+graphs: the step's kernels replayed with one launch), and ``--batch N`` (the pick at another
+batch).
 
 One JSON line a run (``--json``), then a table of each placement's median and range.
 
