@@ -241,8 +241,8 @@ def user_loop(spec: dict[str, Any]) -> dict[str, Any]:
             marks: list[float] = []
             t0 = time.perf_counter()
             one_step(marks)
-            queued.append(time.perf_counter() - t0)
             loss_at, backward_at, optimizer_at = marks[-3:]
+            queued.append(optimizer_at - t0)  # loop_step's last mark is its return
             forward_from = marks[-4] if len(marks) > 3 else t0  # the last micro-batch's
             phases.append(
                 (loss_at - forward_from, backward_at - loss_at, optimizer_at - backward_at)

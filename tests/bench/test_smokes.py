@@ -105,6 +105,7 @@ FIELDS: dict[str, set[str]] = {
 }  # fmt: skip
 FIELDS["loop_gap"] = {"model", "verified_samples_per_s", "train_step_short", "loop_long"}
 FIELDS["autotune_contention"] = {"phase", "runs_at_once", "samples_per_s_each", "best_configs"}
+FIELDS["process_spread"] = {"placement", "cores", "cpu", "cpu_node", "samples_per_s"}
 # Values every JSON line of that smoke has (a default that must hold).
 VALUES: dict[str, dict[str, object]] = {
     "plan_speed": {"cache": "cold", "compile_search_overrides": {"dynamic_batch": False}}
@@ -123,9 +124,6 @@ def _one_rate_a_run(line: dict) -> None:
     """autotune_contention: a rate for each run of the phase, all of them measured."""
     assert len(line["samples_per_s_each"]) == line["runs_at_once"], line
     assert all(rate and rate > 0 for rate in line["samples_per_s_each"]), line
-
-
-FIELDS["process_spread"] = {"placement", "cores", "cpu", "cpu_node", "samples_per_s"}
 
 
 def _ran_where_bound(line: dict) -> None:
