@@ -284,6 +284,27 @@ class CompileSearch(BaseModel):
         "batch it tried, and ran 111.3 samples/s at batch 9 against the regional pick's 112.6 "
         "at batch 10.",
     )
+    graphs_when_host_bound: bool = Field(
+        True,
+        description="Where the compiled pick's card waited on the host (host_bound_share), "
+        "also confirm the pick replayed as CUDA graphs (reduce-overhead mode), at a batch of "
+        "its own, and keep it where faster (strategies/_compile_graphs.py).",
+    )
+    host_bound_share: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="The share of a step the host takes to launch it from which the step is "
+        "taken as host-bound: the GPT example's compiled pick took 0.99 of its step on an "
+        "H200 while its kernels filled 0.62-0.75 of it; replayed as CUDA graphs, 0.60-0.84 "
+        "(docs/design.md, 'CUDA graphs where the card waits on the host').",
+    )
+    graphs_runs: int = Field(
+        3,
+        ge=1,
+        description="Device runs of the CUDA-graphs confirmation at most (each a compile), "
+        "beyond max_runs.",
+    )
 
 
 @dataclass

@@ -71,6 +71,7 @@ from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.workload import Workload
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
+from strategies._compile_graphs import Graphs, graphs_pick, graphs_words
 from strategies._compile_search import (
     COMPILE,
     FINAL_FORM_RUNS,
@@ -283,6 +284,23 @@ def compiled_pick(
                 confirmed.append((record, final))
     best = _best(objective, confirmed)
     picked = best is not None and _beats(objective, best[1], eager_best)
+    graphs = graphs_note = None
+    if picked and best is not None:
+        # The pick replayed as CUDA graphs where its card waited on the host: another batch.
+        again = (
+            contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
+        )
+        graphs_before = len(stage.probes)
+        with stage.progress(), again:
+            line = best[0].fit
+            fixed = line.fixed_bytes if line is not None else None
+            graphs = graphs_pick(stage, settings, best[1], objective, fixed)
+        graphs_note = graphs_words(graphs, best[1], len(stage.probes) - graphs_before)
+        if graphs.found is not None:
+            record = _graphs_record(stage, graphs.found, best[0], runs_before)
+            records.append(record)
+            if graphs.wins:
+                best = (record, graphs.found)
     one_off_ms = best[0].one_off_ms if picked and best is not None else None
     costs = []
     if picked and best is not None:
@@ -305,6 +323,8 @@ def compiled_pick(
         summary += " " + _static_words(found, searched, static_why)
     if rode_words:
         summary += " " + rode_words
+    if graphs_note:
+        summary += " " + graphs_note
     summary += " " + _searched(search, variants, left_out, best[0] if best else None)
     outcome = StageOutcome(
         strategy=COMPILE,
@@ -321,7 +341,7 @@ def compiled_pick(
         eager_measured=eager_best.measured,
         variants=records,
         one_off_ms=one_off_ms,
-        details=_details(search, settings, left_out, cache_report),
+        details=_details(search, settings, left_out, cache_report, graphs),
     )
     notes = [outcome.summary]
     # The line that chose the pick's configuration: the searched form's (the offered form's
@@ -373,9 +393,14 @@ def _key(choice: JsonValue) -> str:
 
 
 def _details(
-    search: Search, settings: CompileSearch, left_out: Sequence[str], report
+    search: Search,
+    settings: CompileSearch,
+    left_out: Sequence[str],
+    report,
+    graphs: Graphs | None = None,
 ) -> dict[str, JsonValue]:
-    """The search's budget and use, and the shared cache's cost, as plain JSON."""
+    """The search's budget and use, the shared cache's cost and the CUDA-graphs step
+    (the host's share of the pick's step, whether graphs ran and won), as plain JSON."""
     out: dict[str, JsonValue] = {
         "search": {
             **settings.model_dump(),
@@ -390,6 +415,15 @@ def _details(
     }
     if report is not None:
         out["cache"] = {**report.model_dump(), "added_bytes": report.added_bytes}
+    if graphs is not None:
+        out["graphs"] = {
+            "host_share": graphs.host_share,
+            "tried": graphs.tried,
+            "batch_size": graphs.found.candidate.batch_size if graphs.found else None,
+            "samples_per_s": graphs.found.measured.samples_per_s if graphs.found else None,
+            "picked": graphs.wins,
+            "error": graphs.error,
+        }
     return out
 
 
@@ -453,6 +487,21 @@ def _confirmed_record(record: StageVariant, found: Confirmed) -> StageVariant:
             "confirmed": True,
         }
     )
+
+
+def _graphs_record(
+    stage: PickStage, found: Confirmed, pick: StageVariant, runs_before: int
+) -> StageVariant:
+    """The pick replayed as CUDA graphs, confirmed at its own batch; its compile is the
+    pick's graph (its trial stands for it: the same graph, replayed)."""
+    record = StageVariant(
+        choices=found.candidate.choices,
+        ok=True,
+        trial="not trialled here: the pick's graph, replayed as CUDA graphs; the device ran it.",
+        one_off_ms=pick.one_off_ms,
+        device_wall_ms=_wall_ms(stage, found.candidate.choices, runs_before),
+    )
+    return _confirmed_record(record, found)
 
 
 def _final_record(

@@ -42,7 +42,9 @@ Other modes, accepted as choices but not offered by default:
       overhead (small batches, many small kernels) but keep static input and output buffers
       and a private memory pool alive between steps, which a memory planner must count and
       which every input shape pays again; the probes measure this when asked, but a card
-      that is already full rarely has the room.
+      that is already full rarely has the room. The compile stage tries ``reduce-overhead``
+      on its own pick where that pick's card waited on the host, at a batch of its own
+      (``strategies/_compile_graphs.py``).
 
 Applying installs :class:`~strategies._compiled_forward.CompiledForward` on the model's root
 module: parameter names and ``state_dict`` keys are unchanged (``torch.compile(model)``
@@ -81,6 +83,7 @@ from memadvisor.strategy import (
 )
 from strategies import _forward
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
+from strategies._compile_graphs import GRAPHS_MODE
 from strategies._compile_search import CompileSearch
 from strategies._compile_stage import DeviceGain, compiled_pick
 from strategies._compile_trial import (
@@ -246,10 +249,13 @@ class Compile(Strategy, Measured, Described, Checked):
         compiles the searched form, the same model and graph breaks as the static pick's),
         or for either without a partitioner budget (which changes what backward recomputes,
         not what is computed; the compile stage trials a budget form only where no such
-        trial ran)."""
+        trial ran), or, for CUDA graphs, any of these in default mode (the same graph,
+        replayed: the compile stage tries graphs on its pick, strategies/_compile_graphs.py)."""
         forms = [parsed, parsed.model_copy(update={"dynamic_batch": True})]
         if parsed.activation_memory_budget is not None:  # its trial may stand for it
             forms += [f.model_copy(update={"activation_memory_budget": None}) for f in forms]
+        if parsed.mode == GRAPHS_MODE:  # the same graph, replayed: the default mode's trial
+            forms += [f.model_copy(update={"mode": "default"}) for f in forms]
         return next((self.results[f] for f in forms if f in self.results), None)
 
     def plan_scope(
@@ -371,6 +377,13 @@ def advice(
             "than the whole model: one compiled code object serves every layer, so the first "
             "step compiles about as many times faster as there are layers; the embeddings and "
             "the head stay eager."
+        )
+    if choice.mode == GRAPHS_MODE:
+        sentence += (
+            " Its mode replays the step as CUDA graphs: the card no longer waits for Python to "
+            "launch each kernel, and a memory pool of the graphs' own stays allocated between "
+            "steps. A step's outputs are overwritten by the next step: take loss.item() (or "
+            "loss.detach().clone()) before the next step rather than keeping the tensor."
         )
     if budget is not None:
         title += f", activation memory budget {budget:g}"

@@ -103,6 +103,7 @@ def train_candidate(
     torch.cuda.reset_peak_memory_stats(device)
     cache_before = _torch_private.compile_cache_counts()
     times_ms: list[float] = []
+    host_ms: list[float] = []  # each step's time until train_step returned, before the sync
     first: RanOutFirst | None = None
     first_ms = 0.0
     try:
@@ -114,7 +115,7 @@ def train_candidate(
         optimizer = run.make_optimizer(model)
         steps_began = time.perf_counter()
         try:
-            _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms)
+            _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms, host_ms)
         except Exception as e:
             if retry_at is None or not is_oom(e) or not 0 < retry_at < candidate.batch_size:
                 raise
@@ -131,10 +132,13 @@ def train_candidate(
             torch.cuda.reset_peak_memory_stats(device)
             candidate = candidate.model_copy(update={"batch_size": retry_at})
             times_ms.clear()
+            host_ms.clear()
             try:
                 # In the turn from its first step: the process's warming ended with the
                 # batch that ran out, and siblings may be timing.
-                _steps(run, model, optimizer, candidate, steps, device, turn_lock, times_ms, 0)
+                _steps(
+                    run, model, optimizer, candidate, steps, device, turn_lock, times_ms, host_ms, 0
+                )
             except Exception as e:
                 if not is_oom(e):
                     raise
@@ -156,6 +160,7 @@ def train_candidate(
     reserved = torch.cuda.max_memory_reserved(device) - base_reserved
     # The first step creates the optimizer state and warms up kernels: not a steady step.
     step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
+    launch_ms = statistics.median(host_ms[1:] if len(host_ms) > 1 else host_ms)
     samples = candidate.batch_size * candidate.accumulation_steps
     hits, misses, bypasses = (
         after - before
@@ -169,6 +174,7 @@ def train_candidate(
         step_ms=step_ms,
         samples_per_s=samples_per_s(samples, step_ms),
         first_step_ms=times_ms[0],
+        host_ms=launch_ms,
         compile_cache_hits=hits if compiled else None,
         compile_cache_misses=misses if compiled else None,
         compile_cache_bypasses=bypasses if compiled else None,
@@ -185,12 +191,15 @@ def _steps(
     device: torch.device,
     turn_lock: str | None,
     times_ms: list[float],
+    host_ms: list[float],
     turn_from: int = 1,
 ) -> None:
     """``steps`` training steps of ``candidate``'s batch, each step's time appended to
-    ``times_ms`` as it ends; the steps from ``turn_from`` on (the timed ones: all but the
-    first) in the turn. Where the allocator retried an allocation in most timed steps, the
-    batch counts as out of memory (``AllocatorRetriesError``, after the last step)."""
+    ``times_ms`` as it ends, and its time until ``train_step`` returned, before the sync, to
+    ``host_ms`` (the host's share: near the step's time, the card waited on it); the steps
+    from ``turn_from`` on (the timed ones: all but the first) in the turn. Where the
+    allocator retried an allocation in most timed steps, the batch counts as out of memory
+    (``AllocatorRetriesError``, after the last step)."""
     batch = run.batch(candidate.batch_size, device)
     held: list = []  # the last output, alive into the next step as a user's loop keeps it
     retries = [_torch_private.cuda_memory_counters(device)["alloc_retries"]]
@@ -207,6 +216,7 @@ def _steps(
                 accumulation_steps=candidate.accumulation_steps,
                 held=held,
             )
+            host_ms.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)
             retries.append(_torch_private.cuda_memory_counters(device)["alloc_retries"])

@@ -123,6 +123,13 @@ class Measurement(BaseModel):
         None,
         description="The first step, which compiles a compiled model (None: not recorded).",
     )
+    host_ms: float | None = Field(
+        None,
+        description="Median time a timed step took to hand its work to the device, until the "
+        "step returned and before the run waited for the device (None: not recorded). Near "
+        "step_ms, the device waited on the host: the host's speed, not the card's, set the "
+        "step's time (a host-bound step).",
+    )
     compile_cache_hits: int | None = Field(
         None,
         description="Graphs this run loaded from inductor's FX graph and AOTAutograd caches; "

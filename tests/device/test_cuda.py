@@ -77,8 +77,9 @@ def _settled_allocated() -> int:
 def test_a_fresh_process_probe_measures_within_the_budget_and_leaves_this_process_alone(
     fork_server: bool,
 ) -> None:
-    """A run in a forked child of the zygote (or in a fresh process) returns the steps it ran
-    and a peak within the budget, and this process's allocator holds exactly what it held."""
+    """A run in a forked child of the zygote (or in a fresh process) returns the steps it ran,
+    a peak within the budget and the host's time to launch a step (within the step's time,
+    which also waits for the card), and this process's allocator holds exactly what it held."""
     torch.cuda.init()
     before = _settled_allocated()
     device = _device(2 * GIB, target=GPT, fork_server=fork_server)
@@ -89,6 +90,7 @@ def test_a_fresh_process_probe_measures_within_the_budget_and_leaves_this_proces
     finally:
         device.close()
     assert measured.steps == 3 and 0 < measured.peak_bytes <= 2 * GIB
+    assert measured.host_ms is not None and 0 < measured.host_ms <= measured.step_ms
     assert measured.reserved_peak_bytes is not None and measured.reserved_peak_bytes <= 2 * GIB
     assert _settled_allocated() == before
 

@@ -223,6 +223,12 @@ class LinearDevice(FakeDevice):
     ``1 ms + b * per_sample_ms * (1 + recompute * blocks / BLOCKS)``, ``per_sample_ms`` halved
     in bf16; compiled ``speedup`` times faster, its regional form ``regional_speed`` of that,
     a dynamic-batch form ``dynamic_slowdown`` times slower than its static one.
+
+    The host: with ``host_ms``, every step takes at least that long to launch (a step whose
+    card's time is shorter waits on the host: its step is ``host_ms``), and its measurement
+    records the host's time; a compiled form in ``reduce-overhead`` mode (CUDA graphs)
+    launches in ``graphs_host_share`` of its card's time, so its step is the card's, and
+    holds ``graphs_ratio`` times its form's bytes a sample (the graphs' memory pool).
     """
 
     def __init__(
@@ -241,9 +247,14 @@ class LinearDevice(FakeDevice):
         recompute: float = 0.3,
         uncached_checkpointed: bool = False,
         dynamic_slowdown: float = 1.0,
+        host_ms: float | None = None,
+        graphs_ratio: float = 1.3,
+        graphs_host_share: float = 0.1,
         **kwargs,
     ) -> None:
         super().__init__(self.edge, **kwargs)
+        self.host_ms, self.graphs_ratio = host_ms, graphs_ratio
+        self.graphs_host_share = graphs_host_share
         # Compiled runs with checkpointed blocks say the cache would not take their graphs
         # (torch 2.11 on a card); the others that they found them there.
         self.uncached_checkpointed = uncached_checkpointed
@@ -270,6 +281,21 @@ class LinearDevice(FakeDevice):
     def compiled(candidate: Candidate) -> dict | str | None:
         return candidate.choices.get("compile")  # type: ignore[return-value]
 
+    @classmethod
+    def graphs(cls, candidate: Candidate) -> bool:
+        """Whether ``candidate`` compiles in reduce-overhead mode (CUDA graphs)."""
+        choice = cls.compiled(candidate)
+        mode = choice.get("mode") if isinstance(choice, dict) else choice
+        return mode == "reduce-overhead"
+
+    def launch_ms(self, candidate: Candidate) -> float | None:
+        """The host's time to launch ``candidate``'s step (None: the host is not modelled)."""
+        if self.host_ms is None:
+            return None
+        if self.graphs(candidate):
+            return self.graphs_host_share * self.card_ms(candidate)
+        return candidate.accumulation_steps * self.host_ms
+
     def line(self, candidate: Candidate) -> tuple[int, int]:
         """(fixed bytes, bytes per sample) of ``candidate``'s step on this device."""
         key = self.key(candidate)
@@ -281,6 +307,8 @@ class LinearDevice(FakeDevice):
                 per_sample = self.compiled_per_sample[key] * MIB
             else:
                 per_sample *= self.compiled_ratio
+            if self.graphs(candidate):
+                per_sample *= self.graphs_ratio
         return fixed, round(per_sample)
 
     def edge(self, candidate: Candidate) -> int:
@@ -289,6 +317,10 @@ class LinearDevice(FakeDevice):
         return (self.budget_bytes - fixed) // per_sample
 
     def step_ms(self, candidate: Candidate) -> float:
+        """The card's time, or the host's where the host takes longer to launch the step."""
+        return max(self.card_ms(candidate), self.launch_ms(candidate) or 0.0)
+
+    def card_ms(self, candidate: Candidate) -> float:
         precision, blocks = self.key(candidate)
         per_sample = self.per_sample_ms * (0.5 if precision == "bf16" else 1.0)
         per_sample *= 1 + self.recompute * blocks / BLOCKS
@@ -322,6 +354,7 @@ class LinearDevice(FakeDevice):
             peak_bytes=max(self.step_peak_bytes, fixed + per_sample * candidate.batch_size),
             step_ms=step_ms,
             samples_per_s=candidate.batch_size * candidate.accumulation_steps / step_ms * 1e3,
+            host_ms=self.launch_ms(candidate),
             **cache,
         )
 

@@ -34,7 +34,7 @@ from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Plan
 from memadvisor.strategy import Strategy
 from strategies._compile_model import Line
-from strategies._compile_search import CONFIRM_RUNS, Search, search_variants
+from strategies._compile_search import CONFIRM_RUNS, MIN_SPEEDUP, Search, search_variants
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
 from tests.fixtures.compile_trials import trial_result
 
@@ -1943,3 +1943,109 @@ def test_a_near_riders_static_form_that_ran_faster_than_the_winners_by_the_noise
     close, _ = together(1.01)
     assert close.candidate == plain.candidate, close.stages[0].summary
     assert "run beside the second pass" not in close.stages[0].summary
+
+
+# -- CUDA graphs where the card waits on the host (strategies/_compile_graphs.py) ------------
+
+
+def _graphs_runs(plan: Plan) -> list:
+    """The compile stage's runs of a graphs form (not the plan's verification of one)."""
+    return [
+        p for p in plan.probes if p.stage == "compile" and LinearDeviceGraphs.graphs(p.candidate)
+    ]
+
+
+class LinearDeviceGraphs:
+    """LinearDevice.graphs without an instance: whether a probe's candidate is a graphs form."""
+
+    @staticmethod
+    def graphs(candidate) -> bool:
+        choice = candidate.choices.get("compile") if candidate is not None else None
+        mode = choice.get("mode") if isinstance(choice, dict) else choice
+        return mode == "reduce-overhead"
+
+
+def test_a_pick_whose_card_waits_on_the_host_is_replayed_as_cuda_graphs_at_a_batch_of_its_own(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the compiled pick's host takes its whole step to launch it (40 ms against
+    the card's 18 or so), the stage confirms the same choices in reduce-overhead mode, whose
+    graphs hold 1.3x the bytes a sample: from below the pick's batch, never above it, within
+    CompileSearch.graphs_runs runs. It launches in a tenth of the card's time, so it runs at
+    the card's speed and is the pick, at no batch that does not fit, its run the
+    verification; the plan says why, and its advice says a step's outputs do not outlive the
+    next step. No trial compiles the graphs form: the default mode's stands for it."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    graphs = stage.details["graphs"]
+    assert graphs["host_share"] == pytest.approx(1.0) and graphs["tried"] and graphs["picked"]
+    form = plan.candidate.choices["compile"]
+    assert form == {**REGIONAL, "mode": "reduce-overhead"}
+    # The default mode's pick: the searched candidate, confirmed and verified static.
+    static = next(v for v in stage.variants if v.confirmed and v.choices["compile"] == SEARCHED)
+    assert {k: v for k, v in plan.candidate.choices.items() if k != "compile"} == {
+        k: v for k, v in static.choices.items() if k != "compile"
+    }
+    runs = _graphs_runs(plan)
+    assert 1 <= len(runs) <= CompileSearch().graphs_runs
+    assert all(p.batch_size <= static.batch_size for p in runs)
+    edge = device.edge(Candidate(batch_size=1, choices=plan.candidate.choices))
+    assert edge < static.batch_size  # graphs hold more: the pick's own batch would not fit
+    assert 0.9 * edge <= plan.candidate.batch_size <= edge
+    assert plan.verified is not None and static.measured is not None
+    assert plan.verified.samples_per_s >= 1.5 * static.measured.samples_per_s
+    assert "The card waited on the host" in stage.summary and "the pick" in stage.summary
+    advice = next(a for a in plan.advice if a.strategy == "compile")
+    assert "reduce-overhead" in advice.title and "loss.item()" in advice.sentence
+    assert not any("reduce-overhead" in json.dumps(choice) for choice, _ in trials)
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_a_pick_whose_card_is_busy_through_the_step_runs_no_cuda_graphs(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: below CompileSearch.host_bound_share (the host launches the step in 1 ms of the
+    card's 18 or so), graphs, which save launches only, are not run: no probe is a graphs
+    form, the pick is the default mode's, and the stage says the host's share it read."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=1.0)
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert stage.picked and plan.candidate.choices["compile"] == REGIONAL
+    assert not _graphs_runs(plan)
+    graphs = stage.details["graphs"]
+    assert not graphs["tried"] and graphs["host_share"] < CompileSearch().host_bound_share
+    assert "waited on the host" not in stage.summary
+
+
+def test_cuda_graphs_that_do_not_pay_for_their_memory_leave_the_default_mode_pick(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: graphs are the pick only where they beat the default mode's pick by
+    MIN_SPEEDUP. Here the host is barely slower than the card (20 ms) and graphs hold 3x the
+    bytes a sample: the third of the batch they allow runs slower, so the pick stays, the
+    graphs form is kept among the stage's variants with what it measured, and the stage says
+    it did not pay."""
+    device = linear_device(
+        EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=20.0, graphs_ratio=3.0
+    )
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    assert stage.picked and plan.candidate.choices["compile"] == REGIONAL
+    assert _graphs_runs(plan) and stage.details["graphs"]["tried"]
+    assert not stage.details["graphs"]["picked"]
+    graphs = next(v for v in stage.variants if "reduce-overhead" in json.dumps(v.choices))
+    assert graphs.confirmed and graphs.measured is not None and plan.verified is not None
+    assert graphs.measured.samples_per_s < MIN_SPEEDUP * plan.verified.samples_per_s
+    assert "not enough to pay" in stage.summary
+
+
+def test_cuda_graphs_are_not_tried_when_the_search_is_told_not_to(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: CompileSearch(graphs_when_host_bound=False) runs no graphs form, host-bound or
+    not."""
+    device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0)
+    plan = _plan(workload, profile, strategies, device, CompileSearch(graphs_when_host_bound=False))
+    assert plan.stages[0].picked and plan.candidate.choices["compile"] == REGIONAL
+    assert not _graphs_runs(plan) and not plan.stages[0].details["graphs"]["tried"]

@@ -1,0 +1,203 @@
+"""CUDA graphs for a compiled pick whose card waits on the host: measured, kept when faster.
+
+Why: a compiled step launches its kernels from one Python thread. Where that thread needs
+about the whole step to launch them, the card idles between kernels and the step's time is
+the host's: the GPT example's compiled pick on an H200 (session 28 call 5) took 0.994 of
+each step to launch it while its kernels filled 0.62-0.75 of the step, and its rate moved
+1.2-1.4x with the host it ran on. Compiled in ``reduce-overhead`` mode (CUDA graphs: the
+step's kernels recorded once, then replayed with one launch), the same pick at batch 240
+ran 30,485 samples/s against 20,308 in default mode at that batch, its kernels 0.92 of the
+step, and at batch 170 27,576 against 12,550 (session 29 call 2, ``docs/design.md``, "CUDA
+graphs where the card waits on the host"). But CUDA graphs keep a private memory pool and
+static buffers alive between steps: at the pick's own batch, 307, they ran out of 8 GiB
+(session 29 call 1). So the graphs form is another configuration, with a batch of its own.
+
+What :func:`graphs_pick` does, after the compile stage has confirmed its pick:
+
+1. Reads the pick's own run: the host's share of a step (``Measurement.host_ms`` over
+   ``step_ms``, the device's probes time both). Below :attr:`CompileSearch.host_bound_share`
+   the card was busy through the step, and graphs, which save launches only, are not tried
+   (nothing is run).
+2. Otherwise runs the pick's choices with the compile mode ``reduce-overhead`` at
+   :data:`START_SHARE` of the pick's batch (graphs hold more than the form they replay).
+   Where it held, a line through that run and the pick's fixed bytes says the largest batch
+   within the budget's limit, and the device's batch search (``PickStage.confirm``) starts
+   there, never above it nor the pick's batch, and never descends below the run that held;
+   where it ran out, the search starts at half of it. In all at most
+   :attr:`CompileSearch.graphs_runs` runs.
+3. The graphs form is the pick where it beats the static pick as a compile beats eager
+   (``beats_eager``: :data:`~strategies._compile_search.MIN_SPEEDUP` of its rate; for
+   ``largest_batch``, a larger batch, which graphs never have). Its run is the pick's
+   verification, as the static form's was.
+
+Known limitations:
+    * The host's share is read from the probes' steps, which wait for the card after each
+      step: a step whose kernels fill the launch queue (about a thousand kernels pending)
+      blocks the host on the card and reads as host-bound. Graphs are then tried and kept
+      only where faster: the plan is longer by their runs, the pick no worse.
+    * Each graphs run compiles afresh (a static graph per batch, and the mode is in
+      inductor's cache key) and records its graphs in its first steps: tens of seconds a
+      run on a card.
+    * Only a pick in ``default`` mode with a static batch is tried: the budget and regional
+      forms keep their settings and take ``reduce-overhead`` as their mode.
+    * In the user's loop, CUDA graphs overwrite a step's outputs at the next step: a loss
+      kept as a tensor past the next step (``losses.append(loss)``) reads an error, not a
+      number; ``loss.item()`` or ``loss.detach().clone()`` before it is safe. The advice
+      says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import JsonValue
+
+from memadvisor.errors import is_our_bug
+from memadvisor.schema.candidate import Measurement
+from memadvisor.strategy import Confirmed, PickStage
+from memadvisor.units import fmt_ms
+from strategies._compile_search import COMPILE, CompileSearch, beats_eager, first_line
+from strategies._compiled_forward import parse_choice
+
+__all__ = ["GRAPHS_MODE", "START_SHARE", "Graphs", "graphs_form", "graphs_pick", "host_share"]
+
+#: torch.compile's mode that replays the step as CUDA graphs and keeps no autotuning.
+GRAPHS_MODE = "reduce-overhead"
+#: The graphs form's first run is at this share of the pick's batch: at the GPT example's 307
+#: they ran out of 8 GiB, at 240 (0.78) they held (session 29, H200).
+START_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Graphs:
+    """What the graphs step found for a compiled pick."""
+
+    host_share: float | None  # the pick's host time over its step (None: not recorded)
+    tried: bool  # whether graphs ran on the device
+    found: Confirmed | None = None  # the graphs form at the largest batch its search allows
+    wins: bool = False  # the graphs form is the pick
+    error: str | None = None  # why its runs failed, where they did
+
+    @property
+    def choices(self) -> dict[str, JsonValue] | None:
+        return self.found.candidate.choices if self.found is not None else None
+
+
+def host_share(measured: Measurement) -> float | None:
+    """The share of ``measured``'s step the host took to hand the step to the device
+    (None: the run did not record it)."""
+    if measured.host_ms is None or measured.step_ms <= 0:
+        return None
+    return measured.host_ms / measured.step_ms
+
+
+def graphs_form(choice: JsonValue) -> JsonValue | None:
+    """``choice`` in ``reduce-overhead`` mode; None where it is not a static default-mode
+    compile (off, dynamic, or another mode already)."""
+    parsed = parse_choice(choice)
+    if parsed is None or parsed.mode != "default" or parsed.dynamic_batch:
+        return None
+    return parsed.model_copy(update={"mode": GRAPHS_MODE}).to_json()
+
+
+def graphs_pick(
+    stage: PickStage,
+    settings: CompileSearch,
+    pick: Confirmed,
+    objective: str,
+    fixed_bytes: int | None = None,
+) -> Graphs:
+    """The compiled ``pick`` replayed as CUDA graphs, where its card waited on the host
+    (module docstring); ``Graphs.wins`` says whether that is the pick. ``fixed_bytes``: the
+    pick's bytes held whatever the batch, from its line (None: none, a line through zero)."""
+    share = host_share(pick.measured)
+    form = graphs_form(pick.candidate.choices.get(COMPILE))
+    if (
+        not settings.graphs_when_host_bound
+        or share is None
+        or share < settings.host_bound_share
+        or form is None
+    ):
+        return Graphs(host_share=share, tried=False)
+    choices = {**pick.candidate.choices, COMPILE: form}
+    batch = pick.candidate.batch_size
+    stage.describe(
+        f"compile: CUDA graphs, the card waited on the host ({share:.0%} of a step to launch it)"
+    )
+    try:
+        found = _largest(stage, settings, choices, batch, pick, fixed_bytes or 0)
+    except Exception as e:  # noqa: BLE001 - a graphs form that fails keeps the static pick
+        if is_our_bug(e):
+            raise
+        return Graphs(host_share=share, tried=True, error=first_line(e))
+    if found is None:
+        return Graphs(host_share=share, tried=True)
+    rate = found.measured.samples_per_s
+    wins = beats_eager(objective, found.candidate.batch_size, rate, pick)
+    return Graphs(host_share=share, tried=True, found=found, wins=wins)
+
+
+def _largest(
+    stage: PickStage,
+    settings: CompileSearch,
+    choices: dict[str, JsonValue],
+    batch: int,
+    pick: Confirmed,
+    fixed_bytes: int,
+) -> Confirmed | None:
+    """The largest batch of ``choices`` (the graphs form of a pick at ``batch``) that holds,
+    in at most ``settings.graphs_runs`` runs: one at :data:`START_SHARE` of ``batch``; where
+    it held, a line through it and the pick's ``fixed_bytes`` says the batch to confirm from
+    (the graphs' pool grows with the batch), no higher than ``batch`` (graphs hold more than
+    the form they replay), and the batch search descends from there no lower than that run;
+    where it ran out, the search starts at half of it."""
+    start = max(1, round(START_SHARE * batch))
+    first = stage.run(choices, start)
+    left = settings.graphs_runs - 1
+    if left < 1:
+        if first is None or stage.held_bytes(first) > stage.limit_bytes:
+            return None
+        return Confirmed(
+            candidate=pick.candidate.model_copy(update={"batch_size": start, "choices": choices}),
+            found_batch=start,
+            measured=first,
+        )
+    if first is None:
+        return stage.confirm(
+            choices, max(1, start // 2), like=pick, max_runs=left, ceiling=start - 1
+        )
+    per_sample = max(1.0, (stage.held_bytes(first) - fixed_bytes) / start)
+    predicted = int((stage.limit_bytes - fixed_bytes) // per_sample)
+    aim = max(1, min(batch, predicted))
+    return stage.confirm(choices, aim, like=pick, max_runs=left, within=0.05, ceiling=aim)
+
+
+def graphs_words(graphs: Graphs, pick: Confirmed, runs: int) -> str:
+    """The graphs step in a sentence for the compile stage's summary; '' where the card was
+    busy through the step (or the host's share was not recorded)."""
+    if not graphs.tried or graphs.host_share is None:
+        return ""
+    m = pick.measured
+    assert m.host_ms is not None
+    static = f"{m.samples_per_s:.1f} samples/s at batch {pick.candidate.batch_size}"
+    opening = (
+        f"The card waited on the host: the compiled pick took {fmt_ms(m.host_ms)} of its "
+        f"{fmt_ms(m.step_ms)} step to launch it ({graphs.host_share:.0%})."
+    )
+    if graphs.error is not None:
+        return f"{opening} Replayed as CUDA graphs ({GRAPHS_MODE} mode) it failed: {graphs.error}."
+    if graphs.found is None:
+        return (
+            f"{opening} Replayed as CUDA graphs ({GRAPHS_MODE} mode) no batch held within the "
+            f"budget's margin in {runs} device runs; the pick stays in default mode."
+        )
+    g = graphs.found
+    rate = g.measured.samples_per_s
+    measured = (
+        f"replayed as CUDA graphs ({GRAPHS_MODE} mode, which keeps a memory pool of its own) it "
+        f"ran {rate:.1f} samples/s at batch {g.candidate.batch_size}, "
+        f"{rate / m.samples_per_s:.2f}x the default mode's {static}"
+    )
+    if graphs.wins:
+        return f"{opening} {measured[0].upper()}{measured[1:]}: the pick, its run the verification."
+    return f"{opening} {measured[0].upper()}{measured[1:]}: not enough to pay; the pick stays."

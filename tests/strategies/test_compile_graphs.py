@@ -1,0 +1,80 @@
+"""strategies/_compile_graphs.py: which picks are replayed as CUDA graphs, and the words.
+
+The whole stage (a host-bound pick confirmed as graphs at a batch of its own, a card-bound
+one left alone, graphs that do not pay) runs through the planner against LinearDevice in
+tests/planner/test_compiled_search.py; these are its parts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.strategy import Confirmed
+from strategies._compile_graphs import GRAPHS_MODE, Graphs, graphs_form, graphs_words, host_share
+
+
+def _measured(step_ms: float, host_ms: float | None, batch: int = 100) -> Measurement:
+    return Measurement(
+        steps=5,
+        peak_bytes=1,
+        step_ms=step_ms,
+        samples_per_s=batch / step_ms * 1e3,
+        host_ms=host_ms,
+    )
+
+
+def _pick(step_ms: float = 10.0, host_ms: float | None = 9.9, batch: int = 100) -> Confirmed:
+    candidate = Candidate(batch_size=batch, choices={"compile": "default"})
+    return Confirmed(candidate=candidate, found_batch=batch, measured=_measured(step_ms, host_ms))
+
+
+@pytest.mark.parametrize(
+    ("choice", "graphs"),
+    [
+        ("default", GRAPHS_MODE),
+        ({"mode": "default", "regional": True}, {"mode": GRAPHS_MODE, "regional": True}),
+        (
+            {"mode": "default", "activation_memory_budget": 0.5},
+            {"mode": GRAPHS_MODE, "activation_memory_budget": 0.5},
+        ),
+        ({"mode": "default", "dynamic_batch": True}, None),
+        (GRAPHS_MODE, None),
+        ("max-autotune-no-cudagraphs", None),
+        ("off", None),
+        (None, None),
+    ],
+)
+def test_only_a_static_default_mode_compile_has_a_graphs_form(choice, graphs) -> None:
+    """Rule: the graphs form is the same choice in reduce-overhead mode, its other settings
+    kept; a dynamic batch (the search's form, not what the user runs), another mode, or no
+    compile has none."""
+    assert graphs_form(choice) == graphs
+
+
+def test_the_hosts_share_is_its_launch_time_over_the_step_and_unknown_where_unrecorded() -> None:
+    """Rule: host_ms / step_ms; None where the run recorded no host time (a plan made before
+    probes recorded it, a device that does not time the host)."""
+    assert host_share(_measured(12.0, 9.0)) == pytest.approx(0.75)
+    assert host_share(_measured(12.0, None)) is None
+
+
+def test_the_words_say_what_the_host_took_and_what_graphs_ran() -> None:
+    """Rule: where graphs ran, the sentence gives the pick's host and step times, the graphs
+    form's rate and batch against the pick's, and whether it is the pick; where they did not
+    run (the card busy through the step) it says nothing."""
+    pick = _pick()
+    found = Confirmed(
+        candidate=Candidate(batch_size=80, choices={"compile": GRAPHS_MODE}),
+        found_batch=80,
+        measured=_measured(5.0, 0.5, batch=80),
+    )
+    won = graphs_words(Graphs(host_share=0.99, tried=True, found=found, wins=True), pick, 2)
+    assert "9.9 ms of its 10.0 ms step" in won and "(99%)" in won
+    assert "16000.0 samples/s at batch 80" in won and "1.60x" in won
+    assert won.endswith("the pick, its run the verification.")
+    lost = graphs_words(Graphs(host_share=0.99, tried=True, found=found, wins=False), pick, 2)
+    assert lost.endswith("not enough to pay; the pick stays.")
+    none = graphs_words(Graphs(host_share=0.99, tried=True), pick, 3)
+    assert "no batch held within the budget's margin in 3 device runs" in none
+    assert graphs_words(Graphs(host_share=0.5, tried=False), pick, 0) == ""
