@@ -20,11 +20,12 @@ What :func:`graphs_pick` does, after the compile stage has confirmed its pick:
    (nothing is run).
 2. Otherwise runs the pick's choices with the compile mode ``reduce-overhead`` at
    :data:`START_SHARE` of the pick's batch (graphs hold more than the form they replay).
-   Where it held, a line through that run and the pick's fixed bytes says the largest batch
-   within the budget's limit, and the device's batch search (``PickStage.confirm``) starts
-   there, never above it nor the pick's batch, and never descends below the run that held;
-   where it ran out, the search starts at half of it. In all at most
-   :attr:`CompileSearch.graphs_runs` runs.
+   Where it held, a line through that run's reserved bytes (the graphs' pool keeps segments
+   nothing else may use: at batch 230 the GPT example allocated 6.17 GB and reserved 7.78)
+   and the pick's fixed bytes says the largest batch within the budget's limit. The device's
+   batch search (``PickStage.confirm``) starts there, never above it nor the pick's batch,
+   and never descends below the run that held; where that run ran out, the search starts at
+   half of it. In all at most :attr:`CompileSearch.graphs_runs` runs.
 3. The graphs form is the pick where it beats the static pick as a compile beats eager
    (``beats_eager``: :data:`~strategies._compile_search.MIN_SPEEDUP` of its rate; for
    ``largest_batch``, a larger batch, which graphs never have). Its run is the pick's
@@ -35,6 +36,13 @@ Known limitations:
       step: a step whose kernels fill the launch queue (about a thousand kernels pending)
       blocks the host on the card and reads as host-bound. Graphs are then tried and kept
       only where faster: the plan is longer by their runs, the pick no worse.
+    * Whether a step waits on the host depends on the host the plan runs on: on one H200
+      lease the GPT example's pick took 0.87 of its step to launch (graphs not tried, the
+      pick 34,534 samples/s), on others 0.99 (24-26k). A plan made on a fast host keeps the
+      default mode for a user whose host is slower.
+    * The line is a line: the GPT example's graphs held 154 and 230 and ran out at 307 (its
+      default-mode pick's batch), so an aimed run can run out, and the search then bisects
+      down to the run that held (session 29 call 4).
     * Each graphs run compiles afresh (a static graph per batch, and the mode is in
       inductor's cache key) and records its graphs in its first steps: tens of seconds a
       run on a card.
@@ -147,10 +155,10 @@ def _largest(
 ) -> Confirmed | None:
     """The largest batch of ``choices`` (the graphs form of a pick at ``batch``) that holds,
     in at most ``settings.graphs_runs`` runs: one at :data:`START_SHARE` of ``batch``; where
-    it held, a line through it and the pick's ``fixed_bytes`` says the batch to confirm from
-    (the graphs' pool grows with the batch), no higher than ``batch`` (graphs hold more than
-    the form they replay), and the batch search descends from there no lower than that run;
-    where it ran out, the search starts at half of it."""
+    it held, a line through its reserved bytes and the pick's ``fixed_bytes`` says the batch
+    to confirm from (the graphs' pool grows with the batch), no higher than ``batch`` (graphs
+    hold more than the form they replay), and the batch search descends from there no lower
+    than that run; where it ran out, the search starts at half of it."""
     start = max(1, round(START_SHARE * batch))
     first = stage.run(choices, start)
     left = settings.graphs_runs - 1
@@ -166,7 +174,9 @@ def _largest(
         return stage.confirm(
             choices, max(1, start // 2), like=pick, max_runs=left, ceiling=start - 1
         )
-    per_sample = max(1.0, (stage.held_bytes(first) - fixed_bytes) / start)
+    # Reserved, not allocated: the graphs' pool keeps segments no other allocation may use
+    # (the GPT example's b230 on an H200: 6.17 GB allocated, 7.78 GB reserved).
+    per_sample = max(1.0, (first.limit_bytes - fixed_bytes) / start)
     predicted = int((stage.limit_bytes - fixed_bytes) // per_sample)
     aim = max(1, min(batch, predicted))
     return stage.confirm(choices, aim, like=pick, max_runs=left, within=0.05, ceiling=aim)

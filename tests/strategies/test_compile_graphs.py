@@ -78,3 +78,45 @@ def test_the_words_say_what_the_host_took_and_what_graphs_ran() -> None:
     none = graphs_words(Graphs(host_share=0.99, tried=True), pick, 3)
     assert "no batch held within the budget's margin in 3 device runs" in none
     assert graphs_words(Graphs(host_share=0.5, tried=False), pick, 0) == ""
+
+
+class _Stage:
+    """A PickStage's two calls _largest makes: run (one answer) and confirm (recorded)."""
+
+    limit_bytes = 1000
+
+    def __init__(self, first: Measurement | None) -> None:
+        self.first, self.confirms = first, []
+
+    def run(self, choices, batch):
+        self.batch = batch
+        return self.first
+
+    def confirm(self, choices, start_batch, **kwargs):
+        self.confirms.append((start_batch, kwargs))
+        return None
+
+
+def test_the_graphs_search_aims_along_the_first_runs_reserved_bytes_below_the_picks_batch() -> None:
+    """Rule: the first graphs run is at START_SHARE of the pick's batch; the search then starts
+    where a line through that run's reserved bytes (not its allocated ones: the graphs' pool
+    keeps segments nothing else uses) and the pick's fixed bytes meets the limit, probing
+    nothing above it; where the first run ran out, it starts at half that run's batch,
+    below it. Here: 50 of 100 held 100 fixed + 50 x 12 reserved (8 allocated), so the line
+    allows (1000 - 100) / 12 = 75."""
+    from strategies._compile_graphs import START_SHARE, _largest
+    from strategies._compile_search import CompileSearch
+
+    pick = _pick(batch=100)
+    held = Measurement(
+        steps=5, peak_bytes=500, reserved_peak_bytes=700, step_ms=1.0, samples_per_s=5e4
+    )
+    stage = _Stage(held)
+    _largest(stage, CompileSearch(), {"compile": GRAPHS_MODE}, 100, pick, 100)
+    assert stage.batch == round(START_SHARE * 100) == 50
+    [(start, kwargs)] = stage.confirms
+    assert start == 75 and kwargs["ceiling"] == 75 and kwargs["max_runs"] == 2
+    ran_out = _Stage(None)
+    _largest(ran_out, CompileSearch(), {"compile": GRAPHS_MODE}, 100, pick, 100)
+    [(start, kwargs)] = ran_out.confirms
+    assert start == 25 and kwargs["ceiling"] == 49
