@@ -135,6 +135,8 @@ DEFAULT_CHOICES: tuple[JsonValue, ...] = (
 # What check() calls fine: compiled fp32 should match eager to rounding; dropout under
 # inductor draws other masks, which moves the loss by up to a few percent on small batches.
 LOSS_TOLERANCE = 0.02
+# The loop's line under a CUDA-graphs pick: the next step overwrites this step's outputs.
+_GRAPHS_NOTE = "# CUDA graphs: the next step overwrites this one's outputs; keep loss.item()"
 
 
 class Compile(Strategy, Measured, Described, Checked):
@@ -209,11 +211,16 @@ class Compile(Strategy, Measured, Described, Checked):
 
     def describe(self, choice: JsonValue, plan: Plan) -> ReportPart | None:
         """The choice under "Also" (the plan's measured stage has its own row), and a loader
-        that drops the last, smaller batch: a second shape would compile a second graph."""
+        that drops the last, smaller batch: a second shape would compile a second graph; a
+        CUDA-graphs pick's loop also says to keep ``loss.item()``, not the tensor."""
         part = super().describe(choice, plan)
         if part is not None:
+            parsed = parse_choice(choice)
+            graphs = parsed is not None and parsed.mode == GRAPHS_MODE
             part.loop = LoopLines(
-                loader_args=", drop_last=True", loader_comment="one shape: no second compile"
+                loader_args=", drop_last=True",
+                loader_comment="one shape: no second compile",
+                forward_notes=[_GRAPHS_NOTE] if graphs else [],
             )
         return part
 

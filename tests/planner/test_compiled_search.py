@@ -1973,8 +1973,9 @@ def test_a_pick_whose_card_waits_on_the_host_is_replayed_as_cuda_graphs_at_a_bat
     graphs hold 1.3x the bytes a sample: from below the pick's batch, never above it, within
     CompileSearch.graphs_runs runs. It launches in a tenth of the card's time, so it runs at
     the card's speed and is the pick, at no batch that does not fit, its run the
-    verification; the plan says why, and its advice says a step's outputs do not outlive the
-    next step. No trial compiles the graphs form: the default mode's stands for it."""
+    verification; the plan says why, and its advice and its loop's lines say a step's
+    outputs do not outlive the next step. No trial compiles the graphs form: the default
+    mode's stands for it."""
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0)
     plan = _plan(workload, profile, strategies, device)
     stage = plan.stages[0]
@@ -1998,6 +1999,9 @@ def test_a_pick_whose_card_waits_on_the_host_is_replayed_as_cuda_graphs_at_a_bat
     assert "The card waited on the host" in stage.summary and "the pick" in stage.summary
     advice = next(a for a in plan.advice if a.strategy == "compile")
     assert "reduce-overhead" in advice.title and "loss.item()" in advice.sentence
+    part = Compile().describe(plan.candidate.choices["compile"], plan)
+    assert part is not None and part.loop is not None
+    assert any("loss.item()" in note for note in part.loop.forward_notes)
     assert not any("reduce-overhead" in json.dumps(choice) for choice, _ in trials)
     assert Plan.model_validate_json(plan.model_dump_json()) == plan
 
@@ -2016,6 +2020,8 @@ def test_a_pick_whose_card_is_busy_through_the_step_runs_no_cuda_graphs(
     graphs = stage.details["graphs"]
     assert not graphs["tried"] and graphs["host_share"] < CompileSearch().host_bound_share
     assert "waited on the host" not in stage.summary
+    part = Compile().describe(plan.candidate.choices["compile"], plan)
+    assert part is not None and part.loop is not None and part.loop.forward_notes == []
 
 
 def test_cuda_graphs_that_do_not_pay_for_their_memory_leave_the_default_mode_pick(
