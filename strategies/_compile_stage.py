@@ -36,6 +36,10 @@ which searches compiled configurations through the planner's
    ``largest_batch``: a larger batch, or the same batch that much faster). The plan keeps
    the candidates with their lines, the one-off compile time and the cache's cost (a
    ``StageOutcome``) and a note.
+5. CUDA graphs. Where the pick's card waited on the host (its launches took
+   ``CompileSearch.host_bound_share`` of its step or more), the pick is confirmed again in
+   ``reduce-overhead`` mode at a batch of its own, and kept where faster
+   (:func:`strategies._compile_graphs.graphs_pick`).
 
 Known limitations:
     * The seconds a compile costs are measured by the trial of the search form only: where
