@@ -751,6 +751,9 @@ class Search:
         self.void_runs = 0
         # Pass-1 runs retried at half their batch in their own process: not the search's.
         self.free_retries = 0
+        # Runs of the pick's CUDA-graphs form (strategies/_compile_graphs.py), made after the
+        # search within CompileSearch.graphs_runs: not the search's.
+        self.graphs_runs = 0
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
         # Pass 2's riders (_static_riders): those sent, "label at batch"; and why a near
@@ -765,7 +768,7 @@ class Search:
     @property
     def runs_used(self) -> int:
         made = len(self.stage.probes) - self.runs_before
-        return made - self.static_runs - self.void_runs - self.free_retries
+        return made - self.static_runs - self.void_runs - self.free_retries - self.graphs_runs
 
     @property
     def runs_left(self) -> int:

@@ -299,7 +299,8 @@ def compiled_pick(
             line = best[0].fit
             fixed = line.fixed_bytes if line is not None else None
             graphs = graphs_pick(stage, settings, best[1], objective, fixed)
-        graphs_note = graphs_words(graphs, best[1], len(stage.probes) - graphs_before)
+        search.graphs_runs = len(stage.probes) - graphs_before
+        graphs_note = graphs_words(graphs, best[1], search.graphs_runs)
         if graphs.found is not None:
             record = _graphs_record(stage, graphs.found, best[0], runs_before)
             records.append(record)
@@ -412,6 +413,7 @@ def _details(
             "checkpointed_searched": "static" if static_when_checkpointed(settings) else "dynamic",
             "runs": search.runs_used,
             "static_runs": search.static_runs,
+            "graphs_runs": search.graphs_runs,
             "riders": list(search.riders),
             "not_riding": dict(search.not_riding),
             "left_out": list(left_out),

@@ -2031,7 +2031,8 @@ def test_cuda_graphs_that_do_not_pay_for_their_memory_leave_the_default_mode_pic
     MIN_SPEEDUP. Here the host is barely slower than the card (20 ms) and graphs hold 3x the
     bytes a sample: the third of the batch they allow runs slower, so the pick stays, the
     graphs form is kept among the stage's variants with what it measured, and the stage says
-    it did not pay."""
+    it did not pay; its runs are counted as the graphs' own, not against the search's
+    max_runs."""
     device = linear_device(
         EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=20.0, graphs_ratio=3.0
     )
@@ -2044,6 +2045,12 @@ def test_cuda_graphs_that_do_not_pay_for_their_memory_leave_the_default_mode_pic
     assert graphs.confirmed and graphs.measured is not None and plan.verified is not None
     assert graphs.measured.samples_per_s < MIN_SPEEDUP * plan.verified.samples_per_s
     assert "not enough to pay" in stage.summary
+    # The graphs' runs are their own (graphs_runs), not the search's (max_runs).
+    search = stage.details["search"]
+    assert search["graphs_runs"] == len(_graphs_runs(plan))
+    assert search["graphs_runs"] <= CompileSearch().graphs_runs
+    assert search["runs"] <= CompileSearch().max_runs
+    assert f"in {search['runs']} device runs (at most 8)" in stage.summary
 
 
 def test_cuda_graphs_are_not_tried_when_the_search_is_told_not_to(
