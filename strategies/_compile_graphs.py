@@ -71,8 +71,9 @@ __all__ = ["GRAPHS_MODE", "START_SHARE", "Graphs", "graphs_form", "graphs_pick",
 
 #: torch.compile's mode that replays the step as CUDA graphs and keeps no autotuning.
 GRAPHS_MODE = "reduce-overhead"
-#: The graphs form's first run is at this share of the pick's batch: at the GPT example's 307
-#: they ran out of 8 GiB, at 240 (0.78) they held (session 29, H200).
+#: The graphs form's first run is at this share of the pick's batch, low enough to hold where
+#: graphs need far more than the form they replay: the GPT example's graphs ran out of 8 GiB
+#: at its pick's 307 and held at 154 and 230 (session 29, H200).
 START_SHARE = 0.5
 
 
@@ -85,10 +86,6 @@ class Graphs:
     found: Confirmed | None = None  # the graphs form at the largest batch its search allows
     wins: bool = False  # the graphs form is the pick
     error: str | None = None  # why its runs failed, where they did
-
-    @property
-    def choices(self) -> dict[str, JsonValue] | None:
-        return self.found.candidate.choices if self.found is not None else None
 
 
 def host_share(measured: Measurement) -> float | None:
@@ -161,15 +158,8 @@ def _largest(
     than that run; where it ran out, the search starts at half of it."""
     start = max(1, round(START_SHARE * batch))
     first = stage.run(choices, start)
+    # With no run left, each confirm answers from the runs made (the first, where it held).
     left = settings.graphs_runs - 1
-    if left < 1:
-        if first is None or stage.held_bytes(first) > stage.limit_bytes:
-            return None
-        return Confirmed(
-            candidate=pick.candidate.model_copy(update={"batch_size": start, "choices": choices}),
-            found_batch=start,
-            measured=first,
-        )
     if first is None:
         return stage.confirm(
             choices, max(1, start // 2), like=pick, max_runs=left, ceiling=start - 1
@@ -204,10 +194,11 @@ def graphs_words(graphs: Graphs, pick: Confirmed, runs: int) -> str:
     g = graphs.found
     rate = g.measured.samples_per_s
     measured = (
-        f"replayed as CUDA graphs ({GRAPHS_MODE} mode, which keeps a memory pool of its own) it "
+        f"Replayed as CUDA graphs ({GRAPHS_MODE} mode, which keeps a memory pool of its own) it "
         f"ran {rate:.1f} samples/s at batch {g.candidate.batch_size}, "
         f"{rate / m.samples_per_s:.2f}x the default mode's {static}"
     )
-    if graphs.wins:
-        return f"{opening} {measured[0].upper()}{measured[1:]}: the pick, its run the verification."
-    return f"{opening} {measured[0].upper()}{measured[1:]}: not enough to pay; the pick stays."
+    verdict = (
+        "the pick, its run the verification" if graphs.wins else "not enough to pay; the pick stays"
+    )
+    return f"{opening} {measured}: {verdict}."

@@ -1948,21 +1948,13 @@ def test_a_near_riders_static_form_that_ran_faster_than_the_winners_by_the_noise
 # -- CUDA graphs where the card waits on the host (strategies/_compile_graphs.py) ------------
 
 
-def _graphs_runs(plan: Plan) -> list:
+def _graphs_runs(plan: Plan, device) -> list:
     """The compile stage's runs of a graphs form (not the plan's verification of one)."""
     return [
-        p for p in plan.probes if p.stage == "compile" and LinearDeviceGraphs.graphs(p.candidate)
+        p
+        for p in plan.probes
+        if p.stage == "compile" and p.candidate is not None and device.graphs(p.candidate)
     ]
-
-
-class LinearDeviceGraphs:
-    """LinearDevice.graphs without an instance: whether a probe's candidate is a graphs form."""
-
-    @staticmethod
-    def graphs(candidate) -> bool:
-        choice = candidate.choices.get("compile") if candidate is not None else None
-        mode = choice.get("mode") if isinstance(choice, dict) else choice
-        return mode == "reduce-overhead"
 
 
 def test_a_pick_whose_card_waits_on_the_host_is_replayed_as_cuda_graphs_at_a_batch_of_its_own(
@@ -1988,7 +1980,7 @@ def test_a_pick_whose_card_waits_on_the_host_is_replayed_as_cuda_graphs_at_a_bat
     assert {k: v for k, v in plan.candidate.choices.items() if k != "compile"} == {
         k: v for k, v in static.choices.items() if k != "compile"
     }
-    runs = _graphs_runs(plan)
+    runs = _graphs_runs(plan, device)
     assert 1 <= len(runs) <= CompileSearch().graphs_runs
     assert all(p.batch_size <= static.batch_size for p in runs)
     edge = device.edge(Candidate(batch_size=1, choices=plan.candidate.choices))
@@ -2016,7 +2008,7 @@ def test_a_pick_whose_card_is_busy_through_the_step_runs_no_cuda_graphs(
     plan = _plan(workload, profile, strategies, device)
     stage = plan.stages[0]
     assert stage.picked and plan.candidate.choices["compile"] == REGIONAL
-    assert not _graphs_runs(plan)
+    assert not _graphs_runs(plan, device)
     graphs = stage.details["graphs"]
     assert not graphs["tried"] and graphs["host_share"] < CompileSearch().host_bound_share
     assert "waited on the host" not in stage.summary
@@ -2039,7 +2031,7 @@ def test_cuda_graphs_that_do_not_pay_for_their_memory_leave_the_default_mode_pic
     plan = _plan(workload, profile, strategies, device)
     stage = plan.stages[0]
     assert stage.picked and plan.candidate.choices["compile"] == REGIONAL
-    assert _graphs_runs(plan) and stage.details["graphs"]["tried"]
+    assert _graphs_runs(plan, device) and stage.details["graphs"]["tried"]
     assert not stage.details["graphs"]["picked"]
     graphs = next(v for v in stage.variants if "reduce-overhead" in json.dumps(v.choices))
     assert graphs.confirmed and graphs.measured is not None and plan.verified is not None
@@ -2047,7 +2039,7 @@ def test_cuda_graphs_that_do_not_pay_for_their_memory_leave_the_default_mode_pic
     assert "not enough to pay" in stage.summary
     # The graphs' runs are their own (graphs_runs), not the search's (max_runs).
     search = stage.details["search"]
-    assert search["graphs_runs"] == len(_graphs_runs(plan))
+    assert search["graphs_runs"] == len(_graphs_runs(plan, device))
     assert search["graphs_runs"] <= CompileSearch().graphs_runs
     assert search["runs"] <= CompileSearch().max_runs
     assert f"in {search['runs']} device runs (at most 8)" in stage.summary
@@ -2061,4 +2053,29 @@ def test_cuda_graphs_are_not_tried_when_the_search_is_told_not_to(
     device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0)
     plan = _plan(workload, profile, strategies, device, CompileSearch(graphs_when_host_bound=False))
     assert plan.stages[0].picked and plan.candidate.choices["compile"] == REGIONAL
-    assert not _graphs_runs(plan) and not plan.stages[0].details["graphs"]["tried"]
+    assert not _graphs_runs(plan, device) and not plan.stages[0].details["graphs"]["tried"]
+
+
+def test_with_one_graphs_run_its_run_is_the_answer_confirmed_by_the_stage(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: with CompileSearch(graphs_runs=1) the graphs' one run, at half the pick's batch,
+    is the answer where it held, confirmed through the stage as every pick is (a pick the
+    stage did not confirm is refused by the planner: it raised PlanningError before the
+    graphs step answered through stage.confirm); where it ran out, the pick stays."""
+    for ratio, picked in ((1.3, True), (10.0, False)):
+        device = linear_device(
+            EAGER_LM,
+            compiled_per_sample=COMPILED_LM,
+            fixed_ms=3.0,
+            host_ms=40.0,
+            graphs_ratio=ratio,
+        )
+        plan = _plan(workload, profile, strategies, device, CompileSearch(graphs_runs=1))
+        runs = _graphs_runs(plan, device)
+        graphs = plan.stages[0].details["graphs"]
+        assert len(runs) == 1 and runs[0].fits is picked and graphs["picked"] is picked
+        mode = plan.candidate.choices["compile"]["mode"]
+        assert mode == ("reduce-overhead" if picked else "default")
+        if picked:
+            assert plan.candidate.batch_size == runs[0].batch_size
