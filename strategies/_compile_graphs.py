@@ -12,7 +12,11 @@ graphs where the card waits on the host"). But CUDA graphs keep a private memory
 static buffers alive between steps: at the pick's own batch, 307, they ran out of 8 GiB
 (session 29 call 1). So the graphs form is another configuration, with a batch of its own.
 
-What :func:`graphs_pick` does, after the compile stage has confirmed its pick:
+What :func:`graphs_pick` does, after the compile stage has confirmed its pick, or, where
+compiling in default mode did not beat the eager pick, on the best compiled configuration
+the search ran, against the eager pick (a step that waits on the host is about as slow
+compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x eager at
+0.996 of its step launching, eager 0.92):
 
 1. Reads the pick's own run: the host's share of a step (``Measurement.host_ms`` over
    ``step_ms``, the device's probes time both). Below :attr:`CompileSearch.host_bound_share`
@@ -26,7 +30,8 @@ What :func:`graphs_pick` does, after the compile stage has confirmed its pick:
    batch search (``PickStage.confirm``) starts there, never above it nor the pick's batch,
    and never descends below the run that held; where that run ran out, the search starts at
    half of it. In all at most :attr:`CompileSearch.graphs_runs` runs.
-3. The graphs form is the pick where it beats the static pick as a compile beats eager
+3. The graphs form is the pick where it beats the static pick (or the eager pick) as a
+   compile beats eager
    (``beats_eager``: :data:`~strategies._compile_search.MIN_SPEEDUP` of its rate; for
    ``largest_batch``, a larger batch, which graphs never have). Its run is the pick's
    verification, as the static form's was.
@@ -86,6 +91,7 @@ class Graphs:
     found: Confirmed | None = None  # the graphs form at the largest batch its search allows
     wins: bool = False  # the graphs form is the pick
     error: str | None = None  # why its runs failed, where they did
+    against: str = "compiled"  # what it had to beat: the compiled pick, or "eager"
 
 
 def host_share(measured: Measurement) -> float | None:
@@ -111,10 +117,16 @@ def graphs_pick(
     pick: Confirmed,
     objective: str,
     fixed_bytes: int | None = None,
+    against: Confirmed | None = None,
 ) -> Graphs:
     """The compiled ``pick`` replayed as CUDA graphs, where its card waited on the host
     (module docstring); ``Graphs.wins`` says whether that is the pick. ``fixed_bytes``: the
-    pick's bytes held whatever the batch, from its line (None: none, a line through zero)."""
+    pick's bytes held whatever the batch, from its line (None: none, a line through zero).
+    ``against``: the pick the graphs form must beat, where that is not ``pick`` itself: the
+    eager pick, where compiling in default mode did not pay (``pick`` is then the best
+    compiled configuration the search ran, its run the host's share)."""
+    beaten = "eager" if against is not None and against is not pick else "compiled"
+    against = against if against is not None else pick
     share = host_share(pick.measured)
     form = graphs_form(pick.candidate.choices.get(COMPILE))
     if (
@@ -123,23 +135,23 @@ def graphs_pick(
         or share < settings.host_bound_share
         or form is None
     ):
-        return Graphs(host_share=share, tried=False)
+        return Graphs(host_share=share, tried=False, against=beaten)
     choices = {**pick.candidate.choices, COMPILE: form}
     batch = pick.candidate.batch_size
     stage.describe(
         f"compile: CUDA graphs, the card waited on the host ({share:.0%} of a step to launch it)"
     )
     try:
-        found = _largest(stage, settings, choices, batch, pick, fixed_bytes or 0)
+        found = _largest(stage, settings, choices, batch, against, fixed_bytes or 0)
     except Exception as e:  # noqa: BLE001 - a graphs form that fails keeps the static pick
         if is_our_bug(e):
             raise
-        return Graphs(host_share=share, tried=True, error=first_line(e))
+        return Graphs(host_share=share, tried=True, error=first_line(e), against=beaten)
     if found is None:
-        return Graphs(host_share=share, tried=True)
+        return Graphs(host_share=share, tried=True, against=beaten)
     rate = found.measured.samples_per_s
-    wins = beats_eager(objective, found.candidate.batch_size, rate, pick)
-    return Graphs(host_share=share, tried=True, found=found, wins=wins)
+    wins = beats_eager(objective, found.candidate.batch_size, rate, against)
+    return Graphs(host_share=share, tried=True, found=found, wins=wins, against=beaten)
 
 
 def _largest(
@@ -147,7 +159,7 @@ def _largest(
     settings: CompileSearch,
     choices: dict[str, JsonValue],
     batch: int,
-    pick: Confirmed,
+    like: Confirmed,
     fixed_bytes: int,
 ) -> Confirmed | None:
     """The largest batch of ``choices`` (the graphs form of a pick at ``batch``) that holds,
@@ -155,48 +167,64 @@ def _largest(
     it held, a line through its reserved bytes and the pick's ``fixed_bytes`` says the batch
     to confirm from (the graphs' pool grows with the batch), no higher than ``batch`` (graphs
     hold more than the form they replay), and the batch search descends from there no lower
-    than that run; where it ran out, the search starts at half of it."""
+    than that run; where it ran out, the search starts at half of it. ``like``: the confirmed
+    pick whose batch, where the search comes to it, is known to hold its bytes
+    (``PickStage.confirm``)."""
     start = max(1, round(START_SHARE * batch))
     first = stage.run(choices, start)
     # With no run left, each confirm answers from the runs made (the first, where it held).
     left = settings.graphs_runs - 1
     if first is None:
         return stage.confirm(
-            choices, max(1, start // 2), like=pick, max_runs=left, ceiling=start - 1
+            choices, max(1, start // 2), like=like, max_runs=left, ceiling=start - 1
         )
     # Reserved, not allocated: the graphs' pool keeps segments no other allocation may use
     # (the GPT example's b230 on an H200: 6.17 GB allocated, 7.78 GB reserved).
     per_sample = max(1.0, (first.limit_bytes - fixed_bytes) / start)
     predicted = int((stage.limit_bytes - fixed_bytes) // per_sample)
     aim = max(1, min(batch, predicted))
-    return stage.confirm(choices, aim, like=pick, max_runs=left, within=0.05, ceiling=aim)
+    return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
 
 
-def graphs_words(graphs: Graphs, pick: Confirmed, runs: int) -> str:
+def graphs_words(
+    graphs: Graphs, pick: Confirmed, runs: int, against: Confirmed | None = None
+) -> str:
     """The graphs step in a sentence for the compile stage's summary; '' where the card was
-    busy through the step (or the host's share was not recorded)."""
+    busy through the step (or the host's share was not recorded). ``against``: the eager
+    pick, where graphs had to beat it (:func:`graphs_pick`)."""
     if not graphs.tried or graphs.host_share is None:
         return ""
     m = pick.measured
     assert m.host_ms is not None
-    static = f"{m.samples_per_s:.1f} samples/s at batch {pick.candidate.batch_size}"
+    eager = against is not None and against is not pick
+    beaten = against if against is not None else pick
+    rate_words = (
+        f"{beaten.measured.samples_per_s:.1f} samples/s at batch {beaten.candidate.batch_size}"
+    )
+    static = f"the eager pick's {rate_words}" if eager else f"the default mode's {rate_words}"
+    who = (
+        f"the best compiled configuration (default mode, batch {pick.candidate.batch_size})"
+        if eager
+        else "the compiled pick"
+    )
     opening = (
-        f"The card waited on the host: the compiled pick took {fmt_ms(m.host_ms)} of its "
+        f"The card waited on the host: {who} took {fmt_ms(m.host_ms)} of its "
         f"{fmt_ms(m.step_ms)} step to launch it ({graphs.host_share:.0%})."
     )
+    stays = "eager" if eager else "in default mode"
     if graphs.error is not None:
         return f"{opening} Replayed as CUDA graphs ({GRAPHS_MODE} mode) it failed: {graphs.error}."
     if graphs.found is None:
         return (
             f"{opening} Replayed as CUDA graphs ({GRAPHS_MODE} mode) no batch held within the "
-            f"budget's margin in {runs} device runs; the pick stays in default mode."
+            f"budget's margin in {runs} device runs; the pick stays {stays}."
         )
     g = graphs.found
     rate = g.measured.samples_per_s
     measured = (
         f"Replayed as CUDA graphs ({GRAPHS_MODE} mode, which keeps a memory pool of its own) it "
         f"ran {rate:.1f} samples/s at batch {g.candidate.batch_size}, "
-        f"{rate / m.samples_per_s:.2f}x the default mode's {static}"
+        f"{rate / beaten.measured.samples_per_s:.2f}x {static}"
     )
     verdict = (
         "the pick, its run the verification" if graphs.wins else "not enough to pay; the pick stays"

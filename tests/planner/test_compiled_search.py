@@ -2079,3 +2079,64 @@ def test_with_one_graphs_run_its_run_is_the_answer_confirmed_by_the_stage(
         assert mode == ("reduce-overhead" if picked else "default")
         if picked:
             assert plan.candidate.batch_size == runs[0].batch_size
+
+
+def test_where_compiling_does_not_pay_on_a_host_bound_step_graphs_of_its_best_are_weighed_against_eager(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the host launches every step in 40 ms and a compiled step holds what
+    eager's does (compiled_per_sample = eager's) and the card's time is the same
+    (speedup 1.0), compiling in default mode does not pay: both wait on the host at the same
+    batch. The best compiled configuration the search ran is then replayed as CUDA graphs,
+    which launch in a tenth of the card's time, within CompileSearch.graphs_runs runs, and
+    judged against the eager pick by the bar a compile must clear: here they clear it, so
+    they are the pick, their run the verification, and the stage says what they beat."""
+    device = linear_device(
+        EAGER_LM, compiled_per_sample=EAGER_LM, speedup=1.0, fixed_ms=3.0, host_ms=40.0
+    )
+    plan = _plan(workload, profile, strategies, device)
+    stage = plan.stages[0]
+    graphs = stage.details["graphs"]
+    assert graphs["tried"] and graphs["picked"] and graphs["against"] == "eager"
+    assert stage.picked and plan.candidate.choices["compile"]["mode"] == "reduce-overhead"
+    runs = _graphs_runs(plan, device)
+    assert 1 <= len(runs) <= CompileSearch().graphs_runs
+    assert plan.candidate.batch_size <= device.edge(
+        Candidate(batch_size=1, choices=plan.candidate.choices)
+    )
+    assert plan.verified is not None and stage.eager_measured is not None
+    assert plan.verified.samples_per_s >= MIN_SPEEDUP * stage.eager_measured.samples_per_s
+    # No default-mode compiled configuration beat eager: graphs are what made the pick.
+    default = [
+        v
+        for v in stage.variants
+        if v.measured is not None and "reduce-overhead" not in json.dumps(v.choices)
+    ]
+    assert default and all(
+        v.measured.samples_per_s < MIN_SPEEDUP * stage.eager_measured.samples_per_s for v in default
+    )
+    assert (
+        "the eager pick's" in stage.summary and "the best compiled configuration" in stage.summary
+    )
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_where_compiling_does_not_pay_and_the_card_is_busy_no_graphs_run(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: the same model with the host launching a step in 1 ms (the card busy through
+    it): compiling does not pay, graphs are not run, and the eager pick stays; told not to
+    (graphs_when_host_bound=False), a host-bound step runs none either."""
+    quick = linear_device(
+        EAGER_LM, compiled_per_sample=EAGER_LM, speedup=1.0, fixed_ms=3.0, host_ms=1.0
+    )
+    plan = _plan(workload, profile, strategies, quick)
+    assert not plan.stages[0].picked and "compile" not in plan.candidate.choices
+    assert not _graphs_runs(plan, quick) and not plan.stages[0].details["graphs"]["tried"]
+    slow = linear_device(
+        EAGER_LM, compiled_per_sample=EAGER_LM, speedup=1.0, fixed_ms=3.0, host_ms=40.0
+    )
+    off = CompileSearch(graphs_when_host_bound=False)
+    plan = _plan(workload, profile, strategies, slow, off)
+    assert not plan.stages[0].picked and "compile" not in plan.candidate.choices
+    assert not _graphs_runs(plan, slow)
