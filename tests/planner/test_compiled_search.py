@@ -2081,7 +2081,7 @@ def test_with_one_graphs_run_its_run_is_the_answer_confirmed_by_the_stage(
             assert plan.candidate.batch_size == runs[0].batch_size
 
 
-def test_where_compiling_does_not_pay_on_a_host_bound_step_graphs_of_its_best_are_weighed_against_eager(
+def test_where_compiling_does_not_pay_on_a_host_bound_step_graphs_are_weighed_against_eager(
     workload, profile, strategies, linear_device, trials
 ) -> None:
     """Rule: where the host launches every step in 40 ms and a compiled step holds what
