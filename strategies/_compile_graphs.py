@@ -30,11 +30,12 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    batch search (``PickStage.confirm``) starts there, never above it nor the pick's batch,
    and never descends below the run that held; where that run ran out, the search starts at
    half of it. In all at most :attr:`CompileSearch.graphs_runs` runs.
-3. The graphs form is the pick where it beats the static pick (or the eager pick) as a
-   compile beats eager
-   (``beats_eager``: :data:`~strategies._compile_search.MIN_SPEEDUP` of its rate; for
-   ``largest_batch``, a larger batch, which graphs never have). Its run is the pick's
-   verification, as the static form's was.
+3. The graphs form is the pick where it reaches :data:`HOST_BOUND_TIE` of the static
+   pick's rate (a host-bound rate is the host's: the user's loop does not keep it), or, where
+   it must beat the eager pick, as a compile beats eager (``beats_eager``:
+   :data:`~strategies._compile_search.MIN_SPEEDUP` of its rate). For ``largest_batch``, a
+   larger batch, which graphs never have. Its run is the pick's verification, as the static
+   form's was.
 
 Known limitations:
     * The host's share is read from the probes' steps, which wait for the card after each
@@ -69,10 +70,24 @@ from memadvisor.errors import is_our_bug
 from memadvisor.schema.candidate import Measurement
 from memadvisor.strategy import Confirmed, PickStage
 from memadvisor.units import fmt_ms
-from strategies._compile_search import COMPILE, CompileSearch, beats_eager, first_line
+from strategies._compile_search import (
+    COMPILE,
+    MIN_SPEEDUP,
+    CompileSearch,
+    beats_eager,
+    first_line,
+)
 from strategies._compiled_forward import parse_choice
 
-__all__ = ["GRAPHS_MODE", "START_SHARE", "Graphs", "graphs_form", "graphs_pick", "host_share"]
+__all__ = [
+    "GRAPHS_MODE",
+    "HOST_BOUND_TIE",
+    "START_SHARE",
+    "Graphs",
+    "graphs_form",
+    "graphs_pick",
+    "host_share",
+]
 
 #: torch.compile's mode that replays the step as CUDA graphs and keeps no autotuning.
 GRAPHS_MODE = "reduce-overhead"
@@ -80,6 +95,13 @@ GRAPHS_MODE = "reduce-overhead"
 #: graphs need far more than the form they replay: the GPT example's graphs ran out of 8 GiB
 #: at its pick's 307 and held at 154 and 230 (session 29, H200).
 START_SHARE = 0.5
+#: Against a compiled pick that waited on the host, graphs are the pick at this share of its
+#: rate or more (the compile is paid either way). A host-bound rate is the host's, and the
+#: user's loop does not keep it: the GPT example's host-bound picks ran 0.70-0.93 of their
+#: verified rates in the user's 200-step loop (sessions 29-30, eight loops on H200 leases),
+#: its graphs pick 0.99 (session 30 call 2), so a graphs form 3% slower in the plan is no
+#: slower in the loop. Against the eager pick a compile must still pay (MIN_SPEEDUP).
+HOST_BOUND_TIE = 0.97
 
 
 @dataclass(frozen=True)
@@ -150,7 +172,10 @@ def graphs_pick(
     if found is None:
         return Graphs(host_share=share, tried=True, against=beaten)
     rate = found.measured.samples_per_s
-    wins = beats_eager(objective, found.candidate.batch_size, rate, against)
+    # The compile is paid where the pick is compiled: graphs need only match its rate, within
+    # what a host-bound rate moves by (HOST_BOUND_TIE).
+    allowance = HOST_BOUND_TIE / MIN_SPEEDUP if beaten == "compiled" else 1.0
+    wins = beats_eager(objective, found.candidate.batch_size, rate, against, allowance)
     return Graphs(host_share=share, tried=True, found=found, wins=wins, against=beaten)
 
 
@@ -229,4 +254,9 @@ def graphs_words(
     verdict = (
         "the pick, its run the verification" if graphs.wins else "not enough to pay; the pick stays"
     )
+    if graphs.wins and rate < beaten.measured.samples_per_s:
+        verdict = (
+            f"within {1 - HOST_BOUND_TIE:.0%} of a rate that is the host's (a loop on another "
+            f"host, or beside other work, does not keep it; graphs' does), {verdict}"
+        )
     return f"{opening} {measured}: {verdict}."

@@ -120,3 +120,53 @@ def test_the_graphs_search_aims_along_the_first_runs_reserved_bytes_below_the_pi
     _largest(ran_out, CompileSearch(), {"compile": GRAPHS_MODE}, 100, pick, 100)
     [(start, kwargs)] = ran_out.confirms
     assert start == 25 and kwargs["ceiling"] == 49
+
+
+class _Found(_Stage):
+    """A stage whose graphs search finds ``found``."""
+
+    def __init__(self, found: Confirmed) -> None:
+        super().__init__(_measured(5.0, 0.5, batch=50))
+        self.found = found
+
+    def describe(self, text: str) -> None:
+        pass
+
+    def confirm(self, choices, start_batch, **kwargs):
+        return self.found
+
+
+@pytest.mark.parametrize(
+    ("ratio", "against_eager", "wins"),
+    [(0.98, False, True), (0.95, False, False), (1.0, True, False), (1.04, True, True)],
+)
+def test_graphs_match_a_host_bound_compiled_pick_within_the_tie_but_must_pay_against_eager(
+    ratio: float, against_eager: bool, wins: bool
+) -> None:
+    """Rule: against a compiled pick that waited on the host, graphs are the pick at
+    HOST_BOUND_TIE (0.97) of its rate or more (the compile is paid either way, and the
+    host-bound rate is the host's); against the eager pick they must beat it by MIN_SPEEDUP
+    (1.03), as any compile must."""
+    from strategies._compile_graphs import HOST_BOUND_TIE, graphs_pick
+    from strategies._compile_search import CompileSearch
+
+    assert HOST_BOUND_TIE == 0.97
+    pick = _pick(step_ms=10.0, host_ms=9.9, batch=100)  # 10,000 samples/s
+    eager = Confirmed(
+        candidate=Candidate(batch_size=100, choices={}),
+        found_batch=100,
+        measured=_measured(10.0, 9.5),
+    )
+    step_ms = 80 / (ratio * 10_000) * 1e3  # batch 80 at ratio x the pick's rate
+    found = Confirmed(
+        candidate=Candidate(batch_size=80, choices={"compile": GRAPHS_MODE}),
+        found_batch=80,
+        measured=_measured(step_ms, 0.5, batch=80),
+    )
+    got = graphs_pick(
+        _Found(found), CompileSearch(), pick, "throughput", 0, eager if against_eager else None
+    )
+    assert got.tried and got.found is found and got.wins is wins
+    assert got.against == ("eager" if against_eager else "compiled")
+    words = graphs_words(got, pick, 2, eager if against_eager else None)
+    assert ("within 3% of a rate that is the host's" in words) is (wins and ratio < 1)
