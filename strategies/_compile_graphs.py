@@ -29,7 +29,9 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    and the pick's fixed bytes says the largest batch within the budget's limit. The device's
    batch search (``PickStage.confirm``) starts there, never above it nor the pick's batch,
    and never descends below the run that held; where that run ran out, the search starts at
-   half of it. In all at most :attr:`CompileSearch.graphs_runs` runs.
+   half of it. In all at most :attr:`CompileSearch.graphs_runs` runs. Where the device
+   makes runs at once, a run at :data:`GUESS_SHARE` of the pick's batch goes with the first
+   (one round of compiles, not two, where it holds: :func:`_at_once`).
 3. The graphs form is the pick where it reaches :data:`HOST_BOUND_TIE` of the static
    pick's rate (a host-bound rate is the host's: the user's loop does not keep it), or, where
    it must beat the eager pick, as a compile beats eager (``beats_eager``:
@@ -81,6 +83,7 @@ from strategies._compiled_forward import parse_choice
 
 __all__ = [
     "GRAPHS_MODE",
+    "GUESS_SHARE",
     "HOST_BOUND_TIE",
     "START_SHARE",
     "Graphs",
@@ -95,6 +98,12 @@ GRAPHS_MODE = "reduce-overhead"
 #: graphs need far more than the form they replay: the GPT example's graphs ran out of 8 GiB
 #: at its pick's 307 and held at 154 and 230 (session 29, H200).
 START_SHARE = 0.5
+#: Where the device makes runs at once, a second graphs run goes with the first, at this
+#: share of the pick's batch: what the line through the first run found for the GPT example
+#: (b246-248 of a default-mode pick at 307, sessions 29-30 on H200s; its graphs ran out at
+#: 307 and held at 230), so where it holds the search needs no second round of compiles
+#: (about 25 s each). One model's share: where a line allows 5% more, a run left tries it.
+GUESS_SHARE = 0.8
 #: Against a compiled pick that waited on the host, graphs are the pick at this share of its
 #: rate or more (the compile is paid either way). A host-bound rate is the host's, and the
 #: user's loop does not keep it: the GPT example's host-bound picks ran 0.70-0.93 of their
@@ -192,10 +201,14 @@ def _largest(
     it held, a line through its reserved bytes and the pick's ``fixed_bytes`` says the batch
     to confirm from (the graphs' pool grows with the batch), no higher than ``batch`` (graphs
     hold more than the form they replay), and the batch search descends from there no lower
-    than that run; where it ran out, the search starts at half of it. ``like``: the confirmed
+    than that run; where it ran out, the search starts at half of it (where the device makes
+    runs at once, :func:`_at_once` instead). ``like``: the confirmed
     pick whose batch, where the search comes to it, is known to hold its bytes
     (``PickStage.confirm``)."""
     start = max(1, round(START_SHARE * batch))
+    guess = round(GUESS_SHARE * batch)
+    if stage.concurrent_runs > 1 and settings.graphs_runs >= 2 and start < guess:
+        return _at_once(stage, settings, choices, batch, like, fixed_bytes, start, guess)
     first = stage.run(choices, start)
     # With no run left, each confirm answers from the runs made (the first, where it held).
     left = settings.graphs_runs - 1
@@ -203,11 +216,56 @@ def _largest(
         return stage.confirm(
             choices, max(1, start // 2), like=like, max_runs=left, ceiling=start - 1
         )
+    aim = _line_aim(stage, first, start, batch, fixed_bytes)
+    return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
+
+
+def _line_aim(
+    stage: PickStage, first: Measurement, start: int, batch: int, fixed_bytes: int
+) -> int:
+    """The batch a line through ``first`` (a graphs run at ``start`` that held) and
+    ``fixed_bytes`` allows within the stage's limit, no higher than ``batch``."""
     # Reserved, not allocated: the graphs' pool keeps segments no other allocation may use
     # (the GPT example's b230 on an H200: 6.17 GB allocated, 7.78 GB reserved).
     per_sample = max(1.0, (first.limit_bytes - fixed_bytes) / start)
     predicted = int((stage.limit_bytes - fixed_bytes) // per_sample)
-    aim = max(1, min(batch, predicted))
+    return max(1, min(batch, predicted))
+
+
+def _at_once(
+    stage: PickStage,
+    settings: CompileSearch,
+    choices: dict[str, JsonValue],
+    batch: int,
+    like: Confirmed,
+    fixed_bytes: int,
+    start: int,
+    guess: int,
+) -> Confirmed | None:
+    """:func:`_largest` where the device makes runs at once: the run at ``start`` and one at
+    ``guess`` (:data:`GUESS_SHARE` of ``batch``) together, one compile's wall for both.
+    Where the guess held, it is the answer unless the line through the start run's reserved
+    bytes allows 5% more, which a run left then tries; where it ran out, the search goes on
+    from the line's batch below it (or from half the start's, where that ran out too)."""
+    answers = stage.run_many([(choices, start), (choices, guess)])
+    for answer in answers:
+        if isinstance(answer, Exception):
+            raise answer
+    first, at_guess = answers
+    assert not isinstance(first, Exception) and not isinstance(at_guess, Exception)
+    left = settings.graphs_runs - 2
+    if at_guess is not None:
+        aim = guess
+        if first is not None:
+            line = _line_aim(stage, first, start, batch, fixed_bytes)
+            if line > 1.05 * guess and left > 0:
+                aim = line
+        return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
+    if first is None:
+        return stage.confirm(
+            choices, max(1, start // 2), like=like, max_runs=left, ceiling=start - 1
+        )
+    aim = min(_line_aim(stage, first, start, batch, fixed_bytes), guess - 1)
     return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
 
 

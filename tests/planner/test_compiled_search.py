@@ -2140,3 +2140,29 @@ def test_where_compiling_does_not_pay_and_the_card_is_busy_no_graphs_run(
     plan = _plan(workload, profile, strategies, slow, off)
     assert not plan.stages[0].picked and "compile" not in plan.candidate.choices
     assert not _graphs_runs(plan, slow)
+
+
+@pytest.mark.parametrize("ratio", [1.1, 1.3])
+def test_on_a_device_of_runs_at_once_the_graphs_guess_rides_with_the_first_run(
+    workload, profile, strategies, linear_device, trials, record_run_many, ratio
+) -> None:
+    """Rule: where the device makes runs at once, the graphs' first run and the guess
+    (GUESS_SHARE of the pick's batch) go together, and the pick still lands within 10% below
+    the graphs form's edge, never past it, in at most CompileSearch.graphs_runs runs: graphs
+    holding 1.3x a sample (edge 0.77 of the pick's batch, the guess runs out: the line aims
+    below it) or 1.1x (edge 0.91: the guess holds and the line's 5% more is tried)."""
+    device = linear_device(
+        EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0, graphs_ratio=ratio
+    )
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+    calls = record_run_many(device, compiled_only=True)
+    plan = _plan(workload, profile, strategies, device)
+    graphs = plan.stages[0].details["graphs"]
+    assert graphs["tried"] and graphs["picked"], plan.stages[0].summary
+    runs = _graphs_runs(plan, device)
+    assert 2 <= len(runs) <= CompileSearch().graphs_runs
+    # The first two graphs runs went to the device in one call, at once.
+    first_two = sorted(p.batch_size for p in runs[:2])
+    assert first_two in [sorted(c) for c in calls]
+    edge = device.edge(Candidate(batch_size=1, choices=plan.candidate.choices))
+    assert 0.9 * edge <= plan.candidate.batch_size <= edge

@@ -84,6 +84,7 @@ class _Stage:
     """A PickStage's two calls _largest makes: run (one answer) and confirm (recorded)."""
 
     limit_bytes = 1000
+    concurrent_runs = 1
 
     def __init__(self, first: Measurement | None) -> None:
         self.first, self.confirms = first, []
@@ -170,3 +171,56 @@ def test_graphs_match_a_host_bound_compiled_pick_within_the_tie_but_must_pay_aga
     assert got.against == ("eager" if against_eager else "compiled")
     words = graphs_words(got, pick, 2, eager if against_eager else None)
     assert ("within 3% of a rate that is the host's" in words) is (wins and ratio < 1)
+
+
+class _AtOnce(_Stage):
+    """A stage of runs at once: run_many answers the start run and the guess's."""
+
+    concurrent_runs = 4
+
+    def __init__(self, first: Measurement | None, at_guess: Measurement | None) -> None:
+        super().__init__(first)
+        self.at_guess, self.many = at_guess, []
+
+    def run_many(self, runs):
+        self.many.append([b for _, b in runs])
+        return [self.first, self.at_guess]
+
+
+def _held(reserved: int) -> Measurement:
+    return Measurement(
+        steps=5, peak_bytes=reserved, reserved_peak_bytes=reserved, step_ms=1.0, samples_per_s=1.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "at_guess", "start", "ceiling", "max_runs"),
+    [
+        # 50 held at 100 + 50 x 12 reserved: the line allows 75, below 80 held: 80 stands.
+        (_held(700), _held(900), 80, 80, 1),
+        # 50 held at 100 + 50 x 8: the line allows 112, capped at the pick's 100: tried.
+        (_held(500), _held(900), 100, 100, 1),
+        # 80 ran out: from the line's 75, below it.
+        (_held(700), None, 75, 75, 1),
+        # both ran out: from half the start, below it.
+        (None, None, 25, 49, 1),
+    ],
+)
+def test_where_runs_go_at_once_the_graphs_guess_goes_with_the_first_run(
+    first, at_guess, start, ceiling, max_runs
+) -> None:
+    """Rule: where the device makes runs at once, the first graphs run (START_SHARE of the
+    pick's batch) and one at GUESS_SHARE of it run together, one compile's wall for both.
+    Where the guess held, it is the answer unless the line through the first run allows 5%
+    more (then the search tries the line's batch, no higher than the pick's); where it ran
+    out, the search starts from the line's batch below it, or from half the first's where
+    that ran out too; at most CompileSearch.graphs_runs runs in all (2 at once, 1 left)."""
+    from strategies._compile_graphs import GUESS_SHARE, START_SHARE, _largest
+    from strategies._compile_search import CompileSearch
+
+    assert (START_SHARE, GUESS_SHARE) == (0.5, 0.8)
+    stage = _AtOnce(first, at_guess)
+    _largest(stage, CompileSearch(), {"compile": GRAPHS_MODE}, 100, _pick(batch=100), 100)
+    assert stage.many == [[50, 80]]
+    [(got, kwargs)] = stage.confirms
+    assert got == start and kwargs["ceiling"] == ceiling and kwargs["max_runs"] == max_runs
