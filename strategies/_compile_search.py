@@ -291,13 +291,15 @@ class CompileSearch(BaseModel):
         "its own, and keep it where faster (strategies/_compile_graphs.py).",
     )
     host_bound_share: float = Field(
-        0.9,
+        0.8,
         gt=0.0,
         le=1.0,
         description="The share of a step the host takes to launch it from which the step is "
         "taken as host-bound: the GPT example's compiled pick took 0.99 of its step on an "
-        "H200 while its kernels filled 0.62-0.75 of it; replayed as CUDA graphs, 0.60-0.84 "
-        "(docs/design.md, 'CUDA graphs where the card waits on the host').",
+        "H200 while its kernels filled 0.62-0.75 of it; replayed as CUDA graphs, 0.60-0.84. "
+        "Its picks whose probes read 0.81 and 0.87 launched 0.99 of a step in the user's loop "
+        "and ran 0.84-0.93 of their verified rate, so the bar is 0.8, not 0.9 (docs/design.md, "
+        "'CUDA graphs where the card waits on the host', sessions 29-30).",
     )
     graphs_runs: int = Field(
         3,
