@@ -31,7 +31,7 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    and never descends below the run that held; where that run ran out, the search starts at
    half of it. In all at most :attr:`CompileSearch.graphs_runs` runs. Where the device
    makes runs at once, a run at :data:`GUESS_SHARE` of the pick's batch goes with the first
-   (one round of compiles, not two, where it holds: :func:`_at_once`).
+   (one round of compiles, not two, where it holds).
 3. The graphs form is the pick where it reaches :data:`HOST_BOUND_TIE` of the static
    pick's rate (a host-bound rate is the host's: the user's loop does not keep it), or, where
    it must beat the eager pick, as a compile beats eager (``beats_eager``:
@@ -202,21 +202,52 @@ def _largest(
     to confirm from (the graphs' pool grows with the batch), no higher than ``batch`` (graphs
     hold more than the form they replay), and the batch search descends from there no lower
     than that run; where it ran out, the search starts at half of it (where the device makes
-    runs at once, :func:`_at_once` instead). ``like``: the confirmed
+    runs at once, a run at :data:`GUESS_SHARE` of ``batch`` goes with the first; where it
+    held it is the answer unless the line allows 5% more). ``like``: the confirmed
     pick whose batch, where the search comes to it, is known to hold its bytes
     (``PickStage.confirm``)."""
     start = max(1, round(START_SHARE * batch))
     guess = round(GUESS_SHARE * batch)
     if stage.concurrent_runs > 1 and settings.graphs_runs >= 2 and start < guess:
-        return _at_once(stage, settings, choices, batch, like, fixed_bytes, start, guess)
+        # The guess goes with the first run: one compile's wall for both.
+        answers = stage.run_many([(choices, start), (choices, guess)])
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        first, at_guess = answers
+        assert not isinstance(first, Exception) and not isinstance(at_guess, Exception)
+        left = settings.graphs_runs - 2
+        if at_guess is None:  # from the line below the guess, as from a first run alone
+            return _after_first(stage, choices, like, first, start, fixed_bytes, left, guess - 1)
+        aim = guess  # held: the answer, unless the line allows 5% more and a run is left
+        if first is not None and left > 0:
+            line = _line_aim(stage, first, start, batch, fixed_bytes)
+            aim = line if line > 1.05 * guess else guess
+        return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
     first = stage.run(choices, start)
     # With no run left, each confirm answers from the runs made (the first, where it held).
     left = settings.graphs_runs - 1
+    return _after_first(stage, choices, like, first, start, fixed_bytes, left, batch)
+
+
+def _after_first(
+    stage: PickStage,
+    choices: dict[str, JsonValue],
+    like: Confirmed,
+    first: Measurement | None,
+    start: int,
+    fixed_bytes: int,
+    left: int,
+    cap: int,
+) -> Confirmed | None:
+    """The batch search after the first graphs run (at ``start``), in at most ``left`` runs:
+    where it held, from the batch a line through it allows, no higher than ``cap``; where it
+    ran out, from half of it, below it."""
     if first is None:
         return stage.confirm(
             choices, max(1, start // 2), like=like, max_runs=left, ceiling=start - 1
         )
-    aim = _line_aim(stage, first, start, batch, fixed_bytes)
+    aim = _line_aim(stage, first, start, cap, fixed_bytes)
     return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
 
 
@@ -230,43 +261,6 @@ def _line_aim(
     per_sample = max(1.0, (first.limit_bytes - fixed_bytes) / start)
     predicted = int((stage.limit_bytes - fixed_bytes) // per_sample)
     return max(1, min(batch, predicted))
-
-
-def _at_once(
-    stage: PickStage,
-    settings: CompileSearch,
-    choices: dict[str, JsonValue],
-    batch: int,
-    like: Confirmed,
-    fixed_bytes: int,
-    start: int,
-    guess: int,
-) -> Confirmed | None:
-    """:func:`_largest` where the device makes runs at once: the run at ``start`` and one at
-    ``guess`` (:data:`GUESS_SHARE` of ``batch``) together, one compile's wall for both.
-    Where the guess held, it is the answer unless the line through the start run's reserved
-    bytes allows 5% more, which a run left then tries; where it ran out, the search goes on
-    from the line's batch below it (or from half the start's, where that ran out too)."""
-    answers = stage.run_many([(choices, start), (choices, guess)])
-    for answer in answers:
-        if isinstance(answer, Exception):
-            raise answer
-    first, at_guess = answers
-    assert not isinstance(first, Exception) and not isinstance(at_guess, Exception)
-    left = settings.graphs_runs - 2
-    if at_guess is not None:
-        aim = guess
-        if first is not None:
-            line = _line_aim(stage, first, start, batch, fixed_bytes)
-            if line > 1.05 * guess and left > 0:
-                aim = line
-        return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
-    if first is None:
-        return stage.confirm(
-            choices, max(1, start // 2), like=like, max_runs=left, ceiling=start - 1
-        )
-    aim = min(_line_aim(stage, first, start, batch, fixed_bytes), guess - 1)
-    return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
 
 
 def graphs_words(
