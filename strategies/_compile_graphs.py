@@ -268,13 +268,14 @@ def graphs_words(
 ) -> str:
     """The graphs step in a sentence for the compile stage's summary; '' where the card was
     busy through the step (or the host's share was not recorded). ``against``: the eager
-    pick, where graphs had to beat it (:func:`graphs_pick`)."""
+    pick, where graphs had to beat it (``graphs.against`` is then "eager",
+    :func:`graphs_pick`)."""
     if not graphs.tried or graphs.host_share is None:
         return ""
     m = pick.measured
     assert m.host_ms is not None
-    eager = against is not None and against is not pick
-    beaten = against if against is not None else pick
+    eager = graphs.against == "eager"
+    beaten = against if eager and against is not None else pick
     rate_words = (
         f"{beaten.measured.samples_per_s:.1f} samples/s at batch {beaten.candidate.batch_size}"
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 from memadvisor import _torch_private
 from memadvisor.errors import BadInputError, is_oom, is_our_bug, root_cause
 from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import steady_ms
 from memadvisor.step import base_step, running
 from memadvisor.strategy import apply_candidate, facts_of
 from memadvisor.workload import Workload, train_step
@@ -216,10 +216,6 @@ def _train(
             run.step_ms.append((time.perf_counter() - t0) * 1e3)
 
 
-def _steady_ms(step_ms: list[float]) -> float:
-    return statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
-
-
 def _relative(a: float, b: float) -> float:
     if a == b:
         return 0.0
@@ -287,7 +283,7 @@ def try_compile(
         "choice": compiled.to_json(),
         "batch_size": base.batch_size,
         "steps": steps,
-        "eager_step_ms": _steady_ms(eager.step_ms),
+        "eager_step_ms": steady_ms(eager.step_ms),
     }
 
     before = _torch_private.dynamo_counters()
@@ -312,7 +308,7 @@ def try_compile(
         )
     result |= {
         "first_step_ms": run.step_ms[0],
-        "compiled_step_ms": _steady_ms(run.step_ms),
+        "compiled_step_ms": steady_ms(run.step_ms),
         "loss_rel_diff": _relative(run.losses[0], eager.losses[0]),
         "grad_rel_diff": _grad_rel_diff(run, eager),
     }

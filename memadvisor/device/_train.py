@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -30,7 +29,7 @@ from memadvisor import _torch_private
 from memadvisor.device._turns import taking_turn
 from memadvisor.errors import check_allocator_retries, is_oom, mark_retry_ran_out
 from memadvisor.schema.candidate import Candidate, Measurement, RanOutFirst
-from memadvisor.schema.config import samples_per_s
+from memadvisor.schema.config import samples_per_s, steady_ms
 from memadvisor.schema.profile import Profile
 from memadvisor.step import base_step, running
 from memadvisor.strategy import Strategy, apply_candidate, load_strategies
@@ -159,8 +158,8 @@ def train_candidate(
     peak = torch.cuda.max_memory_allocated(device) - base_allocated
     reserved = torch.cuda.max_memory_reserved(device) - base_reserved
     # The first step creates the optimizer state and warms up kernels: not a steady step.
-    step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
-    launch_ms = statistics.median(host_ms[1:] if len(host_ms) > 1 else host_ms)
+    step_ms = steady_ms(times_ms)
+    launch_ms = steady_ms(host_ms)
     samples = candidate.batch_size * candidate.accumulation_steps
     hits, misses, bypasses = (
         after - before

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import os
 import queue
-import statistics
 import time
 import traceback
 from collections.abc import Sequence
@@ -43,7 +42,7 @@ from memadvisor.errors import BadInputError, PlanningError, SimulatedOutOfMemory
 from memadvisor.memory import MemoryMeter
 from memadvisor.process_state import environ_set
 from memadvisor.schema.candidate import Candidate, Measurement
-from memadvisor.schema.config import samples_per_s
+from memadvisor.schema.config import samples_per_s, steady_ms
 from memadvisor.schema.device import SIMULATED, card_capabilities
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import facts_of, load_strategies
@@ -358,7 +357,7 @@ def _train_rank(rank: int, job: _Job, steps_done: list[int]) -> dict[str, Any]:
         peak, reserved = meter.peak_bytes, None
     dist.barrier()
     dist.destroy_process_group()
-    step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
+    step_ms = steady_ms(times_ms)
     return {
         "status": "ok",
         "peak_bytes": int(peak),

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Literal
@@ -38,7 +37,7 @@ from memadvisor.device._base import Device
 from memadvisor.errors import BadInputError, SimulatedOutOfMemoryError, is_oom
 from memadvisor.memory import MemoryMeter
 from memadvisor.schema.candidate import Candidate, Measurement
-from memadvisor.schema.config import samples_per_s
+from memadvisor.schema.config import samples_per_s, steady_ms
 from memadvisor.schema.device import SIMULATED
 from memadvisor.schema.profile import Profile
 from memadvisor.workload import Workload, tensor_leaves, train_step
@@ -175,7 +174,7 @@ class SimulatedDevice(Device):
                 e.memadvisor_steps_completed = len(times_ms)  # type: ignore[attr-defined]
             raise
         # The first step creates the optimizer state: not a steady step.
-        step_ms = statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
+        step_ms = steady_ms(times_ms)
         samples = candidate.batch_size * candidate.accumulation_steps
         return Measurement(
             steps=steps,

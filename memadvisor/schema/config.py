@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
@@ -37,6 +39,12 @@ MIN_STEP_MS = 1e-3
 def samples_per_s(samples: int, step_ms: float) -> float:
     """Throughput of ``samples`` per step of ``step_ms``, finite for any step time."""
     return samples / max(step_ms, MIN_STEP_MS) * 1e3
+
+
+def steady_ms(times_ms: Sequence[float]) -> float:
+    """A run's steady step: the median of its steps' times but the first (which creates the
+    optimizer's state, warms kernels up and compiles), or the first where it is the only one."""
+    return statistics.median(times_ms[1:] if len(times_ms) > 1 else times_ms)
 
 
 def gib_to_bytes(gib: float) -> int:
