@@ -166,7 +166,7 @@ class PickStage(ABC):
         within: float = 0.0,
         floor_from: dict[str, JsonValue] | None = None,
         ceiling: int | None = None,
-        beside: tuple[dict[str, JsonValue], int] | None = None,
+        beside: Sequence[tuple[dict[str, JsonValue], int]] = (),
     ) -> Confirmed | None:
         """``choices`` at the largest batch the device allows, searched from ``start_batch``
         (the eager pick's confirmed batch is a good start); None when not even batch 1 fits.
@@ -190,12 +190,14 @@ class PickStage(ABC):
             ceiling: no upward probe above this batch (a compiled line capped by its largest
                 allocation: gpt's confirmation on a card ran 317, 306 and 279 above its cap
                 at 252, all out of memory). None: the extrapolation decides.
-            beside: another run, ``(choices, batch)`` (the compile stage's static form at
-                the start: the pick's verification where the search keeps its start), made
-                at once with the search's first device run where the device makes runs at
-                once (:attr:`concurrent_runs`), and kept as :meth:`run` keeps a run, so that
-                asking for it later costs no device run; not counted in ``max_runs``. Not
-                made on a device of one run at a time, or where the search makes no run.
+            beside: other runs, each ``(choices, batch)`` (the compile stage's static form
+                at the start: the pick's verification where the search keeps its start; the
+                CUDA graphs' first round), made at once with the search's first device run
+                where the device makes runs at once (:attr:`concurrent_runs`: as many as it
+                makes beside that run, in order), and kept as :meth:`run` keeps a run, so
+                that asking for one later costs no device run; not counted in ``max_runs``.
+                Not made on a device of one run at a time, or where the search makes no
+                run.
         """
 
     @abstractmethod

@@ -951,7 +951,12 @@ class Search:
         return best
 
     def confirm(
-        self, winner: Variant, hold_back: int, static: bool = False, static_beside: bool = False
+        self,
+        winner: Variant,
+        hold_back: int,
+        static: bool = False,
+        static_beside: bool = False,
+        graphs_beside: Sequence[tuple[dict[str, JsonValue], int]] = (),
     ) -> Confirmed | None:
         """The winner's batch search from its predicted batch, ``hold_back`` runs kept for
         later; None when nothing fitted (or its runs failed: ``winner.error``). ``static``:
@@ -960,6 +965,10 @@ class Search:
         static form at the predicted batch goes with the search's first device run
         (``PickStage.confirm``'s ``beside``), counted as a static run, not the search's:
         where the search keeps that batch, :meth:`confirm_static` finds it made.
+        ``graphs_beside``: the CUDA graphs' first round for the static form at that batch
+        (``_compile_graphs.first_round``), sent with it as far as the device makes runs at
+        once, counted as graphs runs; where the search keeps the batch, the graphs step
+        finds them made.
 
         Why: the static run is a compile of its own, the search's runs one after another
         before it. On an H100 swin_t's confirmation ran 120 (out, 19.8 s) from its
@@ -970,9 +979,9 @@ class Search:
         start = winner.fit.largest_batch
         in_static = winner.static_choices  # what is handed on
         choices = in_static if static else winner.choices
-        beside = None
+        beside: list[tuple[dict[str, JsonValue], int]] = []
         if static_beside and not static and is_dynamic(winner.form):
-            beside = (in_static, start)
+            beside = [(in_static, start), *graphs_beside]
         form = " in its static form" if static else ""
         self.stage.describe(f"compile: confirming {winner.label}{form} from batch {start}")
         before = len(self.stage.probes)
@@ -992,8 +1001,10 @@ class Search:
             winner.error = first_line(e)
             return None
         finally:
-            if beside is not None:
-                self.static_runs += self._made_since(before, beside[0])
+            if beside:
+                self.static_runs += self._made_since(before, in_static)
+            if beside and graphs_beside:
+                self.graphs_runs += self._made_since(before, graphs_beside[0][0])
 
     def confirm_final(self, winner: Variant, found: Confirmed) -> tuple[Confirmed | None, str]:
         """The offered form of ``winner`` from ``found``'s batch, judged against ``found``'s
@@ -1016,9 +1027,17 @@ class Search:
             return None, first_line(e)
         return final, "" if final is not None else "no batch of it fitted within its runs"
 
-    def confirm_static(self, winner: Variant, found: Confirmed) -> tuple[Confirmed | None, str]:
+    def confirm_static(
+        self,
+        winner: Variant,
+        found: Confirmed,
+        beside: Sequence[tuple[dict[str, JsonValue], int]] = (),
+    ) -> tuple[Confirmed | None, str]:
         """The winner's static form (what the plan hands on and the user runs) at ``found``'s
-        batch, one run; (None, why) where it ran out or failed.
+        batch, one run; (None, why) where it ran out or failed. ``beside``: runs to go with
+        it where the device makes runs at once, as many as it makes beside it (the CUDA
+        graphs' first round, ``_compile_graphs.first_round``), counted as graphs runs, not
+        the search's; their answers are recorded, for the stage to find made.
 
         Why: the search measures a dynamic batch, and on a card the static graph ran at
         another speed, faster or slower (lm350m at batch 16 on an H100: 103.4 samples/s
@@ -1029,17 +1048,31 @@ class Search:
         not a run more."""
         static = handed_on(found)
         batch = static.candidate.batch_size
-        self.stage.describe(f"compile: the static form at batch {batch} ({winner.label})")
+        choices = static.candidate.choices
+        along = list(beside)[: max(0, self.stage.concurrent_runs - 1)]
+        words = f"compile: the static form at batch {batch} ({winner.label})"
+        if along:
+            batches = ", ".join(str(b) for _, b in along)
+            words += f"; beside it, CUDA graphs at batch {batches}"
+        self.stage.describe(words)
         before = len(self.stage.probes)
         try:
             # Made already where it went beside the confirmation (Search.confirm): answered.
-            m = self.stage.run(static.candidate.choices, batch)
+            if along:
+                answer = self.stage.run_many([(choices, batch), *along])[0]
+                if isinstance(answer, Exception):
+                    raise answer
+                m = answer
+            else:
+                m = self.stage.run(choices, batch)
         except Exception as e:  # noqa: BLE001 - a failing static form keeps the searched pick
             if is_our_bug(e):
                 raise
             return None, first_line(e)
         finally:
-            self.static_runs += len(self.stage.probes) - before
+            made = self._made_since(before, choices)
+            self.static_runs += made
+            self.graphs_runs += len(self.stage.probes) - before - made
         if m is None:
             return None, f"it ran out of memory at batch {batch}"
         return dataclasses.replace(static, measured=m), ""

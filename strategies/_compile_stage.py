@@ -76,7 +76,7 @@ from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.workload import Workload
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
-from strategies._compile_graphs import Graphs, graphs_pick, graphs_words
+from strategies._compile_graphs import Graphs, first_round, graphs_pick, graphs_words
 from strategies._compile_search import (
     COMPILE,
     FINAL_FORM_RUNS,
@@ -229,11 +229,15 @@ def compiled_pick(
             direct = not differs and is_dynamic(winner.form) and compiles_every_run(winner)
             # Elsewhere its static form, the verification, goes with the confirmation's first
             # run where the device makes runs at once (Search.confirm's static_beside).
+            # And the CUDA graphs' first round with it, where the winner's largest run
+            # waited on the host: the bet the static form makes, that the batch holds.
+            beside = not differs and not direct
             found = search.confirm(
                 winner,
                 FINAL_FORM_RUNS if differs else 0,
                 static=direct,
-                static_beside=not differs and not direct,
+                static_beside=beside,
+                graphs_beside=_graphs_ahead(stage, settings, winner) if beside else (),
             )
             # A line from one run can promise more than its confirmation finds, below what
             # another candidate already measured: that one is confirmed too (from its runs
@@ -252,7 +256,16 @@ def compiled_pick(
                 final, final_why = search.confirm_final(winner, found)
             elif found is not None and is_dynamic(winner.form) and not direct:
                 # Judged on the form the user runs; its run is the pick's verification.
-                static, static_why = search.confirm_static(winner, found)
+                # The CUDA graphs' first runs go with it where its searched run waited on
+                # the host: the graphs step finds them made (first_round).
+                ahead = first_round(
+                    stage,
+                    settings,
+                    handed_on(found).candidate.choices,
+                    found.candidate.batch_size,
+                    found.measured,
+                )
+                static, static_why = search.confirm_static(winner, found, ahead)
                 if static is not None:
                     searched, found = found, static
             if (
@@ -306,13 +319,15 @@ def compiled_pick(
             line = base[0].fit
             fixed = line.fixed_bytes if line is not None else None
             graphs = graphs_pick(stage, settings, base[1], objective, fixed, against)
-        search.graphs_runs = len(stage.probes) - graphs_before
+        search.graphs_runs += len(stage.probes) - graphs_before
         graphs_note = graphs_words(graphs, base[1], search.graphs_runs, against)
         if graphs.found is not None:
             record = _graphs_record(stage, graphs.found, base[0], runs_before)
             records.append(record)
             if graphs.wins:
                 best, picked = (record, graphs.found), True
+    if search.graphs_runs and (graphs is None or not graphs.tried):
+        graphs_note = _unused_graphs_words(search.graphs_runs, graphs)
     one_off_ms = best[0].one_off_ms if picked and best is not None else None
     costs = []
     if picked and best is not None:
@@ -371,6 +386,29 @@ def compiled_pick(
     pick = handed_on(best[1])
     _record_gain(strategy, pick, eager_best)
     return Refinement(pick=pick, outcome=outcome, notes=notes)
+
+
+def _graphs_ahead(
+    stage: PickStage, settings: CompileSearch, winner: Variant
+) -> list[tuple[dict[str, JsonValue], int]]:
+    """The CUDA graphs' first round (``first_round``) for ``winner``'s static form at its
+    predicted batch, where its largest run waited on the host; [] where not."""
+    if winner.fit is None or not winner.runs:
+        return []
+    measured = winner.runs[max(winner.runs)]
+    return first_round(stage, settings, winner.static_choices, winner.fit.largest_batch, measured)
+
+
+def _unused_graphs_words(runs: int, graphs: Graphs | None) -> str:
+    """Why the CUDA graphs runs made beside the static form's run (``first_round``) went
+    unused: the pick's own run did not wait on the host, or there was no pick to replay."""
+    made = f"{runs} CUDA graphs run{'s' if runs != 1 else ''} made beside the static form's run"
+    if graphs is not None and graphs.host_share is not None:
+        return (
+            f"{made} went unused: its searched run waited on the host, its static run "
+            f"{graphs.host_share:.0%} of a step, so graphs were not tried."
+        )
+    return f"{made} went unused: no compiled configuration was left to replay."
 
 
 def _rode_words(rode: tuple[Variant, Confirmed], winner: Variant, found: Confirmed) -> str:

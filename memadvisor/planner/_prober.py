@@ -145,9 +145,10 @@ class Prober:
         # What a measured stage is doing, said before each run's batch on the progress line
         # ("compiling candidate 2/4 (...)"); '' says the stage's name.
         self.doing = ""
-        # A run to make at once with a measured stage's batch search's first device run
-        # (PickStage.confirm's ``beside``: the compile stage's static form), then None.
-        self.beside: Candidate | None = None
+        # Runs to make at once with a measured stage's batch search's first device run
+        # (PickStage.confirm's ``beside``: the compile stage's static form, the CUDA graphs'
+        # first round), then none.
+        self.beside: list[Candidate] = []
 
     def run(
         self, candidate: Candidate, steps: int, stage: str, shorter_fits: bool = False
@@ -459,13 +460,13 @@ class Prober:
             return measured
         partner = self._partner(candidate, after, floor)
         beside = self._beside(candidate)
-        if beside is not None and self.device.capabilities.concurrent_runs < 3:
-            partner = None  # the run beside saves a compile; a partner, a run that ran out
-        if partner is None and beside is None:
+        if beside and self.device.capabilities.concurrent_runs < 2 + len(beside):
+            partner = None  # a run beside saves a compile; a partner, a run that ran out
+        if partner is None and not beside:
             return self.run(candidate, self.steps, stage, shorter_fits=True)
         # A partner's run counts where the search asks for it; the run beside, never.
         self._spend(1, candidate)
-        group = [candidate, *([partner] if partner else []), *([beside] if beside else [])]
+        group = [candidate, *([partner] if partner else []), *beside]
         batches = ", ".join(str(c.batch_size) for c in group)
         self._describe(f"{doing}: batches {batches} running at once")
         answers = probe_many(self.device, self.workload, group, self.steps, stage=stage)
@@ -474,26 +475,29 @@ class Prober:
             ahead[partner.batch_size] = (answers[1][0], answers[1][1])
         if record is not None:
             self._keep(candidate, self.steps, record, measured, doing)
-        if beside is not None:
-            self.beside = None  # made once; a run that failed otherwise is asked for again
-            beside_record, beside_measured, _ = answers[-1]
-            if beside_record is not None:
-                self._keep(beside, self.steps, beside_record, beside_measured, doing)
+        if beside:
+            self.beside = []  # made once; a run that failed otherwise is asked for again
+            for other, (other_record, other_measured, _) in zip(
+                beside, answers[len(group) - len(beside) :], strict=True
+            ):
+                if other_record is not None:
+                    self._keep(other, self.steps, other_record, other_measured, doing)
         if record is None:
             assert error is not None
             raise error
         return measured
 
-    def _beside(self, candidate: Candidate) -> Candidate | None:
-        """:attr:`beside` where it is to go with ``candidate``'s run: a device of runs at
-        once, and not answered by an earlier run (then it is dropped: nothing to make)."""
-        beside = self.beside
-        if beside is None or not self._at_once() or beside == candidate:
-            return None
-        if self._known(beside, self.steps)[0]:
-            self.beside = None
-            return None
-        return beside
+    def _beside(self, candidate: Candidate) -> list[Candidate]:
+        """Those of :attr:`beside` to go with ``candidate``'s run: on a device of runs at
+        once, those not ``candidate`` nor answered by an earlier run, as many as it makes
+        beside ``candidate``'s (none: nothing to make, and :attr:`beside` is emptied)."""
+        if not self.beside or not self._at_once():
+            return []
+        room = max(0, self.device.capabilities.concurrent_runs - 1)
+        left = [c for c in self.beside if c != candidate and not self._known(c, self.steps)[0]]
+        if not left:
+            self.beside = []
+        return left[:room]
 
     def _pairing_pays(self, choices: dict[str, JsonValue]) -> bool:
         """Whether a probe of ``choices`` is worth a partner: where their largest known fit

@@ -57,7 +57,7 @@ class ProberStage(PickStage):
         within: float = 0.0,
         floor_from: dict[str, JsonValue] | None = None,
         ceiling: int | None = None,
-        beside: tuple[dict[str, JsonValue], int] | None = None,
+        beside: Sequence[tuple[dict[str, JsonValue], int]] = (),
     ) -> Confirmed | None:
         """``choices``' batch search from ``start_batch``, logged under this stage's name.
 
@@ -76,7 +76,8 @@ class ProberStage(PickStage):
         With ``max_runs``, a search that would run more answers from the runs made so far:
         the largest batch of ``choices`` that fitted within the limit, below every failure.
         ``within`` and ``ceiling`` are :func:`~memadvisor.planner._probe.find_batch`'s;
-        ``beside`` goes with the search's first device run (``Prober.beside``).
+        ``beside`` goes with the search's first device run (``Prober.beside``), as far as
+        the device makes runs at once.
         """
         space = self._prober.space
         candidate = Candidate(batch_size=max(1, start_batch), choices=choices)
@@ -88,8 +89,7 @@ class ProberStage(PickStage):
         )
         self._prober.runs_left, self._prober.within = max_runs, within
         self._prober.ceiling = ceiling
-        if beside is not None:
-            self._prober.beside = Candidate(batch_size=max(1, beside[1]), choices=beside[0])
+        self._prober.beside = [Candidate(batch_size=max(1, b), choices=c) for c, b in beside]
         try:
             ref = like if like is not None else self._reference
             return self._search(scored, ref, floor_from)
@@ -97,7 +97,8 @@ class ProberStage(PickStage):
             return self._best_measured(scored)
         finally:
             self._prober.runs_left, self._prober.within = None, 0.0
-            self._prober.ceiling = self._prober.beside = None
+            self._prober.ceiling = None
+            self._prober.beside = []
 
     def _search(
         self,
