@@ -205,9 +205,18 @@ def first_round(
     graphs at 126 and 201 (22.4 s). Made beside it, the graphs step finds them made
     (``PickStage.run_many`` answers a run made already)."""
     graphs = _graphs_choices(settings, choices, host_share(measured))
-    if graphs is None:
+    if graphs is None or _made(stage, graphs):  # one bet per graphs form: the first made
         return []
     return [(graphs, b) for b in _first_batches(stage, settings, batch)]
+
+
+def _made(stage: PickStage, choices: dict[str, JsonValue]) -> dict[int, bool]:
+    """The runs of ``choices`` the stage made: whether each batch held."""
+    return {
+        p.batch_size: p.fits
+        for p in stage.probes
+        if p.candidate is not None and p.candidate.choices == choices
+    }
 
 
 def is_graphs(choices: dict[str, JsonValue]) -> bool:
@@ -261,6 +270,9 @@ def _largest(
     held it is the answer unless the line allows 5% more). ``like``: the confirmed
     pick whose batch, where the search comes to it, is known to hold its bytes
     (``PickStage.confirm``)."""
+    made = _made(stage, choices)
+    if made:  # made ahead, beside a static run (first_round), maybe at another pick's batch
+        return _from_made(stage, settings, choices, batch, like, fixed_bytes, made)
     first_batches = _first_batches(stage, settings, batch)
     start = first_batches[0]
     if len(first_batches) == 2:
@@ -284,6 +296,40 @@ def _largest(
     # With no run left, each confirm answers from the runs made (the first, where it held).
     left = settings.graphs_runs - 1
     return _after_first(stage, choices, like, first, start, fixed_bytes, left, batch)
+
+
+def _from_made(
+    stage: PickStage,
+    settings: CompileSearch,
+    choices: dict[str, JsonValue],
+    batch: int,
+    like: Confirmed,
+    fixed_bytes: int,
+    made: dict[int, bool],
+) -> Confirmed | None:
+    """:func:`_largest` from the graphs runs ``made`` ahead (``first_round``: by batch,
+    whether it held), in at most ``settings.graphs_runs`` runs more: the largest that held
+    at or below ``batch`` is the first run, the search capped below the lowest that ran out;
+    where none held, from half of that one.
+
+    Why: they went beside the static run of the candidate that led by its line, at its
+    predicted batch; where its confirmation moved the batch (the fake device's leader from
+    259 to 310), they still bound and aim the graphs' search, and a second round of bets at
+    the new batch would be runs spent twice."""
+    out = [b for b, held in made.items() if not held]
+    cap = min([batch, *(b - 1 for b in out)])
+    held = [b for b, ok in made.items() if ok and b <= cap]
+    left = settings.graphs_runs
+    if cap < 1:
+        return None
+    if not held:
+        low = min(out)
+        return stage.confirm(choices, max(1, low // 2), like=like, max_runs=left, ceiling=low - 1)
+    start = max(held)
+    first = stage.run(choices, start)  # answered: it was made
+    if start == cap:
+        return stage.confirm(choices, start, like=like, max_runs=left, ceiling=start)
+    return _after_first(stage, choices, like, first, start, fixed_bytes, left, cap)
 
 
 def _after_first(

@@ -739,6 +739,10 @@ class _Asked:
         return self.number[id(v)], self.total
 
 
+#: A candidate's CUDA graphs' first round: (choices, batch) runs (Search.graphs_ahead).
+_GraphsAhead = Callable[["Variant"], list[tuple[dict[str, JsonValue], int]]]
+
+
 class Search:
     """The passes over the candidates, counting the stage's device runs and time."""
 
@@ -754,8 +758,15 @@ class Search:
         # Pass-1 runs retried at half their batch in their own process: not the search's.
         self.free_retries = 0
         # Runs of the pick's CUDA-graphs form (strategies/_compile_graphs.py), made after the
-        # search within CompileSearch.graphs_runs: not the search's.
+        # search within CompileSearch.graphs_runs, or ahead of it beside a static run (pass
+        # 2's riders, the confirmation's, the pick's static run): not the search's.
         self.graphs_runs = 0
+        # The CUDA graphs' first round for a candidate's static form at its predicted batch,
+        # where its largest run waited on the host ([] where not, and by default): set by the
+        # compile stage (_compile_graphs.first_round), which this module may not import.
+        self.graphs_ahead: _GraphsAhead = lambda v: []
+        # The graphs choices riding with pass 2 (counted as graphs runs, not static ones).
+        self.graphs_riding: list[dict[str, JsonValue]] = []
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
         # Pass 2's riders (_static_riders): those sent, "label at batch"; and why a near
@@ -1118,10 +1129,13 @@ class Search:
                 self._run(v, batch, *ask.of(v), retry=retry)
                 continue
             riding = ""
-            if extra:
-                batches = ", ".join(str(b) for _, b in extra)
-                forms = "form at batch" if len(extra) == 1 else "forms at batches"
-                riding = f"; the static {forms} {batches}"
+            statics = [b for c, b in extra if c not in self.graphs_riding]
+            graphs = [b for c, b in extra if c in self.graphs_riding]
+            if statics:
+                forms = "form at batch" if len(statics) == 1 else "forms at batches"
+                riding = f"; the static {forms} {', '.join(str(b) for b in statics)}"
+            if graphs:
+                riding += f"; CUDA graphs at batch {', '.join(str(b) for b in graphs)}"
             self.stage.describe(
                 f"compiling candidates {', '.join(str(ask.of(v)[0]) for v, _ in group)}"
                 f"/{ask.total} at once ({'; '.join(v.label for v, _ in group)}{riding})"
@@ -1132,8 +1146,15 @@ class Search:
                 [(v.choices, batch) for v, batch in group] + extra,
                 retry_at=halves + [None] * len(extra) if any(halves) else None,
             )
+            counted: list[dict[str, JsonValue]] = []
             for choices, _ in extra:
-                self.static_runs += self._made_since(before, choices)
+                if choices in counted:  # two graphs riders share their choices
+                    continue
+                counted.append(choices)
+                if choices in self.graphs_riding:
+                    self.graphs_runs += self._made_since(before, choices)
+                else:
+                    self.static_runs += self._made_since(before, choices)
             for (v, batch), answer, half in zip(group, answers[: len(group)], halves, strict=True):
                 self._take_retried(v, batch, answer, half, before)
             self._again_static(group)
@@ -1229,6 +1250,18 @@ class Search:
             riders.append((v.static_choices, v.fit.largest_batch))
             self.riders.append(f"{v.label} at {v.fit.largest_batch}")
             self.rode.add(id(v))
+        # The leader's CUDA graphs' first round too, where its runs waited on the host and
+        # its static form is in the group (a rider, or its own pass-2 run where it is
+        # searched static): the graphs step finds them made where the leader is the pick at
+        # that batch (the GPT example on an H200, session 31 call 2: pass 2's 22.9 s round,
+        # then the graphs' 20.8 s round alone).
+        if by_rate and (id(leader) in self.rode or not is_dynamic(leader.form)):
+            graphs = self.graphs_ahead(leader)[: max(0, room - len(riders))]
+            if graphs:
+                riders.extend(graphs)
+                self.graphs_riding.append(graphs[0][0])
+                batches = ", ".join(str(b) for _, b in graphs)
+                self.riders.append(f"CUDA graphs of {leader.label} at {batches}")
         return riders
 
     def rode_past(

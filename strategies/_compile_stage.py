@@ -199,6 +199,7 @@ def compiled_pick(
     scope = contextlib.nullcontext(cache) if cache is not None else shared_compile_cache(cache_dir)
     with stage.progress(), scope as shared:
         search = Search(stage, settings, eager_best)
+        search.graphs_ahead = lambda v: _graphs_ahead(stage, settings, v)
         trials: dict[str, _Trial] = {}
         later: list[_StaticLater] = []
 

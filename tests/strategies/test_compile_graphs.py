@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.plan import Probe
 from memadvisor.strategy import Confirmed
 from strategies._compile_graphs import GRAPHS_MODE, Graphs, graphs_form, graphs_words, host_share
 
@@ -85,6 +86,7 @@ class _Stage:
 
     limit_bytes = 1000
     concurrent_runs = 1
+    probes = ()  # no graphs run made ahead (first_round)
 
     def __init__(self, first: Measurement | None) -> None:
         self.first, self.confirms = first, []
@@ -224,3 +226,56 @@ def test_where_runs_go_at_once_the_graphs_guess_goes_with_the_first_run(
     assert stage.many == [[50, 80]]
     [(got, kwargs)] = stage.confirms
     assert got == start and kwargs["ceiling"] == ceiling and kwargs["max_runs"] == max_runs
+
+
+class _Made(_Stage):
+    """A stage whose probes hold graphs runs made ahead (first_round): ``made`` by batch,
+    whether it held; run answers the one that held (as the prober answers a run made)."""
+
+    def __init__(self, made: dict[int, bool]) -> None:
+        super().__init__(_held(100 + 50 * 12))
+        self.ran: list[int] = []
+        self.probes = tuple(
+            Probe(
+                batch_size=b,
+                fits=ok,
+                steps=5,
+                candidate=Candidate(batch_size=b, choices={"compile": GRAPHS_MODE}),
+            )
+            for b, ok in made.items()
+        )
+
+    def run(self, choices, batch):
+        self.ran.append(batch)
+        return self.first
+
+
+@pytest.mark.parametrize(
+    ("made", "start", "ceiling"),
+    [
+        # 50 held (line: 100 fixed + 12 a sample reserved, 75 within 1000): from 75.
+        ({50: True}, 75, 75),
+        # 50 held, 70 ran out: the line's 75 capped below the failure.
+        ({50: True, 70: False}, 69, 69),
+        # Only a failure at 60: from half of it, below it.
+        ({60: False}, 30, 59),
+    ],
+)
+def test_graphs_runs_made_ahead_are_the_graphs_searchs_first_round(
+    made: dict[int, bool], start: int, ceiling: int
+) -> None:
+    """Rule: where the graphs' first round was made ahead, beside a static run at another
+    batch than the pick's (the leader's confirmation moved), the graphs search makes no first
+    round of its own: the largest of those runs that held is its first run, the search capped
+    below the lowest that ran out, and aimed by the line through it; where none held, from
+    half of the failure, below it. No run at START_SHARE of the pick's batch is made."""
+    from strategies._compile_graphs import _largest
+    from strategies._compile_search import CompileSearch
+
+    stage = _Made(made)
+    _largest(stage, CompileSearch(), {"compile": GRAPHS_MODE}, 100, _pick(batch=100), 100)
+    held = [b for b, ok in made.items() if ok]
+    assert stage.ran == ([max(held)] if held else [])
+    [(first, kwargs)] = stage.confirms
+    assert first == start and kwargs["ceiling"] == ceiling
+    assert kwargs["max_runs"] == CompileSearch().graphs_runs
