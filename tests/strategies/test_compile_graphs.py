@@ -141,19 +141,19 @@ class _Found(_Stage):
 
 @pytest.mark.parametrize(
     ("ratio", "against_eager", "wins"),
-    [(0.96, False, True), (0.93, False, False), (1.0, True, False), (1.04, True, True)],
+    [(0.92, False, True), (0.88, False, False), (1.0, True, False), (1.04, True, True)],
 )
 def test_graphs_match_a_host_bound_compiled_pick_within_the_tie_but_must_pay_against_eager(
     ratio: float, against_eager: bool, wins: bool
 ) -> None:
     """Rule: against a compiled pick that waited on the host, graphs are the pick at
-    HOST_BOUND_TIE (0.95) of its rate or more (the compile is paid either way, and the
+    HOST_BOUND_TIE (0.90) of its rate or more (the compile is paid either way, and the
     host-bound rate is the host's); against the eager pick they must beat it by MIN_SPEEDUP
     (1.03), as any compile must."""
     from strategies._compile_graphs import HOST_BOUND_TIE, graphs_pick
     from strategies._compile_search import CompileSearch
 
-    assert HOST_BOUND_TIE == 0.95
+    assert HOST_BOUND_TIE == 0.90
     pick = _pick(step_ms=10.0, host_ms=9.9, batch=100)  # 10,000 samples/s
     eager = Confirmed(
         candidate=Candidate(batch_size=100, choices={}),
@@ -172,7 +172,7 @@ def test_graphs_match_a_host_bound_compiled_pick_within_the_tie_but_must_pay_aga
     assert got.tried and got.found is found and got.wins is wins
     assert got.against == ("eager" if against_eager else "compiled")
     words = graphs_words(got, pick, 2, eager if against_eager else None)
-    assert ("within 5% of a rate that is the host's" in words) is (wins and ratio < 1)
+    assert ("within 10% of a rate that is the host's" in words) is (wins and ratio < 1)
 
 
 class _AtOnce(_Stage):
