@@ -285,7 +285,7 @@ def _largest(
     (``PickStage.confirm``)."""
     made = _made(stage, choices)
     if made:  # made ahead, beside a static run (first_round), maybe at another pick's batch
-        return _from_made(stage, settings, choices, batch, like, fixed_bytes, made)
+        return _from_made(stage, choices, made, batch, like, fixed_bytes, settings.graphs_runs)
     first_batches = _first_batches(stage, settings, batch)
     start = first_batches[0]
     if len(first_batches) == 2:
@@ -313,15 +313,15 @@ def _largest(
 
 def _from_made(
     stage: PickStage,
-    settings: CompileSearch,
     choices: dict[str, JsonValue],
+    made: dict[int, bool],
     batch: int,
     like: Confirmed,
     fixed_bytes: int,
-    made: dict[int, bool],
+    left: int,
 ) -> Confirmed | None:
     """:func:`_largest` from the graphs runs ``made`` ahead (``first_round``: by batch,
-    whether it held), in at most ``settings.graphs_runs`` runs more: the largest that held
+    whether it held), in at most ``left`` runs more: the largest that held
     at or below ``batch`` is the first run, the search capped below the lowest that ran out;
     where none held, from half of that one.
 
@@ -332,7 +332,6 @@ def _from_made(
     out = [b for b, held in made.items() if not held]
     cap = min([batch, *(b - 1 for b in out)])
     held = [b for b, ok in made.items() if ok and b <= cap]
-    left = settings.graphs_runs
     if cap < 1:
         return None
     if not held:
