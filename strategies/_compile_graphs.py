@@ -103,7 +103,6 @@ __all__ = [
     "graphs_form",
     "graphs_pick",
     "host_share",
-    "is_graphs",
 ]
 
 #: torch.compile's mode that replays the step as CUDA graphs and keeps no autotuning.
@@ -232,12 +231,6 @@ def _made(stage: PickStage, choices: dict[str, JsonValue]) -> dict[int, bool]:
     }
 
 
-def is_graphs(choices: dict[str, JsonValue]) -> bool:
-    """Whether ``choices`` compile in :data:`GRAPHS_MODE`."""
-    parsed = parse_choice(choices.get(COMPILE))
-    return parsed is not None and parsed.mode == GRAPHS_MODE
-
-
 def _graphs_choices(
     settings: CompileSearch, choices: dict[str, JsonValue], share: float | None
 ) -> dict[str, JsonValue] | None:
@@ -280,9 +273,10 @@ def _largest(
     hold more than the form they replay), and the batch search descends from there no lower
     than that run; where it ran out, the search starts at half of it (where the device makes
     runs at once, a run at :data:`GUESS_SHARE` of ``batch`` goes with the first; where it
-    held it is the answer unless the line allows 5% more). ``like``: the confirmed
-    pick whose batch, where the search comes to it, is known to hold its bytes
-    (``PickStage.confirm``)."""
+    held it is the answer unless the line allows 5% more). Where graphs runs of ``choices``
+    were made ahead (:func:`first_round`), they are that first round (:func:`_from_made`).
+    ``like``: the confirmed pick whose batch, where the search comes to it, is known to hold
+    its bytes (``PickStage.confirm``)."""
     made = _made(stage, choices)
     if made:  # made ahead, beside a static run (first_round), maybe at another pick's batch
         return _from_made(stage, choices, made, batch, like, fixed_bytes, settings.graphs_runs)

@@ -232,13 +232,13 @@ def compiled_pick(
             # run where the device makes runs at once (Search.confirm's static_beside).
             # And the CUDA graphs' first round with it, where the winner's largest run
             # waited on the host: the bet the static form makes, that the batch holds.
-            beside = not differs and not direct
+            static_along = not differs and not direct
             found = search.confirm(
                 winner,
                 FINAL_FORM_RUNS if differs else 0,
                 static=direct,
-                static_beside=beside,
-                graphs_beside=_graphs_ahead(stage, settings, winner) if beside else (),
+                static_beside=static_along,
+                graphs_beside=_graphs_ahead(stage, settings, winner) if static_along else (),
             )
             # A line from one run can promise more than its confirmation finds, below what
             # another candidate already measured: that one is confirmed too (from its runs
@@ -401,13 +401,15 @@ def _graphs_ahead(
 
 
 def _unused_graphs_words(runs: int, graphs: Graphs | None) -> str:
-    """Why the CUDA graphs runs made beside the static form's run (``first_round``) went
-    unused: the pick's own run did not wait on the host, or there was no pick to replay."""
+    """Why the CUDA graphs runs made ahead beside a static run (``first_round``) went
+    unused: the pick's own run was not replayed as graphs (it did not wait on the host as
+    the leader's runs had), or there was no compiled configuration to replay."""
     made = f"{runs} CUDA graphs run{'s' if runs != 1 else ''} made beside the static form's run"
     if graphs is not None and graphs.host_share is not None:
         return (
-            f"{made} went unused: its searched run waited on the host, its static run "
-            f"{graphs.host_share:.0%} of a step, so graphs were not tried."
+            f"{made} went unused: the leader's runs had waited on the host, but the pick's "
+            f"own run took {graphs.host_share:.0%} of its step to launch it and was not "
+            "replayed as graphs."
         )
     return f"{made} went unused: no compiled configuration was left to replay."
 
