@@ -325,12 +325,11 @@ def _from_made(
     the new batch would be runs spent twice."""
     out = [b for b, held in made.items() if not held]
     cap = min([batch, *(b - 1 for b in out)])
-    held = [b for b, ok in made.items() if ok and b <= cap]
     if cap < 1:
         return None
-    if not held:
-        low = min(out)
-        return stage.confirm(choices, max(1, low // 2), like=like, max_runs=left, ceiling=low - 1)
+    held = [b for b, ok in made.items() if ok and b <= cap]
+    if not held:  # as a first run that ran out, at the lowest that did
+        return _after_first(stage, choices, like, None, min(out), fixed_bytes, left, cap)
     start = max(held)
     first = stage.run(choices, start)  # answered: it was made
     if start == cap:
