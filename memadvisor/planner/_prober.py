@@ -388,9 +388,10 @@ class Prober:
             return self.space.batch_reaching(choices, batch, aim - m.limit_bytes)
 
         upper = self.space.upper_batch(scored)
+        ceiling = self._ceiling_below_failure(choices)
         found = find_batch(
             fits,
-            scored.largest_batch,
+            scored.largest_batch if ceiling is None else min(scored.largest_batch, ceiling),
             upper,
             cfg.margin_fraction,
             cfg.max_batch,
@@ -403,10 +404,34 @@ class Prober:
             descend=cfg.measured_margin,
             floor=floor,
             within=self.within,
-            ceiling=self.ceiling,
+            ceiling=ceiling,
             next_if_out=next_if_out.__setitem__ if self._at_once() else None,
         )
         return found, measured
+
+    def _ceiling_below_failure(self, choices: dict[str, JsonValue]) -> int | None:
+        """The highest batch of ``choices`` a search may run: :attr:`ceiling`, or where a run
+        of them ran out before the search, the margin :meth:`below` it if lower (None: no
+        bound).
+
+        Why: the pick is never above the margin under the lowest failure (find_batch's
+        ``cap``), so a probe above it is a run the pick cannot take. t5_base's compiled
+        confirmation on an H200 (session 32) started at 54 after 57 had run out, ran 54 and
+        55 (fits, 29.1 and 26.9 s), then, with the margin below 57 at 53 and its runs spent,
+        kept 39 from pass 1: 180.6 samples/s where 54 had run 221. Bounded, 54's fit ends
+        the search and is the pick, its run the measurement.
+
+        Known limitations: the bound is the margin the runs made before the search measure,
+        fixed for the search. Its own fits would move it, a sample or a few either way (a
+        fit near the failure measures a sample's bytes there, or the climb to the failure),
+        and asked again after each fit the bound moved up and down: t5_base's would have
+        been 54 from 39's fit, 56 after 54's, 53 after 55's. Fixed, the search ends at the
+        first fit at the bound, and that fit is the pick."""
+        _, failure = self.measured_runs(choices)
+        if failure is None:
+            return self.ceiling
+        cap = max(1, self.below(choices, failure))
+        return cap if self.ceiling is None else min(self.ceiling, cap)
 
     def _at_once(self) -> bool:
         """Whether the device makes several runs at once."""

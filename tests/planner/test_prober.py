@@ -361,3 +361,36 @@ def test_a_batch_out_of_memory_by_the_allocators_retries_answers_larger_batches_
     # A smaller batch, or other choices, still runs.
     assert prober.run(Candidate(batch_size=29, choices=BF16), steps, "compile") is not None
     assert [b for b, _, _ in device.calls] == [29]
+
+
+@pytest.mark.parametrize(("ran_out_at", "below_by"), [(34, 1), (35, 3), (36, 3)])
+def test_a_search_after_a_failure_runs_no_batch_above_the_margin_below_it(
+    strategies, workload, ran_out_at: int, below_by: int
+) -> None:
+    """Rule: where a batch of the choices ran out before the search (a compiled pass-2 run,
+    then the winner's confirmation), no probe goes above the margin below it (``below``,
+    measured before the search), and a fit at that margin ends the search as the pick, its
+    run the measurement. Above it a fit is a run the pick cannot take: t5_base's compiled
+    confirmation on an H200 ran 54 and 55 after 57 had run out, its runs were spent, and it
+    kept 39 from pass 1 (180.6 samples/s where 54 had run 221)."""
+    profile = make_profile(param_mib=20)
+    budget = 160 * MIB
+    device = RetriesDevice(profile, strategies, budget, retries_from=ran_out_at)
+    config = PlanConfig(budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4)
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    assert prober.run(Candidate(batch_size=20, choices=BF16), prober.steps, "probe") is not None
+    assert prober.run(Candidate(batch_size=ran_out_at, choices=BF16), prober.steps, "x") is None
+    bound = prober.below(BF16, ran_out_at)
+    assert 20 < bound < ran_out_at
+    del device.calls[:]
+    start = Candidate(batch_size=bound - below_by, choices=BF16)
+    scored = Scored(
+        candidate=start, estimate=estimate(profile, start, strategies),
+        largest_batch=start.batch_size, active=1,
+    )  # fmt: skip
+    prober.runs_left = 2  # a compiled confirmation's runs are bounded
+    found = prober.confirm(scored, "compile", floor=20)
+    tried = [b for b, _, _ in device.calls]
+    assert max(tried) <= bound, (tried, bound)
+    assert found is not None and found.candidate.batch_size == bound, (found, tried)
+    assert found.measured.steps == prober.steps
