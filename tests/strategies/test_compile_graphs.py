@@ -279,3 +279,38 @@ def test_graphs_runs_made_ahead_are_the_graphs_searchs_first_round(
     [(first, kwargs)] = stage.confirms
     assert first == start and kwargs["ceiling"] == ceiling
     assert kwargs["max_runs"] == CompileSearch().graphs_runs
+
+
+@pytest.mark.parametrize(
+    ("host_ms", "choice", "said"),
+    [
+        (7.8, "default", True),  # 78% of the step: under the 0.8 bar, said
+        (4.0, "default", False),  # 40%: under SAID_SHARE, the card's step: nothing said
+        (7.8, {"mode": "default", "dynamic_batch": True}, False),  # no graphs form: not the bar
+    ],
+)
+def test_a_pick_under_the_host_bar_says_the_hosts_share_and_how_to_try_graphs(
+    host_ms: float, choice, said: bool
+) -> None:
+    """Rule: where graphs were not tried only because the pick's host share was under
+    CompileSearch.host_bound_share, and it was SAID_SHARE (half the step) or more, the summary
+    says the share, the bar, that a slower host's loop may run below the rate, and the
+    setting that tries graphs; nothing where the share was lower, or where the pick has no
+    graphs form (the bar did not decide). The GPT example's pick read 0.78 on an H200 and its
+    loop ran 0.87 of the verified rate (session 32)."""
+    from strategies._compile_graphs import SAID_SHARE, graphs_pick
+    from strategies._compile_search import CompileSearch
+
+    settings = CompileSearch()
+    assert SAID_SHARE <= host_ms / 10.0 < settings.host_bound_share or not said
+    candidate = Candidate(batch_size=100, choices={"compile": choice})
+    pick = Confirmed(candidate=candidate, found_batch=100, measured=_measured(10.0, host_ms))
+    stage = _Stage(None)
+    got = graphs_pick(stage, settings, pick, "throughput", 0, None)
+    assert not got.tried and not hasattr(stage, "batch")  # nothing ran
+    words = graphs_words(got, pick, 0)
+    if said:
+        assert "7.8 ms of its 10.0 ms step to launch it (78%), under the 80%" in words
+        assert "host_bound_share" in words
+    else:
+        assert words == ""
