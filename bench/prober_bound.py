@@ -16,6 +16,7 @@ Known limitations: one fake model (tests/planner/conftest.py's ``make_profile(20
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -36,12 +37,12 @@ from tests.planner.conftest import (  # noqa: E402
 from tests.planner.test_prober import BF16, RetriesDevice  # noqa: E402
 
 
-def sweep() -> list[tuple[int, int, int, str, list[int]]]:
+def sweep(failures: range) -> list[tuple[int, int, int, str, list[int]]]:
     """(failure, margin below it, start, pick or 'spent', batches run) per case."""
     strategies = [FakePrecision(), FakeCheckpointing()]
     workload, profile, budget = tiny_workload(), make_profile(param_mib=20), 160 * MIB
     rows = []
-    for failure in range(33, 40):
+    for failure in failures:
         for offset in (-3, -1, 0, 1):
             device = RetriesDevice(profile, strategies, budget, retries_from=failure)
             config = PlanConfig(budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4)
@@ -66,7 +67,11 @@ def sweep() -> list[tuple[int, int, int, str, list[int]]]:
 
 
 def main() -> None:
-    rows = sweep()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--failures", default="33-39", help="the failing batches, FIRST-LAST")
+    args = parser.parse_args()
+    first, last = (int(x) for x in args.failures.split("-"))
+    rows = sweep(range(first, last + 1))
     print(f"{'failure':>7}  {'margin':>6}  {'start':>5}  {'pick':>5}  runs")
     for failure, margin, start, pick, runs in rows:
         print(f"{failure:>7}  {margin:>6}  {start:>5}  {pick:>5}  {runs}")

@@ -47,6 +47,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     "fake_7b": ["--preset", "tiny", "--seq-len", "64"],
     "precision_check": ["--device", "cpu", "--tiny", "--models", "gpt2", "--out", OUT],
     "probe_exit": ["--repeat", "1", "--linger-s", "1"],
+    "prober_bound": ["--failures", "35-35"],
     "loss_head": [
         [
             "peaks", "--batches", "2", "--precisions", "fp32", "--chunks", "off", "8",
