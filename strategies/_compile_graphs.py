@@ -382,14 +382,17 @@ def _line_aim(
 
 def _under_bar_words(share: float, bar: float, measured: Measurement) -> str:
     """The host's share of the pick's step where it was under ``bar`` but at least
-    :data:`SAID_SHARE` of it; '' below that.
+    :data:`SAID_SHARE` of it; '' below that. (The bar is ``CompileSearch.host_bound_share``,
+    a setting of the strategy's search that ``memadvisor.plan`` does not take: no advice to
+    change it is given.)
 
     Why: such a step is the host's in good part, and a loop on a slower or busier host runs
     below the verified rate. The GPT example's compiled pick on an H200 read 0.78 (session
     32 call 1), under the 0.8 bar, and its loop after the plan ran 0.87 of the verified rate
     (its steps' median 0.93), where the graphs picks of the same call ran 0.98 and 1.01. The
     bar stays: t5_base's pick read 0.79, and its graphs, tried at a 0.7 bar, ran 0.80x the
-    default mode's rate for 68 s more of plan (session 32 call 2, docs/design.md)."""
+    default mode's rate, a round of their compiles (29.7 s) alone (session 32 call 2,
+    docs/design.md)."""
     if share < SAID_SHARE:
         return ""
     assert measured.host_ms is not None
@@ -397,8 +400,7 @@ def _under_bar_words(share: float, bar: float, measured: Measurement) -> str:
         f"The compiled pick took {fmt_ms(measured.host_ms)} of its {fmt_ms(measured.step_ms)} "
         f"step to launch it ({share:.0%}), under the {bar:.0%} at which CUDA graphs "
         f"({GRAPHS_MODE} mode) are tried: the host set part of that rate, and a loop on a "
-        "slower or busier host may run below it; CompileSearch(host_bound_share=...) tries "
-        "graphs at a lower share."
+        "slower or busier host may run below it."
     )
 
 
