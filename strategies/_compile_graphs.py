@@ -185,8 +185,13 @@ def graphs_pick(
     share = host_share(pick.measured)
     choices = _graphs_choices(settings, pick.candidate.choices, share)
     if choices is None:
-        # Under the bar alone where a share at it would have tried them: the summary says so.
-        under = share is not None and _graphs_choices(settings, pick.candidate.choices, 1.0)
+        # Under the bar alone where a share at it would have tried them: the summary says so
+        # of a compiled pick (against eager, the pick is eager's and the share not its own).
+        under = (
+            beaten == "compiled"
+            and share is not None
+            and _graphs_choices(settings, pick.candidate.choices, 1.0) is not None
+        )
         bar = settings.host_bound_share if under else None
         return Graphs(host_share=share, tried=False, against=beaten, bar=bar)
     batch = pick.candidate.batch_size
@@ -407,10 +412,11 @@ def _under_bar_words(share: float, bar: float, measured: Measurement) -> str:
 def graphs_words(
     graphs: Graphs, pick: Confirmed, runs: int, against: Confirmed | None = None
 ) -> str:
-    """The graphs step in a sentence for the compile stage's summary; '' where the card was
-    busy through the step (or the host's share was not recorded). ``against``: the eager
-    pick, where graphs had to beat it (``graphs.against`` is then "eager",
-    :func:`graphs_pick`)."""
+    """The graphs step in a sentence for the compile stage's summary; where graphs were not
+    tried for a compiled pick's host share alone, that share (:func:`_under_bar_words`); ''
+    where the card was busy through the step (or the host's share was not recorded).
+    ``against``: the eager pick, where graphs had to beat it (``graphs.against`` is then
+    "eager", :func:`graphs_pick`)."""
     if not graphs.tried and graphs.bar is not None and graphs.host_share is not None:
         return _under_bar_words(graphs.host_share, graphs.bar, pick.measured)
     if not graphs.tried or graphs.host_share is None:

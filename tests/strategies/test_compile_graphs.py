@@ -314,3 +314,8 @@ def test_a_pick_under_the_host_bar_says_the_hosts_share_and_that_a_slower_host_m
         assert "a loop on a slower or busier host may run below it" in words
     else:
         assert words == ""
+    # Against the eager pick (compiling did not pay), the pick is eager's: nothing said.
+    eager = Confirmed(candidate=Candidate(batch_size=100, choices={}), found_batch=100,
+                      measured=_measured(10.0, 9.0))  # fmt: skip
+    got = graphs_pick(_Stage(None), settings, pick, "throughput", 0, eager)
+    assert got.against == "eager" and graphs_words(got, pick, 0, eager) == ""
