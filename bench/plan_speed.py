@@ -117,7 +117,13 @@ def _times_file(out: Path) -> Path:
 # -- the parent ------------------------------------------------------------------------------
 
 
-def _commit() -> str:
+def _commit(root: Path = ROOT) -> str:
+    """The commit the files that ran are: ``git describe --always --dirty``, and where dirty
+    the tree their content makes (``tree`` and its hash), which names the commit that ran
+    wherever one holds that content: ``git log --format='%h %T' | grep HASH``.
+
+    Why: the device tool's copy of a working tree kept a HEAD older than its files, and
+    session 32's rows read "22d47ff-dirty" for code two commits later (corrected by hand)."""
     try:
         done = subprocess.run(
             # --dirty: a copy of a working tree (the device tool's) whose HEAD is older than
@@ -125,11 +131,31 @@ def _commit() -> str:
             ["git", "describe", "--always", "--dirty"],
             capture_output=True,
             text=True,
-            cwd=ROOT,
+            cwd=root,
         )
-        return done.stdout.strip() or "unknown"
+        described = done.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+    if not described.endswith("-dirty"):
+        return described
+    tree = _worktree_tree(root)
+    return f"{described} tree {tree}" if tree else described
+
+
+def _worktree_tree(root: Path) -> str | None:
+    """The hash of the tree the working tree's files make (what ``git add -A`` then
+    ``git write-tree`` would give), through an index of its own: the repository's index and
+    HEAD are not touched (its object store gains the files' blobs). None where git fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        try:
+            for cmd in (["git", "add", "-A"], ["git", "write-tree"]):
+                done = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
+                if done.returncode != 0:
+                    return None
+        except OSError:
+            return None
+    return done.stdout.strip() or None
 
 
 def _pick(plan: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""bench/plan_speed.py's commit label: which code a row's plan ran."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+_ENV = {
+    "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1",
+}  # fmt: skip
+
+
+def _git(root: Path, *args: str) -> str:
+    env = {**os.environ, **_ENV}
+    done = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_dirty_copy_names_the_tree_its_files_make_and_leaves_the_index_alone(
+    load_bench, tmp_path: Path
+) -> None:
+    """Rule: where the working tree differs from HEAD (the device tool's copy kept an older
+    HEAD than its files), the label is git describe's "-dirty" and the hash of the tree the
+    files make, which is the tree of the commit that holds them; the repository's own index
+    is not changed. A clean tree is git describe's alone."""
+    plan_speed = load_bench("plan_speed")
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "one")
+    head = _git(tmp_path, "rev-parse", "--short", "HEAD").strip()
+    assert plan_speed._commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 1\n")  # untracked, not ignored: it ran too
+    label = plan_speed._commit(tmp_path)
+    assert label.startswith(f"{head}-dirty tree "), label
+    # The repository's index still says a.py is changed, not staged, and b.py untracked.
+    assert _git(tmp_path, "status", "--porcelain").splitlines() == [" M a.py", "?? b.py"]
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "two")
+    assert label.split(" tree ")[1] == _git(tmp_path, "rev-parse", "HEAD^{tree}").strip()
