@@ -185,12 +185,12 @@ def graphs_pick(
     share = host_share(pick.measured)
     choices = _graphs_choices(settings, pick.candidate.choices, share)
     if choices is None:
-        # Under the bar alone where a share at it would have tried them: the summary says so
-        # of a compiled pick (against eager, the pick is eager's and the share not its own).
+        # Under the bar alone where the pick has a graphs form: the summary says so of a
+        # compiled pick (against eager, the pick is eager's and the share not its own).
         under = (
             beaten == "compiled"
             and share is not None
-            and _graphs_choices(settings, pick.candidate.choices, 1.0) is not None
+            and _graphs_of(settings, pick.candidate.choices) is not None
         )
         bar = settings.host_bound_share if under else None
         return Graphs(host_share=share, tried=False, against=beaten, bar=bar)
@@ -252,13 +252,18 @@ def _graphs_choices(
     """``choices`` in :data:`GRAPHS_MODE`, where graphs are tried on a pick of them whose
     host took ``share`` of its step; None where not (switched off, below the share, not
     recorded, or not a static default-mode form)."""
+    if share is None or share < settings.host_bound_share:
+        return None
+    return _graphs_of(settings, choices)
+
+
+def _graphs_of(
+    settings: CompileSearch, choices: dict[str, JsonValue]
+) -> dict[str, JsonValue] | None:
+    """``choices`` in :data:`GRAPHS_MODE` whatever the host's share; None where graphs are
+    switched off or ``choices`` are not a static default-mode form."""
     form = graphs_form(choices.get(COMPILE))
-    if (
-        not settings.graphs_when_host_bound
-        or share is None
-        or share < settings.host_bound_share
-        or form is None
-    ):
+    if not settings.graphs_when_host_bound or form is None:
         return None
     return {**choices, COMPILE: form}
 
