@@ -13,6 +13,8 @@ a compile in another process slows a small model's timed steps (docs/design.md, 
 21).
 
     python bench/compile_cache.py --model gpt2 --runs 8:static,8:static,12:static,8:dynamic
+    python bench/compile_cache.py --model gpt --runs 8:dynamic,12:dynamic --choices \
+        '{"checkpointing": ["h.0", "h.1"], "compile": {"mode": "default", "regional": true}}'
 
 One JSON line per process on stdout (and appended to ``--json`` when given).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -58,6 +61,8 @@ def _child(
     from memadvisor.schema.candidate import Candidate
     from memadvisor.target import load_target
 
+    reasons = _BypassReasons()
+
     compile_choice = choices.get("compile", "default")
     if not isinstance(compile_choice, dict):
         compile_choice = {"mode": compile_choice}
@@ -83,6 +88,8 @@ def _child(
                 "graphs": counters.get("stats", {}).get("unique_graphs", 0),
                 "cache_hits": measured.compile_cache_hits,
                 "cache_misses": measured.compile_cache_misses,
+                "cache_bypasses": measured.compile_cache_bypasses,
+                "bypass_reasons": reasons.seen(),
                 # The allocator's own count of cudaMalloc failures it answered by freeing its
                 # cache and retrying: many a step is a step slowed near the cap.
                 "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries"),
@@ -92,6 +99,33 @@ def _child(
         ),
         flush=True,
     )
+
+
+class _BypassReasons(logging.Handler):
+    """Why inductor's FX graph cache and AOTAutograd's cache would not take a graph: the
+    reasons their loggers give at INFO ("Bypassing FX Graph Cache because ...", "Bypassing
+    autograd cache due to: ..."), each once, its first line, in the order they came.
+    Attached to those two loggers only, at INFO, so nothing else of torch's logging moves."""
+
+    LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.INFO)
+            logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "ypass" in text:
+            first = text.strip().splitlines()[0][:300]
+            if first not in self.reasons:
+                self.reasons.append(first)
+
+    def seen(self) -> list[str]:
+        return list(self.reasons)
 
 
 def main() -> None:
