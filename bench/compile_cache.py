@@ -45,6 +45,7 @@ def _child(
     choices: dict[str, Any],
     steps: int,
     budget_gib: float | None = None,
+    graphsafe_rng: bool = True,
 ) -> None:
     """One run as the planner's device makes it (``train_candidate``), the compile choice
     made dynamic in its batch (the compile search's form) or static (the user's); with
@@ -62,6 +63,13 @@ def _child(
     from memadvisor.target import load_target
 
     reasons = _BypassReasons()
+    if not graphsafe_rng:
+        # Checkpointed regions' random ops (dropout) recomputed by AOTAutograd's older RNG
+        # functionalization instead of the CUDA-graph-safe one, whose HOP torch 2.11's FX
+        # graph cache will not take (what --graphsafe-rng off measures).
+        import torch._functorch.config as functorch_config
+
+        functorch_config.graphsafe_rng_functionalization = False
 
     compile_choice = choices.get("compile", "default")
     if not isinstance(compile_choice, dict):
@@ -144,12 +152,22 @@ def main() -> None:
         action="store_true",
         help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as a plan's runs have",
     )
+    parser.add_argument(
+        "--graphsafe-rng",
+        choices=["on", "off"],
+        default="on",
+        help="AOTAutograd's CUDA-graph-safe RNG functionalization for checkpointed random "
+        "ops (torch._functorch.config.graphsafe_rng_functionalization; default on, torch's)",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     choices = json.loads(args.choices)
     if args.child:
         target, batch, mode = args.child
-        _child(target, int(batch), mode == "dynamic", choices, args.steps, args.budget_gib)
+        graphsafe = args.graphsafe_rng == "on"
+        _child(
+            target, int(batch), mode == "dynamic", choices, args.steps, args.budget_gib, graphsafe
+        )
         return
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="compile-cache-"))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
@@ -160,6 +178,7 @@ def main() -> None:
         batch, mode = run.split(":")
         cmd = [sys.executable, str(HERE), "--child", MODELS[args.model], batch, mode]
         cmd += ["--choices", args.choices, "--steps", str(args.steps)]
+        cmd += ["--graphsafe-rng", args.graphsafe_rng]
         if args.budget_gib is not None:
             cmd += ["--budget-gib", str(args.budget_gib)]
         started = time.perf_counter()
@@ -168,6 +187,7 @@ def main() -> None:
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         record = {"model": args.model, "run": run, "choices": choices, "wall_s": round(wall, 1)}
         record["expandable"] = args.expandable
+        record["graphsafe_rng"] = args.graphsafe_rng
         if lines:
             record |= json.loads(lines[-1][len("RESULT ") :])
         else:
