@@ -17,7 +17,10 @@ import torch
 
 __all__ = [
     "TorchPrivateAPIError",
+    "GRAPHSAFE_RNG_ENV",
+    "GRAPH_MODES",
     "autocast_registrations",
+    "backend_patches",
     "below_cpu_autocast",
     "clear_cublas_workspaces",
     "compile_modes",
@@ -484,22 +487,24 @@ def compile_modes() -> dict[str, dict[str, Any]]:
     return dict(list_mode_options())
 
 
-class _BudgetedInductor:
-    """Inductor with ``torch._functorch.config.activation_memory_budget`` patched while it runs.
+class _PatchedInductor:
+    """Inductor with ``torch._functorch.config`` settings patched while it runs.
 
-    The partitioner reads the budget when AOTAutograd splits the joint graph, which happens
-    inside the backend call at the forward's compile; patching there scopes the budget to
-    this backend's graphs instead of setting it for the whole process.
+    The partitioner reads them (the activation memory budget, how a recomputed random op
+    gets its random state) when AOTAutograd splits the joint graph, which happens inside the
+    backend call at the forward's compile; patching there scopes them to this backend's
+    graphs instead of setting them for the whole process, and AOTAutograd's cache key, made
+    in the same call, sees them.
     """
 
-    def __init__(self, inner: Any, budget: float) -> None:
+    def __init__(self, inner: Any, patches: dict[str, Any]) -> None:
         self.inner = inner
-        self.budget = budget
+        self.patches = patches
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         import torch._functorch.config as functorch_config
 
-        with functorch_config.patch(activation_memory_budget=self.budget):
+        with functorch_config.patch(**self.patches):
             return self.inner(gm, example_inputs)
 
     def __getattr__(self, name: str) -> Any:
@@ -509,6 +514,46 @@ class _BudgetedInductor:
 
 _BACKENDS: dict[tuple[str, float | None], Any] = {}
 
+#: torch.compile's modes that replay steps as CUDA graphs: a recomputed random op there
+#: needs AOTAutograd's CUDA-graph-safe random state (torch's default).
+GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+#: Set to ``1``, compiles keep torch's CUDA-graph-safe random state in every mode (a bench's
+#: A/B of :func:`inductor_backend`'s patch; the probes inherit it).
+GRAPHSAFE_RNG_ENV = "MEMADVISOR_GRAPHSAFE_RNG"
+
+
+def backend_patches(mode: str, activation_memory_budget: float | None = None) -> dict[str, Any]:
+    """The ``torch._functorch.config`` settings :func:`inductor_backend` patches around each
+    graph's compile for ``mode`` and a budget.
+
+    * ``activation_memory_budget``, where given.
+    * ``graphsafe_rng_functionalization`` off, in a mode that replays no CUDA graphs (not
+      :data:`GRAPH_MODES`), where this torch has the setting, unless
+      :data:`GRAPHSAFE_RNG_ENV` is ``1``. Why: a checkpointed block's random ops (dropout)
+      are recomputed in backward from a saved random state; torch's default keeps it in a
+      CUDA-graph-safe form whose operator torch 2.11's FX graph cache will not take ("Can't
+      cache HigherOrderOperator: graphsafe_run_with_rng_state"), so every process compiled
+      such a block afresh. AOTAutograd's other form (a saved seed and offset) is cached: on
+      an H200 the GPT example's two checkpointed blocks, compiled with a dynamic batch,
+      loaded all 6 graphs in a second process (first step 6.6 s, 24.7 s cold) where the
+      default form bypassed the cache for 2 (13.5 s, 24.0 s cold; docs/design.md, session
+      33). Without CUDA graphs nothing needs the graph-safe form.
+
+    Known limitations: the setting is a private one of torch's; a torch without it gets
+    the budget only. The saved-seed form recomputes the same random values, but a plan's
+    compiled runs and the user's loop that :func:`inductor_backend` compiles both use it,
+    not a compile the user makes by hand (that one keeps torch's default).
+    """
+    patches: dict[str, Any] = {}
+    if activation_memory_budget is not None:
+        patches["activation_memory_budget"] = activation_memory_budget
+    if mode not in GRAPH_MODES and os.environ.get(GRAPHSAFE_RNG_ENV) != "1":
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "graphsafe_rng_functionalization"):
+            patches["graphsafe_rng_functionalization"] = False
+    return patches
+
 
 def inductor_backend(mode: str, activation_memory_budget: float | None = None) -> Any:
     """The inductor backend ``torch.compile(mode=mode)`` uses, for ``backend=``.
@@ -516,8 +561,8 @@ def inductor_backend(mode: str, activation_memory_budget: float | None = None) -
     One object per ``(mode, activation_memory_budget)`` for the life of the process: dynamo
     tells backends apart by identity, so a compiled function reuses its graphs across model
     copies with the same settings and recompiles for different ones. Wraps
-    ``torch._TorchCompileInductorWrapper`` and, with a budget, patches
-    ``torch._functorch.config.activation_memory_budget`` around each graph's compile.
+    ``torch._TorchCompileInductorWrapper``, patching :func:`backend_patches`' settings of
+    ``torch._functorch.config`` around each graph's compile.
 
     Raises:
         TorchPrivateAPIError: this torch has no such wrapper.
@@ -528,11 +573,8 @@ def inductor_backend(mode: str, activation_memory_budget: float | None = None) -
         if wrapper is None:  # pragma: no cover - moved in a future torch
             raise _missing("torch._TorchCompileInductorWrapper", AttributeError(key))
         inner = wrapper(mode, None, None)
-        _BACKENDS[key] = (
-            inner
-            if activation_memory_budget is None
-            else _BudgetedInductor(inner, activation_memory_budget)
-        )
+        patches = backend_patches(mode, activation_memory_budget)
+        _BACKENDS[key] = _PatchedInductor(inner, patches) if patches else inner
     return _BACKENDS[key]
 
 

@@ -86,3 +86,67 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path: Path) -> None:
     assert first.get("fxgraph_cache_miss", 0) >= 1 and first.get("fxgraph_cache_hit", 0) == 0
     assert second.get("fxgraph_cache_hit", 0) >= 1 and second.get("fxgraph_cache_miss", 0) == 0
     assert report.bytes_before == 0 and report.added_bytes > 0
+
+
+_CHECKPOINTED_CHILD = """
+import json, sys, torch
+from torch import nn
+from memadvisor import _torch_private
+from memadvisor.schema.candidate import Candidate
+from memadvisor.strategy import apply_to_model
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.drop = nn.Dropout(0.1)
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.fc(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+batch = int(sys.argv[1])
+torch.manual_seed(0)
+model = Net().cuda().train()
+choices = {"checkpointing": ["blocks.0", "blocks.1", "blocks.2"],
+           "compile": {"mode": "default", "regional": True, "dynamic_batch": True}}
+step = apply_to_model(model, Candidate(batch_size=batch, choices=choices))
+before = _torch_private.compile_cache_counts()
+step.model(torch.randn(batch, 32, device="cuda")).sum().backward()
+after = _torch_private.compile_cache_counts()
+print("COUNTS " + json.dumps([a - b for a, b in zip(after, before, strict=True)]))
+"""
+
+
+@pytest.mark.gpu
+def test_a_checkpointed_block_with_dropout_is_loaded_by_the_next_process(tmp_path: Path) -> None:
+    """Rule: a checkpointed block's random ops compile to graphs the caches take, so a second
+    probe process of the same dynamic-batch form loads them (torch 2.11's default random
+    state bypassed the FX graph cache: every process compiled afresh)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    counts = []
+    with shared_compile_cache(tmp_path / "cache"):
+        for batch in (8, 12):
+            done = subprocess.run(
+                [sys.executable, "-c", _CHECKPOINTED_CHILD, str(batch)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert done.returncode == 0, done.stderr[-2000:]
+            line = next(s for s in done.stdout.splitlines() if s.startswith("COUNTS "))
+            counts.append(json.loads(line[len("COUNTS ") :]))
+    (_, first_misses, first_bypasses), (hits, misses, bypasses) = counts
+    version = torch.__version__
+    assert first_misses >= 1 and first_bypasses == 0, (version, counts)
+    assert hits >= 1 and misses == 0 and bypasses == 0, (version, counts)
