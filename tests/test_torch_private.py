@@ -19,27 +19,33 @@ needs_setting = pytest.mark.skipif(
 
 @needs_setting
 @pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
-def test_a_mode_without_cuda_graphs_compiles_random_state_the_cache_takes(
+def test_switched_on_a_mode_without_cuda_graphs_compiles_random_state_the_cache_takes(
     mode: str, monkeypatch
 ) -> None:
-    """Rule: a mode that replays no CUDA graphs turns the graph-safe random state off."""
-    monkeypatch.delenv(_torch_private.GRAPHSAFE_RNG_ENV, raising=False)
+    """Rule: with MEMADVISOR_CACHED_RNG=1, a mode that replays no CUDA graphs turns the
+    graph-safe random state off."""
+    monkeypatch.setenv(_torch_private.CACHED_RNG_ENV, "1")
     assert _torch_private.backend_patches(mode) == {"graphsafe_rng_functionalization": False}
 
 
 @needs_setting
 @pytest.mark.parametrize("mode", sorted(_torch_private.GRAPH_MODES))
 def test_a_mode_with_cuda_graphs_keeps_torchs_random_state(mode: str, monkeypatch) -> None:
-    """Rule: CUDA graphs need the graph-safe random state; only the budget is patched."""
-    monkeypatch.delenv(_torch_private.GRAPHSAFE_RNG_ENV, raising=False)
+    """Rule: CUDA graphs need the graph-safe random state, switched on or not; only the
+    budget is patched."""
+    monkeypatch.setenv(_torch_private.CACHED_RNG_ENV, "1")
     assert _torch_private.backend_patches(mode) == {}
     assert _torch_private.backend_patches(mode, 0.5) == {"activation_memory_budget": 0.5}
 
 
 @needs_setting
-def test_the_environment_switch_keeps_torchs_default(monkeypatch) -> None:
-    """Rule: MEMADVISOR_GRAPHSAFE_RNG=1 (a bench's A/B) patches nothing but the budget."""
-    monkeypatch.setenv(_torch_private.GRAPHSAFE_RNG_ENV, "1")
+@pytest.mark.parametrize("value", [None, "0"])
+def test_unless_switched_on_torchs_default_stays(value: str | None, monkeypatch) -> None:
+    """Rule: without MEMADVISOR_CACHED_RNG=1 nothing but the budget is patched."""
+    if value is None:
+        monkeypatch.delenv(_torch_private.CACHED_RNG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_torch_private.CACHED_RNG_ENV, value)
     assert _torch_private.backend_patches("default") == {}
     assert _torch_private.backend_patches("default", 0.3) == {"activation_memory_budget": 0.3}
 
@@ -66,7 +72,7 @@ class _Recorder:
 @needs_setting
 def test_the_patches_hold_inside_a_compile_and_are_put_back_after(monkeypatch) -> None:
     """Rule: the settings are patched around each graph's compile, not for the process."""
-    monkeypatch.delenv(_torch_private.GRAPHSAFE_RNG_ENV, raising=False)
+    monkeypatch.setenv(_torch_private.CACHED_RNG_ENV, "1")
     monkeypatch.setattr(_torch_private, "_BACKENDS", {})
     monkeypatch.setattr("torch._TorchCompileInductorWrapper", _Recorder)
     _Recorder.seen = []
