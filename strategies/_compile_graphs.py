@@ -39,7 +39,9 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    static run. One round of bets per graphs form. The graphs search then starts from what
    they found (the largest that held, below the lowest that ran out), at whatever batch the
    pick ended: the GPT example's plans on an H200 came down from 111.9-121.2 s to 69.5 s
-   where the graphs rode pass 2 (session 31).
+   where the graphs rode pass 2 (session 31). Where the bets rode pass 2 and the
+   confirmation then runs on the device, the graphs search's first run after them (its
+   line's aim) goes with the confirmation's first run (:func:`next_round`), not after it.
 3. The graphs form is the pick where it reaches :data:`HOST_BOUND_TIE` of the static
    pick's rate (a host-bound rate is the host's: the user's loop does not keep it), or, where
    it must beat the eager pick, as a compile beats eager (``beats_eager``:
@@ -102,6 +104,7 @@ __all__ = [
     "Graphs",
     "first_round",
     "graphs_form",
+    "next_round",
     "graphs_pick",
     "host_share",
 ]
@@ -343,18 +346,69 @@ def _from_made(
     predicted batch; where its confirmation moved the batch (the fake device's leader from
     259 to 310), they still bound and aim the graphs' search, and a second round of bets at
     the new batch would be runs spent twice."""
-    out = [b for b, held in made.items() if not held]
-    cap = min([batch, *(b - 1 for b in out)])
+    out, cap, start = _from_made_bounds(made, batch)
     if cap < 1:
         return None
-    held = [b for b, ok in made.items() if ok and b <= cap]
-    if not held:  # as a first run that ran out, at the lowest that did
+    if start is None:  # as a first run that ran out, at the lowest that did
         return _after_first(stage, choices, like, None, min(out), fixed_bytes, left, cap)
-    start = max(held)
     first = stage.run(choices, start)  # answered: it was made
     if start == cap:
         return stage.confirm(choices, start, like=like, max_runs=left, ceiling=start)
     return _after_first(stage, choices, like, first, start, fixed_bytes, left, cap)
+
+
+def _from_made_bounds(made: dict[int, bool], batch: int) -> tuple[list[int], int, int | None]:
+    """What :func:`_from_made` starts from: the batches that ran out, the cap (``batch``, and
+    below the lowest that ran out) and the largest that held at or below it (None: none)."""
+    out = [b for b, held in made.items() if not held]
+    cap = min([batch, *(b - 1 for b in out)])
+    held = [b for b, ok in made.items() if ok and b <= cap]
+    return out, cap, max(held) if held else None
+
+
+def next_round(
+    stage: PickStage,
+    settings: CompileSearch,
+    choices: dict[str, JsonValue],
+    batch: int,
+    measured: Measurement,
+    fixed_bytes: int | None,
+) -> list[tuple[dict[str, JsonValue], int]]:
+    """The graphs search's first device run after its bets: for a pick of ``choices`` (a
+    static default-mode form) expected at ``batch``, whose run ``measured`` waited on the
+    host as :func:`graphs_pick` asks, where the bets (:func:`first_round`) were made, the
+    batch :func:`_from_made` would run first (its line's aim, or half the lowest that ran
+    out where none held); [] where graphs would not be tried, no bets were made, or that
+    search starts at a batch run already.
+
+    Why: the bets ride pass 2, and the graphs search after them waited for the whole
+    confirmation: t5_base on an H200 (session 33 call 1) had its bets at 20 (held) and 31
+    (ran out) from pass 2, confirmed its pick at 37 and 33 at once (39.8 s), and only then
+    ran the graphs at 23 and 21. Sent beside the confirmation's first run, the aim is made
+    in that round, and the graphs search finds it made (``PickStage.confirm``'s
+    ``beside``).
+
+    Known limitations: ``batch`` is the confirmation's start; where the pick ends below the
+    cap it sets, the search aims elsewhere and this run is a graphs run spent for nothing
+    (counted, and said where graphs go unused). Where the aim runs out, the search's next
+    run waits for its own round."""
+    graphs = _graphs_choices(settings, choices, host_share(measured))
+    if graphs is None:
+        return []
+    made = _made(stage, graphs)
+    if not made:
+        return []
+    out, cap, start = _from_made_bounds(made, batch)
+    if cap < 1 or start == cap:
+        return []
+    if start is None:
+        aim = max(1, min(out) // 2)
+    else:
+        first = stage.run(graphs, start)  # answered: it was made
+        if first is None:
+            return []
+        aim = _line_aim(stage, first, start, cap, fixed_bytes or 0)
+    return [] if aim in made else [(graphs, aim)]
 
 
 def _after_first(

@@ -968,6 +968,7 @@ class Search:
         static: bool = False,
         static_beside: bool = False,
         graphs_beside: Sequence[tuple[dict[str, JsonValue], int]] = (),
+        graphs_next: Sequence[tuple[dict[str, JsonValue], int]] = (),
     ) -> Confirmed | None:
         """The winner's batch search from its predicted batch, ``hold_back`` runs kept for
         later; None when nothing fitted (or its runs failed: ``winner.error``). ``static``:
@@ -979,7 +980,9 @@ class Search:
         ``graphs_beside``: the CUDA graphs' first round for the static form at that batch
         (``_compile_graphs.first_round``), sent with it as far as the device makes runs at
         once, counted as graphs runs; where the search keeps the batch, the graphs step
-        finds them made.
+        finds them made. ``graphs_next``: the CUDA graphs search's first run after its bets
+        (``_compile_graphs.next_round``), sent with the first device run whatever the
+        form, counted as a graphs run.
 
         Why: the static run is a compile of its own, the search's runs one after another
         before it. On an H100 swin_t's confirmation ran 120 (out, 19.8 s) from its
@@ -991,8 +994,10 @@ class Search:
         in_static = winner.static_choices  # what is handed on
         choices = in_static if static else winner.choices
         beside: list[tuple[dict[str, JsonValue], int]] = []
-        if static_beside and not static and is_dynamic(winner.form):
+        static_sent = static_beside and not static and is_dynamic(winner.form)
+        if static_sent:
             beside = [(in_static, start), *graphs_beside]
+        beside += list(graphs_next)
         form = " in its static form" if static else ""
         self.stage.describe(f"compile: confirming {winner.label}{form} from batch {start}")
         before = len(self.stage.probes)
@@ -1012,10 +1017,12 @@ class Search:
             winner.error = first_line(e)
             return None
         finally:
-            if beside:
+            if static_sent:
                 self.static_runs += self._made_since(before, in_static)
-            if beside and graphs_beside:
+            if static_sent and graphs_beside:
                 self.graphs_runs += self._made_since(before, graphs_beside[0][0])
+            if graphs_next:
+                self.graphs_runs += self._made_since(before, graphs_next[0][0])
 
     def confirm_final(self, winner: Variant, found: Confirmed) -> tuple[Confirmed | None, str]:
         """The offered form of ``winner`` from ``found``'s batch, judged against ``found``'s

@@ -76,7 +76,13 @@ from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
 from memadvisor.units import fmt_bytes, fmt_ms, fmt_rate
 from memadvisor.workload import Workload
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
-from strategies._compile_graphs import Graphs, first_round, graphs_pick, graphs_words
+from strategies._compile_graphs import (
+    Graphs,
+    first_round,
+    graphs_pick,
+    graphs_words,
+    next_round,
+)
 from strategies._compile_search import (
     COMPILE,
     FINAL_FORM_RUNS,
@@ -233,12 +239,16 @@ def compiled_pick(
             # And the CUDA graphs' first round with it, where the winner's largest run
             # waited on the host: the bet the static form makes, that the batch holds.
             static_along = not differs and not direct
+            graphs_beside = _graphs_ahead(stage, settings, winner) if static_along else []
+            # Where the bets were made (with pass 2), the graphs search's next run goes with
+            # the confirmation's first instead of waiting for it (_compile_graphs.next_round).
             found = search.confirm(
                 winner,
                 FINAL_FORM_RUNS if differs else 0,
                 static=direct,
                 static_beside=static_along,
-                graphs_beside=_graphs_ahead(stage, settings, winner) if static_along else (),
+                graphs_beside=graphs_beside,
+                graphs_next=[] if graphs_beside else _graphs_next(stage, settings, winner),
             )
             # A line from one run can promise more than its confirmation finds, below what
             # another candidate already measured: that one is confirmed too (from its runs
@@ -387,6 +397,20 @@ def compiled_pick(
     pick = handed_on(best[1])
     _record_gain(strategy, pick, eager_best)
     return Refinement(pick=pick, outcome=outcome, notes=notes)
+
+
+def _graphs_next(
+    stage: PickStage, settings: CompileSearch, winner: Variant
+) -> list[tuple[dict[str, JsonValue], int]]:
+    """The graphs search's first run after its bets (``next_round``) for ``winner``'s static
+    form at its predicted batch, where its largest run waited on the host; [] where not."""
+    if winner.fit is None or not winner.runs or winner.final_differs:
+        return []
+    measured = winner.runs[max(winner.runs)]
+    fixed = winner.fit.fixed_bytes
+    return next_round(
+        stage, settings, winner.static_choices, winner.fit.largest_batch, measured, fixed
+    )
 
 
 def _graphs_ahead(

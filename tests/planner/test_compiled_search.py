@@ -2278,3 +2278,68 @@ def test_graphs_runs_made_ahead_that_the_graphs_step_does_not_use_are_counted_an
     assert f"{len(runs)} CUDA graphs runs made beside the static form's run went unused" in (
         stage.summary
     )
+
+
+def _compile_rounds(device) -> list[list[tuple[bool, int]]]:
+    """``device``'s compiled device calls, alone or at once, as they are made: each call's
+    runs as (whether a graphs form, batch)."""
+    rounds: list[list[tuple[bool, int]]] = []
+    real_many, real_one = device.run_many, device.run
+    inside: list[bool] = []  # the fake's run_many makes its runs through run
+
+    def many(workload, runs):
+        if all("compile" in c.choices for c, _ in runs):
+            rounds.append([(bool(device.graphs(c)), c.batch_size) for c, _ in runs])
+        inside.append(True)
+        try:
+            return real_many(workload, runs)
+        finally:
+            inside.pop()
+
+    def one(workload, candidate, *args, **kwargs):
+        if "compile" in candidate.choices and not inside:
+            rounds.append([(bool(device.graphs(candidate)), candidate.batch_size)])
+        return real_one(workload, candidate, *args, **kwargs)
+
+    device.run_many, device.run = many, one
+    return rounds
+
+
+def test_the_graphs_search_after_its_bets_goes_with_the_confirmations_first_run(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: where the graphs' bets rode pass 2 and the confirmation then runs on the
+    device, the graphs search's first run after the bets (next_round) goes in the
+    confirmation's first device call, not in a call after it; the graphs step finds it made
+    (no graphs batch run twice), it is counted as a graphs run, and the plan takes fewer
+    compiled device calls than with that run left to the graphs step, to the same pick."""
+
+    def device():
+        d = linear_device(
+            EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0, graphs_ratio=1.3
+        )
+        d.capabilities = d.capabilities.model_copy(update={"concurrent_runs": 4})
+        return d
+
+    along = device()
+    rounds = _compile_rounds(along)
+    plan = _plan(workload, profile, strategies, along)
+    stage = plan.stages[0]
+    search = stage.details["search"]
+    assert stage.details["graphs"]["picked"], stage.summary
+    assert any(r.startswith("CUDA graphs of") for r in search["riders"]), search["riders"]
+    runs = _graphs_runs(plan, along)
+    made = [(json.dumps(p.candidate.choices, sort_keys=True), p.batch_size) for p in runs]
+    assert len(made) == len(set(made))
+    assert search["graphs_runs"] == len(runs)
+    # the bets' call, then a call with the confirmation's run and the graphs' next
+    with_graphs = [r for r in rounds if any(g for g, _ in r)]
+    mixed = [r for r in with_graphs if any(not g for g, _ in r)]
+    assert len(mixed) >= 2, rounds
+
+    monkeypatch.setattr(stage_module, "_graphs_next", lambda stage, settings, winner: [])
+    after = device()
+    later = _compile_rounds(after)
+    other = _plan(workload, profile, strategies, after)
+    assert other.candidate == plan.candidate
+    assert len(rounds) < len(later), (rounds, later)
