@@ -113,10 +113,11 @@ class Net(nn.Module):
         return x
 
 batch = int(sys.argv[1])
+dynamic = len(sys.argv) > 2 and sys.argv[2] == "dynamic"  # a next session's attribution run
 torch.manual_seed(0)
 model = Net().cuda().train()
 choices = {"checkpointing": ["blocks.0", "blocks.1", "blocks.2"],
-           "compile": {"mode": "default", "regional": True}}
+           "compile": {"mode": "default", "regional": True, "dynamic_batch": dynamic}}
 step = apply_to_model(model, Candidate(batch_size=batch, choices=choices))
 before = _torch_private.compile_cache_counts()
 step.model(torch.randn(batch, 32, device="cuda")).sum().backward()
