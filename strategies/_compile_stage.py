@@ -425,10 +425,11 @@ def _graphs_ahead(
 
 
 def _unused_graphs_words(runs: int, graphs: Graphs | None) -> str:
-    """Why the CUDA graphs runs made ahead beside a static run (``first_round``) went
-    unused: the pick's own run was not replayed as graphs (it did not wait on the host as
-    the leader's runs had), or there was no compiled configuration to replay."""
-    made = f"{runs} CUDA graphs run{'s' if runs != 1 else ''} made beside the static form's run"
+    """Why the CUDA graphs runs made ahead beside other runs (``first_round``'s bets,
+    ``next_round``'s run) went unused: the pick's own run was not replayed as graphs (it
+    did not wait on the host as the leader's runs had), or there was no compiled
+    configuration to replay."""
+    made = f"{runs} CUDA graphs run{'s' if runs != 1 else ''} made ahead beside other runs"
     if graphs is not None and graphs.host_share is not None:
         return (
             f"{made} went unused: the leader's runs had waited on the host, but the pick's "
