@@ -2193,6 +2193,16 @@ def _static_and_graphs_calls(plan: Plan, device, calls: list[list[int]]) -> list
     return [c for c in calls if graphs and graphs[0] in c and any(b in c for b in static)]
 
 
+def _host_bound_at_once(linear_device):
+    """A fake card of four runs at once whose compiled steps wait on the host (40 ms a step)
+    and whose CUDA graphs hold 1.3x a sample's bytes."""
+    d = linear_device(
+        EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0, graphs_ratio=1.3
+    )
+    d.capabilities = d.capabilities.model_copy(update={"concurrent_runs": 4})
+    return d
+
+
 @pytest.mark.parametrize("beside", ["pass 2", "confirmation", "static run"])
 def test_the_graphs_first_round_goes_with_a_static_run_where_the_leader_waited_on_the_host(
     workload,
@@ -2226,11 +2236,7 @@ def test_the_graphs_first_round_goes_with_a_static_run_where_the_leader_waited_o
         monkeypatch.setattr(Search, "confirm", no_beside)
 
     def device():
-        d = linear_device(
-            EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0, graphs_ratio=1.3
-        )
-        d.capabilities = d.capabilities.model_copy(update={"concurrent_runs": 4})
-        return d
+        return _host_bound_at_once(linear_device)
 
     ahead = device()
     calls = record_run_many(ahead, compiled_only=True)
@@ -2315,11 +2321,7 @@ def test_the_graphs_search_after_its_bets_goes_with_the_confirmations_first_run(
     compiled device calls than with that run left to the graphs step, to the same pick."""
 
     def device():
-        d = linear_device(
-            EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0, host_ms=40.0, graphs_ratio=1.3
-        )
-        d.capabilities = d.capabilities.model_copy(update={"concurrent_runs": 4})
-        return d
+        return _host_bound_at_once(linear_device)
 
     along = device()
     rounds = _compile_rounds(along)
