@@ -31,7 +31,7 @@ from memadvisor.schema.config import PlanConfig, device_kind, gib_to_bytes
 from memadvisor.schema.device import profiler_device
 from memadvisor.schema.plan import Plan
 from memadvisor.schema.profile import Profile
-from memadvisor.strategy import registered_names
+from memadvisor.strategy import Configured, load_strategies, registered_names
 from memadvisor.workload import build_workload
 
 __all__ = ["optimize", "plan", "plan_config", "profile"]
@@ -134,6 +134,7 @@ def plan_config(
             f"defaults to effective_batch) or drop {said['effective_batch']}."
         )
     if strategy_options:
+        _check_settings(strategy_options)
         fields["options"] = {**fields.get("options", {}), **strategy_options}
     try:
         return PlanConfig(
@@ -172,6 +173,18 @@ def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
         )
     fields = {k: v for k, v in options.items() if k in known}
     return fields, {k: v for k, v in rest.items() if k in registered}
+
+
+def _check_settings(settings: dict[str, Any]) -> None:
+    """Each registered strategy's setting checked by the strategy (``Configured``), so a
+    wrong one fails here, before the plan measures anything.
+
+    Raises:
+        BadInputError: a strategy refused its setting.
+    """
+    for strategy in load_strategies(sorted(settings)):
+        if isinstance(strategy, Configured):
+            strategy.check_setting(settings[strategy.name])
 
 
 def plan(

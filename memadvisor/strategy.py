@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Checked",
+    "Configured",
     "Confirmed",
     "Described",
     "EffectOrder",
@@ -433,6 +434,25 @@ class Checked(ABC):  # noqa: B024 - a protocol of two optional methods
         return []
 
 
+class Configured(ABC):
+    """Opt-in: the strategy takes a setting from a plan's options under its name
+    (``compile="off"``), and checks it when the plan's config is made
+    (``memadvisor.api.plan_config``), not when its stage runs.
+
+    Why: a setting read only by a stage fails where that stage begins; compile's runs after
+    the profile, the screening and the eager probes, so a misspelt ``compile="of"`` failed
+    minutes into a plan on a card.
+    """
+
+    @abstractmethod
+    def check_setting(self, value: JsonValue) -> None:
+        """Return where ``value`` is a setting of this strategy; else raise.
+
+        Raises:
+            BadInputError: saying what was wrong, with the value, and what to pass instead.
+        """
+
+
 class Scoped(ABC):  # noqa: B024 - the one method has a default
     """Opt-in: the whole plan runs inside an environment of this strategy's
     (:meth:`plan_scope`): compile's one inductor cache, the allocator's expandable segments."""
@@ -568,6 +588,7 @@ _PROTOCOL_OF: dict[str, type] = {
     "guarded": TimedEachChoice,
     "measured_only": Measured,
     "measured_alternatives": TimedAlternatives,
+    "check_setting": Configured,
 }
 
 

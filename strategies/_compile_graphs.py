@@ -78,6 +78,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pydantic import JsonValue
@@ -446,9 +447,9 @@ def _line_aim(
 
 def _under_bar_words(share: float, bar: float, measured: Measurement) -> str:
     """The host's share of the pick's step where it was under ``bar`` but at least
-    :data:`SAID_SHARE` of it; '' below that. (The bar is ``CompileSearch.host_bound_share``,
-    a setting of the strategy's search that ``memadvisor.plan`` does not take: no advice to
-    change it is given.)
+    :data:`SAID_SHARE` of it; '' below that. The bar is ``CompileSearch.host_bound_share``,
+    which a plan takes as ``compile={"search": {"host_bound_share": ...}}``: the sentence says
+    how to try graphs at a lower one.
 
     Why: such a step is the host's in good part, and a loop on a slower or busier host runs
     below the verified rate. The GPT example's compiled pick on an H200 read 0.78 (session
@@ -464,7 +465,8 @@ def _under_bar_words(share: float, bar: float, measured: Measurement) -> str:
         f"The compiled pick took {fmt_ms(measured.host_ms)} of its {fmt_ms(measured.step_ms)} "
         f"step to launch it ({share:.0%}), under the {bar:.0%} at which CUDA graphs "
         f"({GRAPHS_MODE} mode) are tried: the host set part of that rate, and a loop on a "
-        "slower or busier host may run below it."
+        "slower or busier host may run below it (compile={'search': {'host_bound_share': "
+        f"{max(SAID_SHARE, math.floor(share * 20) / 20):.2f}}}}} tries them on this pick)."
     )
 
 

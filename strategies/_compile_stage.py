@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from pydantic import JsonValue
+from pydantic import JsonValue, ValidationError
 
 from memadvisor.errors import is_our_bug
 from memadvisor.memory import release_cached_memory
@@ -139,6 +139,7 @@ __all__ = [
     "DeviceGain",
     "compiled_pick",
     "kept_share",
+    "parse_setting",
     "trial_batch",
 ]
 
@@ -190,7 +191,7 @@ def compiled_pick(
     why_not = _not_considered(stage, strategy)
     if why_not is not None:
         return Refinement(pick=eager_best, notes=[why_not] if why_not else [])
-    settings = strategy.search
+    settings = search_of(stage, strategy)
     variants, left_out = search_variants(
         stage,
         eager_best,
@@ -748,17 +749,60 @@ def _parse(choice: JsonValue) -> CompileChoice | None:
     return parse_choice(choice)
 
 
-def policy_of(stage: PickStage) -> str:
-    """The compile setting the plan's config gives (``options["compile"]``), checked."""
-    policy = stage.config.option(COMPILE, "auto")
-    if policy not in POLICIES:
-        from memadvisor.errors import BadInputError
+def parse_setting(value: JsonValue) -> tuple[str, dict[str, JsonValue]]:
+    """The compile setting a plan's options give (``options["compile"]``): its policy, and
+    the :class:`CompileSearch` fields it sets for this plan ({} where none), checked.
 
+    A setting is a policy (:data:`POLICIES`) or ``{"policy": ..., "search": {...}}``, where
+    ``search`` holds :class:`CompileSearch`'s fields (``{"host_bound_share": 0.7}``) and
+    ``policy`` defaults to auto: ``memadvisor.plan(..., compile={"search": {...}})``
+    reaches the settings ``Compile(search=...)`` takes.
+
+    Raises:
+        BadInputError: anything else, with the value and what to pass.
+    """
+    from memadvisor.errors import BadInputError
+
+    example = "compile='auto', 'off' or 'on', or compile={'policy': 'auto', 'search': {...}}"
+    if isinstance(value, str) and value in POLICIES:
+        return value, {}
+    if not isinstance(value, dict):
         raise BadInputError(
-            f"The compile option is one of {POLICIES}, but got {policy=}; pass "
-            "compile='auto', 'off' or 'on'."
+            f"The compile option is one of {POLICIES} or a dict, but got {value!r}; pass {example}."
         )
-    return str(policy)
+    extra = sorted(set(value) - {"policy", "search"})
+    policy = value.get("policy", "auto")
+    search = value.get("search", {})
+    if extra or policy not in POLICIES or not isinstance(search, dict):
+        raise BadInputError(
+            f"The compile option's dict takes 'policy' (one of {POLICIES}) and 'search' (a "
+            f"dict of CompileSearch's fields), but got {value!r}; pass {example}."
+        )
+    try:
+        CompileSearch.model_validate(search)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+            for err in e.errors()
+        )
+        raise BadInputError(
+            f"The compile option's search settings are not CompileSearch's: {problems}; "
+            f"its fields are {sorted(CompileSearch.model_fields)}."
+        ) from None
+    return str(policy), dict(search)
+
+
+def policy_of(stage: PickStage) -> str:
+    """The compile policy the plan's config gives (``options["compile"]``), checked."""
+    return parse_setting(stage.config.option(COMPILE, "auto"))[0]
+
+
+def search_of(stage: PickStage, strategy: Compile) -> CompileSearch:
+    """``strategy``'s search settings, with those the plan's config sets over them."""
+    fields = parse_setting(stage.config.option(COMPILE, "auto"))[1]
+    if not fields:
+        return strategy.search
+    return CompileSearch.model_validate({**strategy.search.model_dump(), **fields})
 
 
 def _not_considered(stage: PickStage, strategy: Compile) -> str | None:

@@ -73,6 +73,7 @@ from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
 from memadvisor.strategy import (
     Checked,
+    Configured,
     Confirmed,
     Described,
     EffectOrder,
@@ -85,7 +86,7 @@ from strategies import _forward
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
 from strategies._compile_graphs import GRAPHS_MODE
 from strategies._compile_search import CompileSearch
-from strategies._compile_stage import DeviceGain, compiled_pick
+from strategies._compile_stage import DeviceGain, compiled_pick, parse_setting
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
     STRATEGY_NAME,
@@ -139,7 +140,7 @@ LOSS_TOLERANCE = 0.02
 _GRAPHS_NOTE = "# CUDA graphs: the next step overwrites this one's outputs; keep loss.item()"
 
 
-class Compile(Strategy, Measured, Described, Checked):
+class Compile(Strategy, Measured, Described, Checked, Configured):
     """Compile the model's forward with torch.compile (inductor).
 
     Args:
@@ -271,7 +272,7 @@ class Compile(Strategy, Measured, Described, Checked):
         """On a device that compiles, one inductor cache for the whole plan, set before the
         fork server starts: its children compile into it, and the compiled probes need no
         fresh server for it."""
-        if not device.can_compile or config.option(self.name, "auto") == "off":
+        if not device.can_compile or parse_setting(config.option(self.name, "auto"))[0] == "off":
             return None
         return self._whole_plan_cache()
 
@@ -283,6 +284,16 @@ class Compile(Strategy, Measured, Described, Checked):
                 yield cache
             finally:
                 self._plan_cache = None
+
+    def check_setting(self, value: JsonValue) -> None:
+        """A plan's ``compile=`` setting: ``"auto"``, ``"off"``, ``"on"``, or
+        ``{"policy": ..., "search": {CompileSearch's fields}}``
+        (:func:`~strategies._compile_stage.parse_setting`), checked before the plan runs.
+
+        Raises:
+            BadInputError: anything else, with the value and what to pass.
+        """
+        parse_setting(value)
 
     def refine(self, stage: PickStage, eager: Confirmed) -> Refinement | None:
         """Compiled configurations searched on the device from the eager pick, kept when

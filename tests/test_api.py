@@ -340,6 +340,47 @@ def test_a_strategys_setting_passes_by_its_name_and_unknown_options_are_named() 
         plan_config(1, options={"no_such_option": 1})
 
 
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [
+        ("of", "'of'"),
+        ({"policy": "sometimes"}, "'sometimes'"),
+        ({"search": {"host_bound_sahre": 0.7}}, "host_bound_sahre"),
+        ({"search": {"host_bound_share": "high"}}, "host_bound_share"),
+        ({"search": 0.7}, "0.7"),
+    ],
+)
+def test_a_strategys_setting_is_checked_when_the_config_is_made(setting, words: str) -> None:
+    """Rule: a strategy's setting that it refuses (Configured.check_setting) is bad input
+    when the plan's config is made, naming the value, not minutes later at its stage."""
+    from memadvisor.api import plan_config
+
+    with pytest.raises(BadInputError, match=words):
+        plan_config(1, options={"compile": setting})
+
+
+def test_the_compile_setting_reaches_the_compile_searchs_fields() -> None:
+    """Rule: compile={"search": {...}} sets CompileSearch's fields for that plan over the
+    strategy's own; the policy defaults to auto."""
+    from types import SimpleNamespace
+
+    from memadvisor.api import plan_config
+    from strategies._compile_search import CompileSearch
+    from strategies._compile_stage import policy_of, search_of
+    from strategies.compile import Compile
+
+    setting = {"search": {"host_bound_share": 0.7}}
+    config = plan_config(1, options={"compile": setting})
+    assert config.options == {"compile": setting}
+    stage = SimpleNamespace(config=config)
+    strategy = Compile(search=CompileSearch(graphs_runs=2))
+    settings = search_of(stage, strategy)
+    assert settings.host_bound_share == 0.7 and settings.graphs_runs == 2
+    assert policy_of(stage) == "auto"
+    plain = SimpleNamespace(config=plan_config(1, options={"compile": "on"}))
+    assert search_of(plain, strategy) is strategy.search and policy_of(plain) == "on"
+
+
 class _Locked(nn.Module):
     """A model holding a threading.Lock: copy.deepcopy cannot copy it."""
 

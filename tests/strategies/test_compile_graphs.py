@@ -7,6 +7,8 @@ tests/planner/test_compiled_search.py; these are its parts.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -312,6 +314,10 @@ def test_a_pick_under_the_host_bar_says_the_hosts_share_and_that_a_slower_host_m
     if said:
         assert "7.8 ms of its 10.0 ms step to launch it (78%), under the 80%" in words
         assert "a loop on a slower or busier host may run below it" in words
+        # the setting it names would try graphs on this pick: a bar at or under its share
+        offered = float(re.search(r"'host_bound_share': ([0-9.]+)", words).group(1))
+        assert SAID_SHARE <= offered <= host_ms / 10.0
+        assert CompileSearch(host_bound_share=offered).host_bound_share == offered
     else:
         assert words == ""
     # Against the eager pick (compiling did not pay), the pick is eager's: nothing said.
