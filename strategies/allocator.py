@@ -47,7 +47,14 @@ from memadvisor.errors import BadInputError
 from memadvisor.process_state import environ_set
 from memadvisor.schema.advice import Advice, ReportPart
 from memadvisor.step import Step
-from memadvisor.strategy import Described, EffectOrder, Recorded, Scoped, Strategy
+from memadvisor.strategy import (
+    Configured,
+    Described,
+    EffectOrder,
+    Recorded,
+    Scoped,
+    Strategy,
+)
 
 if TYPE_CHECKING:
     from memadvisor.estimate import StepModel
@@ -74,6 +81,8 @@ SETTING = "expandable_segments:True"
 #: 2.9 and later read it before the CUDA one).
 VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 _OFF = ("off", None)
+#: The plan's ``allocator=`` settings (:meth:`Allocator.check_setting`).
+SETTINGS = ("auto", "on", "off")
 
 
 def users_setting() -> str | None:
@@ -107,7 +116,7 @@ def _check_choice(choice: JsonValue) -> str | None:
     return EXPANDABLE
 
 
-class Allocator(Strategy, Described, Recorded, Scoped):
+class Allocator(Strategy, Described, Recorded, Scoped, Configured):
     """Plans on CUDA under the caching allocator's expandable segments and records it for
     ``apply_plan`` and the advice; changes neither the model nor the estimate."""
 
@@ -155,6 +164,19 @@ class Allocator(Strategy, Described, Recorded, Scoped):
         if _check_choice(choice) is not None and users_setting() is None:
             _torch_private.set_allocator_settings(SETTING)
         return step
+
+    def check_setting(self, value: JsonValue) -> None:
+        """A plan's ``allocator=`` setting: ``"auto"`` (or ``"on"``), ``"off"`` (or None).
+
+        Raises:
+            BadInputError: anything else (read as on, a misspelt ``"of"`` planned under
+                expandable segments), with the value and what to pass.
+        """
+        if value not in (*SETTINGS, None):
+            raise BadInputError(
+                f"The allocator option is one of {SETTINGS}, but got {value!r}; pass "
+                "allocator='off' to plan without expandable segments, or leave it out."
+            )
 
     def plan_scope(
         self, config: PlanConfig, device: DeviceCapabilities

@@ -359,6 +359,17 @@ def test_a_strategys_setting_is_checked_when_the_config_is_made(setting, words: 
         plan_config(1, options={"compile": setting})
 
 
+def test_the_allocator_setting_is_checked_when_the_config_is_made() -> None:
+    """Rule: allocator= takes auto, on, off or None; anything else (which its stage would
+    have read as on) is bad input that names it."""
+    from memadvisor.api import plan_config
+
+    for ok in ("auto", "on", "off", None):
+        assert plan_config(1, options={"allocator": ok}).options == {"allocator": ok}
+    with pytest.raises(BadInputError, match="'of'"):
+        plan_config(1, options={"allocator": "of"})
+
+
 def test_the_compile_setting_reaches_the_compile_searchs_fields() -> None:
     """Rule: compile={"search": {...}} sets CompileSearch's fields for that plan over the
     strategy's own; the policy defaults to auto."""
