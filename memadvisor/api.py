@@ -22,7 +22,7 @@ from torch import nn
 
 from memadvisor.apply import apply_plan
 from memadvisor.device import Device
-from memadvisor.errors import BadInputError
+from memadvisor.errors import BadInputError, validation_problems
 from memadvisor.planner import plan_workload
 from memadvisor.profiler import profile_workload
 from memadvisor.profiler._blocks import BlockSpec
@@ -145,11 +145,7 @@ def plan_config(
             **fields,
         )
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']} "
-            f"(got {err.get('input')!r})"
-            for err in e.errors()
-        )
+        problems = validation_problems(e, "config")
         raise BadInputError(f"Invalid planning options: {problems}.") from None
 
 

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from types import CodeType
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ __all__ = [
     "retry_ran_out",
     "root_cause",
     "user_code_frame",
+    "validation_problems",
 ]
 
 # memadvisor and its built-in strategies, installed side by side (pyproject.toml).
@@ -357,3 +359,13 @@ def is_our_bug(error: BaseException) -> bool:
         inner = getattr(current, "inner_exception", None)
         current = inner if isinstance(inner, BaseException) else current.__cause__
     return False
+
+
+def validation_problems(error: Any, whole: str) -> str:
+    """A pydantic ``ValidationError``'s problems in one line, for a :class:`BadInputError`:
+    each as ``field.path: message (got value)``, ``whole`` naming a problem of the whole
+    input (an empty path)."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or whole}: {err['msg']} (got {err.get('input')!r})"
+        for err in error.errors()
+    )

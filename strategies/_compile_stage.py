@@ -70,6 +70,7 @@ from pydantic import JsonValue, ValidationError
 from memadvisor.errors import is_our_bug
 from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
@@ -140,6 +141,7 @@ __all__ = [
     "compiled_pick",
     "kept_share",
     "parse_setting",
+    "policy_of",
     "trial_batch",
 ]
 
@@ -191,7 +193,7 @@ def compiled_pick(
     why_not = _not_considered(stage, strategy)
     if why_not is not None:
         return Refinement(pick=eager_best, notes=[why_not] if why_not else [])
-    settings = search_of(stage, strategy)
+    settings = search_of(stage.config, strategy)
     variants, left_out = search_variants(
         stage,
         eager_best,
@@ -761,7 +763,7 @@ def parse_setting(value: JsonValue) -> tuple[str, dict[str, JsonValue]]:
     Raises:
         BadInputError: anything else, with the value and what to pass.
     """
-    from memadvisor.errors import BadInputError
+    from memadvisor.errors import BadInputError, validation_problems
 
     example = "compile='auto', 'off' or 'on', or compile={'policy': 'auto', 'search': {...}}"
     if isinstance(value, str) and value in POLICIES:
@@ -781,10 +783,7 @@ def parse_setting(value: JsonValue) -> tuple[str, dict[str, JsonValue]]:
     try:
         CompileSearch.model_validate(search)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-            for err in e.errors()
-        )
+        problems = validation_problems(e, "search")
         raise BadInputError(
             f"The compile option's search settings are not CompileSearch's: {problems}; "
             f"its fields are {sorted(CompileSearch.model_fields)}."
@@ -792,14 +791,14 @@ def parse_setting(value: JsonValue) -> tuple[str, dict[str, JsonValue]]:
     return str(policy), dict(search)
 
 
-def policy_of(stage: PickStage) -> str:
-    """The compile policy the plan's config gives (``options["compile"]``), checked."""
-    return parse_setting(stage.config.option(COMPILE, "auto"))[0]
+def policy_of(config: PlanConfig) -> str:
+    """The compile policy a plan's config gives (``options["compile"]``), checked."""
+    return parse_setting(config.option(COMPILE, "auto"))[0]
 
 
-def search_of(stage: PickStage, strategy: Compile) -> CompileSearch:
-    """``strategy``'s search settings, with those the plan's config sets over them."""
-    fields = parse_setting(stage.config.option(COMPILE, "auto"))[1]
+def search_of(config: PlanConfig, strategy: Compile) -> CompileSearch:
+    """``strategy``'s search settings, with those a plan's config sets over them."""
+    fields = parse_setting(config.option(COMPILE, "auto"))[1]
     if not fields:
         return strategy.search
     return CompileSearch.model_validate({**strategy.search.model_dump(), **fields})
@@ -807,7 +806,7 @@ def search_of(stage: PickStage, strategy: Compile) -> CompileSearch:
 
 def _not_considered(stage: PickStage, strategy: Compile) -> str | None:
     """None when the variants are tried; else why not ('' when nothing needs saying)."""
-    policy = policy_of(stage)
+    policy = policy_of(stage.config)
     if policy == "off":
         return ""
     if policy == "auto" and not stage.device.can_compile:

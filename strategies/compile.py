@@ -86,7 +86,7 @@ from strategies import _forward
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
 from strategies._compile_graphs import GRAPHS_MODE
 from strategies._compile_search import CompileSearch
-from strategies._compile_stage import DeviceGain, compiled_pick, parse_setting
+from strategies._compile_stage import DeviceGain, compiled_pick, parse_setting, policy_of
 from strategies._compile_trial import (
     MAX_GRAPH_BREAKS,
     STRATEGY_NAME,
@@ -272,7 +272,7 @@ class Compile(Strategy, Measured, Described, Checked, Configured):
         """On a device that compiles, one inductor cache for the whole plan, set before the
         fork server starts: its children compile into it, and the compiled probes need no
         fresh server for it."""
-        if not device.can_compile or parse_setting(config.option(self.name, "auto"))[0] == "off":
+        if not device.can_compile or policy_of(config) == "off":
             return None
         return self._whole_plan_cache()
 

@@ -373,8 +373,6 @@ def test_the_allocator_setting_is_checked_when_the_config_is_made() -> None:
 def test_the_compile_setting_reaches_the_compile_searchs_fields() -> None:
     """Rule: compile={"search": {...}} sets CompileSearch's fields for that plan over the
     strategy's own; the policy defaults to auto."""
-    from types import SimpleNamespace
-
     from memadvisor.api import plan_config
     from strategies._compile_search import CompileSearch
     from strategies._compile_stage import policy_of, search_of
@@ -383,12 +381,11 @@ def test_the_compile_setting_reaches_the_compile_searchs_fields() -> None:
     setting = {"search": {"host_bound_share": 0.7}}
     config = plan_config(1, options={"compile": setting})
     assert config.options == {"compile": setting}
-    stage = SimpleNamespace(config=config)
     strategy = Compile(search=CompileSearch(graphs_runs=2))
-    settings = search_of(stage, strategy)
+    settings = search_of(config, strategy)
     assert settings.host_bound_share == 0.7 and settings.graphs_runs == 2
-    assert policy_of(stage) == "auto"
-    plain = SimpleNamespace(config=plan_config(1, options={"compile": "on"}))
+    assert policy_of(config) == "auto"
+    plain = plan_config(1, options={"compile": "on"})
     assert search_of(plain, strategy) is strategy.search and policy_of(plain) == "on"
 
 
