@@ -45,7 +45,6 @@ def _child(
     choices: dict[str, Any],
     steps: int,
     budget_gib: float | None = None,
-    graphsafe_rng: bool = True,
 ) -> None:
     """One run as the planner's device makes it (``train_candidate``), the compile choice
     made dynamic in its batch (the compile search's form) or static (the user's); with
@@ -63,13 +62,6 @@ def _child(
     from memadvisor.target import load_target
 
     reasons = _BypassReasons()
-    if not graphsafe_rng:
-        # Checkpointed regions' random ops (dropout) recomputed by AOTAutograd's older RNG
-        # functionalization instead of the CUDA-graph-safe one, whose HOP torch 2.11's FX
-        # graph cache will not take (what --graphsafe-rng off measures).
-        import torch._functorch.config as functorch_config
-
-        functorch_config.graphsafe_rng_functionalization = False
 
     compile_choice = choices.get("compile", "default")
     if not isinstance(compile_choice, dict):
@@ -157,28 +149,30 @@ def main() -> None:
         choices=["on", "off"],
         default="on",
         help="AOTAutograd's CUDA-graph-safe RNG functionalization for checkpointed random "
-        "ops (torch._functorch.config.graphsafe_rng_functionalization; default on, torch's)",
+        "ops (torch._functorch.config.graphsafe_rng_functionalization; default on, torch's); "
+        "off: the runs' processes get MEMADVISOR_CACHED_RNG=1, which the planner's compile "
+        "backend reads (memadvisor/_torch_private.py::backend_patches)",
     )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     choices = json.loads(args.choices)
     if args.child:
         target, batch, mode = args.child
-        graphsafe = args.graphsafe_rng == "on"
-        _child(
-            target, int(batch), mode == "dynamic", choices, args.steps, args.budget_gib, graphsafe
-        )
+        _child(target, int(batch), mode == "dynamic", choices, args.steps, args.budget_gib)
         return
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="compile-cache-"))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     env["TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO"] = "0"
     if args.expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if args.graphsafe_rng == "off":
+        from memadvisor._torch_private import CACHED_RNG_ENV
+
+        env[CACHED_RNG_ENV] = "1"
     for run in args.runs.split(","):
         batch, mode = run.split(":")
         cmd = [sys.executable, str(HERE), "--child", MODELS[args.model], batch, mode]
         cmd += ["--choices", args.choices, "--steps", str(args.steps)]
-        cmd += ["--graphsafe-rng", args.graphsafe_rng]
         if args.budget_gib is not None:
             cmd += ["--budget-gib", str(args.budget_gib)]
         started = time.perf_counter()
