@@ -402,13 +402,13 @@ def next_round(
     out, cap, start = _from_made_bounds(made, batch)
     if cap < 1 or start == cap:
         return []
-    if start is None:
-        aim = max(1, min(out) // 2)
+    if start is None:  # as _from_made: a first run that ran out, at the lowest that did
+        aim = _first_aim(stage, None, min(out), cap, fixed_bytes or 0)
     else:
         first = stage.run(graphs, start)  # answered: it was made
         if first is None:
             return []
-        aim = _line_aim(stage, first, start, cap, fixed_bytes or 0)
+        aim = _first_aim(stage, first, start, cap, fixed_bytes or 0)
     return [] if aim in made else [(graphs, aim)]
 
 
@@ -425,12 +425,21 @@ def _after_first(
     """The batch search after the first graphs run (at ``start``), in at most ``left`` runs:
     where it held, from the batch a line through it allows, no higher than ``cap``; where it
     ran out, from half of it, below it."""
+    aim = _first_aim(stage, first, start, cap, fixed_bytes)
     if first is None:
-        return stage.confirm(
-            choices, max(1, start // 2), like=like, max_runs=left, ceiling=start - 1
-        )
-    aim = _line_aim(stage, first, start, cap, fixed_bytes)
+        return stage.confirm(choices, aim, like=like, max_runs=left, ceiling=start - 1)
     return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
+
+
+def _first_aim(
+    stage: PickStage, first: Measurement | None, start: int, cap: int, fixed_bytes: int
+) -> int:
+    """Where :func:`_after_first`'s search starts after a graphs run at ``start``: where it
+    held (``first``), the batch a line through it allows, no higher than ``cap``; where it
+    ran out, half of it (:func:`next_round` predicts the same run)."""
+    if first is None:
+        return max(1, start // 2)
+    return _line_aim(stage, first, start, cap, fixed_bytes)
 
 
 def _line_aim(
