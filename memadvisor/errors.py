@@ -179,11 +179,24 @@ class AllocatorRetriesError(MemadvisorError, torch.OutOfMemoryError):
 
     exit_code = 4
 
-    def __init__(self, batch: int, retried_steps: int, timed_steps: int, step_ms: float) -> None:
+    def __init__(
+        self,
+        batch: int,
+        retried_steps: int,
+        timed_steps: int,
+        step_ms: float,
+        planned_steps: int | None = None,
+    ) -> None:
+        where = f"{retried_steps} of {timed_steps} timed steps"
+        if planned_steps is not None and planned_steps > timed_steps:
+            where = (
+                f"{retried_steps} of its first {timed_steps} timed steps (stopped there: "
+                f"{retried_steps} of the run's {planned_steps} already decide it)"
+            )
         super().__init__(
             f"{ALLOCATOR_RETRIES} batch {batch} fitted only by the CUDA caching allocator "
-            f"freeing its cache and retrying an allocation in {retried_steps} of {timed_steps} "
-            f"timed steps ({step_ms:.1f} ms a step); memadvisor counts such a batch as not "
+            f"freeing its cache and retrying an allocation in {where} "
+            f"({step_ms:.1f} ms a step); memadvisor counts such a batch as not "
             "fitting, as a smaller one steps without the retries."
         )
         self.batch = batch
@@ -197,26 +210,38 @@ def ran_out_by_retries(message: str | None) -> bool:
     return bool(message) and message.startswith(ALLOCATOR_RETRIES)
 
 
-def check_allocator_retries(counts: Sequence[int], batch: int, times_ms: Sequence[float]) -> None:
+def check_allocator_retries(
+    counts: Sequence[int], batch: int, times_ms: Sequence[float], planned_timed: int | None = None
+) -> None:
     """Raise :class:`AllocatorRetriesError` where the allocator retried in at least
     :data:`RETRIED_STEPS_SHARE` of a run's timed steps, at a batch above 1: at batch 1 no
     smaller batch steps without the retries, and a slow step beats no plan (the budget
     would otherwise read as too small for a model that trains in it).
 
+    With ``planned_timed`` (the timed steps the run will take, called after each step) it
+    raises as soon as the steps retried so far reach that share of the planned ones: the
+    rest cannot undo the verdict, and their time is spent for nothing. Why: such a run
+    retried in every timed step (t5_base on an H200, session 34: 18-19 of 19 in each of
+    its 7 failures of that kind), so it ran its 20 steps where 11 decided it: 4-5 s an
+    eager probe at 0.4 s a step, and a compiled run's steps are taken in turn with the
+    runs beside it.
+
     Args:
         counts: the allocator's cumulative retry count before the first step, then after
-            each step (one more than the steps).
+            each step done (one more than the steps).
         batch: the run's batch, for the message.
         times_ms: each step's time, for the message (the middle one of all but the first,
             sorted).
+        planned_timed: the run's timed steps in all (None: the steps done are all of them).
     """
     timed = len(counts) - 2  # the first step (compile, warm-up, the optimizer's state) is not
     if timed < 1 or batch <= 1:
         return
     retried = sum(1 for i in range(1, timed + 1) if counts[i + 1] > counts[i])
-    if retried and retried >= RETRIED_STEPS_SHARE * timed:
+    total = timed if planned_timed is None else max(planned_timed, timed)
+    if retried and retried >= RETRIED_STEPS_SHARE * total:
         steady = sorted(times_ms[1:]) or [0.0]
-        raise AllocatorRetriesError(batch, retried, timed, steady[len(steady) // 2])
+        raise AllocatorRetriesError(batch, retried, timed, steady[len(steady) // 2], total)
 
 
 # Messages the CUDA stack uses for an allocation failure that arrives as a plain RuntimeError

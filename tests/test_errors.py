@@ -14,6 +14,7 @@ from memadvisor.errors import (
     check_allocator_retries,
     is_oom,
     is_our_bug,
+    ran_out_by_retries,
 )
 from memadvisor.workload import Workload, train_step
 from strategies import _forward
@@ -210,3 +211,20 @@ def test_the_retries_share_decides_and_a_lone_retry_does_not() -> None:
     assert is_oom(caught.value)  # every stage that asks is_oom takes it as running out
     check_allocator_retries([0, 5], 300, [100.0])  # one step: nothing timed
     check_allocator_retries([0, 1, 2, 3, 4, 5], 1, times)  # batch 1: nothing smaller to take
+
+
+def test_retries_that_already_decide_a_run_raise_before_its_last_step() -> None:
+    """Rule: called after each step with the run's planned timed steps, the check raises as
+    soon as the retried steps reach the share of the planned ones (the rest cannot undo the
+    verdict), and not before: 2 retried of 4 planned decide it, 1 of 4 does not (a lone
+    late retry must not end a run that would fit), and the message says it stopped early."""
+    times = [100.0, 10.0, 12.0]
+    check_allocator_retries([0, 0, 1], 300, times[:2], planned_timed=4)  # 1 of 4: open
+    with pytest.raises(AllocatorRetriesError) as caught:
+        check_allocator_retries([0, 0, 1, 2], 300, times, planned_timed=4)  # 2 of 4: decided
+    assert caught.value.retried_steps == 2 and caught.value.timed_steps == 2
+    assert "2 of its first 2 timed steps" in str(caught.value) and "4" in str(caught.value)
+    assert ran_out_by_retries(str(caught.value))  # the record still reads it back
+    # the planned steps done: the same verdict and message as without planned_timed
+    with pytest.raises(AllocatorRetriesError, match="in 2 of 4 timed steps"):
+        check_allocator_retries([0, 0, 1, 1, 2, 2], 300, [*times, 11.0, 10.0], planned_timed=4)

@@ -198,7 +198,8 @@ def _steps(
     ``host_ms`` (the host's share: near the step's time, the card waited on it); the steps
     from ``turn_from`` on (the timed ones: all but the first) in the turn. Where the
     allocator retried an allocation in most timed steps, the batch counts as out of memory
-    (``AllocatorRetriesError``, after the last step)."""
+    (``AllocatorRetriesError``, raised after the step whose retry decides it: the steps after
+    it could not undo the verdict)."""
     batch = run.batch(candidate.batch_size, device)
     held: list = []  # the last output, alive into the next step as a user's loop keeps it
     retries = [_torch_private.cuda_memory_counters(device)["alloc_retries"]]
@@ -219,4 +220,7 @@ def _steps(
             torch.cuda.synchronize(device)
             times_ms.append((time.perf_counter() - t0) * 1e3)
             retries.append(_torch_private.cuda_memory_counters(device)["alloc_retries"])
-    check_allocator_retries(retries, candidate.batch_size, times_ms[-steps:])
+            # Decided before its last step: the rest would be spent for nothing.
+            check_allocator_retries(
+                retries, candidate.batch_size, times_ms[-(done + 1) :], planned_timed=steps - 1
+            )

@@ -98,7 +98,8 @@ class Run:
     steps: int
     measured: Measurement | None
     # It completed its steps, but the allocator retried in most of them
-    # (AllocatorRetriesError): out of memory in effect, once its steps are done.
+    # (AllocatorRetriesError): out of memory in effect, once the steps retried decide it
+    # (``steps``: those it took, up to the one that decided).
     by_retries: bool = False
 
     def ran_out_within(self, steps: int) -> bool:

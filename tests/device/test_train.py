@@ -19,7 +19,7 @@ def retrying(monkeypatch) -> dict:
     """train_candidate's CUDA calls on the CPU; the allocator's retry count rises by one
     each time it is read after a step of a batch in ``state["at"]`` (the loss records the
     batch it saw)."""
-    state: dict = {"at": set(), "batch": None, "count": 0}
+    state: dict = {"at": set(), "batch": None, "count": 0, "steps": 0}
 
     def count() -> int:
         if state["batch"] in state["at"]:
@@ -34,6 +34,7 @@ def retrying(monkeypatch) -> dict:
 def _workload(state: dict) -> Workload:
     def loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
         state["batch"] = len(batch)
+        state["steps"] += 1
         return out.square().mean()
 
     torch.manual_seed(0)
@@ -60,9 +61,11 @@ def test_a_batch_the_allocator_retries_in_every_timed_step_ran_out(retrying: dic
     with pytest.raises(AllocatorRetriesError) as caught:
         _run(retrying, 8)
     assert is_oom(caught.value)
-    assert caught.value.retried_steps == 4 and caught.value.timed_steps == 4
-    assert caught.value.memadvisor_steps_completed == 5
-    assert "batch 8" in str(caught.value) and "4 of 4" in str(caught.value)
+    # 2 of 4 timed steps decide it (the share, RETRIED_STEPS_SHARE): it stops after them
+    assert caught.value.retried_steps == 2 and caught.value.timed_steps == 2
+    assert caught.value.memadvisor_steps_completed == 3
+    assert retrying["steps"] == 3  # the steps that could not undo the verdict were not run
+    assert "batch 8" in str(caught.value) and "2 of its first 2 timed steps" in str(caught.value)
     assert "\n" not in str(caught.value)  # a fork server's child sends the first line
 
     retrying["at"] = set()
