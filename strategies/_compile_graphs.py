@@ -42,6 +42,9 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    where the graphs rode pass 2 (session 31). Where the bets rode pass 2 and the
    confirmation then runs on the device, the graphs search's first run after them (its
    line's aim) goes with the confirmation's first run (:func:`next_round`), not after it.
+   Where the graphs run that held still waited on the host as much as the bar, graphs did
+   not relieve it, and the search makes no run more (:func:`_still_waits`): t5_base's did
+   not, the GPT example's did.
 3. The graphs form is the pick where it reaches :data:`HOST_BOUND_TIE` of the static
    pick's rate (a host-bound rate is the host's: the user's loop does not keep it), or, where
    it must beat the eager pick, as a compile beats eager (``beats_eager``:
@@ -151,6 +154,9 @@ class Graphs:
     against: str = "compiled"  # what it had to beat: the compiled pick, or "eager"
     # Not tried for the host's share alone: the share at which graphs are tried (else None).
     bar: float | None = None
+    # The host's share of the found graphs run's step, where it still reached the bar (their
+    # search then stopped at the runs made: :func:`_still_waits`); else None.
+    still_waits: float | None = None
 
 
 def host_share(measured: Measurement) -> float | None:
@@ -210,12 +216,36 @@ def graphs_pick(
         return Graphs(host_share=share, tried=True, error=first_line(e), against=beaten)
     if found is None:
         return Graphs(host_share=share, tried=True, against=beaten)
+    still = host_share(found.measured) if _still_waits(settings, found.measured) else None
     rate = found.measured.samples_per_s
     # The compile is paid where the pick is compiled: graphs need only match its rate, within
     # what a host-bound rate moves by (HOST_BOUND_TIE).
     allowance = HOST_BOUND_TIE / MIN_SPEEDUP if beaten == "compiled" else 1.0
     wins = beats_eager(objective, found.candidate.batch_size, rate, against, allowance)
-    return Graphs(host_share=share, tried=True, found=found, wins=wins, against=beaten)
+    return Graphs(
+        host_share=share, tried=True, found=found, wins=wins, against=beaten, still_waits=still
+    )
+
+
+def _still_waits(settings: CompileSearch, measured: Measurement | None) -> bool:
+    """Whether a graphs run that held (``measured``) still waited on the host as much as
+    the bar that tried graphs (:attr:`CompileSearch.host_bound_share`): its search then
+    makes no run more, and answers from the runs made.
+
+    Why: graphs save the kernels' launches, and a step whose host still takes that share
+    under them spends its host time elsewhere (Python around the compiled regions, their
+    replays' own checks), which a larger graphs batch does not change. t5_base's compiled
+    pick on an H200 (session 34 call 3) took 0.83 of its step to launch it in default mode
+    and 0.81 under graphs, its card busy 0.68 and 0.56 of the step, about 5,070 kernels a
+    step either way, no graph skipped (call 4); its graphs ran 0.72-0.89x the default mode in
+    every plan that tried them, a round of their compiles alone after the compile stage in
+    one (34 s, then a second cut by the bench's limit: call 2). The GPT example's graphs,
+    which paid (1.07x, session 30), replay its whole step: the card's kernels filled 0.92 of
+    it (session 29)."""
+    if measured is None:
+        return False
+    share = host_share(measured)
+    return share is not None and share >= settings.host_bound_share
 
 
 def first_round(
@@ -303,7 +333,7 @@ def _largest(
     its bytes (``PickStage.confirm``)."""
     made = _made(stage, choices)
     if made:  # made ahead, beside a static run (first_round), maybe at another pick's batch
-        return _from_made(stage, choices, made, batch, like, fixed_bytes, settings.graphs_runs)
+        return _from_made(stage, settings, choices, made, batch, like, fixed_bytes)
     first_batches = _first_batches(stage, settings, batch)
     start = first_batches[0]
     if len(first_batches) == 2:
@@ -317,7 +347,9 @@ def _largest(
         assert not isinstance(first, Exception) and not isinstance(at_guess, Exception)
         left = settings.graphs_runs - 2
         if at_guess is None:  # from the line below the guess, as from a first run alone
+            left = 0 if _still_waits(settings, first) else left
             return _after_first(stage, choices, like, first, start, fixed_bytes, left, guess - 1)
+        left = 0 if _still_waits(settings, at_guess) else left
         aim = guess  # held: the answer, unless the line allows 5% more and a run is left
         if first is not None and left > 0:
             line = _line_aim(stage, first, start, batch, fixed_bytes)
@@ -325,21 +357,22 @@ def _largest(
         return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
     first = stage.run(choices, start)
     # With no run left, each confirm answers from the runs made (the first, where it held).
-    left = settings.graphs_runs - 1
+    left = 0 if _still_waits(settings, first) else settings.graphs_runs - 1
     return _after_first(stage, choices, like, first, start, fixed_bytes, left, batch)
 
 
 def _from_made(
     stage: PickStage,
+    settings: CompileSearch,
     choices: dict[str, JsonValue],
     made: dict[int, bool],
     batch: int,
     like: Confirmed,
     fixed_bytes: int,
-    left: int,
 ) -> Confirmed | None:
     """:func:`_largest` from the graphs runs ``made`` ahead (``first_round``: by batch,
-    whether it held), in at most ``left`` runs more: the largest that held
+    whether it held), in at most ``settings.graphs_runs`` runs more (none where the one that
+    held still waited on the host: :func:`_still_waits`): the largest that held
     at or below ``batch`` is the first run, the search capped below the lowest that ran out;
     where none held, from half of that one.
 
@@ -350,9 +383,11 @@ def _from_made(
     out, cap, start = _from_made_bounds(made, batch)
     if cap < 1:
         return None
+    left = settings.graphs_runs
     if start is None:  # as a first run that ran out, at the lowest that did
         return _after_first(stage, choices, like, None, min(out), fixed_bytes, left, cap)
     first = stage.run(choices, start)  # answered: it was made
+    left = 0 if _still_waits(settings, first) else left
     if start == cap:
         return stage.confirm(choices, start, like=like, max_runs=left, ceiling=start)
     return _after_first(stage, choices, like, first, start, fixed_bytes, left, cap)
@@ -392,7 +427,8 @@ def next_round(
     Known limitations: ``batch`` is the confirmation's start; where the pick ends below the
     cap it sets, the search aims elsewhere and this run is a graphs run spent for nothing
     (counted, and said where graphs go unused). Where the aim runs out, the search's next
-    run waits for its own round."""
+    run waits for its own round. None is sent where the bet that held still waited on the
+    host (:func:`_still_waits`: the search then makes no run more)."""
     graphs = _graphs_choices(settings, choices, host_share(measured))
     if graphs is None:
         return []
@@ -406,7 +442,7 @@ def next_round(
         aim = _first_aim(stage, None, min(out), cap, fixed_bytes or 0)
     else:
         first = stage.run(graphs, start)  # answered: it was made
-        if first is None:
+        if first is None or _still_waits(settings, first):  # no run more (graphs_pick's too)
             return []
         aim = _first_aim(stage, first, start, cap, fixed_bytes or 0)
     return [] if aim in made else [(graphs, aim)]
@@ -523,6 +559,12 @@ def graphs_words(
         f"ran {rate:.1f} samples/s at batch {g.candidate.batch_size}, "
         f"{rate / beaten.measured.samples_per_s:.2f}x {static}"
     )
+    if graphs.still_waits is not None:
+        measured += (
+            f"; under them the host still took {graphs.still_waits:.0%} of the step, so its "
+            "time goes to more than the kernels' launches graphs save, and their search "
+            "stopped at the runs made"
+        )
     verdict = (
         "the pick, its run the verification" if graphs.wins else "not enough to pay; the pick stays"
     )

@@ -283,6 +283,76 @@ def test_graphs_runs_made_ahead_are_the_graphs_searchs_first_round(
     assert kwargs["max_runs"] == CompileSearch().graphs_runs
 
 
+def _waiting(reserved: int, host_ms: float = 9.0) -> Measurement:
+    """A graphs run that held, its host 0.9 of its 10 ms step (the bar is 0.8)."""
+    return Measurement(
+        steps=5,
+        peak_bytes=reserved,
+        reserved_peak_bytes=reserved,
+        step_ms=10.0,
+        samples_per_s=1.0,
+        host_ms=host_ms,
+    )
+
+
+def test_graphs_that_still_wait_on_the_host_end_their_search_at_the_runs_made() -> None:
+    """Rule: where the graphs run that held still took the bar's share of its step to launch
+    it (CompileSearch.host_bound_share), graphs did not relieve the host, and their search
+    makes no device run more: the first run alone, the first round at once, the runs made
+    ahead, and the next round sent beside a confirmation (none is sent). A run that held
+    under the bar searches as before."""
+    from strategies._compile_graphs import _largest, next_round
+    from strategies._compile_search import CompileSearch
+
+    settings = CompileSearch()
+    assert settings.host_bound_share == 0.8
+    graphs, pick = {"compile": GRAPHS_MODE}, _pick(batch=100)
+    alone = _Stage(_waiting(700))
+    _largest(alone, settings, graphs, 100, pick, 100)
+    [(_, kwargs)] = alone.confirms
+    assert kwargs["max_runs"] == 0
+    relieved = _Stage(_waiting(700, host_ms=3.0))
+    _largest(relieved, settings, graphs, 100, pick, 100)
+    assert relieved.confirms[0][1]["max_runs"] == settings.graphs_runs - 1
+    for first, at_guess in ((_held(700), _waiting(900)), (_waiting(700), None)):
+        at_once = _AtOnce(first, at_guess)
+        _largest(at_once, settings, graphs, 100, pick, 100)
+        assert at_once.confirms[0][1]["max_runs"] == 0, (first, at_guess)
+    made = _Made({50: True})
+    made.first = _waiting(700)
+    _largest(made, settings, graphs, 100, pick, 100)
+    assert made.confirms[0][1]["max_runs"] == 0
+    host_bound = _measured(10.0, 9.9)  # the default-mode pick's run: graphs are tried
+    assert next_round(made, settings, {"compile": "default"}, 100, host_bound, 100) == []
+    made.first = _waiting(700, host_ms=3.0)
+    assert next_round(made, settings, {"compile": "default"}, 100, host_bound, 100) == [
+        (graphs, 75)
+    ]
+
+
+def test_the_words_say_graphs_that_still_waited_on_the_host() -> None:
+    """Rule: where graphs were found but their run still waited on the host (graphs_pick
+    records its share), the summary says so, and that the graphs search stopped there."""
+    from strategies._compile_graphs import graphs_pick
+    from strategies._compile_search import CompileSearch
+
+    pick = _pick(step_ms=10.0, host_ms=9.9, batch=100)
+    found = Confirmed(
+        candidate=Candidate(batch_size=60, choices={"compile": GRAPHS_MODE}),
+        found_batch=60,
+        measured=_measured(8.0, 6.6, batch=60),
+    )
+    got = graphs_pick(_Found(found), CompileSearch(), pick, "throughput")
+    assert got.still_waits == pytest.approx(6.6 / 8.0) and not got.wins
+    words = graphs_words(got, pick, 2)
+    assert "the host still took 82% of the step" in words and "stopped" in words
+    found_free = Confirmed(
+        candidate=found.candidate, found_batch=60, measured=_measured(8.0, 2.0, batch=60)
+    )
+    free = graphs_pick(_Found(found_free), CompileSearch(), pick, "throughput")
+    assert free.still_waits is None and "still took" not in graphs_words(free, pick, 2)
+
+
 @pytest.mark.parametrize(
     ("host_ms", "choice", "said"),
     [
