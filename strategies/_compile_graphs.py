@@ -227,6 +227,18 @@ def graphs_pick(
     )
 
 
+def _stops(stage: PickStage, settings: CompileSearch, measured: Measurement | None) -> bool:
+    """:func:`_still_waits`, said on the progress line where it stops the graphs search."""
+    if not _still_waits(settings, measured):
+        return False
+    assert measured is not None and measured.host_ms is not None
+    stage.describe(
+        f"compile: CUDA graphs still waited on the host ({measured.host_ms / measured.step_ms:.0%}"
+        " of a step to launch it): no graphs run more"
+    )
+    return True
+
+
 def _still_waits(settings: CompileSearch, measured: Measurement | None) -> bool:
     """Whether a graphs run that held (``measured``) still waited on the host as much as
     the bar that tried graphs (:attr:`CompileSearch.host_bound_share`): its search then
@@ -347,9 +359,9 @@ def _largest(
         assert not isinstance(first, Exception) and not isinstance(at_guess, Exception)
         left = settings.graphs_runs - 2
         if at_guess is None:  # from the line below the guess, as from a first run alone
-            left = 0 if _still_waits(settings, first) else left
+            left = 0 if _stops(stage, settings, first) else left
             return _after_first(stage, choices, like, first, start, fixed_bytes, left, guess - 1)
-        left = 0 if _still_waits(settings, at_guess) else left
+        left = 0 if _stops(stage, settings, at_guess) else left
         aim = guess  # held: the answer, unless the line allows 5% more and a run is left
         if first is not None and left > 0:
             line = _line_aim(stage, first, start, batch, fixed_bytes)
@@ -357,7 +369,7 @@ def _largest(
         return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
     first = stage.run(choices, start)
     # With no run left, each confirm answers from the runs made (the first, where it held).
-    left = 0 if _still_waits(settings, first) else settings.graphs_runs - 1
+    left = 0 if _stops(stage, settings, first) else settings.graphs_runs - 1
     return _after_first(stage, choices, like, first, start, fixed_bytes, left, batch)
 
 
@@ -387,7 +399,7 @@ def _from_made(
     if start is None:  # as a first run that ran out, at the lowest that did
         return _after_first(stage, choices, like, None, min(out), fixed_bytes, left, cap)
     first = stage.run(choices, start)  # answered: it was made
-    left = 0 if _still_waits(settings, first) else left
+    left = 0 if _stops(stage, settings, first) else left
     if start == cap:
         return stage.confirm(choices, start, like=like, max_runs=left, ceiling=start)
     return _after_first(stage, choices, like, first, start, fixed_bytes, left, cap)
@@ -442,7 +454,7 @@ def next_round(
         aim = _first_aim(stage, None, min(out), cap, fixed_bytes or 0)
     else:
         first = stage.run(graphs, start)  # answered: it was made
-        if first is None or _still_waits(settings, first):  # no run more (graphs_pick's too)
+        if first is None or _stops(stage, settings, first):  # no run more (graphs_pick's too)
             return []
         aim = _first_aim(stage, first, start, cap, fixed_bytes or 0)
     return [] if aim in made else [(graphs, aim)]

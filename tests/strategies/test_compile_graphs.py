@@ -91,7 +91,10 @@ class _Stage:
     probes = ()  # no graphs run made ahead (first_round)
 
     def __init__(self, first: Measurement | None) -> None:
-        self.first, self.confirms = first, []
+        self.first, self.confirms, self.said = first, [], []
+
+    def describe(self, text: str) -> None:
+        self.said.append(text)
 
     def run(self, choices, batch):
         self.batch = batch
@@ -311,9 +314,11 @@ def test_graphs_that_still_wait_on_the_host_end_their_search_at_the_runs_made() 
     _largest(alone, settings, graphs, 100, pick, 100)
     [(_, kwargs)] = alone.confirms
     assert kwargs["max_runs"] == 0
+    assert alone.said == ["compile: CUDA graphs still waited on the host (90% of a step to "
+                          "launch it): no graphs run more"]  # fmt: skip
     relieved = _Stage(_waiting(700, host_ms=3.0))
     _largest(relieved, settings, graphs, 100, pick, 100)
-    assert relieved.confirms[0][1]["max_runs"] == settings.graphs_runs - 1
+    assert relieved.confirms[0][1]["max_runs"] == settings.graphs_runs - 1 and not relieved.said
     for first, at_guess in ((_held(700), _waiting(900)), (_waiting(700), None)):
         at_once = _AtOnce(first, at_guess)
         _largest(at_once, settings, graphs, 100, pick, 100)
