@@ -169,6 +169,7 @@ IMPORT_ONLY = {
     "compile_regional": "its --smoke compiles with inductor on the CPU: minutes here",
     "compile_vs_eager": "plans with compile weighed, which only a card measures",
     "compiled_forward_gap": "CUDA events and compiled loops",
+    "cudagraph_skips": "counts the CUDA graphs inductor skipped on a card",
     "gpu_facts": "compares the meter with the CUDA allocator",
     "planner": "plans on a card against hand configurations",
     "profile_check": "compares the profile with the CUDA allocator",
