@@ -221,10 +221,10 @@ def check_allocator_retries(
     With ``planned_timed`` (the timed steps the run will take, called after each step) it
     raises as soon as the steps retried so far reach that share of the planned ones: the
     rest cannot undo the verdict, and their time is spent for nothing. Why: such a run
-    retried in every timed step (t5_base on an H200, session 34: 18-19 of 19 in each of
-    its 7 failures of that kind), so it ran its 20 steps where 11 decided it: 4-5 s an
-    eager probe at 0.4 s a step, and a compiled run's steps are taken in turn with the
-    runs beside it.
+    retries in nearly every timed step (t5_base on an H200, session 34: one plan's 6 such
+    20-step runs retried in 17-19 of their 19), so it ran 20 steps where 11 decided it:
+    9.2-11.9 s an eager probe at about 0.4 s a step, 5.6-6.3 s once stopped (call 2), and a
+    compiled run's steps are taken in turn with the runs beside it.
 
     Args:
         counts: the allocator's cumulative retry count before the first step, then after

@@ -154,8 +154,8 @@ class Graphs:
     against: str = "compiled"  # what it had to beat: the compiled pick, or "eager"
     # Not tried for the host's share alone: the share at which graphs are tried (else None).
     bar: float | None = None
-    # The host's share of the found graphs run's step, where it still reached the bar (their
-    # search then stopped at the runs made: :func:`_still_waits`); else None.
+    # The host's share of the found graphs run's step, where it still reached the bar (the
+    # search makes no run after such a run: :func:`_still_waits`); else None.
     still_waits: float | None = None
 
 
@@ -252,8 +252,9 @@ def _still_waits(settings: CompileSearch, measured: Measurement | None) -> bool:
     step either way, no graph skipped (call 4); its graphs ran 0.72-0.89x the default mode in
     every plan that tried them, a round of their compiles alone after the compile stage in
     one (34 s, then a second cut by the bench's limit: call 2). The GPT example's graphs,
-    which paid (1.07x, session 30), replay its whole step: the card's kernels filled 0.92 of
-    it (session 29)."""
+    which pay (1.07x in session 30, 1.14x in session 34 call 5, where this rule let its
+    search go on), replay its whole step: the card's kernels filled 0.92 of it (session
+    29)."""
     if measured is None:
         return False
     share = host_share(measured)
@@ -454,7 +455,7 @@ def next_round(
         aim = _first_aim(stage, None, min(out), cap, fixed_bytes or 0)
     else:
         first = stage.run(graphs, start)  # answered: it was made
-        if first is None or _stops(stage, settings, first):  # no run more (graphs_pick's too)
+        if first is None or _still_waits(settings, first):  # graphs_pick's search says so
             return []
         aim = _first_aim(stage, first, start, cap, fixed_bytes or 0)
     return [] if aim in made else [(graphs, aim)]
@@ -574,8 +575,8 @@ def graphs_words(
     if graphs.still_waits is not None:
         measured += (
             f"; under them the host still took {graphs.still_waits:.0%} of the step, so its "
-            "time goes to more than the kernels' launches graphs save, and their search "
-            "stopped at the runs made"
+            "time goes to more than the kernels' launches graphs save (no graphs run is made "
+            "after one that still waits so)"
         )
     verdict = (
         "the pick, its run the verification" if graphs.wins else "not enough to pay; the pick stays"
