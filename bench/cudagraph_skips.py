@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-from _targets import TARGETS  # bench/, first on sys.path as a script
+from _recorder import Recorder  # bench/, first on sys.path as a script
+from _targets import TARGETS
 
 import memadvisor
 from memadvisor.schema.plan import Plan
@@ -97,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
     }
     print(json.dumps(row), flush=True)
-    if args.json:
-        with args.json.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+    recorder = Recorder(args.json, lambda _: True, mode="a")
+    recorder.write(row)
+    recorder.close()
 
 
 if __name__ == "__main__":
