@@ -2345,3 +2345,30 @@ def test_the_graphs_search_after_its_bets_goes_with_the_confirmations_first_run(
     other = _plan(workload, profile, strategies, after)
     assert other.candidate == plan.candidate
     assert len(rounds) < len(later), (rounds, later)
+
+
+def test_graphs_that_still_wait_on_the_host_make_no_graphs_run_after_the_first_that_held(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the CUDA graphs' runs still take 90% of their step to launch it (at or
+    above CompileSearch.host_bound_share: graphs did not relieve the host), the plan makes
+    fewer graphs runs than where graphs launch in a tenth of their step, the summary says
+    the host's share under them, and no graphs run comes after the first graphs run that
+    held (the runs made with it in one call aside)."""
+    waits = _host_bound_at_once(linear_device)
+    waits.graphs_host_share = 0.9
+    plan = _plan(workload, profile, strategies, waits)
+    stage = plan.stages[0]
+    graphs = stage.details["graphs"]
+    assert graphs["tried"], stage.summary
+    assert "under them the host still took 90% of the step" in stage.summary, stage.summary
+    runs = _graphs_runs(plan, waits)
+    first_held = next(i for i, p in enumerate(plan.probes) if p in runs and p.fits)
+    later = [p for p in runs if plan.probes.index(p) > first_held]
+    same_call = [p for p in later if p.wall_ms == plan.probes[first_held].wall_ms]
+    assert later == same_call, [(p.batch_size, p.fits) for p in runs]
+
+    relieved = _plan(workload, profile, strategies, _host_bound_at_once(linear_device))
+    searched = relieved.stages[0].details["search"]["graphs_runs"]
+    assert stage.details["search"]["graphs_runs"] < searched, (runs, searched)
+    assert "still took" not in relieved.stages[0].summary
