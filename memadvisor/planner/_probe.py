@@ -417,6 +417,8 @@ def _fitted(candidate: Candidate, measured: Measurement, t0: float, stage: str) 
         steps=measured.steps,
         peak_bytes=measured.peak_bytes,
         step_ms=measured.step_ms,
+        reserved_peak_bytes=measured.reserved_peak_bytes,
+        host_ms=measured.host_ms,
         wall_ms=(time.perf_counter() - t0) * 1e3,
         stage=stage,
         candidate=candidate,

@@ -67,6 +67,19 @@ class Probe(_Model):
         description="Its timed steps' mean step time (the measurement's); None when it ran "
         "out. Kept so a plan's record says what each run measured, not only whether it fit.",
     )
+    reserved_peak_bytes: int | None = Field(
+        None,
+        description="The allocator's reserved peak where the device reports one (a card), "
+        "when it fit. Kept so a plan's record shows how far the reserved bytes ran ahead of "
+        "the allocated ones near the edge (a batch that fits only by the allocator's retries "
+        "counts as running out: docs/design.md, session 22).",
+    )
+    host_ms: float | None = Field(
+        None,
+        description="The host's time to hand a step to the device, where the device times "
+        "it, when it fit: over step_ms, whether the card waited on the host (the CUDA graphs "
+        "search's signal, strategies/_compile_graphs.py).",
+    )
     error: str | None = Field(None, description="The out-of-memory message, when it ran out.")
     wall_ms: float = 0.0
     stage: str = Field(

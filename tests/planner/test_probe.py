@@ -360,3 +360,25 @@ def test_a_ceiling_near_a_fit_outside_the_margin_still_probes() -> None:
         ceiling=1980, within=0.03,
     )  # fmt: skip
     assert tried[0] == 1960 and len(tried) > 1 and found.batch < 1960, (tried, found)
+
+
+def test_a_fitting_probe_records_its_reserved_peak_and_host_time() -> None:
+    """Rule: a run that fits keeps, beside its allocated peak and step time, the reserved
+    peak and the host's time its measurement has (None where the device reports neither),
+    so a saved plan says how near the reserved bytes came to the cap and whether the card
+    waited on the host, run by run."""
+
+    class _Device:
+        def run(self, workload, candidate, steps):
+            return Measurement(
+                steps=steps,
+                peak_bytes=700,
+                reserved_peak_bytes=900,
+                step_ms=10.0,
+                samples_per_s=800.0,
+                host_ms=9.5,
+            )
+
+    record, measured = probe(_Device(), None, Candidate(batch_size=8), steps=3)
+    assert (record.peak_bytes, record.reserved_peak_bytes, record.host_ms) == (700, 900, 9.5)
+    assert measured is not None and record.step_ms == measured.step_ms
