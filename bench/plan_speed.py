@@ -307,7 +307,9 @@ def _fit_words(fit: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _run_words(probe: dict[str, Any]) -> str:
-    """``'timing b12 fits 4.1s bf16+3ckpt+compile'``: one device run in a few words."""
+    """``'timing b12 fits 410/s 4.1s bf16+3ckpt+compile'``: one device run in a few words; a
+    fit on a card adds its allocated and reserved peaks and the host's share of its step
+    (``'7.19/7.90GB host 0.83'``), where its record keeps them (plans from session 34 on)."""
     choices = (probe.get("candidate") or {}).get("choices", {})
     tags = [str(choices["precision"])] if choices.get("precision") not in (None, "fp32") else []
     if isinstance(choices.get("checkpointing"), list) and choices["checkpointing"]:
@@ -318,6 +320,10 @@ def _run_words(probe: dict[str, Any]) -> str:
     step_ms = probe.get("step_ms")
     if step_ms:  # a plan of before session 19 has none
         fits += f" {probe['batch_size'] / step_ms * 1e3:.0f}/s"
+    if probe.get("reserved_peak_bytes") and probe.get("peak_bytes"):
+        fits += f" {probe['peak_bytes'] / 1e9:.2f}/{probe['reserved_peak_bytes'] / 1e9:.2f}GB"
+    if probe.get("host_ms") is not None and step_ms:
+        fits += f" host {probe['host_ms'] / step_ms:.2f}"
     wall = probe.get("wall_ms", 0.0) / 1e3
     return f"{probe['stage']} b{probe['batch_size']} {fits} {wall:.1f}s {'+'.join(tags)}"
 

@@ -47,3 +47,30 @@ def test_a_dirty_copy_names_the_tree_its_files_make_and_leaves_the_index_alone(
     _git(tmp_path, "add", "-A")
     _git(tmp_path, "commit", "-qm", "two")
     assert label.split(" tree ")[1] == _git(tmp_path, "rev-parse", "HEAD^{tree}").strip()
+
+
+def test_a_runs_words_say_its_reserved_peak_and_host_share_where_its_record_has_them(
+    load_bench,
+) -> None:
+    """Rule: a run that fit is written with its rate, and where its record keeps them (a card's
+    plans from session 34 on) its allocated/reserved peaks in GB and the host's share of its
+    step; a run that ran out, or a record without them, is written as before."""
+    plan_speed = load_bench("plan_speed")
+    fit = {
+        "stage": "probe",
+        "batch_size": 39,
+        "fits": True,
+        "step_ms": 312.0,
+        "wall_ms": 8400.0,
+        "peak_bytes": 7_190_000_000,
+        "reserved_peak_bytes": 7_900_000_000,
+        "host_ms": 260.0,
+        "candidate": {"choices": {"precision": "bf16", "checkpointing": ["a", "b"]}},
+    }
+    assert (
+        plan_speed._run_words(fit) == "probe b39 fits 125/s 7.19/7.90GB host 0.83 8.4s bf16+2ckpt"
+    )
+    older = {k: v for k, v in fit.items() if k not in ("reserved_peak_bytes", "host_ms")}
+    assert plan_speed._run_words(older) == "probe b39 fits 125/s 8.4s bf16+2ckpt"
+    out = {"stage": "probe", "batch_size": 42, "fits": False, "wall_ms": 6300.0}
+    assert plan_speed._run_words(out) == "probe b42 OOM 6.3s "
