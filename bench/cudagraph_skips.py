@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from _recorder import Recorder  # bench/, first on sys.path as a script
 from _targets import TARGETS
+from process_spread import plan_variant
 
 import memadvisor
 from memadvisor.schema.plan import Plan
@@ -59,16 +60,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("needs CUDA")
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * 2**30 / total))
-    raw = json.loads(args.plan.read_text())
-    choice = raw["candidate"]["choices"].get("compile")
-    if choice in (None, "off", False):
-        sys.exit(f"the plan does not compile (its compile choice is {choice!r})")
-    raw["candidate"]["choices"]["compile"] = (
-        {**choice, "mode": args.mode} if isinstance(choice, dict) else args.mode
-    )
-    if args.batch is not None:
-        raw["candidate"]["batch_size"] = args.batch
-    plan = Plan.model_validate(raw)
+    try:
+        variant = plan_variant(args.plan.read_text(), args.batch, args.mode)
+    except ValueError as e:
+        sys.exit(f"the plan cannot run in {args.mode} mode: {e}")
+    assert variant is not None  # a mode is always given
+    plan = Plan.model_validate_json(variant)
     torch._logging.set_logs(cudagraphs=True)  # the artifact that says why a graph is skipped
     lines = _Lines()
     logging.getLogger("torch._inductor.cudagraph_utils").addHandler(lines)

@@ -216,7 +216,7 @@ def graphs_pick(
         return Graphs(host_share=share, tried=True, error=first_line(e), against=beaten)
     if found is None:
         return Graphs(host_share=share, tried=True, against=beaten)
-    still = host_share(found.measured) if _still_waits(settings, found.measured) else None
+    still = _waiting_share(settings, found.measured)
     rate = found.measured.samples_per_s
     # The compile is paid where the pick is compiled: graphs need only match its rate, within
     # what a host-bound rate moves by (HOST_BOUND_TIE).
@@ -229,20 +229,27 @@ def graphs_pick(
 
 def _stops(stage: PickStage, settings: CompileSearch, measured: Measurement | None) -> bool:
     """:func:`_still_waits`, said on the progress line where it stops the graphs search."""
-    if not _still_waits(settings, measured):
+    share = _waiting_share(settings, measured)
+    if share is None:
         return False
-    assert measured is not None and measured.host_ms is not None
     stage.describe(
-        f"compile: CUDA graphs still waited on the host ({measured.host_ms / measured.step_ms:.0%}"
-        " of a step to launch it): no graphs run more"
+        f"compile: CUDA graphs still waited on the host ({share:.0%} of a step to launch it): "
+        "no graphs run more"
     )
     return True
 
 
 def _still_waits(settings: CompileSearch, measured: Measurement | None) -> bool:
     """Whether a graphs run that held (``measured``) still waited on the host as much as
-    the bar that tried graphs (:attr:`CompileSearch.host_bound_share`): its search then
-    makes no run more, and answers from the runs made.
+    the bar that tried graphs (:func:`_waiting_share`)."""
+    return _waiting_share(settings, measured) is not None
+
+
+def _waiting_share(settings: CompileSearch, measured: Measurement | None) -> float | None:
+    """The host's share of a graphs run that held (``measured``), where it still waited on
+    the host as much as the bar that tried graphs (:attr:`CompileSearch.host_bound_share`);
+    else None. After such a run the graphs search makes no run more, and answers from the
+    runs made.
 
     Why: graphs save the kernels' launches, and a step whose host still takes that share
     under them spends its host time elsewhere (Python around the compiled regions, their
@@ -256,9 +263,9 @@ def _still_waits(settings: CompileSearch, measured: Measurement | None) -> bool:
     search go on), replay its whole step: the card's kernels filled 0.92 of it (session
     29)."""
     if measured is None:
-        return False
+        return None
     share = host_share(measured)
-    return share is not None and share >= settings.host_bound_share
+    return share if share is not None and share >= settings.host_bound_share else None
 
 
 def first_round(
