@@ -106,6 +106,7 @@ __all__ = [
     "SAID_SHARE",
     "START_SHARE",
     "Graphs",
+    "bets_within",
     "first_round",
     "graphs_form",
     "next_round",
@@ -136,6 +137,10 @@ GUESS_SHARE = 0.8
 #: of verified (session 31 calls 1 and 3). Against the eager pick a compile must still pay
 #: (MIN_SPEEDUP).
 HOST_BOUND_TIE = 0.90
+#: A graphs run that held is the search's answer where a line through it allows no more than
+#: this share above its batch: a run more (a compile of its own, about 20-25 s on a card)
+#: for 5% of the batch, which the line may not keep.
+LINE_WITHIN = 0.05
 #: A pick whose host took this share of its step or more, under
 #: :attr:`CompileSearch.host_bound_share`, is said to be partly the host's in the summary
 #: (graphs not tried): at half the step or more, the host's speed sets at least that half.
@@ -291,6 +296,25 @@ def first_round(
     return [(graphs, b) for b in _first_batches(stage, settings, batch)]
 
 
+def bets_within(
+    stage: PickStage,
+    settings: CompileSearch,
+    choices: dict[str, JsonValue],
+    batch: int,
+    measured: Measurement,
+    room: int,
+) -> list[tuple[dict[str, JsonValue], int]]:
+    """:func:`first_round` within ``room`` runs: where it has room for one of its two, the
+    guess (:data:`GUESS_SHARE` of ``batch``), which where it holds is the graphs search's
+    answer unless a line through it allows 5% more (:func:`_from_made`); the start alone,
+    where it holds, leaves the line's aim to a round of its own. ``measured``: a run whose
+    host's share says whether graphs are tried (pass 1's bets read the eager pick's)."""
+    runs = first_round(stage, settings, choices, batch, measured)
+    if room <= 0:
+        return []
+    return runs[-room:] if room < len(runs) else runs
+
+
 def _made(stage: PickStage, choices: dict[str, JsonValue]) -> dict[int, bool]:
     """The runs of ``choices`` the stage made: whether each batch held."""
     return {
@@ -354,7 +378,23 @@ def _largest(
     made = _made(stage, choices)
     if made:  # made ahead, beside a static run (first_round), maybe at another pick's batch
         return _from_made(stage, settings, choices, made, batch, like, fixed_bytes)
-    first_batches = _first_batches(stage, settings, batch)
+    return _fresh(stage, settings, choices, batch, batch, like, fixed_bytes, settings.graphs_runs)
+
+
+def _fresh(
+    stage: PickStage,
+    settings: CompileSearch,
+    choices: dict[str, JsonValue],
+    batch: int,
+    cap: int,
+    like: Confirmed,
+    fixed_bytes: int,
+    runs: int,
+) -> Confirmed | None:
+    """:func:`_largest`'s search from no graphs run that held, in at most ``runs`` runs: its
+    first round at :data:`START_SHARE` (and :data:`GUESS_SHARE`, where the device makes runs
+    at once) of ``batch``, then the line's aim, no higher than ``cap``."""
+    first_batches = _fresh_batches(stage, settings, batch, runs)
     start = first_batches[0]
     if len(first_batches) == 2:
         # The guess goes with the first run: one compile's wall for both.
@@ -365,20 +405,29 @@ def _largest(
                 raise answer
         first, at_guess = answers
         assert not isinstance(first, Exception) and not isinstance(at_guess, Exception)
-        left = settings.graphs_runs - 2
+        left = runs - 2
         if at_guess is None:  # from the line below the guess, as from a first run alone
             left = 0 if _stops(stage, settings, first) else left
             return _after_first(stage, choices, like, first, start, fixed_bytes, left, guess - 1)
         left = 0 if _stops(stage, settings, at_guess) else left
         aim = guess  # held: the answer, unless the line allows 5% more and a run is left
         if first is not None and left > 0:
-            line = _line_aim(stage, first, start, batch, fixed_bytes)
-            aim = line if line > 1.05 * guess else guess
-        return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
+            line = _line_aim(stage, first, start, cap, fixed_bytes)
+            aim = line if line > (1 + LINE_WITHIN) * guess else guess
+        return stage.confirm(
+            choices, aim, like=like, max_runs=left, within=LINE_WITHIN, ceiling=aim
+        )
     first = stage.run(choices, start)
     # With no run left, each confirm answers from the runs made (the first, where it held).
-    left = 0 if _stops(stage, settings, first) else settings.graphs_runs - 1
-    return _after_first(stage, choices, like, first, start, fixed_bytes, left, batch)
+    left = 0 if _stops(stage, settings, first) else runs - 1
+    return _after_first(stage, choices, like, first, start, fixed_bytes, left, cap)
+
+
+def _fresh_batches(stage: PickStage, settings: CompileSearch, batch: int, runs: int) -> list[int]:
+    """The batches of :func:`_fresh`'s first round for ``batch`` within ``runs`` runs: the
+    guess goes with the start only where two runs are left (:func:`_first_batches`)."""
+    first = _first_batches(stage, settings, batch)
+    return first if runs >= 2 else first[:1]
 
 
 def _from_made(
@@ -394,7 +443,8 @@ def _from_made(
     whether it held), in at most ``settings.graphs_runs`` runs more (none where the one that
     held still waited on the host: :func:`_still_waits`): the largest that held
     at or below ``batch`` is the first run, the search capped below the lowest that ran out;
-    where none held, from half of that one.
+    where none held, a first round as from nothing (:func:`_fresh`), of that one's batch
+    (or ``batch``, where lower).
 
     Why: they went beside the static run of the candidate that led by its line, at its
     predicted batch; where its confirmation moved the batch (the fake device's leader from
@@ -404,13 +454,29 @@ def _from_made(
     if cap < 1:
         return None
     left = settings.graphs_runs
-    if start is None:  # as a first run that ran out, at the lowest that did
-        return _after_first(stage, choices, like, None, min(out), fixed_bytes, left, cap)
+    if start is None:  # none held: a first round below the lowest that ran out
+        base = min(min(out), batch)
+        return _fresh(stage, settings, choices, base, cap, like, fixed_bytes, left)
     first = stage.run(choices, start)  # answered: it was made
     left = 0 if _stops(stage, settings, first) else left
-    if start == cap:
+    if _settled(stage, first, start, cap, fixed_bytes):
         return stage.confirm(choices, start, like=like, max_runs=left, ceiling=start)
     return _after_first(stage, choices, like, first, start, fixed_bytes, left, cap)
+
+
+def _settled(
+    stage: PickStage, first: Measurement | None, start: int, cap: int, fixed_bytes: int
+) -> bool:
+    """Whether a graphs run made ahead that held at ``start`` (``first``) is the search's
+    answer: at the cap, or where a line through it allows no more than :data:`LINE_WITHIN`
+    above it (as where the guess held beside the first run, :func:`_largest`). Why: pass 1's
+    bet is the guess alone (:func:`bets_within`), and a run at the line's aim just above it
+    would be a round of compiles alone for a few samples."""
+    if start == cap:
+        return True
+    if first is None:
+        return False
+    return _line_aim(stage, first, start, cap, fixed_bytes) <= (1 + LINE_WITHIN) * start
 
 
 def _from_made_bounds(made: dict[int, bool], batch: int) -> tuple[list[int], int, int | None]:
@@ -458,11 +524,14 @@ def next_round(
     out, cap, start = _from_made_bounds(made, batch)
     if cap < 1 or start == cap:
         return []
-    if start is None:  # as _from_made: a first run that ran out, at the lowest that did
-        aim = _first_aim(stage, None, min(out), cap, fixed_bytes or 0)
+    if start is None:  # as _from_made: a first round below the lowest that ran out
+        first = _fresh_batches(stage, settings, min(min(out), batch), settings.graphs_runs)
+        return [(graphs, b) for b in first if b not in made]
     else:
         first = stage.run(graphs, start)  # answered: it was made
         if first is None or _still_waits(settings, first):  # graphs_pick's search says so
+            return []
+        if _settled(stage, first, start, cap, fixed_bytes or 0):  # _from_made runs nothing
             return []
         aim = _first_aim(stage, first, start, cap, fixed_bytes or 0)
     return [] if aim in made else [(graphs, aim)]
@@ -484,7 +553,7 @@ def _after_first(
     aim = _first_aim(stage, first, start, cap, fixed_bytes)
     if first is None:
         return stage.confirm(choices, aim, like=like, max_runs=left, ceiling=start - 1)
-    return stage.confirm(choices, aim, like=like, max_runs=left, within=0.05, ceiling=aim)
+    return stage.confirm(choices, aim, like=like, max_runs=left, within=LINE_WITHIN, ceiling=aim)
 
 
 def _first_aim(

@@ -741,6 +741,8 @@ class _Asked:
 
 #: A candidate's CUDA graphs' first round: (choices, batch) runs (Search.graphs_ahead).
 _GraphsAhead = Callable[["Variant"], list[tuple[dict[str, JsonValue], int]]]
+#: A candidate's CUDA graphs' bets at a batch within some runs (Search.graphs_bet).
+_GraphsBet = Callable[["Variant", int, int], list[tuple[dict[str, JsonValue], int]]]
 
 
 class Search:
@@ -765,7 +767,11 @@ class Search:
         # where its largest run waited on the host ([] where not, and by default): set by the
         # compile stage (_compile_graphs.first_round), which this module may not import.
         self.graphs_ahead: _GraphsAhead = lambda v: []
-        # The graphs choices riding with pass 2 (counted as graphs runs, not static ones).
+        # The CUDA graphs' bets for a candidate's static form at a batch, within a number of
+        # runs, where the eager pick's runs waited on the host ([] where not, and by
+        # default): set by the compile stage (_compile_graphs.first_round), for pass 1.
+        self.graphs_bet: _GraphsBet = lambda v, batch, room: []
+        # The graphs choices riding with pass 1 or 2 (counted as graphs runs, not static ones).
         self.graphs_riding: list[dict[str, JsonValue]] = []
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
@@ -834,11 +840,14 @@ class Search:
                     out |= self._drop(variants, step())
             first = [(v, b) for v, b in first if id(v) not in out]
             meanwhile = then = None
+        bets = self._pass_one_bets(first, reserve)
         if meanwhile is None:
-            not_run = self._run_in_groups(first, ask, reserve, 1, retry=True)
+            not_run = self._run_in_groups(first, ask, reserve, 1, riders=bets, retry=True)
         else:
             before = {id(v): dict(v.choices) for v in variants}
-            not_run, dropped = self._beside(first, ask, reserve, 1, meanwhile, retry=True)
+            not_run, dropped = self._beside(
+                first, ask, reserve, 1, meanwhile, retry=True, riders=bets
+            )
             out = self._drop(variants, dropped)
             changed = [v for v in variants if id(v) not in out and v.choices != before[id(v)]]
             for v in changed:  # measured in a form that is not searched: measured again
@@ -892,6 +901,7 @@ class Search:
         free: int,
         call: Meanwhile,
         retry: bool = False,
+        riders: Sequence[tuple[dict[str, JsonValue], int]] = (),
     ) -> tuple[list[tuple[Variant, int]], dict[int, str | None]]:
         """``runs`` made on the device (:meth:`_run_in_groups`, waited for on a thread) while
         ``call`` runs here; (the runs not made, what ``call`` answered). This thread is the
@@ -906,7 +916,9 @@ class Search:
             busy = contextlib.ExitStack()
             busy.enter_context(self.stage.compiling_here())
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-runs")
-            pending = pool.submit(self._run_in_groups, runs, ask, reserve, free, retry=retry)
+            pending = pool.submit(
+                self._run_in_groups, runs, ask, reserve, free, riders=riders, retry=retry
+            )
             try:
                 try:
                     answered = call()
@@ -919,6 +931,42 @@ class Search:
                 return pending.result(), answered
             finally:
                 pool.shutdown()
+
+    def _pass_one_bets(
+        self, first: Sequence[tuple[Variant, int]], reserve: int
+    ) -> list[tuple[dict[str, JsonValue], int]]:
+        """The CUDA graphs' bets that go with pass 1's first group where it leaves the device
+        runs free (:attr:`graphs_bet`: where the eager pick's runs waited on the host): for
+        the first candidate searched static (its pass-1 run is at the batch it is verified
+        at where it stays there), else the first candidate, at its pass-1 batch; none where
+        the device makes one run at a time, the group is full, or for ``largest_batch``.
+
+        Why: where pass 1 decides the search (each candidate's run at the batch its line
+        then predicts, no pass 2), the graphs' first round waited for the whole compile
+        stage and ran alone after it: the GPT example on an H200 (session 34 call 5) ran
+        pass 1's three runs at once (30.7 s, a fourth run free), then the graphs of its
+        pick, the first candidate searched static (2 blocks checkpointed at 307), at 154
+        and 246 alone (23.0 s). Of fourteen such plans in sessions 31-34, ten picked that
+        candidate's graphs at 246, two another candidate's (4 blocks at 249), two the
+        eager pick's choices (no checkpointing at 242, after a pass 2).
+
+        Known limitations: a bet on a candidate that is not the pick, or whose own compiled
+        runs then do not wait on the host, is a run spent (counted as a graphs run, and said
+        where unused); it compiles beside pass 1's runs and the trial on the host's cores."""
+        at_once = self.stage.concurrent_runs
+        if at_once <= 1 or not first or self.stage.config.objective == "largest_batch":
+            return []
+        allowed = max(1, self.runs_left - reserve) if self._may_run(reserve) else 1
+        room = at_once - min(len(first), at_once, allowed)
+        if room <= 0:
+            return []
+        v, batch = next(((v, b) for v, b in first if not is_dynamic(v.form)), first[0])
+        bets = self.graphs_bet(v, batch, room)[:room]
+        if bets:
+            self.graphs_riding.append(bets[0][0])
+            batches = ", ".join(str(b) for _, b in bets)
+            self.riders.append(f"CUDA graphs of {v.label} at {batches}, with pass 1")
+        return bets
 
     @staticmethod
     def _drop(variants: Sequence[Variant], why_not: dict[int, str | None]) -> set[int]:

@@ -79,6 +79,7 @@ from memadvisor.workload import Workload
 from strategies._compile_cache import SharedCompileCache, shared_compile_cache
 from strategies._compile_graphs import (
     Graphs,
+    bets_within,
     first_round,
     graphs_pick,
     graphs_words,
@@ -209,6 +210,9 @@ def compiled_pick(
     with stage.progress(), scope as shared:
         search = Search(stage, settings, eager_best)
         search.graphs_ahead = lambda v: _graphs_ahead(stage, settings, v)
+        search.graphs_bet = lambda v, batch, room: bets_within(
+            stage, settings, v.static_choices, batch, eager_best.measured, room
+        )
         trials: dict[str, _Trial] = {}
         later: list[_StaticLater] = []
 

@@ -2347,6 +2347,49 @@ def test_the_graphs_search_after_its_bets_goes_with_the_confirmations_first_run(
     assert len(rounds) < len(later), (rounds, later)
 
 
+def test_the_graphs_bets_ride_pass_one_where_it_leaves_room_and_the_eager_pick_waited_on_the_host(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: on a device of runs at once, where pass 1's group leaves runs free and the eager
+    pick's own runs waited on the host (40 ms a step), the CUDA graphs' bets for the first
+    candidate searched static, at its pass-1 batch, go in pass 1's device call, and the
+    search says so ("with pass 1"). The graphs step finds them made: no graphs batch is run
+    twice, they are counted as graphs runs, and the plan takes fewer compiled device calls
+    than with no bets in pass 1, to the same pick. Where the host launches the eager step in
+    1 ms, no bet rides pass 1."""
+    settings = CompileSearch(checkpointed_static=True, max_candidates=2)
+
+    def device(host_ms: float = 40.0):
+        d = linear_device(
+            EAGER_LM, compiled_per_sample=EAGER_LM, fixed_ms=3.0, host_ms=host_ms, graphs_ratio=1.3
+        )
+        d.capabilities = d.capabilities.model_copy(update={"concurrent_runs": 4})
+        return d
+
+    bets = device()
+    rounds = _compile_rounds(bets)
+    plan = _plan(workload, profile, strategies, bets, settings)
+    stage = plan.stages[0]
+    search = stage.details["search"]
+    assert stage.details["graphs"]["picked"], stage.summary
+    assert any(r.endswith("with pass 1") for r in search["riders"]), search["riders"]
+    assert any(g for g, _ in rounds[0]) and any(not g for g, _ in rounds[0]), rounds
+    runs = _graphs_runs(plan, bets)
+    made = [(json.dumps(p.candidate.choices, sort_keys=True), p.batch_size) for p in runs]
+    assert len(made) == len(set(made))
+    assert search["graphs_runs"] == len(runs)
+
+    quick = _plan(workload, profile, strategies, device(host_ms=1.0), settings)
+    assert not any("with pass 1" in r for r in quick.stages[0].details["search"]["riders"])
+
+    monkeypatch.setattr(Search, "_pass_one_bets", lambda self, first, reserve: [])
+    off = device()
+    later = _compile_rounds(off)
+    other = _plan(workload, profile, strategies, off, settings)
+    assert other.candidate == plan.candidate
+    assert len(rounds) < len(later), (rounds, later)
+
+
 def test_graphs_that_still_wait_on_the_host_make_no_graphs_run_after_the_first_that_held(
     workload, profile, strategies, linear_device, trials
 ) -> None:

@@ -256,34 +256,113 @@ class _Made(_Stage):
 
 
 @pytest.mark.parametrize(
-    ("made", "start", "ceiling"),
+    ("made", "ran", "start", "ceiling", "max_runs"),
     [
         # 50 held (line: 100 fixed + 12 a sample reserved, 75 within 1000): from 75.
-        ({50: True}, 75, 75),
+        ({50: True}, [50], 75, 75, 3),
         # 50 held, 70 ran out: the line's 75 capped below the failure.
-        ({50: True, 70: False}, 69, 69),
-        # Only a failure at 60: from half of it, below it.
-        ({60: False}, 30, 59),
+        ({50: True, 70: False}, [50], 69, 69, 3),
+        # Only a failure at 60: a first run of its own at START_SHARE of it (30 held:
+        # 100 fixed + 20 a sample, the line's 45), below the failure; one of the 3 spent.
+        ({60: False}, [30], 45, 45, 2),
     ],
 )
 def test_graphs_runs_made_ahead_are_the_graphs_searchs_first_round(
-    made: dict[int, bool], start: int, ceiling: int
+    made: dict[int, bool], ran: list[int], start: int, ceiling: int, max_runs: int
 ) -> None:
     """Rule: where the graphs' first round was made ahead, beside a static run at another
     batch than the pick's (the leader's confirmation moved), the graphs search makes no first
     round of its own: the largest of those runs that held is its first run, the search capped
-    below the lowest that ran out, and aimed by the line through it; where none held, from
-    half of the failure, below it. No run at START_SHARE of the pick's batch is made."""
+    below the lowest that ran out, and aimed by the line through it. Where none held, the
+    search starts as from nothing, at the failure's batch instead of the pick's: its first
+    run at START_SHARE of it, then the line through that run, below the failure."""
     from strategies._compile_graphs import _largest
     from strategies._compile_search import CompileSearch
 
     stage = _Made(made)
     _largest(stage, CompileSearch(), {"compile": GRAPHS_MODE}, 100, _pick(batch=100), 100)
-    held = [b for b, ok in made.items() if ok]
-    assert stage.ran == ([max(held)] if held else [])
+    assert stage.ran == ran
     [(first, kwargs)] = stage.confirms
     assert first == start and kwargs["ceiling"] == ceiling
-    assert kwargs["max_runs"] == CompileSearch().graphs_runs
+    assert kwargs["max_runs"] == max_runs
+
+
+@pytest.mark.parametrize(
+    ("reserved", "start", "ceiling"),
+    [
+        # 80 held at 100 + 80 x 11 = 980 reserved: the line allows 81, within 5% of 80: the
+        # run made is the answer (confirmed at 80, nothing above it).
+        (980, 80, 80),
+        # 80 held at 100 + 80 x 8 = 740: the line allows 112, capped at the pick's 100 (25%
+        # more): the search tries it.
+        (740, 100, 100),
+    ],
+)
+def test_a_guess_made_ahead_that_held_is_the_answer_unless_its_line_allows_five_percent_more(
+    reserved: int, start: int, ceiling: int
+) -> None:
+    """Rule: a graphs run made ahead that held (pass 1's bet is the guess alone,
+    bets_within) is the graphs search's answer where a line through it allows no more than
+    LINE_WITHIN (5%) above it, as where the guess held beside the first run: no run at the
+    line's aim is made for a few samples."""
+    from strategies._compile_graphs import LINE_WITHIN, _largest
+    from strategies._compile_search import CompileSearch
+
+    assert LINE_WITHIN == 0.05
+    stage = _Made({80: True})
+    stage.first = _held(reserved)
+    _largest(stage, CompileSearch(), {"compile": GRAPHS_MODE}, 100, _pick(batch=100), 100)
+    [(first, kwargs)] = stage.confirms
+    assert (first, kwargs["ceiling"]) == (start, ceiling)
+
+
+class _MadeAtOnce(_Made):
+    """Runs made ahead, on a device of runs at once: run_many answers each run made."""
+
+    concurrent_runs = 4
+
+    def run_many(self, runs):
+        self.many = [b for _, b in runs]
+        return [self.first for _ in runs]
+
+
+def test_where_every_graphs_run_made_ahead_ran_out_the_next_round_is_a_first_round_below_it() -> (
+    None
+):
+    """Rule: where the runs made ahead all ran out (pass 1's lone guess at 80), on a device
+    of runs at once the graphs search's next round is its own first round below them: the
+    start and the guess (START_SHARE, GUESS_SHARE) of the failure's batch together, one
+    compile's wall for both, not the half of the failure alone; next_round, which sends the
+    graphs search's first runs beside a confirmation, sends the same two."""
+    from strategies._compile_graphs import _largest, next_round
+    from strategies._compile_search import CompileSearch
+
+    stage = _MadeAtOnce({80: False})
+    _largest(stage, CompileSearch(), {"compile": GRAPHS_MODE}, 100, _pick(batch=100), 100)
+    assert stage.many == [40, 64] and stage.ran == []
+    [(_, kwargs)] = stage.confirms
+    assert kwargs["ceiling"] <= 79 and kwargs["max_runs"] == CompileSearch().graphs_runs - 2
+    host_bound = _measured(10.0, 9.9)
+    nxt = next_round(stage, CompileSearch(), {"compile": "default"}, 100, host_bound, 100)
+    assert [b for _, b in nxt] == [40, 64]
+
+
+@pytest.mark.parametrize(("room", "batches"), [(0, []), (1, [80]), (2, [50, 80]), (3, [50, 80])])
+def test_bets_within_a_room_of_one_are_the_guess_alone(room: int, batches: list[int]) -> None:
+    """Rule: the graphs' bets that go with pass 1 fit the runs its group leaves free: with
+    room for one, the guess (GUESS_SHARE of the batch), which where it holds is the answer;
+    with two, the whole first round; none without room, or where the run read says the
+    host did not wait (its share under CompileSearch.host_bound_share)."""
+    from strategies._compile_graphs import bets_within
+    from strategies._compile_search import CompileSearch
+
+    stage = _Made({})
+    stage.concurrent_runs = 4
+    settings, default = CompileSearch(), {"compile": "default"}
+    got = bets_within(stage, settings, default, 100, _measured(10.0, 9.9), room)
+    assert [b for _, b in got] == batches
+    assert all(c == {"compile": GRAPHS_MODE} for c, _ in got)
+    assert bets_within(stage, settings, default, 100, _measured(10.0, 1.0), room) == []
 
 
 def _waiting(reserved: int, host_ms: float = 9.0) -> Measurement:
