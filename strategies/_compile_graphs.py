@@ -109,6 +109,7 @@ __all__ = [
     "bets_within",
     "first_round",
     "graphs_form",
+    "graphs_of",
     "next_round",
     "graphs_pick",
     "host_share",
@@ -205,7 +206,7 @@ def graphs_pick(
         under = (
             beaten == "compiled"
             and share is not None
-            and _graphs_of(settings, pick.candidate.choices) is not None
+            and graphs_of(settings, pick.candidate.choices) is not None
         )
         bar = settings.host_bound_share if under else None
         return Graphs(host_share=share, tried=False, against=beaten, bar=bar)
@@ -332,10 +333,10 @@ def _graphs_choices(
     recorded, or not a static default-mode form)."""
     if share is None or share < settings.host_bound_share:
         return None
-    return _graphs_of(settings, choices)
+    return graphs_of(settings, choices)
 
 
-def _graphs_of(
+def graphs_of(
     settings: CompileSearch, choices: dict[str, JsonValue]
 ) -> dict[str, JsonValue] | None:
     """``choices`` in :data:`GRAPHS_MODE` whatever the host's share; None where graphs are

@@ -479,3 +479,84 @@ def test_a_pick_under_the_host_bar_says_the_hosts_share_and_that_a_slower_host_m
                       measured=_measured(10.0, 9.0))  # fmt: skip
     got = graphs_pick(_Stage(None), settings, pick, "throughput", 0, eager)
     assert got.against == "eager" and graphs_words(got, pick, 0, eager) == ""
+
+
+def _record(ckpt: int, batch: int, rate: float):
+    """A compile stage's record of a static default-mode candidate that ran at ``batch``."""
+    from memadvisor.schema.plan import StageVariant, StepFit
+
+    fit = StepFit(
+        fixed_bytes=100,
+        per_sample_bytes=10,
+        fixed_ms=0.0,
+        per_sample_ms=1.0,
+        batches=[batch],
+        basis="scaled",
+        limit_bytes=10_000,
+        largest_batch=batch,
+        samples_per_s=rate,
+    )
+    choices = {"checkpointing": [f"h.{i}" for i in range(ckpt)], "compile": "default"}
+    return StageVariant(
+        choices=choices,
+        ok=True,
+        trial="",
+        batch_size=batch,
+        measured=_measured(batch / rate * 1e3, batch / rate * 1e3, batch=batch),
+        fit=fit,
+    )
+
+
+class _Ran:
+    """A stage whose probes are graphs runs that held: (choices, batch, samples/s)."""
+
+    def __init__(self, runs) -> None:
+        self.probes = [
+            Probe(
+                batch_size=b,
+                fits=True,
+                steps=20,
+                peak_bytes=1,
+                step_ms=b / rate * 1e3,
+                candidate=Candidate(batch_size=b, choices=choices),
+            )
+            for choices, b, rate in runs
+        ]
+
+
+@pytest.mark.parametrize(
+    ("two_blocks_rate", "graphs_rate", "replayed"),
+    [
+        # Session 35 call 2's GPT plan: 2 blocks read 22,442 in default mode against 4
+        # blocks' 24,541 (0.91: within the tie), its graphs held at 31,267 (> 1.03 x eager's
+        # 28,973): its graphs are replayed, and the run made settles them.
+        (22_442.0, 31_267.0, 2),
+        # Its graphs held below what must be beaten: the base's graphs are searched.
+        (22_442.0, 29_000.0, 4),
+        # Its default-mode run read far below the base's (0.5): not the host's alone.
+        (12_000.0, 31_267.0, 4),
+    ],
+)
+def test_graphs_made_ahead_that_already_win_replace_a_base_whose_default_rate_only_ties(
+    two_blocks_rate: float, graphs_rate: float, replayed: int
+) -> None:
+    """Rule: the graphs step replays another candidate than the best compiled one where that
+    candidate's default-mode run read within HOST_BOUND_TIE of the best's (both rates the
+    host's) and its CUDA graphs, made ahead as a bet, held at a rate that already beats what
+    the graphs step must (here the eager pick by MIN_SPEEDUP); elsewhere the best stays the
+    base."""
+    from strategies._compile_search import CompileSearch
+    from strategies._compile_stage import _as_base, _bet_base
+
+    four, two = _record(4, 311, 24_541.0), _record(2, 307, two_blocks_rate)
+    base = _as_base(four)
+    assert base is not None
+    graphs = {**two.choices, "compile": GRAPHS_MODE}
+    stage = _Ran([(graphs, 246, graphs_rate)])
+    eager = Confirmed(
+        candidate=Candidate(batch_size=302, choices={}),
+        found_batch=302,
+        measured=_measured(302 / 28_973.0 * 1e3, 8.0, batch=302),
+    )
+    record, _ = _bet_base(stage, CompileSearch(), [two, four], base, False, eager)
+    assert len(record.choices["checkpointing"]) == replayed
