@@ -42,6 +42,12 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    where the graphs rode pass 2 (session 31). Where the bets rode pass 2 and the
    confirmation then runs on the device, the graphs search's first run after them (its
    line's aim) goes with the confirmation's first run (:func:`next_round`), not after it.
+   Where pass 1 leaves the device runs free and the eager pick's runs waited on the host,
+   the bets ride pass 1 instead, for its first candidate searched static (the guess alone
+   in a room of one, :func:`bets_within`; ``Search._pass_one_bets``): the GPT example's
+   plans on an H200 then took one compiled round, 52.0-74.0 s (session 35). A bet that held
+   is the answer where its line allows no 5% more (:func:`_settled`); where every bet ran
+   out, the search's first round is made below the failure (:func:`_fresh`).
    Where the graphs run that held still waited on the host as much as the bar, graphs did
    not relieve it, and the search makes no run more (:func:`_still_waits`): t5_base's did
    not, the GPT example's did.

@@ -34,7 +34,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    scaled by what was measured). On a device that retries a run in its own process
    (``retries_in_process``: a card's fork server), a dynamic-batch run that runs out
    measures half its batch there, its graph serving it without a second compile
-   (:meth:`Search._half`); such a retry is not counted among the search's runs.
+   (:meth:`Search._half`); such a retry is not counted among the search's runs. Where
+   pass 1's group leaves the device runs free and the eager pick's runs waited on the host,
+   the CUDA graphs' bets for its first candidate searched static go with it
+   (:meth:`Search._pass_one_bets`, counted as graphs runs).
 3. Pass 2: the candidates whose line says they could beat the eager pick, best first, one
    run more at the batch their line predicts, while the budget allows: a second point for
    the line where it matters, and the batch search's start. A candidate whose every run
