@@ -131,6 +131,7 @@ def fit_step(
     lowest_failure: int | None = None,
     below_failure: int | None = None,
     cap_bytes: int | None = None,
+    reserved: Mapping[int, int] | None = None,
 ) -> StepFit | None:
     """The lines of a configuration from its ``runs`` (batch -> (held bytes, step ms)) that
     fitted, and what they predict under ``limit_bytes``; None without a run.
@@ -161,6 +162,19 @@ def fit_step(
             retrying in most steps is not among ``runs``: it ran out
             (``AllocatorRetriesError``; the GPT example's at 302 did, 2.3x slower a step
             than at 250, docs/design.md, session 22).
+        reserved: the reserved peaks of ``runs`` that recorded one, by batch (a card's runs;
+            only beside allocated ``runs``, the measured margin's). No batch is predicted at
+            which a line through them passes ``limit_bytes`` (``reserved_batch``): least
+            squares through two or more, else from the bytes line's fixed bytes through the
+            largest. The reserved bytes run ahead of the allocated ones by what the
+            allocator's segments keep unused, and that gap grows with the batch where the
+            step fragments them: t5_base's compiled candidates on an H200 (session 35 call 2)
+            held 24 blocks checkpointed at 6.28 GB allocated, 6.72 GB reserved at 36 and
+            7.85 / 8.48 at 55, and ran out at 58 (the allocated line's pass-2 batch) by the
+            allocator's retries; 21 blocks held 7.23 / 8.14 at 36 (the allocated line said
+            44, 39 ran out in session 34). Through those runs' reserved bytes the line says
+            53 and 37. As the cap, it never predicts below a batch of ``runs`` whose held
+            bytes stayed within ``limit_bytes``.
     """
     if not runs:
         return None
@@ -189,6 +203,10 @@ def fit_step(
         capped = max(capped, held_fit)
         if capped < largest:
             cap_batch = largest = capped
+    reserved_batch = None
+    bound = _reserved_bound(points, memory, reserved or {}, limit_bytes, max_batch, lowest_failure)
+    if bound is not None and bound < largest:
+        reserved_batch = largest = bound
     return StepFit(
         fixed_bytes=round(memory.fixed),
         per_sample_bytes=round(memory.per_sample),
@@ -201,9 +219,38 @@ def fit_step(
         lowest_failure=lowest_failure,
         limit_bytes=limit_bytes,
         cap_batch=cap_batch,
+        reserved_batch=reserved_batch,
         largest_batch=largest,
         samples_per_s=samples_per_s(time, largest),
     )
+
+
+def _reserved_bound(
+    points: Sequence[tuple[int, tuple[int, float]]],
+    memory: Line,
+    reserved: Mapping[int, int],
+    limit_bytes: int,
+    max_batch: int,
+    lowest_failure: int | None,
+) -> int | None:
+    """The largest batch a line through the runs' ``reserved`` peaks keeps within
+    ``limit_bytes`` (:func:`fit_step`'s ``reserved``), never below a run (of ``points``)
+    whose held bytes stayed within it; None where no run recorded a reserved peak."""
+    held = {b: bytes_ for b, (bytes_, _) in points}
+    dots = sorted((b, r) for b, r in reserved.items() if b in held)
+    if not dots:
+        return None
+    line = Line.through(dots)
+    if line is None or line.per_sample <= 0:
+        top, top_reserved = dots[-1]
+        above = top_reserved - memory.fixed
+        line = (
+            Line(fixed=memory.fixed, per_sample=above / top)
+            if above > 0
+            else Line(fixed=0.0, per_sample=top_reserved / top)
+        )
+    bound = predicted(line, limit_bytes, max_batch, lowest_failure)
+    return max(bound, max((b for b, h in held.items() if h <= limit_bytes), default=0))
 
 
 def predicted(memory: Line, limit_bytes: int, max_batch: int, lowest_failure: int | None) -> int:

@@ -1500,6 +1500,13 @@ class Search:
             below_failure=self.stage.below_failure(v.choices, failure) if failure else None,
             # Only beside allocated peaks (the measured margin's): a reserved one has it.
             cap_bytes=cfg.budget_bytes if cfg.measured_margin else None,
+            reserved={
+                b: r.reserved_peak_bytes
+                for b, r in v.runs.items()
+                if r.reserved_peak_bytes is not None
+            }
+            if cfg.measured_margin
+            else None,
         )
         return m is not None
 
@@ -1584,17 +1591,22 @@ class Search:
 
 def confirm_ceiling(v: Variant) -> int | None:
     """The batch above which ``v``'s confirmation makes no run (find_batch's ``ceiling``):
-    where its line was capped by the largest allocation, the cap's batch or the largest batch
-    of ``v`` that ran, whichever is larger; None (no ceiling) where it was not capped.
+    where its line was capped by the largest allocation or by its reserved bytes
+    (``StepFit.reserved_batch``: the confirmation's extrapolation reads allocated peaks),
+    the cap's batch or the largest batch of ``v`` that ran, whichever is larger; None (no
+    ceiling) where it was not capped.
 
     Why: the confirmation extrapolates from the measured peak, which does not know the block
     the allocator must find free, so above a capped line it runs where the cap said the step
     runs out (the GPT example on a card confirmed from its cap at 252 and ran 317, 306 and
     279, all out of memory, 18 s of compiled runs). A batch of ``v`` that ran found that block
     free, so batches up to it are worth a run (its pass-2 runs had fitted at 252 and 256)."""
-    if v.fit is None or v.fit.cap_batch is None:
+    if v.fit is None:
         return None
-    return max(v.fit.cap_batch, max(v.runs, default=0))
+    bounds = [b for b in (v.fit.cap_batch, v.fit.reserved_batch) if b is not None]
+    if not bounds:
+        return None
+    return max(min(bounds), max(v.runs, default=0))
 
 
 def compiles_every_run(v: Variant) -> bool:

@@ -738,7 +738,9 @@ def _fit_note(record: StageVariant | None) -> str:
         f"{fmt_bytes(fit.fixed_bytes)} + {fmt_bytes(fit.per_sample_bytes)} a sample, "
         f"largest batch {fit.largest_batch} within {fmt_bytes(fit.limit_bytes)}"
     )
-    if fit.cap_batch is not None:
+    if fit.reserved_batch is not None:
+        line += " (there a line through the runs' reserved bytes reaches that limit)"
+    elif fit.cap_batch is not None:
         line += (
             " (there the line plus the step's largest allocation, a block the allocator must "
             "find free, reaches the budget)"

@@ -150,6 +150,13 @@ class StepFit(_Model):
         "must find free at the cap) stays within the budget, where that bounds largest_batch "
         "below the line's own; None where it does not bind or no estimate of it exists.",
     )
+    reserved_batch: int | None = Field(
+        None,
+        description="The largest batch at which a line through the runs' reserved peaks (the "
+        "allocator's segments, used or not) stays within limit_bytes, where that bounds "
+        "largest_batch below the other bounds; None where it does not bind or no run "
+        "recorded its reserved peak.",
+    )
     largest_batch: int = Field(
         description="The largest batch the line keeps within limit_bytes (below lowest_failure)."
     )

@@ -189,3 +189,85 @@ def test_the_fit_note_says_when_the_largest_allocation_bounds_the_batch() -> Non
         fit = fit_step(runs, lines, limit_bytes=LIMIT, max_batch=1000, cap_bytes=100 * MIB)
         record = StageVariant(choices={"compile": "default"}, ok=True, trial="", fit=fit)
         assert ("largest allocation" in _fit_note(record)) is said
+
+
+GB = 10**9
+# t5_base's compiled candidates on an H200 under 8 GiB (session 35 call 2): eager's fixed
+# 3.41 GB and the limit, 8 GiB less the 3% headroom.
+T5_LIMIT = 8_332_236_554
+T5_EAGER = EagerLines(bytes=Line(3.41 * GB, 0.1 * GB), ms=Line(0.0, 5.0))
+
+
+@pytest.mark.parametrize(
+    ("runs", "reserved", "bound"),
+    [
+        # 24 blocks checkpointed: 6.28 GB allocated, 6.72 GB reserved at 36; through its
+        # reserved bytes from eager's fixed ones (0.092 GB a sample) the limit is at 53.
+        ({36: 6.28 * GB}, {36: 6.72 * GB}, 53),
+        # 21 blocks: 7.23 / 8.14 GB at 36: 37.
+        ({36: 7.23 * GB}, {36: 8.14 * GB}, 37),
+        # Two runs, 36 and 55 (7.85 / 8.48 GB: reserved over the limit, allocated within):
+        # the reserved line through both puts the limit below 55, and 55 fitted: 55.
+        ({36: 6.28 * GB, 55: 7.85 * GB}, {36: 6.72 * GB, 55: 8.48 * GB}, 55),
+    ],
+)
+def test_no_batch_is_predicted_where_a_line_through_the_runs_reserved_bytes_passes_the_limit(
+    runs: dict[int, float], reserved: dict[int, float], bound: int
+) -> None:
+    """Rule: where the runs recorded their reserved peaks, the predicted batch is no more
+    than where a line through them (least squares through two or more, else from the bytes
+    line's fixed bytes through the largest) reaches the limit, and never below a run whose
+    allocated bytes stayed within it; StepFit.reserved_batch says where that bound binds.
+    Without reserved peaks the prediction is the allocated line's alone (larger here)."""
+    held = {b: (round(a), 250.0) for b, a in runs.items()}
+    kept = {b: round(r) for b, r in reserved.items()}
+    fit = fit_step(held, T5_EAGER, limit_bytes=T5_LIMIT, max_batch=1000, reserved=kept)
+    plain = fit_step(held, T5_EAGER, limit_bytes=T5_LIMIT, max_batch=1000)
+    assert fit is not None and plain is not None
+    assert fit.largest_batch == bound and plain.largest_batch > bound
+    assert fit.reserved_batch == bound and plain.reserved_batch is None
+
+
+def test_reserved_bytes_a_little_ahead_of_the_allocated_ones_move_the_batch_by_a_sample() -> None:
+    """Rule: where the reserved bytes run a little ahead of the allocated ones (the GPT
+    example's compiled form at 307: 8.27 GB allocated, 8.30 reserved, session 35), the
+    reserved line reaches the limit at most a sample below the allocated one (308 against
+    309 here), never below the run itself."""
+    eager = EagerLines(bytes=Line(0.157 * GB, 0.0264 * GB), ms=Line(0.0, 0.03))
+    held = {307: (round(8.27 * GB), 9.6)}
+    fit = fit_step(
+        held, eager, limit_bytes=T5_LIMIT, max_batch=10_000, reserved={307: 8_300_000_000}
+    )
+    plain = fit_step(held, eager, limit_bytes=T5_LIMIT, max_batch=10_000)
+    assert fit is not None and plain is not None
+    assert 307 <= fit.largest_batch <= plain.largest_batch <= fit.largest_batch + 1
+
+
+def test_a_confirmation_makes_no_run_above_where_the_reserved_line_bound_the_batch() -> None:
+    """Rule: where a candidate's line was bound by its runs' reserved bytes, its
+    confirmation's ceiling is that bound, or its largest run where larger (a run there
+    held): the confirmation extrapolates from allocated peaks, which do not see the
+    segments the allocator keeps; where the largest-allocation cap binds too, the lower."""
+    from memadvisor.schema.candidate import Measurement
+    from strategies._compile_search import Variant, confirm_ceiling
+
+    held = {36: (round(6.28 * GB), 250.0)}
+    fit = fit_step(
+        held, T5_EAGER, limit_bytes=T5_LIMIT, max_batch=1000, reserved={36: round(6.72 * GB)}
+    )
+    assert fit is not None and fit.reserved_batch == 53
+    run = Measurement(steps=20, peak_bytes=held[36][0], step_ms=250.0, samples_per_s=144.0)
+    v = Variant(
+        choices={"compile": "default"},
+        final_choices={"compile": "default"},
+        label="checkpoint 24/24 blocks",
+        start_batch=36,
+        eager=T5_EAGER,
+        runs={36: run},
+        fit=fit,
+    )
+    assert confirm_ceiling(v) == 53
+    v.fit = fit.model_copy(update={"cap_batch": 50})
+    assert confirm_ceiling(v) == 50
+    v.fit = fit.model_copy(update={"reserved_batch": None})
+    assert confirm_ceiling(v) is None
