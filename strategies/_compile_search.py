@@ -772,7 +772,7 @@ class Search:
         self.graphs_ahead: _GraphsAhead = lambda v: []
         # The CUDA graphs' bets for a candidate's static form at a batch, within a number of
         # runs, where the eager pick's runs waited on the host ([] where not, and by
-        # default): set by the compile stage (_compile_graphs.first_round), for pass 1.
+        # default): set by the compile stage (_compile_graphs.bets_within), for pass 1.
         self.graphs_bet: _GraphsBet = lambda v, batch, room: []
         # The graphs choices riding with pass 1 or 2 (counted as graphs runs, not static ones).
         self.graphs_riding: list[dict[str, JsonValue]] = []
