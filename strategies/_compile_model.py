@@ -174,7 +174,9 @@ def fit_step(
             allocator's retries; 21 blocks held 7.23 / 8.14 at 36 (the allocated line said
             44, 39 ran out in session 34). Through those runs' reserved bytes the line says
             53 and 37. As the cap, it never predicts below a batch of ``runs`` whose held
-            bytes stayed within ``limit_bytes``.
+            bytes stayed within ``limit_bytes``; and no bound is drawn where a run's reserved
+            peak reached ``limit_bytes`` (it may be the memory cap's, which a card's reserved
+            peak stops at while the allocated one still grows).
     """
     if not runs:
         return None
@@ -238,7 +240,10 @@ def _reserved_bound(
     whose held bytes stayed within it; None where no run recorded a reserved peak."""
     held = {b: bytes_ for b, (bytes_, _) in points}
     dots = sorted((b, r) for b, r in reserved.items() if b in held)
-    if not dots:
+    if not dots or any(r >= limit_bytes for _, r in dots):
+        # At the limit a reserved peak may be the memory cap's, not the step's: a card's
+        # reserved peak stops growing where it meets the cap (the allocator frees its cache
+        # and retries), so such a run says nothing of how the reserved bytes grow.
         return None
     line = Line.through(dots)
     if line is None or line.per_sample <= 0:

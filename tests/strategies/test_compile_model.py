@@ -206,9 +206,9 @@ T5_EAGER = EagerLines(bytes=Line(3.41 * GB, 0.1 * GB), ms=Line(0.0, 5.0))
         ({36: 6.28 * GB}, {36: 6.72 * GB}, 53),
         # 21 blocks: 7.23 / 8.14 GB at 36: 37.
         ({36: 7.23 * GB}, {36: 8.14 * GB}, 37),
-        # Two runs, 36 and 55 (7.85 / 8.48 GB: reserved over the limit, allocated within):
-        # the reserved line through both puts the limit below 55, and 55 fitted: 55.
-        ({36: 6.28 * GB, 55: 7.85 * GB}, {36: 6.72 * GB, 55: 8.48 * GB}, 55),
+        # Two runs under the limit, 36 and 50 (7.45 / 8.02 GB reserved, 0.093 GB a sample
+        # between them): the line through both reaches the limit at 53.
+        ({36: 6.28 * GB, 50: 7.45 * GB}, {36: 6.72 * GB, 50: 8.02 * GB}, 53),
     ],
 )
 def test_no_batch_is_predicted_where_a_line_through_the_runs_reserved_bytes_passes_the_limit(
@@ -226,6 +226,19 @@ def test_no_batch_is_predicted_where_a_line_through_the_runs_reserved_bytes_pass
     assert fit is not None and plain is not None
     assert fit.largest_batch == bound and plain.largest_batch > bound
     assert fit.reserved_batch == bound and plain.reserved_batch is None
+
+
+def test_a_reserved_peak_at_the_limit_draws_no_bound() -> None:
+    """Rule: where a run's reserved peak reached the limit, no reserved bound is drawn: a
+    card's reserved peak stops at the memory cap while the allocated one still grows, so it
+    says nothing of how the reserved bytes grow (t5_base's 24 blocks at 55 reserved 8.48 GB
+    of 8.59 and held; 12 blocks at 20, 8.42). The prediction is the allocated line's."""
+    held = {36: (round(6.28 * GB), 250.0), 55: (round(7.85 * GB), 254.0)}
+    reserved = {36: round(6.72 * GB), 55: round(8.48 * GB)}
+    fit = fit_step(held, T5_EAGER, limit_bytes=T5_LIMIT, max_batch=1000, reserved=reserved)
+    plain = fit_step(held, T5_EAGER, limit_bytes=T5_LIMIT, max_batch=1000)
+    assert fit is not None and plain is not None
+    assert fit.reserved_batch is None and fit.largest_batch == plain.largest_batch > 55
 
 
 def test_reserved_bytes_a_little_ahead_of_the_allocated_ones_move_the_batch_by_a_sample() -> None:
