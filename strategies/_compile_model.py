@@ -192,23 +192,24 @@ def fit_step(
     if time is None or time.per_sample <= 0:
         time, time_ratio = _scaled_ms(top_batch, top_ms, eager.ms)
     largest = predicted(memory, limit_bytes, max_batch, lowest_failure)
+    # A batch of these runs that fitted within the limit is measured: a bound, a prediction,
+    # never goes below it.
+    held_fit = max((b for b, (held, _) in points if held <= limit_bytes), default=0)
     if lowest_failure is not None and below_failure is not None:
         largest = max(0, min(largest, below_failure))
     cap_batch = None
     spare = eager.largest_allocation
     if cap_bytes is not None and spare is not None:
         with_block = Line(memory.fixed + spare.fixed, memory.per_sample + spare.per_sample)
-        capped = predicted(with_block, cap_bytes, max_batch, lowest_failure)
-        # A batch of these runs that fitted within the limit is measured: the bound, a
-        # prediction, never goes below it.
-        held_fit = max((b for b, (held, _) in points if held <= limit_bytes), default=0)
-        capped = max(capped, held_fit)
+        capped = max(predicted(with_block, cap_bytes, max_batch, lowest_failure), held_fit)
         if capped < largest:
             cap_batch = largest = capped
     reserved_batch = None
     bound = _reserved_bound(points, memory, reserved or {}, limit_bytes, max_batch, lowest_failure)
-    if bound is not None and bound < largest:
-        reserved_batch = largest = bound
+    if bound is not None:
+        bound = max(bound, held_fit)
+        if bound < largest:
+            reserved_batch = largest = bound
     return StepFit(
         fixed_bytes=round(memory.fixed),
         per_sample_bytes=round(memory.per_sample),
@@ -236,10 +237,11 @@ def _reserved_bound(
     lowest_failure: int | None,
 ) -> int | None:
     """The largest batch a line through the runs' ``reserved`` peaks keeps within
-    ``limit_bytes`` (:func:`fit_step`'s ``reserved``), never below a run (of ``points``)
-    whose held bytes stayed within it; None where no run recorded a reserved peak."""
-    held = {b: bytes_ for b, (bytes_, _) in points}
-    dots = sorted((b, r) for b, r in reserved.items() if b in held)
+    ``limit_bytes`` (:func:`fit_step`'s ``reserved``, which keeps it no lower than a run
+    whose held bytes stayed within the limit); None where no run recorded a reserved peak,
+    or one reached the limit."""
+    batches = {b for b, _ in points}
+    dots = sorted((b, r) for b, r in reserved.items() if b in batches)
     if not dots or any(r >= limit_bytes for _, r in dots):
         # At the limit a reserved peak may be the memory cap's, not the step's: a card's
         # reserved peak stops growing where it meets the cap (the allocator frees its cache
@@ -254,8 +256,7 @@ def _reserved_bound(
             if above > 0
             else Line(fixed=0.0, per_sample=top_reserved / top)
         )
-    bound = predicted(line, limit_bytes, max_batch, lowest_failure)
-    return max(bound, max((b for b, h in held.items() if h <= limit_bytes), default=0))
+    return predicted(line, limit_bytes, max_batch, lowest_failure)
 
 
 def predicted(memory: Line, limit_bytes: int, max_batch: int, lowest_failure: int | None) -> int:

@@ -796,6 +796,16 @@ class Search:
     def runs_left(self) -> int:
         return max(0, self.settings.max_runs - self.runs_used)
 
+    def _allowed(self, reserve: int, free: int = 0, made: int = 0) -> int:
+        """How many runs the search may make now (:meth:`_run_in_groups`' next group at most):
+        those beyond ``reserve`` while time is left, and the first ``free`` of a call
+        whenever any run is left at all (``made`` of them made already). :meth:`_static_riders`
+        and :meth:`_pass_one_bets` size the room a first group leaves by the same count."""
+        allowed = self.runs_left - reserve if self._may_run(reserve) else 0
+        if made < free:
+            allowed = max(allowed, min(self.runs_left, free - made))
+        return allowed
+
     def _may_run(self, reserve: int) -> bool:
         seconds = self.settings.max_seconds
         in_time = seconds is None or time.perf_counter() - self.started < seconds
@@ -959,12 +969,12 @@ class Search:
         at_once = self.stage.concurrent_runs
         if at_once <= 1 or not first or self.stage.config.objective == "largest_batch":
             return []
-        allowed = max(1, self.runs_left - reserve) if self._may_run(reserve) else 1
-        room = at_once - min(len(first), at_once, allowed)
-        if room <= 0:
+        group = min(len(first), at_once, max(0, self._allowed(reserve, free=1)))
+        room = at_once - group
+        if group <= 0 or room <= 0:
             return []
         v, batch = next(((v, b) for v, b in first if not is_dynamic(v.form)), first[0])
-        bets = self.graphs_bet(v, batch, room)[:room]
+        bets = self.graphs_bet(v, batch, room)
         if bets:
             self.graphs_riding.append(bets[0][0])
             batches = ", ".join(str(b) for _, b in bets)
@@ -1172,9 +1182,7 @@ class Search:
         made = 0
         at_once = max(1, self.stage.concurrent_runs)
         while left:
-            allowed = self.runs_left - reserve if self._may_run(reserve) else 0
-            if made < free:
-                allowed = max(allowed, min(self.runs_left, free - made))
+            allowed = self._allowed(reserve, free, made)
             if allowed <= 0:
                 break
             group = left[: min(at_once, allowed)]
@@ -1271,8 +1279,7 @@ class Search:
         at_once = self.stage.concurrent_runs
         # The first group's runs as _run_in_groups makes them: at most at_once, and only
         # those the search's runs allow beyond the ones held back for the confirmations.
-        allowed = self.runs_left - reserve if self._may_run(reserve) else 0
-        group = min(len(runs), at_once, max(0, allowed))
+        group = min(len(runs), at_once, max(0, self._allowed(reserve)))
         room = at_once - group
         if at_once <= 1 or group <= 0 or room <= 0 or not ranked:
             if ranked and group > 0 and at_once > 1:
