@@ -70,7 +70,7 @@ from pydantic import JsonValue, ValidationError
 from memadvisor.errors import is_our_bug
 from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
-from memadvisor.schema.config import PlanConfig
+from memadvisor.schema.config import PlanConfig, samples_per_s
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
@@ -660,7 +660,7 @@ def _bet_base(
         if other is None or graphs is None:
             continue
         rates = [
-            p.batch_size / p.step_ms * 1e3
+            samples_per_s(p.batch_size, p.step_ms)
             for p in stage.probes
             if p.fits
             and p.step_ms
