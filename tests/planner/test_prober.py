@@ -394,3 +394,93 @@ def test_a_search_after_a_failure_runs_no_batch_above_the_margin_below_it(
     assert max(tried) <= bound, (tried, bound)
     assert found is not None and found.candidate.batch_size == bound, (found, tried)
     assert found.measured.steps == prober.steps
+
+
+class ReservedDevice(EstimateDevice):
+    """A card whose allocator keeps ``gap_bytes`` of its segments unused beyond the
+    estimate's allocated peak: the reserved peak, which the memory cap bounds; a batch whose
+    reserved peak passes the budget completes its steps only by the allocator's retries
+    (AllocatorRetriesError), as on a card."""
+
+    def __init__(self, profile, strategies, budget_bytes: int, gap_bytes: int) -> None:
+        super().__init__(profile, strategies, budget_bytes)
+        self.gap_bytes = gap_bytes
+
+    def reserved(self, batch: int) -> int:
+        return self.peak(Candidate(batch_size=batch, choices=BF16)) + self.gap_bytes
+
+    def reserved_edge(self) -> int:
+        b = 1
+        while self.reserved(b + 1) <= self.budget_bytes:
+            b += 1
+        return b
+
+    def run(self, workload, candidate: Candidate, steps: int) -> Measurement:
+        measured = super().run(workload, candidate, steps)
+        reserved = self.reserved(candidate.batch_size)
+        if reserved > self.budget_bytes:
+            error = AllocatorRetriesError(candidate.batch_size, steps - 1, steps - 1, 5.0)
+            error.memadvisor_steps_completed = steps  # type: ignore[attr-defined]
+            raise error
+        return measured.model_copy(update={"reserved_peak_bytes": reserved})
+
+
+def _search_after_a_fit(device, profile, strategies, workload, fit: int, start: int):
+    """The prober's batch search of bf16 from the estimate's ``start``, after a run at
+    ``fit`` (a timing run's) fitted: (what it found, the batches the search ran)."""
+    config = PlanConfig(budget_bytes=device.budget_bytes, probe_steps=2, timing_steps=2,
+                        verify_steps=4)  # fmt: skip
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    assert prober.run(Candidate(batch_size=fit, choices=BF16), prober.steps, "timing")
+    del device.calls[:]
+    at = Candidate(batch_size=start, choices=BF16)
+    scored = Scored(
+        candidate=at, estimate=estimate(profile, at, strategies), largest_batch=start, active=1
+    )
+    found, _ = prober.largest(scored, "probe")
+    return found, [b for b, _, _ in device.calls]
+
+
+def test_a_search_after_a_fit_whose_reserved_peak_nears_the_cap_starts_where_it_meets_it(
+    strategies, workload, monkeypatch
+) -> None:
+    """Rule: where the largest fit of the choices recorded a reserved peak under the memory
+    cap, the search starts no higher than where that peak, grown a sample's bytes at a time,
+    meets the budget: the batches between that and the estimate's start run out by the
+    allocator's retries, each a run. Same pick, fewer runs. t5_base's eager pick on an H200
+    (session 36 call 1): 8.37 GB reserved of 8.59 at 36, then 46, 43, 39 and 37 ran out
+    before 36 held."""
+    profile = make_profile(param_mib=20)
+    budget = 160 * MIB
+    device = ReservedDevice(profile, strategies, budget, gap_bytes=24 * MIB)
+    edge, allocated_edge = device.reserved_edge(), device.edge()
+    assert allocated_edge - edge >= 8  # the estimate's start is well past the reserved edge
+    fit = edge  # t5_base's timing run was its edge
+    found, ran = _search_after_a_fit(device, profile, strategies, workload, fit, allocated_edge)
+    assert ran[0] <= edge + 2, ran  # from the reserved peak: a sample or two over
+
+    monkeypatch.setattr(Prober, "_reserved_start", lambda self, choices: None)
+    device.calls.clear()
+    before, ran_before = _search_after_a_fit(
+        device, profile, strategies, workload, fit, allocated_edge
+    )
+    assert ran_before[0] == allocated_edge
+    assert found.batch == before.batch and edge - 2 <= found.batch <= edge, (found, before)
+    assert len(ran) < len(ran_before), (ran, ran_before)
+
+
+def test_a_reserved_peak_at_the_cap_moves_no_start(strategies, workload) -> None:
+    """Rule: a fit whose reserved peak reached the budget says nothing of where the reserve
+    meets it (a card's reserved peak stops at the cap while the allocated one grows): the
+    search starts at the estimate's batch, as without reserved peaks."""
+    profile = make_profile(param_mib=20)
+    budget = 160 * MIB
+    device = ReservedDevice(profile, strategies, budget, gap_bytes=0)
+    edge = device.edge()
+    config = PlanConfig(budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4)
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    assert prober.run(Candidate(batch_size=edge, choices=BF16), prober.steps, "timing")
+    assert prober._reserved_start(BF16) is not None  # under the cap: read
+    at_cap = prober._fits(BF16)[edge].model_copy(update={"reserved_peak_bytes": budget})
+    prober._fitted[next(iter(prober._fitted))][edge] = at_cap
+    assert prober._reserved_start(BF16) is None
