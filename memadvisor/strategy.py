@@ -210,6 +210,7 @@ class PickStage(ABC):
         self,
         runs: Sequence[tuple[dict[str, JsonValue], int]],
         retry_at: Sequence[int | None] | None = None,
+        ahead: Sequence[bool] | None = None,
     ) -> list[Measurement | None | Exception]:
         """Each ``(choices, batch)`` of ``runs`` as :meth:`run` makes it, on the device at once
         where it can (:attr:`concurrent_runs`); per run, in order: its measurement, None (it
@@ -218,9 +219,17 @@ class PickStage(ABC):
         ``retry_at``: per run, a smaller batch measured where the run runs out (in the same
         process where the device keeps it: ``Device.run_many_retrying``); that run's answer
         is then the smaller batch's measurement, its ``ran_out_first`` set, and both batches
-        are logged. Default: the retry is a run of its own."""
+        are logged. Default: the retry is a run of its own.
+
+        ``ahead``: per run, True for a run made ahead of the stage's asking for it: neither
+        logged nor counted until :meth:`run`, a batch search (:meth:`confirm`) or this
+        method asks for the same run, which then takes it without a device run. Default:
+        such a run is not made (its answer None): one after another it saves no wait."""
         answers: list[Measurement | None | Exception] = []
         for i, (choices, batch) in enumerate(runs):
+            if ahead is not None and ahead[i]:
+                answers.append(None)
+                continue
             try:
                 answer = self.run(choices, batch)
                 retry = retry_at[i] if retry_at is not None else None

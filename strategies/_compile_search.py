@@ -776,6 +776,9 @@ class Search:
         self.graphs_bet: _GraphsBet = lambda v, batch, room: []
         # The graphs choices riding with pass 1 or 2 (counted as graphs runs, not static ones).
         self.graphs_riding: list[dict[str, JsonValue]] = []
+        # Pass 2's leader's fallbacks (_fallback): made ahead of the confirmation's asking,
+        # the search's runs where it asks for them.
+        self.fallbacks: list[tuple[dict[str, JsonValue], int]] = []
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
         # Pass 2's riders (_static_riders): those sent, "label at batch"; and why a near
@@ -1208,12 +1211,17 @@ class Search:
             )
             before = len(self.stage.probes)
             halves = [self._half(v, batch) if retry else None for v, batch in group]
+            ahead = [False] * len(group) + [rider in self.fallbacks for rider in extra]
             answers = self.stage.run_many(
                 [(v.choices, batch) for v, batch in group] + extra,
                 retry_at=halves + [None] * len(extra) if any(halves) else None,
+                **({"ahead": ahead} if any(ahead) else {}),
             )
             counted: list[dict[str, JsonValue]] = []
-            for choices, _ in extra:
+            for rider in extra:
+                choices = rider[0]
+                if rider in self.fallbacks:  # the search's, counted where it is asked for
+                    continue
                 if choices in counted:  # two graphs riders share their choices
                     continue
                 counted.append(choices)
@@ -1315,6 +1323,13 @@ class Search:
             riders.append((v.static_choices, v.fit.largest_batch))
             self.riders.append(f"{v.label} at {v.fit.largest_batch}")
             self.rode.add(id(v))
+        fallback = self._fallback(leader, runs[:group]) if len(riders) < room else None
+        if fallback is not None:
+            riders.append(fallback)
+            self.fallbacks.append(fallback)
+            self.riders.append(
+                f"{leader.label} at {fallback[1]}, should {leader.fit.largest_batch} run out"
+            )
         # The leader's CUDA graphs' first round too, where its runs waited on the host and
         # its static form is in the group (a rider, or its own pass-2 run where it is
         # searched static): the graphs step finds them made where the leader is the pick at
@@ -1328,6 +1343,36 @@ class Search:
                 batches = ", ".join(str(b) for _, b in graphs)
                 self.riders.append(f"CUDA graphs of {leader.label} at {batches}")
         return riders
+
+    def _fallback(
+        self, leader: Variant, group: Sequence[tuple[Variant, int]]
+    ) -> tuple[dict[str, JsonValue], int] | None:
+        """The run the confirmation of pass 2's ``leader`` makes first should the leader's
+        pass-2 run (in ``group``, its static form at its line's batch) run out: the same
+        form at the plan's margin below that batch (``PickStage.below_failure``), to be made
+        ahead beside it (``PickStage.run_many``'s ``ahead``); None where the leader is
+        searched with a dynamic batch, makes no run in ``group``, or the margin below is a
+        batch it ran already or none.
+
+        Why: pass 2 runs at the edge its line predicts, and there the step runs out about as
+        often as not (t5_base on an H200: 58 in session 35, 53 in session 36 call 1, each by
+        the allocator's retries); the confirmation then starts at the margin below, a round
+        and a compile of its own (51 and 43 at once, 41.6 s of a 248.2 s plan, session 36
+        call 1). Made ahead, it answers that first run without one. It is made ahead, not
+        recorded, because near the limit fitting is not monotone: where the leader's run
+        fits, a fallback that ran out would bound the pick below it.
+
+        Known limitations: where the leader's run fits, the fallback was a cold compile
+        beside pass 2's runs for nothing (never logged nor counted); it takes the room
+        before the leader's CUDA graphs' first round."""
+        assert leader.fit is not None
+        batch = leader.fit.largest_batch
+        if is_dynamic(leader.form) or all(v is not leader or b != batch for v, b in group):
+            return None
+        below = self.stage.below_failure(leader.choices, batch)
+        if below < 1 or below >= batch or below <= max(leader.runs, default=0):
+            return None
+        return (leader.choices, below)
 
     def rode_past(
         self, variants: Sequence[Variant], winner: Variant, found: Confirmed

@@ -132,6 +132,10 @@ class Prober:
         self.bar: Stage | None = None
         self.steps = run_steps(device, config)
         self._runs: dict[str, Run] = {}
+        # Runs made ahead of the search's asking (run_many's ``ahead``), by candidate: the
+        # steps they were made for, their record and measurement; logged, counted and kept
+        # only where a run of the same candidate is asked for (_take_ahead).
+        self._ahead: dict[str, tuple[int, Probe, Measurement | None]] = {}
         # Per choice set (JSON), the runs that fitted by batch: the measured margin's slope.
         self._fitted: dict[str, dict[int, Measurement]] = {}
         self.tie: Tie | None = None  # the last tie the re-rank broke
@@ -160,8 +164,11 @@ class Prober:
         known, answer = self._known(candidate, steps, shorter_fits)
         if known:
             return answer
-        self._spend(1, candidate)
         doing = self.doing or stage
+        taken, answer = self._take_ahead(candidate, steps, shorter_fits, doing)
+        if taken:
+            return answer
+        self._spend(1, candidate)
         self._describe(f"{doing}: batch {candidate.batch_size} running")
         record, measured = probe(self.device, self.workload, candidate, steps, stage=stage)
         self._keep(candidate, steps, record, measured, doing)
@@ -173,11 +180,20 @@ class Prober:
         steps: int,
         stage: str,
         retry_at: Sequence[int | None] | None = None,
+        ahead: Sequence[bool] | None = None,
     ) -> list[Measurement | None | Exception]:
         """Each of ``candidates`` for ``steps`` steps, as :meth:`run` answers it: those no
         earlier run answers go to the device together (``Device.run_many``: at once where it
         can). Per candidate, in order: its measurement, None (it ran out), or the error of a
         run that failed otherwise (not recorded, as :meth:`run` records none).
+
+        ``ahead``: per candidate, True for a run made ahead of the search's asking (the
+        compile search's fallback for its leader's pass-2 run): its answer is returned but
+        neither logged, counted in :attr:`runs_left` nor kept, until a later run of the same
+        candidate is asked for (:meth:`run`, a batch search's probe, this method), which
+        takes it without a device run. Why: near the limit fitting is not monotone, and a
+        smaller batch that ran out, recorded, would answer a larger one that fitted as run
+        out (:meth:`_ran_out_below`), as a batch search's partner would (:meth:`_searched`).
 
         ``retry_at``: per candidate, a smaller batch the device measures where it runs out
         (``Device.run_many_retrying``): its answer is then that batch's measurement, whose
@@ -190,15 +206,20 @@ class Prober:
         """
         answers: list[Measurement | None | Exception] = []
         to_run: list[int] = []
+        doing = self.doing or stage
+        made_ahead = [
+            bool(ahead[i]) if ahead is not None else False for i in range(len(candidates))
+        ]
         for i, candidate in enumerate(candidates):
             known, answer = self._known(candidate, steps)
+            if not known and not made_ahead[i]:
+                known, answer = self._take_ahead(candidate, steps, False, doing)
             answers.append(answer)
             if not known:
                 to_run.append(i)
         if not to_run:
             return answers
-        self._spend(len(to_run), candidates[to_run[0]])
-        doing = self.doing or stage
+        self._spend(sum(1 for i in to_run if not made_ahead[i]), candidates[to_run[0]])
         batches = ", ".join(str(candidates[i].batch_size) for i in to_run)
         many = (
             f"batches {batches} running at once" if len(to_run) > 1 else f"batch {batches} running"
@@ -217,6 +238,10 @@ class Prober:
         for j, (i, (record, measured, error)) in enumerate(zip(to_run, ran, strict=True)):
             if record is None:
                 answers[i] = error
+                continue
+            if made_ahead[i]:
+                self._ahead[_key(candidates[i])] = (steps, record, measured)
+                answers[i] = measured
                 continue
             if j in too:  # its retry ran out too: that batch's record after the first's
                 self._keep(candidates[i], steps, record, None, doing)
@@ -249,6 +274,30 @@ class Prober:
         elif self._ran_out_below(candidate, steps):
             return True, None  # a smaller batch of the same choices ran out: no run to learn that
         return False, None
+
+    def _take_ahead(
+        self, candidate: Candidate, steps: int, shorter_fits: bool, doing: str
+    ) -> tuple[bool, Measurement | None]:
+        """(True, its answer) where a run of ``candidate`` made ahead (:meth:`run_many`'s
+        ``ahead``) answers it for ``steps`` steps as :meth:`_known` would: logged, counted
+        and kept now; (False, None) where none does."""
+        key = _key(candidate)
+        made = self._ahead.get(key)
+        if made is None:
+            return False, None
+        made_steps, record, measured = made
+        run = Run(
+            made_steps if measured else record.steps,
+            measured,
+            by_retries=measured is None and ran_out_by_retries(record.error),
+        )
+        fits = measured is not None and (made_steps >= steps or shorter_fits)
+        if not fits and not run.ran_out_within(steps):
+            return False, None
+        self._spend(1, candidate)  # RunsSpent leaves it made ahead
+        del self._ahead[key]
+        self._keep(candidate, made_steps, record, measured, doing)
+        return True, measured
 
     def _spend(self, runs: int, candidate: Candidate) -> None:
         """Count ``runs`` device runs against :attr:`runs_left` (RunsSpent where they do not
@@ -521,6 +570,9 @@ class Prober:
         if known:
             return answer
         doing = self.doing or stage
+        taken, answer = self._take_ahead(candidate, self.steps, True, doing)
+        if taken:
+            return answer
         made = ahead.pop(candidate.batch_size, None)
         if made is not None:  # a partner's run: spent and recorded where the search asks for it
             self._spend(1, candidate)

@@ -178,9 +178,12 @@ class ProberStage(PickStage):
         self,
         runs: Sequence[tuple[dict[str, JsonValue], int]],
         retry_at: Sequence[int | None] | None = None,
+        ahead: Sequence[bool] | None = None,
     ) -> list[Measurement | None | Exception]:
         candidates = [Candidate(batch_size=max(1, b), choices=c) for c, b in runs]
-        return self._prober.run_many(candidates, self._prober.steps, self._name, retry_at)
+        return self._prober.run_many(
+            candidates, self._prober.steps, self._name, retry_at, ahead=ahead
+        )
 
     @property
     def concurrent_runs(self) -> int:

@@ -2415,3 +2415,86 @@ def test_graphs_that_still_wait_on_the_host_make_no_graphs_run_after_the_first_t
     searched = relieved.stages[0].details["search"]["graphs_runs"]
     assert stage.details["search"]["graphs_runs"] < searched, (runs, searched)
     assert "still took" not in relieved.stages[0].summary
+
+
+def _rounds(device) -> list[list[int]]:
+    """``device``'s compiled runs as the plan waits on them: each run_many call's batches,
+    and each run made alone (one batch), in order; the eager runs left out."""
+    rounds: list[list[int]] = []
+    inside = [False]
+    real_many, real_run = device.run_many, device.run
+
+    def many(workload, runs):
+        compiled = [c.batch_size for c, _ in runs if "compile" in c.choices]
+        if compiled:
+            rounds.append(compiled)
+        inside[0] = True
+        try:
+            return real_many(workload, runs)
+        finally:
+            inside[0] = False
+
+    def run(workload, candidate, steps):
+        if not inside[0] and "compile" in candidate.choices:
+            rounds.append([candidate.batch_size])
+        return real_run(workload, candidate, steps)
+
+    device.run_many, device.run = many, run
+    return rounds
+
+
+def test_pass_twos_static_leader_takes_its_fallback_along_and_the_confirmation_finds_it_made(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: on a device of runs at once, where pass 2's leader is searched static and its
+    group leaves a run free, the run its confirmation would make first should the leader's
+    pass-2 run run out (the plan's margin below that batch) goes with pass 2, made ahead:
+    where the leader's run runs out, the confirmation takes it without a device round (t5_base
+    on an H200, session 36 call 1: 53 ran out by the allocator's retries, then 51 and 43 in a
+    round of their own, 41.6 s); where the leader's run fits, the fallback is neither logged
+    nor counted. Same pick, same search runs, a round fewer."""
+    search = CompileSearch(checkpointed_static=True)
+    edge: dict[str, object] = {}
+
+    def device_of():
+        device = linear_device(EAGER_FLAT, fixed_ms=30.0, uncached_checkpointed=True)
+        device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": 4})
+        real = device.run
+
+        def run(workload, candidate, steps):  # the leader's pass-2 batch runs out (retries)
+            if candidate.choices == edge.get("choices") and candidate.batch_size >= edge["at"]:
+                device.calls.append((candidate.batch_size, steps, dict(candidate.choices)))
+                raise torch.OutOfMemoryError("fake: out by the allocator's retries")
+            return real(workload, candidate, steps)
+
+        device.run = run
+        return device
+
+    # The leader's pass-2 run fits: its fallback rides, and is nowhere in the plan's runs.
+    fits = _plan(workload, profile, strategies, device_of(), search, verify_steps=2)
+    leader = fits.candidate.choices
+    ran = [p.batch_size for p in fits.probes if p.candidate.choices == leader]
+    pass_two = ran[1]  # its pass-1 run, then pass 2's at its line's batch (static)
+    rode = fits.stages[0].details["search"]["riders"]
+    fallback = [r for r in rode if r.endswith(f"should {pass_two} run out")]
+    assert len(fallback) == 1, rode
+    at = int(fallback[0].split(" at ")[1].split(",")[0])
+    assert 0 < at < pass_two and at not in ran, (at, ran)
+
+    # It runs out: with the fallback the confirmation makes no device run; without, one.
+    edge.update(choices=leader, at=pass_two)
+    device = device_of()
+    rounds = _rounds(device)
+    ahead = _plan(workload, profile, strategies, device, search, verify_steps=2)
+    monkeypatch.setattr(Search, "_fallback", lambda self, leader, group: None)
+    device = device_of()
+    rounds_alone = _rounds(device)
+    alone = _plan(workload, profile, strategies, device, search, verify_steps=2)
+    assert ahead.candidate == alone.candidate and ahead.candidate.batch_size == at
+    assert ahead.verified == alone.verified
+    assert [r for r in rounds if pass_two in r] == [r for r in rounds if at in r], rounds
+    assert len(rounds) == len(rounds_alone) - 1, (rounds, rounds_alone)
+    runs = ahead.stages[0].details["search"]["runs"]
+    assert runs == alone.stages[0].details["search"]["runs"]
+    logged = [p.batch_size for p in ahead.probes if p.candidate.choices == leader]
+    assert logged.count(at) == 1, logged

@@ -484,3 +484,30 @@ def test_a_reserved_peak_at_the_cap_moves_no_start(strategies, workload) -> None
     at_cap = prober._fits(BF16)[edge].model_copy(update={"reserved_peak_bytes": budget})
     prober._fitted[next(iter(prober._fitted))][edge] = at_cap
     assert prober._reserved_start(BF16) is None
+
+
+def test_a_run_made_ahead_is_logged_and_counted_only_where_a_run_of_it_is_asked_for(
+    strategies, workload
+) -> None:
+    """Rule: a run made ahead (run_many's ``ahead``) is neither logged, counted in the runs
+    left nor kept until a run of the same candidate is asked for, which takes it without a
+    device run: near the limit fitting is not monotone, and a smaller batch that ran out,
+    kept, would answer a larger one that fitted as run out (the compile search's fallback
+    for its pass-2 leader)."""
+    profile = make_profile(param_mib=20)
+    device = RetriesDevice(profile, strategies, 160 * MIB, retries_from=30)
+    config = PlanConfig(budget_bytes=160 * MIB, probe_steps=2, timing_steps=2, verify_steps=4)
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    prober.runs_left = 5
+    out, fits = Candidate(batch_size=31, choices=BF16), Candidate(batch_size=20, choices=BF16)
+    answers = prober.run_many([out, fits], prober.steps, "compile", ahead=[True, True])
+    assert answers[0] is None and answers[1] is not None
+    assert prober.probes == [] and prober.runs_left == 5 and prober._fits(BF16) == {}
+    # Not kept: a batch above the one made ahead that ran out still runs.
+    assert prober.run(Candidate(batch_size=32, choices=BF16), prober.steps, "x") is None
+    assert [b for b, _, _ in device.calls] == [31, 20, 32] and prober.runs_left == 4
+    # Asked for, each is taken without a device run, then logged and counted.
+    assert prober.run(fits, prober.steps, "compile") == answers[1]
+    assert prober.run(out, prober.steps, "compile") is None
+    assert [b for b, _, _ in device.calls] == [31, 20, 32] and prober.runs_left == 2
+    assert [p.batch_size for p in prober.probes] == [32, 20, 31]
