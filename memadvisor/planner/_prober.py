@@ -439,11 +439,18 @@ class Prober:
 
         upper = self.space.upper_batch(scored)
         ceiling = self._ceiling_below_failure(choices)
-        start = min(
-            b
-            for b in (scored.largest_batch, ceiling, self._reserved_start(choices))
-            if b is not None
-        )
+        reserved_start = self._reserved_start(choices)
+        start = min(b for b in (scored.largest_batch, ceiling, reserved_start) if b is not None)
+        known = max(self._fits(choices), default=0)
+
+        def first_up(batch: int) -> int | None:
+            """``extrapolate``; from a fit the search did not make (a timing run's), no
+            higher than :meth:`_reserved_start`: the search's first probe above it."""
+            guess = extrapolate(batch)
+            if guess is not None and reserved_start is not None and batch <= known:
+                guess = min(guess, reserved_start)
+            return guess
+
         found = find_batch(
             fits,
             start,
@@ -451,7 +458,7 @@ class Prober:
             cfg.margin_fraction,
             cfg.max_batch,
             within_margin,
-            extrapolate,
+            first_up,
             lambda failed: self.below(choices, failed),
             # A measured slope (two runs) lands the next extrapolation where the first one,
             # on the estimate's slope, could not: a pessimistic estimate costs a run, not batch.
@@ -489,27 +496,34 @@ class Prober:
         return cap if self.ceiling is None else min(self.ceiling, cap)
 
     def _reserved_start(self, choices: dict[str, JsonValue]) -> int | None:
-        """Where a search of ``choices`` starts at the latest (the estimate's batch where
-        lower) when the largest batch of them that fitted recorded a reserved peak under the
-        memory cap: that batch, grown by :meth:`sample_bytes` a sample until its reserved
-        peak would reach the budget, at least one sample above it; None where that fit
-        recorded no reserved peak or one at the budget, or without the measured margin.
+        """The highest first probe of a search of ``choices`` above the runs of them made
+        before it (:meth:`largest`: the start where the estimate's is higher, or the first
+        extrapolation from a fit known before it), where the largest of those fits recorded
+        a reserved peak under the memory cap: that batch, grown by :meth:`sample_bytes` a
+        sample until its reserved peak would reach the budget, at least one sample above it.
+        None where that fit recorded no reserved peak or one at the budget, or without the
+        measured margin.
 
         Why: where the allocator's segments keep much unused, the reserved peak, which the
         memory cap bounds, meets the cap long before the allocated one reaches the budget,
         and the batches between run out by the allocator's retries. t5_base's eager pick on
         an H200 (session 36 call 1, 21 blocks checkpointed) held 7.40 GB allocated and 8.37
-        GB reserved of the 8.59 GB cap in its timing run at 36; its search started at the
-        estimate's 46 and ran 46, 43, 39 and 37 out before 36 held: about 22 s of probes.
+        GB reserved of the 8.59 GB cap in its timing run at 36; from there the allocated
+        bytes said 46, and 46, 43, 39 and 37 ran out before 36 held: about 22 s of probes.
+        From the reserved peak, 37. Two more plans (call 2): 27 at 8.12 GB (reserved: 30,
+        allocated: 33; 28 ran out) and 28 at 7.77 GB (33 and 38; 32 ran out, 30 held).
 
-        A start, not a bound: a fit there climbs on its allocated bytes as before
-        (``extrapolate``), so a reserved peak that overstates what a sample adds costs a run,
-        not batch. A reserved peak at the cap says nothing (a card's stops there while the
-        allocated one still grows: :meth:`sample_bytes`), and is not read.
+        The first probe only: a fit there, or any fit the search makes, climbs on its
+        allocated bytes as before (``extrapolate``), so a reserved peak that overstates what
+        a sample adds costs a run, not batch. Every later step along the reserved bytes
+        would creep: resnet50's compiled step on an H200 (session 4) reserved 7.83 GiB of 8
+        at 161 and held 178. A reserved peak at the cap says nothing (a card's stops there
+        while the allocated one still grows: :meth:`sample_bytes`), and is not read.
 
         Known limitations: a sample's bytes are the allocated ones' (measured, or the
         estimate's); the reserved bytes of a step that fragments its segments grow faster,
-        so the start can be a sample or two above the reserved edge, and that run runs out.
+        so the probe lands a sample or three above the reserved edge (all three plans
+        above), and that run runs out.
         """
         if not self.config.measured_margin:
             return None

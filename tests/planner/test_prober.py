@@ -441,30 +441,32 @@ def _search_after_a_fit(device, profile, strategies, workload, fit: int, start: 
     return found, [b for b, _, _ in device.calls]
 
 
-def test_a_search_after_a_fit_whose_reserved_peak_nears_the_cap_starts_where_it_meets_it(
-    strategies, workload, monkeypatch
+@pytest.mark.parametrize("estimate_at", ["fit", "allocated edge"])
+def test_a_search_after_a_fit_whose_reserved_peak_nears_the_cap_probes_first_where_it_meets_it(
+    strategies, workload, monkeypatch, estimate_at: str
 ) -> None:
-    """Rule: where the largest fit of the choices recorded a reserved peak under the memory
-    cap, the search starts no higher than where that peak, grown a sample's bytes at a time,
-    meets the budget: the batches between that and the estimate's start run out by the
-    allocator's retries, each a run. Same pick, fewer runs. t5_base's eager pick on an H200
-    (session 36 call 1): 8.37 GB reserved of 8.59 at 36, then 46, 43, 39 and 37 ran out
-    before 36 held."""
+    """Rule: where the largest fit of the choices made before the search recorded a reserved
+    peak under the memory cap, the search's first probe above it is no higher than where that
+    peak, grown a sample's bytes at a time, meets the budget, whether the estimate starts
+    above it or at the fit (its first extrapolation, on allocated bytes, then aims past the
+    reserved edge): the batches between run out by the allocator's retries, each a run. Same
+    pick, fewer runs. t5_base's eager pick on an H200 (session 36 call 1): 8.37 GB reserved
+    of 8.59 at 36, the estimate's start; the allocated bytes said 46, and 46, 43, 39 and 37
+    ran out before 36 held."""
     profile = make_profile(param_mib=20)
     budget = 160 * MIB
     device = ReservedDevice(profile, strategies, budget, gap_bytes=24 * MIB)
     edge, allocated_edge = device.reserved_edge(), device.edge()
-    assert allocated_edge - edge >= 8  # the estimate's start is well past the reserved edge
+    assert allocated_edge - edge >= 8  # the allocated bytes aim well past the reserved edge
     fit = edge  # t5_base's timing run was its edge
-    found, ran = _search_after_a_fit(device, profile, strategies, workload, fit, allocated_edge)
+    start = fit if estimate_at == "fit" else allocated_edge
+    found, ran = _search_after_a_fit(device, profile, strategies, workload, fit, start)
     assert ran[0] <= edge + 2, ran  # from the reserved peak: a sample or two over
 
     monkeypatch.setattr(Prober, "_reserved_start", lambda self, choices: None)
     device.calls.clear()
-    before, ran_before = _search_after_a_fit(
-        device, profile, strategies, workload, fit, allocated_edge
-    )
-    assert ran_before[0] == allocated_edge
+    before, ran_before = _search_after_a_fit(device, profile, strategies, workload, fit, start)
+    assert ran_before[0] > edge + 2, ran_before
     assert found.batch == before.batch and edge - 2 <= found.batch <= edge, (found, before)
     assert len(ran) < len(ran_before), (ran, ran_before)
 
