@@ -776,8 +776,8 @@ class Search:
         self.graphs_bet: _GraphsBet = lambda v, batch, room: []
         # The graphs choices riding with pass 1 or 2 (counted as graphs runs, not static ones).
         self.graphs_riding: list[dict[str, JsonValue]] = []
-        # Pass 2's leader's fallbacks (_fallback): made ahead of the confirmation's asking,
-        # the search's runs where it asks for them.
+        # Pass 2's fallbacks (_fallback): made ahead beside a static run at its line's
+        # batch, the search's runs where taken (_take_fallback, or the confirmation).
         self.fallbacks: list[tuple[dict[str, JsonValue], int]] = []
         # Candidates pass 2 left at one run (_second_worth_a_compile), by label.
         self.second_skipped: list[str] = []
@@ -1231,6 +1231,9 @@ class Search:
                     self.static_runs += self._made_since(before, choices)
             for (v, batch), answer, half in zip(group, answers[: len(group)], halves, strict=True):
                 self._take_retried(v, batch, answer, half, before)
+            rode = list(zip(extra, answers[len(group) :], strict=True))
+            for v, batch in group:
+                self._take_fallback(v, batch, rode)
             self._again_static(group)
         return left
 
@@ -1323,13 +1326,12 @@ class Search:
             riders.append((v.static_choices, v.fit.largest_batch))
             self.riders.append(f"{v.label} at {v.fit.largest_batch}")
             self.rode.add(id(v))
-        fallback = self._fallback(leader, runs[:group]) if len(riders) < room else None
-        if fallback is not None:
-            riders.append(fallback)
-            self.fallbacks.append(fallback)
-            self.riders.append(
-                f"{leader.label} at {fallback[1]}, should {leader.fit.largest_batch} run out"
-            )
+        for v, batch in runs[:group]:
+            fallback = self._fallback(v, batch) if len(riders) < room else None
+            if fallback is not None:
+                riders.append(fallback)
+                self.fallbacks.append(fallback)
+                self.riders.append(f"{v.label} at {fallback[1]}, should {batch} run out")
         # The leader's CUDA graphs' first round too, where its runs waited on the host and
         # its static form is in the group (a rider, or its own pass-2 run where it is
         # searched static): the graphs step finds them made where the leader is the pick at
@@ -1344,35 +1346,56 @@ class Search:
                 self.riders.append(f"CUDA graphs of {leader.label} at {batches}")
         return riders
 
-    def _fallback(
-        self, leader: Variant, group: Sequence[tuple[Variant, int]]
-    ) -> tuple[dict[str, JsonValue], int] | None:
-        """The run the confirmation of pass 2's ``leader`` makes first should the leader's
-        pass-2 run (in ``group``, its static form at its line's batch) run out: the same
-        form at the plan's margin below that batch (``PickStage.below_failure``), to be made
-        ahead beside it (``PickStage.run_many``'s ``ahead``); None where the leader is
-        searched with a dynamic batch, makes no run in ``group``, or the margin below is a
-        batch it ran already or none.
+    def _fallback(self, v: Variant, batch: int) -> tuple[dict[str, JsonValue], int] | None:
+        """The run to make ahead beside ``v``'s pass-2 run at ``batch`` (its static form at
+        its line's batch): the same form at the plan's margin below that batch
+        (``PickStage.below_failure``), made ahead (``PickStage.run_many``'s ``ahead``) and
+        taken as ``v``'s pass-2 run where its own runs out (:meth:`_take_fallback`); None
+        where ``v`` is searched with a dynamic batch, ``batch`` is not its line's (a retry at
+        half), or the margin below is a batch it ran already or none.
 
-        Why: pass 2 runs at the edge its line predicts, and there the step runs out about as
-        often as not (t5_base on an H200: 58 in session 35, 53 in session 36 call 1, each by
-        the allocator's retries); the confirmation then starts at the margin below, a round
-        and a compile of its own (51 and 43 at once, 41.6 s of a 248.2 s plan, session 36
-        call 1). Made ahead, it answers that first run without one. It is made ahead, not
-        recorded, because near the limit fitting is not monotone: where the leader's run
-        fits, a fallback that ran out would bound the pick below it.
+        Why: pass 2 runs at the edge a line predicts, and there the step runs out about as
+        often as not (t5_base on an H200: 24 blocks at 58 in session 35, at 53 in each of
+        session 36's four plans, by the allocator's retries). The pass-2 leader's
+        confirmation then started at the margin below, a round and a compile of its own
+        (51 and 43 at once, 41.6 s of a 248.2 s plan, session 36 call 1); and a candidate
+        that was not the leader kept the line of its one pass-1 run, which holds its rate at
+        every batch: 24 blocks read 143 samples/s at 38 and lost to 150.5 at 30 (call 4),
+        where the same configuration ran 195-202 at 51 in calls 2. Taken as the run, it
+        gives the line a second point and the confirmation its batch.
 
-        Known limitations: where the leader's run fits, the fallback was a cold compile
-        beside pass 2's runs for nothing (never logged nor counted); it takes the room
-        before the leader's CUDA graphs' first round."""
-        assert leader.fit is not None
-        batch = leader.fit.largest_batch
-        if is_dynamic(leader.form) or all(v is not leader or b != batch for v, b in group):
+        It is made ahead, not recorded, because near the limit fitting is not monotone:
+        where ``v``'s run fits, a fallback that ran out would bound its pick below it.
+
+        Known limitations: where ``v``'s run fits, the fallback was a cold compile beside
+        pass 2's runs for nothing (never logged nor counted); fallbacks take the room after
+        the static riders and before the leader's CUDA graphs' first round."""
+        if v.fit is None or is_dynamic(v.form) or batch != v.fit.largest_batch:
+            return None  # a retry at half of a candidate with no line, or dynamic
+        below = self.stage.below_failure(v.choices, batch)
+        if below < 1 or below >= batch or below <= max(v.runs, default=0):
             return None
-        below = self.stage.below_failure(leader.choices, batch)
-        if below < 1 or below >= batch or below <= max(leader.runs, default=0):
-            return None
-        return (leader.choices, below)
+        return (v.choices, below)
+
+    def _take_fallback(
+        self,
+        v: Variant,
+        batch: int,
+        rode: Sequence[tuple[tuple[dict[str, JsonValue], int], Measurement | None | Exception]],
+    ) -> None:
+        """Where ``v``'s run at ``batch`` ran out and its fallback (:meth:`_fallback`) was
+        made ahead beside it (``rode``: the riders and their answers), the fallback's answer
+        taken as ``v``'s run, logged and counted as one of the search's runs (no device
+        run: ``PickStage.run`` finds it made)."""
+        if batch in v.runs or v.lowest_failure != batch:
+            return
+        for (choices, below), answer in rode:
+            if (choices, below) not in self.fallbacks or choices != v.choices:
+                continue
+            if isinstance(answer, Exception):
+                return  # it failed otherwise: not made, and not a run to make now
+            self._take(v, below, self._answer(v, below))
+            return
 
     def rode_past(
         self, variants: Sequence[Variant], winner: Variant, found: Confirmed

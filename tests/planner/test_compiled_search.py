@@ -2443,16 +2443,17 @@ def _rounds(device) -> list[list[int]]:
     return rounds
 
 
-def test_pass_twos_static_leader_takes_its_fallback_along_and_the_confirmation_finds_it_made(
+def test_a_static_pass_two_run_takes_its_fallback_along_and_it_answers_where_that_run_runs_out(
     workload, profile, strategies, linear_device, trials, monkeypatch
 ) -> None:
-    """Rule: on a device of runs at once, where pass 2's leader is searched static and its
-    group leaves a run free, the run its confirmation would make first should the leader's
-    pass-2 run run out (the plan's margin below that batch) goes with pass 2, made ahead:
-    where the leader's run runs out, the confirmation takes it without a device round (t5_base
-    on an H200, session 36 call 1: 53 ran out by the allocator's retries, then 51 and 43 in a
-    round of their own, 41.6 s); where the leader's run fits, the fallback is neither logged
-    nor counted. Same pick, same search runs, a round fewer."""
+    """Rule: on a device of runs at once, where a static pass-2 run at its line's batch
+    leaves its group a run free, the same form at the plan's margin below that batch (the
+    run the confirmation would make first) goes with it, made ahead: where the pass-2 run
+    runs out, the fallback is taken as the candidate's run (its line gets the point) and
+    the confirmation makes no device round (t5_base on an H200, session 36 call 1: 53 ran
+    out by the allocator's retries, then 51 and 43 in a round of their own, 41.6 s); where
+    it fits, the fallback is neither logged nor counted. Same pick, same search runs, a
+    round fewer."""
     search = CompileSearch(checkpointed_static=True)
     edge: dict[str, object] = {}
 
@@ -2486,7 +2487,7 @@ def test_pass_twos_static_leader_takes_its_fallback_along_and_the_confirmation_f
     device = device_of()
     rounds = _rounds(device)
     ahead = _plan(workload, profile, strategies, device, search, verify_steps=2)
-    monkeypatch.setattr(Search, "_fallback", lambda self, leader, group: None)
+    monkeypatch.setattr(Search, "_fallback", lambda self, v, batch: None)
     device = device_of()
     rounds_alone = _rounds(device)
     alone = _plan(workload, profile, strategies, device, search, verify_steps=2)
@@ -2498,3 +2499,8 @@ def test_pass_twos_static_leader_takes_its_fallback_along_and_the_confirmation_f
     assert runs == alone.stages[0].details["search"]["runs"]
     logged = [p.batch_size for p in ahead.probes if p.candidate.choices == leader]
     assert logged.count(at) == 1, logged
+    # Taken as the leader's pass-2 run: its line has the point, before any confirmation.
+    (taken,) = [v for v in ahead.stages[0].variants if v.choices == leader and v.fit]
+    assert at in taken.fit.batches, taken.fit
+    (kept,) = [v for v in alone.stages[0].variants if v.choices == leader and v.fit]
+    assert at not in kept.fit.batches, kept.fit
