@@ -188,12 +188,13 @@ class Prober:
         run that failed otherwise (not recorded, as :meth:`run` records none).
 
         ``ahead``: per candidate, True for a run made ahead of the search's asking (the
-        compile search's fallback for its leader's pass-2 run): its answer is returned but
-        neither logged, counted in :attr:`runs_left` nor kept, until a later run of the same
-        candidate is asked for (:meth:`run`, a batch search's probe, this method), which
-        takes it without a device run. Why: near the limit fitting is not monotone, and a
-        smaller batch that ran out, recorded, would answer a larger one that fitted as run
-        out (:meth:`_ran_out_below`), as a batch search's partner would (:meth:`_searched`).
+        compile search's fallback beside a pass-2 run, ``Search._fallback``): its answer is
+        returned but neither logged, counted in :attr:`runs_left` nor kept, until a later
+        run of the same candidate is asked for (:meth:`run`, a batch search's probe, this
+        method), which takes it without a device run. Why: near the limit fitting is not
+        monotone, and a smaller batch that ran out, recorded, would answer a larger one that
+        fitted as run out (:meth:`_ran_out_below`), as a batch search's partner would
+        (:meth:`_searched`).
 
         ``retry_at``: per candidate, a smaller batch the device measures where it runs out
         (``Device.run_many_retrying``): its answer is then that batch's measurement, whose
