@@ -176,7 +176,10 @@ IMPORT_ONLY = {
     "strategies_effect": "its CPU path takes minutes (numerics curves)",
     "zoo_picks": "plans every zoo model: tests/test_zoo.py runs the same plans",
 }
-LIMIT_S = 150
+# A smoke's limit catches a hang, not a speed (a bench's speed is measured on a card). On
+# session 36's CI machine, alone and on one thread as here, loss_head's smoke took 206-210 s
+# and user_path's over 150, the same on session 35's code and on session 36's.
+LIMIT_S = 420
 
 
 def _benches() -> list[str]:
