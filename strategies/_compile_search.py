@@ -1215,7 +1215,7 @@ class Search:
             answers = self.stage.run_many(
                 [(v.choices, batch) for v, batch in group] + extra,
                 retry_at=halves + [None] * len(extra) if any(halves) else None,
-                **({"ahead": ahead} if any(ahead) else {}),
+                ahead=ahead if any(ahead) else None,
             )
             counted: list[dict[str, JsonValue]] = []
             for rider in extra:

@@ -102,6 +102,23 @@ class Run:
     # (``steps``: those it took, up to the one that decided).
     by_retries: bool = False
 
+    @classmethod
+    def of(cls, steps: int, record: Probe, measured: Measurement | None) -> Run:
+        """A run of ``steps`` steps as its ``record`` and ``measured`` say (a failure: the
+        steps it completed, and whether the allocator's retries decided it)."""
+        return cls(
+            steps if measured else record.steps,
+            measured,
+            by_retries=measured is None and ran_out_by_retries(record.error),
+        )
+
+    def answers(self, steps: int, shorter_fits: bool = False) -> bool:
+        """Whether it answers a run of the same candidate for ``steps`` steps: it fitted
+        them (``shorter_fits``: or fewer), or ran out within them."""
+        if self.measured is not None:
+            return self.steps >= steps or shorter_fits
+        return self.ran_out_within(steps)
+
     def ran_out_within(self, steps: int) -> bool:
         """Whether it ran out before completing ``steps`` steps (so a run of ``steps`` of the
         same candidate, or of a larger batch of its choices, would too). A run out by the
@@ -135,7 +152,7 @@ class Prober:
         # Runs made ahead of the search's asking (run_many's ``ahead``), by candidate: the
         # steps they were made for, their record and measurement; logged, counted and kept
         # only where a run of the same candidate is asked for (_take_ahead).
-        self._ahead: dict[str, tuple[int, Probe, Measurement | None]] = {}
+        self._ahead: dict[str, tuple[Run, Probe]] = {}
         # Per choice set (JSON), the runs that fitted by batch: the measured margin's slope.
         self._fitted: dict[str, dict[int, Measurement]] = {}
         self.tie: Tie | None = None  # the last tie the re-rank broke
@@ -208,9 +225,7 @@ class Prober:
         answers: list[Measurement | None | Exception] = []
         to_run: list[int] = []
         doing = self.doing or stage
-        made_ahead = [
-            bool(ahead[i]) if ahead is not None else False for i in range(len(candidates))
-        ]
+        made_ahead = list(ahead) if ahead is not None else [False] * len(candidates)
         for i, candidate in enumerate(candidates):
             known, answer = self._known(candidate, steps)
             if not known and not made_ahead[i]:
@@ -241,7 +256,7 @@ class Prober:
                 answers[i] = error
                 continue
             if made_ahead[i]:
-                self._ahead[_key(candidates[i])] = (steps, record, measured)
+                self._ahead[_key(candidates[i])] = (Run.of(steps, record, measured), record)
                 answers[i] = measured
                 continue
             if j in too:  # its retry ran out too: that batch's record after the first's
@@ -268,10 +283,8 @@ class Prober:
         (False, None) where it must run."""
         known = self._runs.get(_key(candidate))
         if known is not None:
-            if known.measured is not None and (known.steps >= steps or shorter_fits):
+            if known.answers(steps, shorter_fits):  # it fitted them, or ran out within them
                 return True, known.measured
-            if known.ran_out_within(steps):
-                return True, None  # it ran out within the steps asked for now
         elif self._ran_out_below(candidate, steps):
             return True, None  # a smaller batch of the same choices ran out: no run to learn that
         return False, None
@@ -284,21 +297,13 @@ class Prober:
         and kept now; (False, None) where none does."""
         key = _key(candidate)
         made = self._ahead.get(key)
-        if made is None:
+        if made is None or not made[0].answers(steps, shorter_fits):
             return False, None
-        made_steps, record, measured = made
-        run = Run(
-            made_steps if measured else record.steps,
-            measured,
-            by_retries=measured is None and ran_out_by_retries(record.error),
-        )
-        fits = measured is not None and (made_steps >= steps or shorter_fits)
-        if not fits and not run.ran_out_within(steps):
-            return False, None
+        run, record = made
         self._spend(1, candidate)  # RunsSpent leaves it made ahead
         del self._ahead[key]
-        self._keep(candidate, made_steps, record, measured, doing)
-        return True, measured
+        self._keep(candidate, run.steps, record, run.measured, doing)
+        return True, run.measured
 
     def _spend(self, runs: int, candidate: Candidate) -> None:
         """Count ``runs`` device runs against :attr:`runs_left` (RunsSpent where they do not
@@ -322,11 +327,7 @@ class Prober:
         if measured is not None and candidate.accumulation_steps == 1:
             key = json.dumps(candidate.choices, sort_keys=True)
             self._fitted.setdefault(key, {})[candidate.batch_size] = measured
-        self._runs[_key(candidate)] = Run(
-            steps if measured else record.steps,
-            measured,
-            by_retries=measured is None and ran_out_by_retries(record.error),
-        )
+        self._runs[_key(candidate)] = Run.of(steps, record, measured)
         if self.bar is not None:
             self.bar.advance()
             self.bar.describe(
