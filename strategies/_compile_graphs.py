@@ -50,7 +50,9 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    out, the search's first round is made below the failure (:func:`_fresh`).
    Where the graphs run that held still waited on the host as much as the bar, graphs did
    not relieve it, and the search makes no run more (:func:`_still_waits`): t5_base's did
-   not, the GPT example's did.
+   not, the GPT example's did. Where no graphs run of the pick was made but the bets on
+   another checkpointed set of the same form held and all still waited so, no graphs run is
+   made at all (:func:`waited_elsewhere`).
 3. The graphs form is the pick where it reaches :data:`HOST_BOUND_TIE` of the static
    pick's rate (a host-bound rate is the host's: the user's loop does not keep it), or, where
    it must beat the eager pick, as a compile beats eager (``beats_eager``:
@@ -112,12 +114,14 @@ __all__ = [
     "SAID_SHARE",
     "START_SHARE",
     "Graphs",
+    "Elsewhere",
     "bets_within",
     "first_round",
     "graphs_form",
     "graphs_of",
     "next_round",
     "graphs_pick",
+    "waited_elsewhere",
     "host_share",
 ]
 
@@ -169,6 +173,19 @@ class Graphs:
     # The host's share of the found graphs run's step, where it still reached the bar (the
     # search makes no run after such a run: :func:`_still_waits`); else None.
     still_waits: float | None = None
+    # Not tried because the graphs of another checkpointed set, made ahead in the same form,
+    # still waited on the host (:func:`waited_elsewhere`); else None.
+    elsewhere: Elsewhere | None = None
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """A graphs run of the pick's form with another checkpointed set that held and still
+    took the bar's share of its step to launch it (:func:`waited_elsewhere`)."""
+
+    blocks: int  # how many blocks that run checkpointed
+    batch: int
+    share: float  # its host time over its step
 
 
 def host_share(measured: Measurement) -> float | None:
@@ -216,6 +233,13 @@ def graphs_pick(
         )
         bar = settings.host_bound_share if under else None
         return Graphs(host_share=share, tried=False, against=beaten, bar=bar)
+    elsewhere = waited_elsewhere(stage, settings, choices)
+    if elsewhere is not None:
+        stage.describe(
+            f"compile: CUDA graphs not tried: those of {_blocks_words(elsewhere.blocks)} "
+            f"still waited on the host ({elsewhere.share:.0%} of a step to launch it)"
+        )
+        return Graphs(host_share=share, tried=False, against=beaten, elsewhere=elsewhere)
     batch = pick.candidate.batch_size
     stage.describe(
         f"compile: CUDA graphs, the card waited on the host ({share:.0%} of a step to launch it)"
@@ -249,6 +273,79 @@ def _stops(stage: PickStage, settings: CompileSearch, measured: Measurement | No
         "no graphs run more"
     )
     return True
+
+
+def waited_elsewhere(
+    stage: PickStage, settings: CompileSearch, choices: dict[str, JsonValue]
+) -> Elsewhere | None:
+    """Where no graphs run of ``choices`` (a pick's graphs form) was made, and the graphs
+    runs the stage made of the same choices with another checkpointed set (the bets, made
+    ahead on the candidate that led before the runs were read) that held all still waited on
+    the host as much as the bar (:func:`_waiting_share`) and ran under :data:`HOST_BOUND_TIE`
+    of their own set's best default-mode run (graphs would not have been its pick): the one
+    that waited least; else None. :func:`graphs_pick` then makes no graphs run.
+
+    Why: under graphs a step whose host still takes that share spends its host time outside
+    the kernels' launches (:func:`_waiting_share`), and that is the form's and the model's,
+    not the checkpointed set's: t5_base on an H200 (session 37 call 1) had its bet, 24
+    blocks checkpointed replayed as graphs at 26, hold at 0.83 of its step on the host and
+    124.7 samples/s, against 160.2 for 24 blocks in default mode at 36; its pick, 21 blocks,
+    then had its graphs searched in a round of their own (18 held at 0.87, 30 ran out: 31.5
+    s of a 225 s plan) for 0.57x the default mode's rate. Every t5_base graphs run on a
+    card read 0.78-0.87 of its step on the host, every GPT example's 0.48-0.67 (sessions
+    36-37).
+
+    Known limitations: another set's runs stand for the pick's; a set whose graphs would
+    pay where the bet's did not (a pick far less checkpointed than the bet) is not tried."""
+    if _made(stage, choices):
+        return None
+    mine = _without_checkpointing(choices)
+    found: list[Elsewhere] = []
+    for p in stage.probes:
+        other = p.candidate.choices if p.candidate is not None else None
+        if other is None or other == choices or _without_checkpointing(other) != mine:
+            continue
+        if not p.fits or p.step_ms is None or p.host_ms is None or p.step_ms <= 0:
+            continue  # a run that ran out, or unread: it says nothing of the host
+        share = p.host_ms / p.step_ms
+        if share < settings.host_bound_share:
+            return None  # graphs relieved the form's host there
+        default = _default_rate(stage, settings, other)
+        if default is None or p.batch_size / p.step_ms * 1e3 >= HOST_BOUND_TIE * default:
+            return None  # graphs could have been that set's pick: the pick's may be too
+        checkpointed = other.get(_CHECKPOINTING)
+        blocks = len(checkpointed) if isinstance(checkpointed, list) else 0
+        found.append(Elsewhere(blocks=blocks, batch=p.batch_size, share=share))
+    return min(found, key=lambda e: e.share) if found else None
+
+
+def _default_rate(
+    stage: PickStage, settings: CompileSearch, graphs: dict[str, JsonValue]
+) -> float | None:
+    """The best samples/s of the stage's runs that held whose graphs form is ``graphs`` (its
+    static default-mode form); None where none was timed."""
+    rates = [
+        p.batch_size / p.step_ms * 1e3
+        for p in stage.probes
+        if p.fits
+        and p.step_ms
+        and p.candidate is not None
+        and graphs_of(settings, p.candidate.choices) == graphs
+    ]
+    return max(rates) if rates else None
+
+
+_CHECKPOINTING = "checkpointing"  # the choice a candidate's checkpointed set is
+
+
+def _without_checkpointing(choices: dict[str, JsonValue]) -> dict[str, JsonValue]:
+    return {k: v for k, v in choices.items() if k != _CHECKPOINTING}
+
+
+def _blocks_words(blocks: int) -> str:
+    if not blocks:
+        return "no checkpointing"
+    return f"{blocks} block{'s' if blocks != 1 else ''} checkpointed"
 
 
 def _still_waits(settings: CompileSearch, measured: Measurement | None) -> bool:
@@ -299,6 +396,8 @@ def first_round(
     (``PickStage.run_many`` answers a run made already)."""
     graphs = _graphs_choices(settings, choices, host_share(measured))
     if graphs is None or _made(stage, graphs):  # one bet per graphs form: the first made
+        return []
+    if waited_elsewhere(stage, settings, graphs) is not None:  # graphs_pick makes none
         return []
     return [(graphs, b) for b in _first_batches(stage, settings, batch)]
 
@@ -611,6 +710,19 @@ def _under_bar_words(share: float, bar: float, measured: Measurement) -> str:
     )
 
 
+def _elsewhere_words(elsewhere: Elsewhere, share: float, measured: Measurement) -> str:
+    """Why graphs were not tried on a host-bound pick (:func:`waited_elsewhere`)."""
+    assert measured.host_ms is not None
+    return (
+        f"The card waited on the host: the compiled pick took {fmt_ms(measured.host_ms)} of "
+        f"its {fmt_ms(measured.step_ms)} step to launch it ({share:.0%}). CUDA graphs "
+        f"({GRAPHS_MODE} mode) were not tried on it: made ahead with "
+        f"{_blocks_words(elsewhere.blocks)} at batch {elsewhere.batch}, they still took "
+        f"{elsewhere.share:.0%} of a step to launch it, so this step's host time goes to more "
+        "than the kernels' launches graphs save."
+    )
+
+
 def graphs_words(
     graphs: Graphs, pick: Confirmed, runs: int, against: Confirmed | None = None
 ) -> str:
@@ -621,6 +733,8 @@ def graphs_words(
     "eager", :func:`graphs_pick`)."""
     if not graphs.tried and graphs.bar is not None and graphs.host_share is not None:
         return _under_bar_words(graphs.host_share, graphs.bar, pick.measured)
+    if graphs.elsewhere is not None and graphs.host_share is not None:
+        return _elsewhere_words(graphs.elsewhere, graphs.host_share, pick.measured)
     if not graphs.tried or graphs.host_share is None:
         return ""
     m = pick.measured

@@ -347,7 +347,7 @@ def compiled_pick(
             records.append(record)
             if graphs.wins:
                 best, picked = (record, graphs.found), True
-    if search.graphs_runs and (graphs is None or not graphs.tried):
+    if search.graphs_runs and (graphs is None or not graphs.tried) and not _said_why(graphs):
         graphs_note = _unused_graphs_words(search.graphs_runs, graphs)
     one_off_ms = best[0].one_off_ms if picked and best is not None else None
     costs = []
@@ -434,6 +434,12 @@ def _graphs_ahead(
     return first_round(stage, settings, winner.static_choices, winner.fit.largest_batch, measured)
 
 
+def _said_why(graphs: Graphs | None) -> bool:
+    """Whether the graphs step's own words say why its bets went unused (their runs still
+    waited on the host: ``waited_elsewhere``)."""
+    return graphs is not None and graphs.elsewhere is not None
+
+
 def _unused_graphs_words(runs: int, graphs: Graphs | None) -> str:
     """Why the CUDA graphs runs made ahead beside other runs (``first_round``'s bets,
     ``next_round``'s run) went unused: the pick's own run was not replayed as graphs (it
@@ -515,6 +521,8 @@ def _details(
             # in default mode did not pay.
             "against": graphs.against,
             "error": graphs.error,
+            # Not tried: the bets on another checkpointed set still waited on the host.
+            "waited_elsewhere": dataclasses.asdict(graphs.elsewhere) if graphs.elsewhere else None,
         }
     return out
 

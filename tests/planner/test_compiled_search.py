@@ -2504,3 +2504,56 @@ def test_a_static_pass_two_run_takes_its_fallback_along_and_it_answers_where_tha
     assert at in taken.fit.batches, taken.fit
     (kept,) = [v for v in alone.stages[0].variants if v.choices == leader and v.fit]
     assert at not in kept.fit.batches, kept.fit
+
+
+def test_graphs_are_not_searched_for_a_pick_where_the_bets_on_another_set_still_waited(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: where the CUDA graphs' bets went on another checkpointed set than the graphs
+    step's base (here pass 1's bets, sent for 4 blocks), held, and still took the whole of
+    their step on the host, slower than that set's default mode (t5_base's graphs on an
+    H200, session 37), the graphs step makes no graphs run of its own: the plan makes fewer
+    graphs runs than with that rule off (strategies._compile_graphs.waited_elsewhere), to
+    the same pick, and the summary says why graphs were not tried."""
+    import strategies._compile_graphs as graphs_module
+
+    settings = CompileSearch(checkpointed_static=True, max_candidates=3)
+    real_bets = Search._pass_one_bets
+
+    def on_four_blocks(self, first, reserve):  # the bets go on 4 blocks, at a batch it holds
+        four = [(v, 40) for v, _ in first if _blocks(v.choices) == 4]
+        rest = [(v, b) for v, b in first if _blocks(v.choices) != 4]
+        return real_bets(self, four + rest, reserve)
+
+    monkeypatch.setattr(Search, "_pass_one_bets", on_four_blocks)
+
+    def device():
+        d = linear_device(
+            EAGER_LM, compiled_per_sample=EAGER_LM, fixed_ms=3.0, host_ms=40.0, graphs_ratio=1.3
+        )
+        d.capabilities = d.capabilities.model_copy(update={"concurrent_runs": 4})
+        real_launch = d.launch_ms
+
+        def launch_ms(candidate):  # graphs still wait on the host, and longer than default
+            return 1.2 * d.host_ms if d.graphs(candidate) else real_launch(candidate)
+
+        d.launch_ms = launch_ms
+        return d
+
+    waits = device()
+    plan = _plan(workload, profile, strategies, waits, settings)
+    stage = plan.stages[0]
+    runs = _graphs_runs(plan, waits)
+    assert runs and {_blocks(p.candidate.choices) for p in runs} == {4}, runs
+    assert any(p.fits for p in runs)
+    graphs = stage.details["graphs"]
+    assert not graphs["tried"] and graphs["waited_elsewhere"]["blocks"] == 4, graphs
+    assert "were not tried on it: made ahead with 4 blocks checkpointed" in stage.summary
+    assert "went unused" not in stage.summary
+
+    monkeypatch.setattr(graphs_module, "waited_elsewhere", lambda stage, settings, choices: None)
+    searched = device()
+    other = _plan(workload, profile, strategies, searched, settings)
+    assert other.candidate == plan.candidate
+    assert len(runs) < len(_graphs_runs(other, searched))
+    assert other.stages[0].details["graphs"]["tried"]

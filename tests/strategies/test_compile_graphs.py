@@ -560,3 +560,100 @@ def test_graphs_made_ahead_that_already_win_replace_a_base_whose_default_rate_on
     )
     record, _ = _bet_base(stage, CompileSearch(), [two, four], base, False, eager)
     assert len(record.choices["checkpointing"]) == replayed
+
+
+_FORM = {"mode": "default", "regional": True}
+_GRAPHS_FORM = {"mode": GRAPHS_MODE, "regional": True}
+
+
+def _probe(blocks: int, form: dict, batch: int, step_ms: float | None, host_ms: float | None):
+    """A run the stage made: ``blocks`` checkpointed, in ``form``; ``step_ms`` None: ran out."""
+    choices = {"precision": "bf16", "checkpointing": [f"b{i}" for i in range(blocks)]}
+    return Probe(
+        batch_size=batch,
+        fits=step_ms is not None,
+        steps=5,
+        step_ms=step_ms,
+        host_ms=host_ms,
+        candidate=Candidate(batch_size=batch, choices={**choices, "compile": form}),
+    )
+
+
+class _Probed(_Stage):
+    """A stage whose probes are ``probes``; run and confirm are recorded (none expected)."""
+
+    def __init__(self, probes) -> None:
+        super().__init__(_measured(5.0, 0.5, batch=50))
+        self.probes, self.ran = tuple(probes), []
+
+    def run(self, choices, batch):
+        self.ran.append(batch)
+        return self.first
+
+
+# The t5_base plan of session 37 call 1 (H200), in its numbers: 24 blocks in default mode at
+# 36 (224.7 ms a step), its graphs bet at 26 (208.6 ms, 173.3 ms of it on the host).
+_SIBLING_DEFAULT = _probe(24, _FORM, 36, 224.7, 184.7)
+_SIBLING_GRAPHS = _probe(24, _GRAPHS_FORM, 26, 208.6, 173.3)
+
+
+@pytest.mark.parametrize(
+    ("probes", "skipped"),
+    [
+        ([_SIBLING_DEFAULT, _SIBLING_GRAPHS], True),
+        # the bet that ran out says nothing; the one that held still speaks
+        ([_SIBLING_DEFAULT, _SIBLING_GRAPHS, _probe(24, _GRAPHS_FORM, 30, None, None)], True),
+        # the bet's graphs launched in 40% of their step: graphs relieved that host
+        ([_SIBLING_DEFAULT, _probe(24, _GRAPHS_FORM, 26, 208.6, 83.4)], False),
+        # the bet's graphs ran 0.95x its default mode (within the tie): they might pay here
+        ([_SIBLING_DEFAULT, _probe(24, _GRAPHS_FORM, 26, 161.0, 150.0)], False),
+        # no default-mode run of the bet's set to weigh it against
+        ([_SIBLING_GRAPHS], False),
+        # every bet ran out
+        ([_SIBLING_DEFAULT, _probe(24, _GRAPHS_FORM, 26, None, None)], False),
+        # another form's graphs (whole model, not regional) say nothing of this one
+        (
+            [_probe(24, "default", 36, 224.7, 184.7), _probe(24, GRAPHS_MODE, 26, 208.6, 173.3)],
+            False,
+        ),  # fmt: skip
+        # the pick's own graphs were made: its search starts from them, as before
+        ([_SIBLING_DEFAULT, _SIBLING_GRAPHS, _probe(21, _GRAPHS_FORM, 18, 185.2, 157.2)], False),
+    ],
+)
+def test_graphs_are_not_tried_where_the_bets_on_another_set_still_waited_and_did_not_pay(
+    probes, skipped: bool
+) -> None:
+    """Rule: where no graphs run of the pick's form was made, but the graphs bets made of the
+    same choices with another checkpointed set held, still took the bar's share of their
+    step on the host (CompileSearch.host_bound_share) and ran under HOST_BOUND_TIE of that
+    set's default-mode run, graphs_pick makes no graphs run (no device run, not tried) and
+    says why; the graphs' first round is not sent beside other runs either. A bet that
+    relieved the host, or that ran within the tie, or only ran out, or of another form, or
+    the pick's own graphs runs, leave the graphs search as it was."""
+    from strategies._compile_graphs import first_round, graphs_pick, waited_elsewhere
+    from strategies._compile_search import CompileSearch
+
+    settings = CompileSearch()
+    choices = {"precision": "bf16", "checkpointing": [f"b{i}" for i in range(21)]}
+    pick_choices = {**choices, "compile": _FORM}
+    # the pick: 21 blocks at 37, 224.5 ms a step, 185 ms of it on the host (82%)
+    pick = Confirmed(
+        candidate=Candidate(batch_size=37, choices=pick_choices),
+        found_batch=37,
+        measured=_measured(224.5, 185.0, batch=37),
+    )
+    stage = _Probed(probes)
+    got = graphs_pick(stage, settings, pick, "throughput")
+    graphs = {**choices, "compile": _GRAPHS_FORM}
+    assert (waited_elsewhere(stage, settings, graphs) is not None) is skipped
+    bets = first_round(_Probed(probes), settings, pick_choices, 37, pick.measured)
+    if skipped:
+        assert not got.tried and stage.ran == [] and stage.confirms == []
+        assert got.elsewhere is not None and (got.elsewhere.blocks, got.elsewhere.batch) == (24, 26)
+        assert bets == []
+        words = graphs_words(got, pick, 1)
+        assert "were not tried on it: made ahead with 24 blocks checkpointed at batch 26" in words
+        assert "they still took 83% of a step" in words and "(82%)" in words
+    else:
+        assert got.elsewhere is None
+        assert got.tried or stage.ran or stage.confirms
