@@ -710,16 +710,13 @@ def _under_bar_words(share: float, bar: float, measured: Measurement) -> str:
     )
 
 
-def _elsewhere_words(elsewhere: Elsewhere, share: float, measured: Measurement) -> str:
+def _elsewhere_words(elsewhere: Elsewhere) -> str:
     """Why graphs were not tried on a host-bound pick (:func:`waited_elsewhere`)."""
-    assert measured.host_ms is not None
     return (
-        f"The card waited on the host: the compiled pick took {fmt_ms(measured.host_ms)} of "
-        f"its {fmt_ms(measured.step_ms)} step to launch it ({share:.0%}). CUDA graphs "
-        f"({GRAPHS_MODE} mode) were not tried on it: made ahead with "
+        f"CUDA graphs ({GRAPHS_MODE} mode) were not tried on it: made ahead with "
         f"{_blocks_words(elsewhere.blocks)} at batch {elsewhere.batch}, they still took "
-        f"{elsewhere.share:.0%} of a step to launch it, so this step's host time goes to more "
-        "than the kernels' launches graphs save."
+        f"{elsewhere.share:.0%} of a step to launch it and ran slower than that set in default "
+        "mode, so this step's host time goes to more than the kernels' launches graphs save."
     )
 
 
@@ -733,9 +730,7 @@ def graphs_words(
     "eager", :func:`graphs_pick`)."""
     if not graphs.tried and graphs.bar is not None and graphs.host_share is not None:
         return _under_bar_words(graphs.host_share, graphs.bar, pick.measured)
-    if graphs.elsewhere is not None and graphs.host_share is not None:
-        return _elsewhere_words(graphs.elsewhere, graphs.host_share, pick.measured)
-    if not graphs.tried or graphs.host_share is None:
+    if (not graphs.tried and graphs.elsewhere is None) or graphs.host_share is None:
         return ""
     m = pick.measured
     assert m.host_ms is not None
@@ -754,6 +749,8 @@ def graphs_words(
         f"The card waited on the host: {who} took {fmt_ms(m.host_ms)} of its "
         f"{fmt_ms(m.step_ms)} step to launch it ({graphs.host_share:.0%})."
     )
+    if graphs.elsewhere is not None:
+        return f"{opening} {_elsewhere_words(graphs.elsewhere)}"
     stays = "eager" if eager else "in default mode"
     if graphs.error is not None:
         return f"{opening} Replayed as CUDA graphs ({GRAPHS_MODE} mode) it failed: {graphs.error}."
