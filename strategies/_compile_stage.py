@@ -381,7 +381,8 @@ def compiled_pick(
         picked=picked,
         summary=summary,
         pick_words=_pick_words(best[1].candidate) if picked and best is not None else "",
-        answer=_kept_eager(records, eager_best),
+        # The report's row where the eager pick was kept (StageOutcome.answer): none else.
+        answer="" if picked else _kept_eager(records, eager_best),
         costs=costs,
         eager_batch_size=eager_best.candidate.batch_size,
         eager_candidate=eager_best.candidate,

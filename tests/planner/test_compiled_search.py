@@ -156,6 +156,7 @@ def test_the_search_reaches_a_compiled_configuration_the_eager_pick_does_not_hav
     final = stage.variants[-1]
     assert final.choices == plan.candidate.choices and final.confirmed
     assert "Searched 4 compiled configurations" in stage.summary
+    assert stage.answer == ""  # the report's row where the eager pick was kept: not this one
 
 
 def test_a_candidates_compiled_memory_is_fitted_from_its_runs(
@@ -239,6 +240,7 @@ def test_when_compiling_does_not_pay_the_eager_pick_stays(
     assert not any(v.confirmed for v in stage.variants)
     assert stage.summary.startswith("Planned eager because compiling did not pay")
     assert "predicted" in stage.summary
+    assert stage.answer.startswith("weighed, planned eager: compiled ran")
 
 
 def test_the_regional_form_is_kept_where_the_whole_model_is_not_faster(
