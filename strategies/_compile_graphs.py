@@ -96,6 +96,7 @@ from pydantic import JsonValue
 
 from memadvisor.errors import is_our_bug
 from memadvisor.schema.candidate import Measurement
+from memadvisor.schema.config import samples_per_s
 from memadvisor.strategy import Confirmed, PickStage
 from memadvisor.units import fmt_ms
 from strategies._compile_search import (
@@ -180,8 +181,9 @@ class Graphs:
 
 @dataclass(frozen=True)
 class Elsewhere:
-    """A graphs run of the pick's form with another checkpointed set that held and still
-    took the bar's share of its step to launch it (:func:`waited_elsewhere`)."""
+    """A graphs run of the pick's form with another checkpointed set that held, still took
+    the bar's share of its step to launch it and ran under the tie with that set's default
+    mode (:func:`waited_elsewhere`)."""
 
     blocks: int  # how many blocks that run checkpointed
     batch: int
@@ -311,7 +313,7 @@ def waited_elsewhere(
         if share < settings.host_bound_share:
             return None  # graphs relieved the form's host there
         default = _default_rate(stage, settings, other)
-        if default is None or p.batch_size / p.step_ms * 1e3 >= HOST_BOUND_TIE * default:
+        if default is None or samples_per_s(p.batch_size, p.step_ms) >= HOST_BOUND_TIE * default:
             return None  # graphs could have been that set's pick: the pick's may be too
         checkpointed = other.get(_CHECKPOINTING)
         blocks = len(checkpointed) if isinstance(checkpointed, list) else 0
@@ -325,7 +327,7 @@ def _default_rate(
     """The best samples/s of the stage's runs that held whose graphs form is ``graphs`` (its
     static default-mode form); None where none was timed."""
     rates = [
-        p.batch_size / p.step_ms * 1e3
+        samples_per_s(p.batch_size, p.step_ms)
         for p in stage.probes
         if p.fits
         and p.step_ms
