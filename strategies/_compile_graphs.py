@@ -105,6 +105,8 @@ from strategies._compile_search import (
     CompileSearch,
     beats_eager,
     first_line,
+    recompute_axis,
+    recomputed_count,
 )
 from strategies._compiled_forward import parse_choice
 
@@ -299,13 +301,16 @@ def waited_elsewhere(
 
     Known limitations: another set's runs stand for the pick's; a set whose graphs would
     pay where the bet's did not (a pick far less checkpointed than the bet) is not tried."""
-    if _made(stage, choices):
+    if _made(stage, choices) or not stage.probes:
         return None
-    mine = _without_checkpointing(choices)
+    axis = recompute_axis(stage)
+    if axis is None:  # nothing in this plan recomputes blocks: no other set to read
+        return None
+    mine = _without(choices, axis[0])
     found: list[Elsewhere] = []
     for p in stage.probes:
         other = p.candidate.choices if p.candidate is not None else None
-        if other is None or other == choices or _without_checkpointing(other) != mine:
+        if other is None or other == choices or _without(other, axis[0]) != mine:
             continue
         if not p.fits or p.step_ms is None or p.host_ms is None or p.step_ms <= 0:
             continue  # a run that ran out, or unread: it says nothing of the host
@@ -315,8 +320,7 @@ def waited_elsewhere(
         default = _default_rate(stage, settings, other)
         if default is None or samples_per_s(p.batch_size, p.step_ms) >= HOST_BOUND_TIE * default:
             return None  # graphs could have been that set's pick: the pick's may be too
-        checkpointed = other.get(_CHECKPOINTING)
-        blocks = len(checkpointed) if isinstance(checkpointed, list) else 0
+        blocks = recomputed_count(other, stage.strategies)
         found.append(Elsewhere(blocks=blocks, batch=p.batch_size, share=share))
     return min(found, key=lambda e: e.share) if found else None
 
@@ -337,11 +341,9 @@ def _default_rate(
     return max(rates) if rates else None
 
 
-_CHECKPOINTING = "checkpointing"  # the choice a candidate's checkpointed set is
-
-
-def _without_checkpointing(choices: dict[str, JsonValue]) -> dict[str, JsonValue]:
-    return {k: v for k, v in choices.items() if k != _CHECKPOINTING}
+def _without(choices: dict[str, JsonValue], axis: str) -> dict[str, JsonValue]:
+    """``choices`` but the recompute axis's (``axis``: the strategy that checkpoints)."""
+    return {k: v for k, v in choices.items() if k != axis}
 
 
 def _blocks_words(blocks: int) -> str:

@@ -165,6 +165,8 @@ __all__ = [
     "static_when_checkpointed",
     "input_sizes",
     "outside_share",
+    "recompute_axis",
+    "recomputed_count",
     "regional_pays",
     "beats_eager",
     "could_beat",
@@ -505,7 +507,7 @@ def search_variants(
         if scored is not None:
             found.append((users_loss, plain[0], start_of(scored)))
     others = []
-    axis = _recompute_axis(stage)
+    axis = recompute_axis(stage)
     axis_name = axis[0] if axis is not None else None
     if plain and axis is not None:
         name, options = axis
@@ -566,7 +568,7 @@ def _recomputing(choices: dict[str, JsonValue], strategies: Sequence[Strategy]) 
     return {s.name for s, c in chosen if s.facts(c).recomputed_blocks}
 
 
-def _recompute_axis(stage: PickStage) -> tuple[str, list[JsonValue]] | None:
+def recompute_axis(stage: PickStage) -> tuple[str, list[JsonValue]] | None:
     """The first strategy whose options in this plan recompute blocks (block checkpointing),
     and those options; None when none does."""
     for strategy in stage.strategies:
@@ -673,6 +675,12 @@ def _worth(objective: str, scored) -> tuple:
     return (scored.estimate.samples_per_s,)
 
 
+def recomputed_count(choices: dict[str, JsonValue], strategies: Sequence[Strategy]) -> int:
+    """How many blocks ``choices`` recompute in backward (their strategies' facts say)."""
+    chosen = chosen_strategies(Candidate(batch_size=1, choices=choices), strategies)
+    return sum(len(s.facts(c).recomputed_blocks) for s, c in chosen)
+
+
 def label(
     choices: dict[str, JsonValue],
     choice: CompileChoice,
@@ -681,8 +689,7 @@ def label(
 ) -> str:
     """``'checkpoint 12/24 blocks'``, ``'no checkpointing, partitioner budget 0.6'``: what
     sets a candidate apart, in a few words (its mode when not the default)."""
-    chosen = chosen_strategies(Candidate(batch_size=1, choices=choices), strategies)
-    count = sum(len(s.facts(c).recomputed_blocks) for s, c in chosen)
+    count = recomputed_count(choices, strategies)
     words = [f"checkpoint {count}/{blocks} blocks" if count else "no checkpointing"]
     if choice.activation_memory_budget is not None:
         words.append(f"partitioner budget {choice.activation_memory_budget:g}")

@@ -580,11 +580,16 @@ def _probe(blocks: int, form: dict, batch: int, step_ms: float | None, host_ms: 
 
 
 class _Probed(_Stage):
-    """A stage whose probes are ``probes``; run and confirm are recorded (none expected)."""
+    """A stage whose probes are ``probes``; run and confirm are recorded (none expected).
+    Its strategies are the registered ones, checkpointing's options the recompute axis."""
 
     def __init__(self, probes) -> None:
+        from memadvisor.strategy import load_strategies
+
         super().__init__(_measured(5.0, 0.5, batch=50))
         self.probes, self.ran = tuple(probes), []
+        self.strategies = load_strategies(["precision", "checkpointing", "compile"])
+        self.options = {"checkpointing": [None, ["b0"]]}
 
     def run(self, choices, batch):
         self.ran.append(batch)
