@@ -90,6 +90,7 @@ Known limitations:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import JsonValue
@@ -97,6 +98,7 @@ from pydantic import JsonValue
 from memadvisor.errors import is_our_bug
 from memadvisor.schema.candidate import Measurement
 from memadvisor.schema.config import samples_per_s
+from memadvisor.schema.plan import Probe
 from memadvisor.strategy import Confirmed, PickStage
 from memadvisor.units import fmt_ms
 from strategies._compile_search import (
@@ -124,6 +126,7 @@ __all__ = [
     "graphs_of",
     "next_round",
     "graphs_pick",
+    "held_rates",
     "waited_elsewhere",
     "host_share",
 ]
@@ -330,15 +333,18 @@ def _default_rate(
 ) -> float | None:
     """The best samples/s of the stage's runs that held whose graphs form is ``graphs`` (its
     static default-mode form); None where none was timed."""
-    rates = [
+    rates = held_rates(stage, lambda p: graphs_of(settings, p.candidate.choices) == graphs)
+    return max(rates) if rates else None
+
+
+def held_rates(stage: PickStage, keep: Callable[[Probe], bool]) -> list[float]:
+    """The samples/s of the stage's runs that held and were timed, of those ``keep`` takes
+    (a run with a candidate)."""
+    return [
         samples_per_s(p.batch_size, p.step_ms)
         for p in stage.probes
-        if p.fits
-        and p.step_ms
-        and p.candidate is not None
-        and graphs_of(settings, p.candidate.choices) == graphs
+        if p.fits and p.step_ms and p.candidate is not None and keep(p)
     ]
-    return max(rates) if rates else None
 
 
 def _without(choices: dict[str, JsonValue], axis: str) -> dict[str, JsonValue]:

@@ -70,7 +70,7 @@ from pydantic import JsonValue, ValidationError
 from memadvisor.errors import is_our_bug
 from memadvisor.memory import release_cached_memory
 from memadvisor.schema.candidate import Candidate
-from memadvisor.schema.config import PlanConfig, samples_per_s
+from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
 from memadvisor.strategy import Confirmed, PickStage, Refinement, facts_of
@@ -85,6 +85,7 @@ from strategies._compile_graphs import (
     graphs_of,
     graphs_pick,
     graphs_words,
+    held_rates,
     next_round,
 )
 from strategies._compile_search import (
@@ -668,15 +669,10 @@ def _bet_base(
         graphs = graphs_of(settings, other[1].candidate.choices) if other else None
         if other is None or graphs is None:
             continue
-        rates = [
-            samples_per_s(p.batch_size, p.step_ms)
-            for p in stage.probes
-            if p.fits
-            and p.step_ms
-            and p.candidate is not None
-            and p.candidate.choices == graphs
-            and p.batch_size <= other[1].candidate.batch_size
-        ]
+        top = other[1].candidate.batch_size
+        rates = held_rates(
+            stage, lambda p, g=graphs, b=top: p.candidate.choices == g and p.batch_size <= b
+        )
         if rates and max(rates) >= bar:
             found.append((max(rates), other))
     return max(found, key=lambda item: item[0])[1] if found else base
