@@ -348,7 +348,8 @@ def compiled_pick(
             records.append(record)
             if graphs.wins:
                 best, picked = (record, graphs.found), True
-    if search.graphs_runs and (graphs is None or not graphs.tried) and not _said_why(graphs):
+    # Bets not used and not said why by the graphs step's own words (waited_elsewhere's).
+    if search.graphs_runs and (graphs is None or (not graphs.tried and not graphs.elsewhere)):
         graphs_note = _unused_graphs_words(search.graphs_runs, graphs)
     one_off_ms = best[0].one_off_ms if picked and best is not None else None
     costs = []
@@ -434,12 +435,6 @@ def _graphs_ahead(
         return []
     measured = winner.runs[max(winner.runs)]
     return first_round(stage, settings, winner.static_choices, winner.fit.largest_batch, measured)
-
-
-def _said_why(graphs: Graphs | None) -> bool:
-    """Whether the graphs step's own words say why its bets went unused (their runs still
-    waited on the host: ``waited_elsewhere``)."""
-    return graphs is not None and graphs.elsewhere is not None
 
 
 def _unused_graphs_words(runs: int, graphs: Graphs | None) -> str:
