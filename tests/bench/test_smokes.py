@@ -58,6 +58,11 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
             "--cells", "eager,eager+chunked,compiled,plan", "--json", OUT,
         ],
     ],
+    "plan_edges": [
+        "--model", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--workdir", "edges",
+        "--window", "profiling (fake tensors)", "profiling: metered", "--exit", "hard",
+        "--every-s", "0.05", "--json", OUT,
+    ],
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
         "--save-plans", "plans", "--timeout-s", "100", "--json", OUT,
@@ -104,6 +109,7 @@ FIELDS: dict[str, set[str]] = {
         "alloc_conf", "hand_alloc_conf",
     },
 }  # fmt: skip
+FIELDS["plan_edges"] = {"model", "process_s", "planner_wall_s", "exit", "exit_s", "windows"}
 FIELDS["loop_gap"] = {"model", "verified_samples_per_s", "train_step_short", "loop_long"}
 FIELDS["autotune_contention"] = {"phase", "runs_at_once", "samples_per_s_each", "best_configs"}
 FIELDS["process_spread"] = {"placement", "cores", "cpu", "cpu_node", "samples_per_s"}
@@ -153,9 +159,16 @@ def _cells_drawn_twice(line: dict) -> None:
     assert any("samples_per_s_each" in c for c in line["hand_grid"]), line["hand_grid"]
 
 
+def _window_found(line: dict) -> None:
+    """plan_edges: the asked window was found in the plan's log, and the exit was timed."""
+    assert [w["from"] for w in line["windows"]] == ["profiling (fake tensors)"], line
+    assert line["windows"][0]["s"] >= 0 and line["exit_s"] >= 0, line
+
+
 # A rule every JSON line of that smoke keeps, beyond its fields.
 RULES = {
     "plan_speed": _parts_add_up,
+    "plan_edges": _window_found,
     "autotune_contention": _one_rate_a_run,
     "process_spread": _ran_where_bound,
     "user_path": _cells_drawn_twice,
