@@ -58,7 +58,6 @@ def _child(
     target: str, budget_gib: float, device: str, out: Path, every_s: float, depth: int, hard: bool
 ) -> None:
     import logging
-    import os
 
     started = time.perf_counter()
     from memadvisor.planner import plan_workload
@@ -110,14 +109,10 @@ def _child(
         trace = open(out.with_suffix(".exit.txt"), "w")  # noqa: SIM115 - open until the end
         faulthandler.dump_traceback_later(every_s, repeat=True, file=trace)
         return
-    # What a CLI could do once its output is out: skip the interpreter's teardown.
-    from torch._inductor import async_compile
+    # What the CLI does after a Ctrl-C: the exit handlers, the streams flushed, os._exit.
+    from memadvisor.cli import _exit_now
 
-    async_compile.shutdown_compile_workers()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_now(0)
 
 
 def _window(record: dict[str, Any], start: str, end: str) -> tuple[float, float] | None:
@@ -163,7 +158,7 @@ def main() -> None:
         "--exit",
         choices=("normal", "hard"),
         default="normal",
-        help="hard: after the plan, shut inductor's compile workers and os._exit(0)",
+        help="hard: after the plan, the exit handlers, then os._exit(0) (memadvisor.cli's)",
     )
     parser.add_argument("--json", type=Path, help="append one JSON line here")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/plan-edges"))
