@@ -110,10 +110,10 @@ def _child(
         trace = open(out.with_suffix(".exit.txt"), "w")  # noqa: SIM115 - open until the end
         faulthandler.dump_traceback_later(every_s, repeat=True, file=trace)
         return
-    # What the CLI does after a Ctrl-C: the exit handlers, the streams flushed, os._exit.
-    from memadvisor.cli import _exit_now
+    # As the command ends: threads joined, the exit handlers, the streams flushed, os._exit.
+    from memadvisor.cli import _end
 
-    _exit_now(0)
+    _end(0)
 
 
 def _window(record: dict[str, Any], start: str, end: str) -> tuple[float, float] | None:
@@ -159,7 +159,7 @@ def main() -> None:
         "--exit",
         choices=("normal", "hard"),
         default="normal",
-        help="hard: after the plan, the exit handlers, then os._exit(0) (memadvisor.cli's)",
+        help="hard: after the plan, end as the command does (memadvisor.cli's _end)",
     )
     parser.add_argument("--json", type=Path, help="append one JSON line here")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/plan-edges"))

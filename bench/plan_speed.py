@@ -9,8 +9,9 @@ model, budget_gib, compile, label, cache, plan_wall_s (the process, what issue 2
 counts), planner_wall_s, stage_wall_s, compile_s (the compile stage's wall time), pick,
 verified_samples_per_s, compile_variants, device, torch, commit, outside_planner_s (the
 process's seconds around the planner: start and imports, the build, plan_workload's call,
-the write, the exit). ``--save-plans DIR`` keeps each plan as ``DIR/<model>.json``
-(``bench/user_path.py --plan`` runs the user's loop and the hand grid from it);
+the write, the exit, ended as the command ends since session 38: memadvisor.cli's ``_end``,
+without Python's teardown of every module). ``--save-plans DIR`` keeps each plan as
+``DIR/<model>.json`` (``bench/user_path.py --plan`` runs the user's loop and the hand grid from it);
 ``--timeout-s`` ends a plan that runs longer and records that.
 
 ``--label`` names the code that ran (``before``: the planner as it was, ``after``: with the
@@ -396,7 +397,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.budget_gb, args.compile, args.out, args.device, args.compile_search)
-        return
+        # The exit as the command ends (session 38): threads joined, exit handlers run, no
+        # teardown of every module.
+        from memadvisor.cli import _end
+
+        _end(0)
     if args.compile_search:
         from pydantic import ValidationError
 
