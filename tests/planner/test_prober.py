@@ -149,6 +149,78 @@ def test_timing_runs_made_at_once_on_a_card_take_fewer_steps_and_the_pick_its_ow
     assert steps(together) < steps(alone)
 
 
+def _rounds(device) -> list[list[int]]:
+    """``device``'s runs noted by round, as made: each ``run_many`` call one round (its
+    batches), each ``run`` outside one a round of its own."""
+    rounds: list[list[int]] = []
+    inside = []
+    real_many, real_run = device.run_many, device.run
+
+    def many(workload, runs):
+        rounds.append([c.batch_size for c, _ in runs])
+        inside.append(True)
+        try:
+            return real_many(workload, runs)
+        finally:
+            inside.pop()
+
+    def run(workload, candidate, steps):
+        if not inside:
+            rounds.append([candidate.batch_size])
+        return real_run(workload, candidate, steps)
+
+    device.run_many, device.run = many, run
+    return rounds
+
+
+def _retry_plan(workload, profile, strategies, linear_device, at_once: int, recompute: float):
+    """A card-like plan where bf16 without checkpointing needs 1.5x the estimate's bytes a
+    sample: its timing run at its estimated batch (32) runs out, and its retry the margin
+    below (29) fits; (plan, the device's rounds)."""
+    from memadvisor.planner import plan_workload
+    from tests.planner.test_compiled_search import EAGER_LM
+
+    table = {**EAGER_LM, ("bf16", 0): 1.5 * EAGER_LM[("bf16", 0)]}
+    device = linear_device(table, fixed_ms=3.0, recompute=recompute, runs_cost_more_than_steps=True)
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+    rounds = _rounds(device)
+    config = PlanConfig(budget_bytes=100 * MIB, probe_steps=3, timing_steps=3, verify_steps=20)
+    plan = plan_workload(
+        workload, config, profile=profile, device=device, progress=False,
+        strategies=strategies, measure_comparison=False,
+    )  # fmt: skip
+    return plan, rounds
+
+
+@pytest.mark.parametrize(
+    ("recompute", "retry_wins"), [(1.0, False), (2.0, True)], ids=["retry-loses", "retry-wins"]
+)
+def test_a_retry_below_a_timing_run_that_ran_out_goes_with_the_best_searchs_first_probe(
+    workload, profile, strategies, linear_device, recompute: float, retry_wins: bool
+) -> None:
+    """Rule: on a device of runs at once, a candidate whose timing run ran out at its
+    estimated batch is retried the margin below in the same round as the first probe of the
+    best's batch search, not in a round of its own before it (llama's retry on an H200, 3.3 s
+    alone, lost to the best). The plan is the one made one run at a time, the same runs'
+    answers; where the retry loses, one round fewer; where it wins (checkpointing's
+    recompute costs more), the best's first probe was spent beside it and no round more."""
+    alone, alone_rounds = _retry_plan(workload, profile, strategies, linear_device, 1, recompute)
+    together, rounds = _retry_plan(workload, profile, strategies, linear_device, 4, recompute)
+    assert together.candidate == alone.candidate
+    assert together.verified == alone.verified
+    bare = {"precision": "bf16"}
+    assert (together.candidate.choices == bare) is retry_wins
+    retry = [p for p in alone.probes if p.candidate.choices == bare and p.stage == "timing"]
+    assert [(p.batch_size, p.fits) for p in retry] == [(32, False), (29, True)]
+    # The retry's round holds another batch: the best's first probe.
+    (with_retry,) = [r for r in rounds if 29 in r]
+    assert len(with_retry) == 2, rounds
+    # After the first timing runs (one round at once, four alone): a round fewer, or as many.
+    assert rounds[0] == [32, 38, 46, 18] and alone_rounds[:4] == [[32], [38], [46], [18]]
+    after, alone_after = rounds[1:], alone_rounds[4:]
+    assert len(after) == len(alone_after) - (0 if retry_wins else 1), (rounds, alone_rounds)
+
+
 # -- a probe that may run out, paired with the batch searched next if it does ---------------
 
 
