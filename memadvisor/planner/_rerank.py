@@ -6,9 +6,7 @@ else plain (Baseline and +AMP: ``TimedEachChoice``), run once at the estimate's 
 batch under the usable budget. Where the device's times do not rank (the simulated CPU
 device), they run in the estimate's order only until one fits: the estimate ranks there.
 That run is both the candidate's fit probe and its timing.
-The device's best alone then finishes its batch search (``Prober.confirm``). On a device of
-runs at once, the retries of candidates that ran out (below) are made with that search's
-first device run (:func:`_retries_with_first_probe`).
+The device's best alone then finishes its batch search (``Prober.confirm``).
 
 Known limitations:
     * A candidate that ran out at its estimated batch gets one retry the margin below, and
@@ -31,7 +29,7 @@ from memadvisor.estimate import estimate
 from memadvisor.planner._budget import infeasible
 from memadvisor.planner._compare import unchecked_hand_choices
 from memadvisor.planner._probe import safe_below
-from memadvisor.planner._prober import Confirmed, Prober, RunsSpent, Tie, timing_steps_at_once
+from memadvisor.planner._prober import Confirmed, Prober, Tie, timing_steps_at_once
 from memadvisor.planner._progress import Progress
 from memadvisor.planner._space import Scored, SearchSpace
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -133,7 +131,6 @@ def best_on_device(
         best = _device_best(prober, timed, first, measured_times)
         twice_out: set[str] = set()  # groups whose retry ran out too
         rescue: list[tuple[Scored, int]] = []  # each such group's first: (it, its retry)
-        _retries_with_first_probe(prober, timed, first, best, measured_times)
         for s in timed:  # the estimate's order
             if first.get(s.choices_json, "not run") is not None:
                 continue  # it fitted, or was not run (the estimate ranks it below one that fitted)
@@ -184,56 +181,6 @@ def best_on_device(
             f"best candidate that fitted and did not run {skipped} ranked below it."
         )
     return winner
-
-
-def _retries_with_first_probe(
-    prober: Prober,
-    timed: Sequence[Scored],
-    first: dict[str, _Timing | None],
-    best: tuple[Scored, _Timing] | None,
-    measured_times: bool,
-) -> None:
-    """Make the retries :func:`best_on_device` makes next (a candidate that ran out at its
-    estimated batch, run the margin below) at once with the first device run of the best's
-    batch search (``Prober.beside``), and stop that search there; nothing where the device
-    makes one run at a time, times do not rank, or no retry is due.
-
-    Why: each such retry was a device run of its own before the best's search began, on a
-    card a process and its steps (llama's 2547 with 4 blocks checkpointed, 3.3 s, and
-    hf_gpt2's 4822, 3.7 s, on an H200 in session 38), and there it did not change the best
-    (21,073 samples/s against the best's 25,809 at its own batch). The retries are the same
-    runs at the same batches, recorded as made; :func:`best_on_device` then reads them from
-    the record, one by one as before, and confirms whichever is best then, its search going
-    on from the record. Where a retry beats this best, the best's first probe was made for
-    nothing, at once with the retry (its timed steps, no round of its own).
-
-    Only the first retry of each group of guarded choices goes (the loop skips a group's
-    others once its retry runs out), each one the loop would make against this best.
-    """
-    if best is None or not measured_times or prober.device.capabilities.concurrent_runs < 2:
-        return
-    space = prober.space
-    retries: list[Candidate] = []
-    groups: set[str] = set()
-    for s in timed:
-        if first.get(s.choices_json, "not run") is not None:
-            continue
-        group = _guarded_key(space, s)
-        below = safe_below(_start(prober, s), space.config.margin_fraction)
-        if below < 1 or group in groups or not _could_beat(space, s, below, best):
-            continue
-        groups.add(group)
-        retries.append(Candidate(batch_size=below, choices=s.candidate.choices))
-    if not retries:
-        return
-    bound = prober.runs_left
-    prober.beside, prober.runs_left = retries, 1  # the search's first device run, then stop
-    try:
-        prober.confirm(best[0], stage="probe")
-    except RunsSpent:
-        pass  # the search goes on from the record once the retries are read
-    finally:
-        prober.beside, prober.runs_left = [], bound
 
 
 def _rescued(
