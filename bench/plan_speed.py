@@ -182,8 +182,15 @@ def plan_one(
     save_to: Path | None = None,
     timeout_s: float | None = None,
     compile_search: dict[str, Any] | None = None,
+    bytecode_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Plan ``model`` in a fresh process; its JSON record (``error`` set when it failed).
+
+    ``bytecode_dir``: Python writes its bytecode there and reads it from there in the plan's
+    processes (``PYTHONPYCACHEPREFIX``, ``PYTHONDONTWRITEBYTECODE`` unset), as a user's pip
+    install has torch's; the record's ``python_bytecode`` says which it was (the card
+    machine of session 38 sets ``PYTHONDONTWRITEBYTECODE=1``: every process there compiled
+    torch's modules from source, ``import torch._dynamo`` 3.6-4.0 s against 1.4-1.9 s).
 
     ``save_to``: where the plan's JSON is copied; ``timeout_s``: the plan's process is ended
     after this long (the record then says so, with the wall time it had);
@@ -196,6 +203,9 @@ def plan_one(
         env = dict(os.environ)
         if not warm_cache:
             env.update(cold_cache_env(tmp))
+        if bytecode_dir is not None:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = str(bytecode_dir.resolve())
         cmd = [
             sys.executable,
             str(HERE),
@@ -227,6 +237,7 @@ def plan_one(
             "compile": compile_policy,
             "label": label,
             "cache": "warm" if warm_cache else "cold",
+            "python_bytecode": _bytecode_words(env),
             "plan_wall_s": round(wall_s, 1),
             "commit": _commit(),
         }
@@ -278,6 +289,16 @@ def plan_one(
         "device": plan["device_name"],
         "torch": torch.__version__,
     }
+
+
+def _bytecode_words(env: dict[str, str]) -> str:
+    """How the plan's processes get Python's bytecode under ``env``: "not written" (every
+    process compiles the modules it imports from source), "written to DIR", or "beside the
+    sources"."""
+    if env.get("PYTHONDONTWRITEBYTECODE"):
+        return "not written (PYTHONDONTWRITEBYTECODE)"
+    prefix = env.get("PYTHONPYCACHEPREFIX")
+    return f"written to {prefix}" if prefix else "beside the sources"
 
 
 def _outside(times: dict[str, float], spawned_at: float, exited_at: float) -> dict[str, float]:
@@ -378,6 +399,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--save-plans", type=Path, help="keep each plan as DIR/<model>.json")
     parser.add_argument("--timeout-s", type=float, help="end a plan after this long")
+    parser.add_argument(
+        "--bytecode-dir",
+        type=Path,
+        help="Python's bytecode written and read here in the plan's processes, as a user's "
+        "install has torch's (PYTHONPYCACHEPREFIX; PYTHONDONTWRITEBYTECODE unset)",
+    )
     parser.add_argument("--table", type=Path, help="print the table of these JSON lines; no runs")
     parser.add_argument(
         "--device",
@@ -439,6 +466,7 @@ def main() -> None:
             save_to=args.save_plans / f"{model}.json" if args.save_plans else None,
             timeout_s=args.timeout_s,
             compile_search=args.compile_search,
+            bytecode_dir=args.bytecode_dir,
         )
         print(json.dumps(record), flush=True)
         with args.json.open("a") as f:

@@ -66,7 +66,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
         "--save-plans", "plans", "--timeout-s", "100", "--json", OUT,
-        "--compile-search", '{"dynamic_batch": false}',
+        "--compile-search", '{"dynamic_batch": false}', "--bytecode-dir", "pyc",
     ],
     "loop_gap": [
         "--models", "cnn", "--budget-gib", "0.05", "--warmup", "1", "--short", "2", "--long",
@@ -119,6 +119,14 @@ VALUES: dict[str, dict[str, object]] = {
 }
 
 
+def _plan_speed_rules(line: dict) -> None:
+    """plan_speed: the parts add up, and --bytecode-dir reached the plan's processes."""
+    _parts_add_up(line)
+    assert line["python_bytecode"].startswith("written to ") and line["python_bytecode"].endswith(
+        "/pyc"
+    ), line["python_bytecode"]
+
+
 def _parts_add_up(line: dict) -> None:
     """plan_speed: the process's seconds around the planner add up to its wall, and the
     plan_workload call holds the planner's own wall."""
@@ -167,7 +175,7 @@ def _window_found(line: dict) -> None:
 
 # A rule every JSON line of that smoke keeps, beyond its fields.
 RULES = {
-    "plan_speed": _parts_add_up,
+    "plan_speed": _plan_speed_rules,
     "plan_edges": _window_found,
     "autotune_contention": _one_rate_a_run,
     "process_spread": _ran_where_bound,
