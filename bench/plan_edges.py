@@ -91,6 +91,7 @@ def _child(
     config = PlanConfig(budget_bytes=int(budget_gib * 2**30), device=device)
     plan = plan_workload(workload, config, target=target, progress=False)
     planned_s = time.perf_counter() - started
+    out.with_suffix(".plan.json").write_text(plan.model_dump_json())
     done.set()
     sampler.join()
     out.write_text(
@@ -162,6 +163,12 @@ def main() -> None:
         help="hard: after the plan, end as the command does (memadvisor.cli's _end)",
     )
     parser.add_argument("--json", type=Path, help="append one JSON line here")
+    parser.add_argument(
+        "--save-plan",
+        type=Path,
+        help="copy the plan's JSON here (session 38 call 2: a plan whose graphs round was "
+        "not explained, and not kept)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/plan-edges"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -185,6 +192,9 @@ def main() -> None:
         subprocess.run(command, check=True, cwd=ROOT)
         exited = time.time()
     record = json.loads(out.read_text())
+    if args.save_plan:
+        args.save_plan.parent.mkdir(parents=True, exist_ok=True)
+        args.save_plan.write_text(out.with_suffix(".plan.json").read_text())
     exit_s = exited - record["written_at"]
     windows = args.window or [["profiling ...", "profiling: warm-up step"]]
     print(
@@ -203,6 +213,7 @@ def main() -> None:
         "build_s": round(record["built_s"] - record["imported_s"], 2),
         "planner_wall_s": round(record["planner_wall_s"], 2),
         "exit": args.exit,
+        "plan_saved": str(args.save_plan) if args.save_plan else None,
         "exit_s": round(exit_s, 2),
         "windows": [],
     }

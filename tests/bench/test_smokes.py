@@ -61,7 +61,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
     "plan_edges": [
         "--model", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--workdir", "edges",
         "--window", "profiling (fake tensors)", "profiling: metered", "--exit", "hard",
-        "--every-s", "0.05", "--json", OUT,
+        "--every-s", "0.05", "--save-plan", "edges/plan.json", "--json", OUT,
     ],
     "plan_speed": [
         "--models", "cnn", "--budget-gb", "0.25", "--device", "estimate", "--compile", "off",
@@ -171,6 +171,7 @@ def _window_found(line: dict) -> None:
     """plan_edges: the asked window was found in the plan's log, and the exit was timed."""
     assert [w["from"] for w in line["windows"]] == ["profiling (fake tensors)"], line
     assert line["windows"][0]["s"] >= 0 and line["exit_s"] >= 0, line
+    assert line["plan_saved"].endswith("plan.json"), line
 
 
 # A rule every JSON line of that smoke keeps, beyond its fields.
