@@ -86,6 +86,7 @@ from strategies._compile_graphs import (
     graphs_pick,
     graphs_words,
     held_rates,
+    host_share,
     next_round,
 )
 from strategies._compile_search import (
@@ -637,9 +638,11 @@ def _bet_base(
     default-mode run read within :data:`HOST_BOUND_TIE` of the base's (two host-bound rates
     that close are the host's, not the candidates') and whose CUDA graphs were made ahead
     (the bets of pass 1 or 2) and held at a rate that already wins against what the graphs
-    step must beat (``picked``: the compiled pick's own rate, at least; else the eager
-    pick's by MIN_SPEEDUP), the fastest such. Its graphs search then starts from that run,
-    which settles it where its line allows no 5% more (no device run).
+    step must beat (``picked``: what the pick's own graphs would have to reach, where its
+    run waited on the host, :data:`HOST_BOUND_TIE` of its rate, as in ``graphs_pick``;
+    where it did not, its rate; else the eager pick's by MIN_SPEEDUP), the fastest such. Its
+    graphs search then starts from that run, which settles it where its line allows no 5%
+    more (no device run).
 
     Why: the bets go on the candidate expected to lead before its runs are read, and where
     another leads by its default-mode runs, which on a host-bound step move with the host,
@@ -649,10 +652,26 @@ def _bet_base(
     runs read 22,442 (2 blocks) and 24,541 (4 blocks) against eager's 28,973, so the graphs
     of 4 blocks were searched after the stage (156 and 249, 28.7 s) and picked at 29,908.
 
+    Until session 38 the bar against a compiled pick that waited on the host was its full
+    rate, where ``graphs_pick`` keeps the pick's own graphs at 0.90 of it: a bet between the
+    two was left unused and the pick's graphs searched in a round of their own (session 38
+    call 2's GPT plan paid such a round, 21.9 s, beside a bet on 2 blocks at 246 that held;
+    that plan was not kept, so which bar left the bet unused is not known), for a rate the
+    GPT example's graphs of 2 and 4 blocks reach alike (on H200s, sessions 30-38: 2
+    blocks at 246 30,343-31,963 samples/s in 24 runs, 4 blocks at 249 29,908-31,039 in 4;
+    their default-mode runs at 307 and 311, the host's rates, 17,294-34,748 in 93).
+
     Known limitations: the base's own graphs, not run, might have run faster still, by
     as much as its default-mode rate led (under a tenth)."""
-    bar = base[1].measured.samples_per_s if picked else MIN_SPEEDUP * eager.measured.samples_per_s
-    tie = HOST_BOUND_TIE * base[1].measured.samples_per_s
+    rate = base[1].measured.samples_per_s
+    share = host_share(base[1].measured)
+    if not picked:
+        bar = MIN_SPEEDUP * eager.measured.samples_per_s
+    elif share is not None and share >= settings.host_bound_share:
+        bar = HOST_BOUND_TIE * rate  # what the base's own graphs would need (graphs_pick)
+    else:
+        bar = rate
+    tie = HOST_BOUND_TIE * rate
     found: list[tuple[float, tuple[StageVariant, Confirmed]]] = []
     for record in records:
         if record is base[0] or not _ran(record):

@@ -562,6 +562,51 @@ def test_graphs_made_ahead_that_already_win_replace_a_base_whose_default_rate_on
     assert len(record.choices["checkpointing"]) == replayed
 
 
+@pytest.mark.parametrize(
+    ("base_host_share", "graphs_rate", "replayed"),
+    [
+        # The pick waited on the host (its step all launch, as the GPT example's default-mode
+        # runs on an H200): a bet at 0.95 of its rate is what its own graphs would have to
+        # reach (0.90), so the bet is replayed and no graphs round of the pick's set is made.
+        (1.0, 0.95 * 31_000.0, 2),
+        # ... but not a bet under 0.90 of its rate: the pick's own graphs are searched.
+        (1.0, 0.85 * 31_000.0, 4),
+        # The pick's card was busy (30% of its step on the host): graphs are no pick of its
+        # own, so a bet must beat its rate outright.
+        (0.3, 0.95 * 31_000.0, 4),
+        (0.3, 1.05 * 31_000.0, 2),
+    ],
+)
+def test_graphs_made_ahead_replace_a_compiled_pick_where_they_reach_what_its_own_would(
+    base_host_share: float, graphs_rate: float, replayed: int
+) -> None:
+    """Rule: against a compiled pick whose run waited on the host, a bet on another
+    checkpointed set (its default-mode run within the tie of the pick's) replaces the pick
+    as the graphs step's base where its graphs held at HOST_BOUND_TIE of the pick's rate,
+    the share the pick's own graphs would have to reach (graphs_pick); against a pick whose
+    card was busy, only where they beat its rate."""
+    from strategies._compile_search import CompileSearch
+    from strategies._compile_stage import _as_base, _bet_base
+
+    four, two = _record(4, 311, 31_000.0), _record(2, 307, 30_000.0)
+    assert four.measured is not None
+    step_ms = four.measured.step_ms
+    four = four.model_copy(
+        update={"measured": four.measured.model_copy(update={"host_ms": base_host_share * step_ms})}
+    )
+    base = _as_base(four)
+    assert base is not None
+    graphs = {**two.choices, "compile": GRAPHS_MODE}
+    stage = _Ran([(graphs, 246, graphs_rate)])
+    eager = Confirmed(
+        candidate=Candidate(batch_size=302, choices={}),
+        found_batch=302,
+        measured=_measured(302 / 27_000.0 * 1e3, 8.0, batch=302),
+    )
+    record, _ = _bet_base(stage, CompileSearch(), [two, four], base, True, eager)
+    assert len(record.choices["checkpointing"]) == replayed
+
+
 _FORM = {"mode": "default", "regional": True}
 _GRAPHS_FORM = {"mode": GRAPHS_MODE, "regional": True}
 
