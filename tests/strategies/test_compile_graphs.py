@@ -545,10 +545,17 @@ def test_graphs_made_ahead_that_already_win_replace_a_base_whose_default_rate_on
     host's) and its CUDA graphs, made ahead as a bet, held at a rate that already beats what
     the graphs step must (here the eager pick by MIN_SPEEDUP); elsewhere the best stays the
     base."""
+    four, two = _record(4, 311, 24_541.0), _record(2, 307, two_blocks_rate)
+    assert _replayed(four, two, graphs_rate, picked=False, eager_rate=28_973.0) == replayed
+
+
+def _replayed(four, two, graphs_rate: float, picked: bool, eager_rate: float) -> int:
+    """The blocks checkpointed by the base ``_bet_base`` returns, with ``four`` the compiled
+    best, ``two`` another candidate whose graphs, made ahead at 246, held at ``graphs_rate``
+    (``picked``: the best is the compiled pick; else it must beat eager at ``eager_rate``)."""
     from strategies._compile_search import CompileSearch
     from strategies._compile_stage import _as_base, _bet_base
 
-    four, two = _record(4, 311, 24_541.0), _record(2, 307, two_blocks_rate)
     base = _as_base(four)
     assert base is not None
     graphs = {**two.choices, "compile": GRAPHS_MODE}
@@ -556,10 +563,10 @@ def test_graphs_made_ahead_that_already_win_replace_a_base_whose_default_rate_on
     eager = Confirmed(
         candidate=Candidate(batch_size=302, choices={}),
         found_batch=302,
-        measured=_measured(302 / 28_973.0 * 1e3, 8.0, batch=302),
+        measured=_measured(302 / eager_rate * 1e3, 8.0, batch=302),
     )
-    record, _ = _bet_base(stage, CompileSearch(), [two, four], base, False, eager)
-    assert len(record.choices["checkpointing"]) == replayed
+    record, _ = _bet_base(stage, CompileSearch(), [two, four], base, picked, eager)
+    return len(record.choices["checkpointing"])
 
 
 @pytest.mark.parametrize(
@@ -585,26 +592,13 @@ def test_graphs_made_ahead_replace_a_compiled_pick_where_they_reach_what_its_own
     as the graphs step's base where its graphs held at HOST_BOUND_TIE of the pick's rate,
     the share the pick's own graphs would have to reach (graphs_pick); against a pick whose
     card was busy, only where they beat its rate."""
-    from strategies._compile_search import CompileSearch
-    from strategies._compile_stage import _as_base, _bet_base
-
     four, two = _record(4, 311, 31_000.0), _record(2, 307, 30_000.0)
     assert four.measured is not None
     step_ms = four.measured.step_ms
     four = four.model_copy(
         update={"measured": four.measured.model_copy(update={"host_ms": base_host_share * step_ms})}
     )
-    base = _as_base(four)
-    assert base is not None
-    graphs = {**two.choices, "compile": GRAPHS_MODE}
-    stage = _Ran([(graphs, 246, graphs_rate)])
-    eager = Confirmed(
-        candidate=Candidate(batch_size=302, choices={}),
-        found_batch=302,
-        measured=_measured(302 / 27_000.0 * 1e3, 8.0, batch=302),
-    )
-    record, _ = _bet_base(stage, CompileSearch(), [two, four], base, True, eager)
-    assert len(record.choices["checkpointing"]) == replayed
+    assert _replayed(four, two, graphs_rate, picked=True, eager_rate=27_000.0) == replayed
 
 
 _FORM = {"mode": "default", "regional": True}
