@@ -69,7 +69,7 @@ from pydantic import JsonValue, ValidationError
 
 from memadvisor.errors import is_our_bug
 from memadvisor.memory import release_cached_memory
-from memadvisor.schema.candidate import Candidate
+from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
@@ -661,13 +661,15 @@ def _bet_base(
     blocks at 246 30,343-31,963 samples/s in 24 runs, 4 blocks at 249 29,908-31,039 in 4;
     their default-mode runs at 307 and 311, the host's rates, 17,294-34,748 in 93).
 
+    A candidate whose own default-mode run did not wait on the host is not taken: the
+    graphs step tries no graphs of such a base, and the bet would go unused.
+
     Known limitations: the base's own graphs, not run, might have run faster still, by
     as much as its default-mode rate led (under a tenth)."""
     rate = base[1].measured.samples_per_s
-    share = host_share(base[1].measured)
     if not picked:
         bar = MIN_SPEEDUP * eager.measured.samples_per_s
-    elif share is not None and share >= settings.host_bound_share:
+    elif _waited(settings, base[1].measured):
         bar = HOST_BOUND_TIE * rate  # what the base's own graphs would need (graphs_pick)
     else:
         bar = rate
@@ -681,8 +683,8 @@ def _bet_base(
             continue
         other = _as_base(record)
         graphs = graphs_of(settings, other[1].candidate.choices) if other else None
-        if other is None or graphs is None:
-            continue
+        if other is None or graphs is None or not _waited(settings, other[1].measured):
+            continue  # (graphs_pick tries no graphs of a base whose run did not wait)
         top = other[1].candidate.batch_size
         rates = held_rates(
             stage, lambda p, g=graphs, b=top: p.candidate.choices == g and p.batch_size <= b
@@ -690,6 +692,12 @@ def _bet_base(
         if rates and max(rates) >= bar:
             found.append((max(rates), other))
     return max(found, key=lambda item: item[0])[1] if found else base
+
+
+def _waited(settings: CompileSearch, measured: Measurement) -> bool:
+    """Whether a run's host took the share of its step at which graphs are tried."""
+    share = host_share(measured)
+    return share is not None and share >= settings.host_bound_share
 
 
 def _graphs_record(

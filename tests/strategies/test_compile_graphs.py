@@ -569,35 +569,43 @@ def _replayed(four, two, graphs_rate: float, picked: bool, eager_rate: float) ->
     return len(record.choices["checkpointing"])
 
 
+def _with_host_share(record, share: float):
+    """``record`` with its run's host time ``share`` of its step."""
+    assert record.measured is not None
+    host_ms = share * record.measured.step_ms
+    return record.model_copy(
+        update={"measured": record.measured.model_copy(update={"host_ms": host_ms})}
+    )
+
+
 @pytest.mark.parametrize(
-    ("base_host_share", "graphs_rate", "replayed"),
+    ("base_host_share", "bet_set_host_share", "graphs_rate", "replayed"),
     [
         # The pick waited on the host (its step all launch, as the GPT example's default-mode
         # runs on an H200): a bet at 0.95 of its rate is what its own graphs would have to
         # reach (0.90), so the bet is replayed and no graphs round of the pick's set is made.
-        (1.0, 0.95 * 31_000.0, 2),
+        (1.0, 1.0, 0.95 * 31_000.0, 2),
         # ... but not a bet under 0.90 of its rate: the pick's own graphs are searched.
-        (1.0, 0.85 * 31_000.0, 4),
+        (1.0, 1.0, 0.85 * 31_000.0, 4),
         # The pick's card was busy (30% of its step on the host): graphs are no pick of its
         # own, so a bet must beat its rate outright.
-        (0.3, 0.95 * 31_000.0, 4),
-        (0.3, 1.05 * 31_000.0, 2),
+        (0.3, 1.0, 0.95 * 31_000.0, 4),
+        (0.3, 1.0, 1.05 * 31_000.0, 2),
+        # The bet's set did not wait on the host in its own default-mode run: the graphs
+        # step would try no graphs of it, so it is not the base (the pick's are searched).
+        (1.0, 0.3, 1.05 * 31_000.0, 4),
     ],
 )
 def test_graphs_made_ahead_replace_a_compiled_pick_where_they_reach_what_its_own_would(
-    base_host_share: float, graphs_rate: float, replayed: int
+    base_host_share: float, bet_set_host_share: float, graphs_rate: float, replayed: int
 ) -> None:
     """Rule: against a compiled pick whose run waited on the host, a bet on another
-    checkpointed set (its default-mode run within the tie of the pick's) replaces the pick
-    as the graphs step's base where its graphs held at HOST_BOUND_TIE of the pick's rate,
-    the share the pick's own graphs would have to reach (graphs_pick); against a pick whose
-    card was busy, only where they beat its rate."""
-    four, two = _record(4, 311, 31_000.0), _record(2, 307, 30_000.0)
-    assert four.measured is not None
-    step_ms = four.measured.step_ms
-    four = four.model_copy(
-        update={"measured": four.measured.model_copy(update={"host_ms": base_host_share * step_ms})}
-    )
+    checkpointed set (its default-mode run within the tie of the pick's, and waiting on the
+    host too) replaces the pick as the graphs step's base where its graphs held at
+    HOST_BOUND_TIE of the pick's rate, the share the pick's own graphs would have to reach
+    (graphs_pick); against a pick whose card was busy, only where they beat its rate."""
+    four = _with_host_share(_record(4, 311, 31_000.0), base_host_share)
+    two = _with_host_share(_record(2, 307, 30_000.0), bet_set_host_share)
     assert _replayed(four, two, graphs_rate, picked=True, eager_rate=27_000.0) == replayed
 
 
