@@ -49,7 +49,7 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
    is the answer where its line allows no 5% more (:func:`_settled`); where every bet ran
    out, the search's first round is made below the failure (:func:`_fresh`).
    Where the graphs run that held still waited on the host as much as the bar, graphs did
-   not relieve it, and the search makes no run more (:func:`_still_waits`): t5_base's did
+   not relieve it, and the search makes no run more (:func:`waits_on_host`): t5_base's did
    not, the GPT example's did. Where no graphs run of the pick was made but the bets on
    another checkpointed set of the same form held and all still waited so, no graphs run is
    made at all (:func:`waited_elsewhere`).
@@ -128,6 +128,7 @@ __all__ = [
     "graphs_pick",
     "held_rates",
     "waited_elsewhere",
+    "waits_on_host",
     "host_share",
 ]
 
@@ -177,7 +178,7 @@ class Graphs:
     # Not tried for the host's share alone: the share at which graphs are tried (else None).
     bar: float | None = None
     # The host's share of the found graphs run's step, where it still reached the bar (the
-    # search makes no run after such a run: :func:`_still_waits`); else None.
+    # search makes no run after such a run: :func:`waits_on_host`); else None.
     still_waits: float | None = None
     # Not tried because the graphs of another checkpointed set, made ahead in the same form,
     # still waited on the host (:func:`waited_elsewhere`); else None.
@@ -271,7 +272,7 @@ def graphs_pick(
 
 
 def _stops(stage: PickStage, settings: CompileSearch, measured: Measurement | None) -> bool:
-    """:func:`_still_waits`, said on the progress line where it stops the graphs search."""
+    """:func:`waits_on_host`, said on the progress line where it stops the graphs search."""
     share = _waiting_share(settings, measured)
     if share is None:
         return False
@@ -358,9 +359,10 @@ def _blocks_words(blocks: int) -> str:
     return f"{blocks} block{'s' if blocks != 1 else ''} checkpointed"
 
 
-def _still_waits(settings: CompileSearch, measured: Measurement | None) -> bool:
-    """Whether a graphs run that held (``measured``) still waited on the host as much as
-    the bar that tried graphs (:func:`_waiting_share`)."""
+def waits_on_host(settings: CompileSearch, measured: Measurement | None) -> bool:
+    """Whether a run that held (``measured``) waited on the host as much as the bar that
+    tries graphs (:func:`_waiting_share`): a default-mode run whose graphs may be tried, or
+    a graphs run that still waited, after which the graphs search makes no run more."""
     return _waiting_share(settings, measured) is not None
 
 
@@ -557,7 +559,7 @@ def _from_made(
 ) -> Confirmed | None:
     """:func:`_largest` from the graphs runs ``made`` ahead (``first_round``: by batch,
     whether it held), in at most ``settings.graphs_runs`` runs more (none where the one that
-    held still waited on the host: :func:`_still_waits`): the largest that held
+    held still waited on the host: :func:`waits_on_host`): the largest that held
     at or below ``batch`` is the first run, the search capped below the lowest that ran out;
     where none held, a first round as from nothing (:func:`_fresh`), of that one's batch
     (or ``batch``, where lower).
@@ -630,7 +632,7 @@ def next_round(
     cap it sets, the search aims elsewhere and this run is a graphs run spent for nothing
     (counted, and said where graphs go unused). Where the aim runs out, the search's next
     run waits for its own round. None is sent where the bet that held still waited on the
-    host (:func:`_still_waits`: the search then makes no run more)."""
+    host (:func:`waits_on_host`: the search then makes no run more)."""
     graphs = _graphs_choices(settings, choices, host_share(measured))
     if graphs is None:
         return []
@@ -645,7 +647,7 @@ def next_round(
         return [(graphs, b) for b in first if b not in made]
     else:
         first = stage.run(graphs, start)  # answered: it was made
-        if first is None or _still_waits(settings, first):  # graphs_pick's search says so
+        if first is None or waits_on_host(settings, first):  # graphs_pick's search says so
             return []
         if _settled(stage, first, start, cap, fixed_bytes or 0):  # _from_made runs nothing
             return []

@@ -69,7 +69,7 @@ from pydantic import JsonValue, ValidationError
 
 from memadvisor.errors import is_our_bug
 from memadvisor.memory import release_cached_memory
-from memadvisor.schema.candidate import Candidate, Measurement
+from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.plan import StageOutcome, StageVariant
 from memadvisor.schema.profile import Profile
@@ -86,8 +86,8 @@ from strategies._compile_graphs import (
     graphs_pick,
     graphs_words,
     held_rates,
-    host_share,
     next_round,
+    waits_on_host,
 )
 from strategies._compile_search import (
     COMPILE,
@@ -669,7 +669,7 @@ def _bet_base(
     rate = base[1].measured.samples_per_s
     if not picked:
         bar = MIN_SPEEDUP * eager.measured.samples_per_s
-    elif _waited(settings, base[1].measured):
+    elif waits_on_host(settings, base[1].measured):
         bar = HOST_BOUND_TIE * rate  # what the base's own graphs would need (graphs_pick)
     else:
         bar = rate
@@ -683,7 +683,7 @@ def _bet_base(
             continue
         other = _as_base(record)
         graphs = graphs_of(settings, other[1].candidate.choices) if other else None
-        if other is None or graphs is None or not _waited(settings, other[1].measured):
+        if other is None or graphs is None or not waits_on_host(settings, other[1].measured):
             continue  # (graphs_pick tries no graphs of a base whose run did not wait)
         top = other[1].candidate.batch_size
         rates = held_rates(
@@ -692,12 +692,6 @@ def _bet_base(
         if rates and max(rates) >= bar:
             found.append((max(rates), other))
     return max(found, key=lambda item: item[0])[1] if found else base
-
-
-def _waited(settings: CompileSearch, measured: Measurement) -> bool:
-    """Whether a run's host took the share of its step at which graphs are tried."""
-    share = host_share(measured)
-    return share is not None and share >= settings.host_bound_share
 
 
 def _graphs_record(
