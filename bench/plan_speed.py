@@ -53,6 +53,9 @@ ROOT = HERE.parents[1]
 RESULTS = HERE.parent / "results" / "plan_speed.jsonl"
 
 MODELS = dict(TARGETS)
+# memadvisor.strategy.RUNS_COMPILE_VARIABLE (not imported: this parent stays without torch);
+# tests/bench/test_plan_speed.py checks the two agree.
+RUNS_COMPILE_VARIABLE = "MEMADVISOR_RUNS_COMPILE"
 STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
 
 
@@ -238,6 +241,9 @@ def plan_one(
             "label": label,
             "cache": "warm" if warm_cache else "cold",
             "python_bytecode": _bytecode_words(env),
+            # memadvisor.strategy.RUNS_COMPILE_VARIABLE: "0" keeps the fork server from
+            # importing inductor's compiler for its children (an A/B of that import)
+            "fork_server_imports_compiler": env.get(RUNS_COMPILE_VARIABLE, "1") != "0",
             "plan_wall_s": round(wall_s, 1),
             "commit": _commit(),
         }

@@ -33,6 +33,7 @@ __all__ = [
     "fake_module_conversion",
     "fake_tensor_mode",
     "flop_formulas",
+    "import_compiler",
     "inductor_backend",
     "inductor_cache_dir",
     "is_fake",
@@ -578,6 +579,21 @@ def inductor_backend(mode: str, activation_memory_budget: float | None = None) -
         patches = backend_patches(mode, activation_memory_budget)
         _BACKENDS[key] = _PatchedInductor(inner, patches) if patches else inner
     return _BACKENDS[key]
+
+
+def import_compiler() -> bool:
+    """Import what a process's first ``torch.compile`` imports when its inductor backend is
+    first called (``torch._dynamo.backends.inductor`` imports ``torch._inductor.compile_fx``
+    then: about 600 modules, 1.4-1.7 s on this project's CPU machine with bytecode), so that
+    a process forked after this finds them imported. Imports only: no compile worker pool is
+    started (that is ``maybe_warm_pool``, called at the backend's first call), and nothing
+    here asks CUDA for anything. False where this torch has no such module.
+    """
+    try:
+        import torch._inductor.compile_fx  # noqa: F401 - imported for the processes forked after
+    except ImportError:  # pragma: no cover - moved in a future torch
+        return False
+    return True
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:

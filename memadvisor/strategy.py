@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "RUNS_COMPILE_VARIABLE",
     "Checked",
     "Configured",
     "Confirmed",
@@ -100,6 +101,11 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "memadvisor.strategies"
+# A strategy's plan scope (Scoped) sets this to "1" where the plan's runs may call
+# torch.compile: a device that forks its runs from one server then imports inductor's
+# compiler there once, for every child (memadvisor/device/_zygote.py, _warm_compiler).
+# A user's "0" is kept (no such import).
+RUNS_COMPILE_VARIABLE = "MEMADVISOR_RUNS_COMPILE"
 
 
 @dataclass

@@ -61,17 +61,20 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from pydantic import JsonValue
 
+from memadvisor.process_state import environ_set
 from memadvisor.schema.advice import Advice, Check, LoopLines, ReportPart
 from memadvisor.schema.call import CallForm
 from memadvisor.schema.facts import Facts
 from memadvisor.step import Step
 from memadvisor.strategy import (
+    RUNS_COMPILE_VARIABLE,
     Checked,
     Configured,
     Confirmed,
@@ -278,7 +281,11 @@ class Compile(Strategy, Measured, Described, Checked, Configured):
 
     @contextlib.contextmanager
     def _whole_plan_cache(self) -> Iterator[SharedCompileCache]:
-        with shared_compile_cache() as cache:
+        # The fork server started inside imports inductor's compiler once, after it is
+        # ready, for the compiled runs' children (memadvisor.device._zygote._warm_compiler);
+        # a value the user set ("0": not) is kept.
+        runs_compile = os.environ.get(RUNS_COMPILE_VARIABLE) or "1"
+        with shared_compile_cache() as cache, environ_set({RUNS_COMPILE_VARIABLE: runs_compile}):
             self._plan_cache = cache
             try:
                 yield cache

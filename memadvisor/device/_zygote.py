@@ -37,7 +37,9 @@ stderr):
   loads that profile once, for this run and the next (a zygote started before the plan's
   profile existed, :meth:`ForkServer.spawn`).
 * zygote -> parent: ``{"status": "ready"}`` (or ``unloadable`` / ``error`` as the worker
-  answers) after setup, then one answer per run, in order, with its ``id``: ``ok``, ``oom``
+  answers) after setup (then, where ``memadvisor.strategy.RUNS_COMPILE_VARIABLE`` is set,
+  it imports inductor's compiler before reading the next message), then one answer per run,
+  in order, with its ``id``: ``ok``, ``oom``
   and ``error`` as :mod:`memadvisor.device._worker` answers; ``crashed`` (the child died
   without answering: a signal, or an exit of its own); ``unforkable`` (CUDA could not start
   in a forked child; the parent falls back to fresh processes). A ``runs`` message is
@@ -100,6 +102,7 @@ from memadvisor.device._lifetime import (
     probe_env,
     python_command,
 )
+from memadvisor.strategy import RUNS_COMPILE_VARIABLE
 
 __all__ = [
     "ANSWER_MARKER",
@@ -347,6 +350,45 @@ def _warm_up() -> None:
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 
 
+def _warm_compiler() -> None:
+    """Import what a child's first ``torch.compile`` would import, once, here.
+
+    Why: a compiled run's child imports inductor's compiler (``torch._inductor.compile_fx``:
+    about 600 modules) when its first step reaches the backend, on that step's path, in every
+    child of every round of compiled runs; a child forked after this finds it imported. Done
+    after the ready answer, so the server's start is not longer: a run sent meanwhile waits in
+    the pipe until the import ends. Nothing is compiled and no compile worker is started
+    (a child starts its own pool; inductor resets pools in a forked child anyway).
+
+    Known limitations:
+        * Where the import asked CUDA to start (no torch seen so far does), every child
+          after it answers ``unforkable`` and the device falls back to a fresh process per
+          run; this says so on the zygote's stderr.
+        * The first run of a plan whose profile is shorter than the server's start plus the
+          import waits for the import (1.4-1.7 s on this project's CPU machine with
+          bytecode, more without it).
+    """
+    import torch
+
+    from memadvisor import _torch_private
+
+    started = time.perf_counter()
+    imported = _torch_private.import_compiler()
+    print(
+        f"memadvisor zygote: compiler imported ({imported}) in "
+        f"{time.perf_counter() - started:.2f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    if torch.cuda.is_initialized():  # the flag only: asking the driver would start it
+        print(
+            "memadvisor zygote: importing the compiler started CUDA; runs now fall back to "
+            "fresh processes",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _take_profile(state: _State, path: str | None) -> None:
     """Load the profile at ``path`` for the runs from now on, once per path."""
     if not path or path == state.profile_path:
@@ -500,6 +542,8 @@ def main() -> int:
             if state is None:
                 return 1
             _say(answers, {"status": "ready", "pid": os.getpid()})
+            if os.environ.get(RUNS_COMPILE_VARIABLE) == "1":
+                _warm_compiler()
         elif "run" in message:
             if state is None:
                 _say(answers, {"status": "error", "type": "ZygoteDied", "message": "no setup"})

@@ -74,3 +74,11 @@ def test_a_runs_words_say_its_reserved_peak_and_host_share_where_its_record_has_
     assert plan_speed._run_words(older) == "probe b39 fits 125/s 8.4s bf16+2ckpt"
     out = {"stage": "probe", "batch_size": 42, "fits": False, "wall_ms": 6300.0}
     assert plan_speed._run_words(out) == "probe b42 OOM 6.3s "
+
+
+def test_the_variable_the_rows_read_is_the_one_the_fork_server_reads(load_bench) -> None:
+    """Rule: plan_speed's ``fork_server_imports_compiler`` field reads the very variable the
+    fork server reads (plan_speed keeps its own copy of the name, to stay without torch)."""
+    from memadvisor.strategy import RUNS_COMPILE_VARIABLE
+
+    assert load_bench("plan_speed").RUNS_COMPILE_VARIABLE == RUNS_COMPILE_VARIABLE

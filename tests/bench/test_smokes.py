@@ -115,7 +115,11 @@ FIELDS["autotune_contention"] = {"phase", "runs_at_once", "samples_per_s_each", 
 FIELDS["process_spread"] = {"placement", "cores", "cpu", "cpu_node", "samples_per_s"}
 # Values every JSON line of that smoke has (a default that must hold).
 VALUES: dict[str, dict[str, object]] = {
-    "plan_speed": {"cache": "cold", "compile_search_overrides": {"dynamic_batch": False}}
+    "plan_speed": {
+        "cache": "cold",
+        "compile_search_overrides": {"dynamic_batch": False},
+        "fork_server_imports_compiler": True,
+    }
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,9 @@ OOM_FROM = 1000  # from here on the child runs out of memory after one step
 PROFILE_BATCH = (
     321  # answers with the profile the child got: reserved_peak_bytes, its name's length
 )
+# answers whether inductor's compiler was imported when the child began (reserved_peak_bytes
+# 1, else 0), before this run imports anything
+COMPILER_BATCH = 323
 # A compiled run's shape: a first step (FIRST_STEP_S asleep, outside the turn), then its
 # timed steps (TURN_S asleep) in the turn of the runs made with it, taken as train_candidate
 # takes it; its times go to $MEMADVISOR_TEST_TIMES/<pid>.json where that is set.
@@ -83,6 +87,12 @@ def run(workload, candidate, steps, context) -> Measurement:
         named = len(context.profile.model_name) if context.profile is not None else 0
         return Measurement(
             steps=steps, peak_bytes=os.getpid(), reserved_peak_bytes=named, step_ms=1.0,
+            samples_per_s=1.0,
+        )  # fmt: skip
+    if batch_size == COMPILER_BATCH:
+        imported = int("torch._inductor.compile_fx" in sys.modules)
+        return Measurement(
+            steps=steps, peak_bytes=os.getpid(), reserved_peak_bytes=imported, step_ms=1.0,
             samples_per_s=1.0,
         )  # fmt: skip
     if batch_size == KILLED_BATCH:

@@ -363,6 +363,33 @@ def test_cuda_partitioner_budget_lowers_the_compiled_peak() -> None:
     assert peaks[str({"activation_memory_budget": 0.0})] < peaks["default"]
 
 
+def test_the_plan_scope_tells_the_fork_server_its_runs_compile_where_compile_is_weighed(
+    tmp_path, monkeypatch
+) -> None:
+    """Rule: on a device that compiles, compile's plan scope sets RUNS_COMPILE_VARIABLE for
+    the processes the plan starts (the fork server then imports inductor's compiler once for
+    its children) and removes it when the plan ends; a user's "0" is kept; with compile off
+    it sets nothing."""
+    import os
+
+    from memadvisor.schema.device import DeviceCapabilities
+    from memadvisor.strategy import RUNS_COMPILE_VARIABLE
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(RUNS_COMPILE_VARIABLE, raising=False)
+    card = DeviceCapabilities(kind="cuda", tensor_device="cuda", can_compile=True)
+    scope = Compile().plan_scope(CONFIG, card)
+    assert scope is not None
+    with scope:
+        assert os.environ.get(RUNS_COMPILE_VARIABLE) == "1"
+    assert RUNS_COMPILE_VARIABLE not in os.environ
+    monkeypatch.setenv(RUNS_COMPILE_VARIABLE, "0")  # the user's own: kept
+    with Compile().plan_scope(CONFIG, card):
+        assert os.environ.get(RUNS_COMPILE_VARIABLE) == "0"
+    off = PlanConfig(budget_bytes=2**30, options={"compile": "off"})
+    assert Compile().plan_scope(off, card) is None
+
+
 @pytest.mark.gpu
 def test_cuda_probe_process_applies_compile_by_entry_point(examples_dir) -> None:
     """A fresh-process probe rebuilds the workload and compiles the candidate (shared cache)."""
@@ -381,6 +408,33 @@ def test_cuda_probe_process_applies_compile_by_entry_point(examples_dir) -> None
     finally:
         device.close()
     assert measured.steps == 3 and measured.samples_per_s > 0 and measured.peak_bytes > 0
+
+
+@pytest.mark.gpu
+def test_a_fork_server_told_its_runs_compile_still_forks_compiled_runs_on_a_card(
+    examples_dir, tmp_path, monkeypatch
+) -> None:
+    """Rule: the fork server's import of inductor's compiler (compile's plan scope asks for
+    it) leaves CUDA unstarted there, so a compiled run is still a forked child (the device
+    stays a fork server, with no note of a fall-back to fresh processes)."""
+    from memadvisor.device.cuda import CudaDevice
+    from memadvisor.schema.device import DeviceCapabilities
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    card = DeviceCapabilities(kind="cuda", tensor_device="cuda", can_compile=True)
+    scope = COMPILE.plan_scope(CONFIG, card)
+    assert scope is not None
+    with scope:
+        device = CudaDevice(4 * 2**30, target=f"{examples_dir / 'gpt.py'}:build")
+        try:
+            measured = device.run(
+                _gpt_workload(), Candidate(batch_size=8, choices={"compile": "default"}), 3
+            )
+            mode, notes = device.mode, list(device.notes)
+        finally:
+            device.close()
+    assert measured.steps == 3 and measured.samples_per_s > 0
+    assert mode == "fork_server" and not notes, (mode, notes)
 
 
 # -- regional: each repeated block compiled, one graph for all ---------------------------------
