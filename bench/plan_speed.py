@@ -10,7 +10,9 @@ counts), planner_wall_s, stage_wall_s, compile_s (the compile stage's wall time)
 verified_samples_per_s, compile_variants, device, torch, commit, outside_planner_s (the
 process's seconds around the planner: start and imports, the build, plan_workload's call,
 the write, the exit, ended as the command ends since session 38: memadvisor.cli's ``_end``,
-without Python's teardown of every module). ``--save-plans DIR`` keeps each plan as
+without Python's teardown of every module), host_cpu_busy (the share of the host's cores
+busy in each stage of 2 s or more, from ``/proc/stat``: whether a compile round is the
+host's). ``--save-plans DIR`` keeps each plan as
 ``DIR/<model>.json`` (``bench/user_path.py --plan`` runs the user's loop and the hand grid from it);
 ``--timeout-s`` ends a plan that runs longer and records that.
 
@@ -41,6 +43,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -226,11 +229,12 @@ def plan_one(
         if compile_search:
             cmd += ["--compile-search", json.dumps(compile_search)]
         started, spawned_at = time.perf_counter(), time.time()
-        try:
-            done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout_s)
-            returncode: int | str = done.returncode
-        except subprocess.TimeoutExpired:
-            returncode = f"none: ended after the --timeout-s of {timeout_s:g} s"
+        with HostCpu() as cpu:
+            try:
+                done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout_s)
+                returncode: int | str = done.returncode
+            except subprocess.TimeoutExpired:
+                returncode = f"none: ended after the --timeout-s of {timeout_s:g} s"
         wall_s, exited_at = time.perf_counter() - started, time.time()
         times_file = _times_file(out)
         times = json.loads(times_file.read_text()) if times_file.exists() else None
@@ -263,6 +267,9 @@ def plan_one(
     import torch
 
     stage_wall_s = {k: round(v / 1e3, 1) for k, v in plan.get("stage_wall_ms", {}).items()}
+    if times is not None:
+        # The host's cores, busy share by stage: whether a compile round is the host's.
+        record["host_cpu_busy"] = cpu.by_stage(times["built_at"], stage_wall_s)
     return record | {
         "planner_wall_s": round(plan["plan_wall_ms"] / 1e3, 1),
         "stage_wall_s": stage_wall_s,
@@ -305,6 +312,71 @@ def _bytecode_words(env: dict[str, str]) -> str:
         return "not written (PYTHONDONTWRITEBYTECODE)"
     prefix = env.get("PYTHONPYCACHEPREFIX")
     return f"written to {prefix}" if prefix else "beside the sources"
+
+
+class HostCpu:
+    """The host's CPU time, all cores, sampled from ``/proc/stat`` every ``every_s`` in a
+    thread while a plan runs: what share of the cores were busy in a window (a stage).
+
+    Why: a compile round runs several processes that compile at once, each with its own
+    pool of inductor's workers; whether the host's cores are the bound (all busy) or sit
+    partly idle (the card, a lock, one process's serial work) decides what shortens a
+    round. Known limitations: Linux only (elsewhere every share is None); the whole host,
+    not the plan's processes alone; a window shorter than ``every_s`` has no share."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s = every_s
+        self.samples: list[tuple[float, int, int]] = []  # (wall time, busy, total) jiffies
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def read() -> tuple[int, int] | None:
+        """(busy, total) jiffies of all cores so far; None where ``/proc/stat`` is not."""
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        total = sum(fields[:8])  # guest time is counted inside user already
+        return total - idle, total
+
+    def _sample(self) -> None:
+        while True:
+            now, read = time.time(), self.read()
+            if read is not None:
+                self.samples.append((now, *read))
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> HostCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def share(self, start: float, end: float) -> float | None:
+        """The busy share of all cores between wall times ``start`` and ``end`` (0-1), from
+        the samples at or just inside the window; None where it holds fewer than two."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+            return None
+        first, last = inside[0], inside[-1]
+        return round((last[1] - first[1]) / (last[2] - first[2]), 3)
+
+    def by_stage(self, planner_start: float, stage_wall_s: dict[str, float]) -> dict[str, Any]:
+        """The busy share in each stage's window (the stages in the order the planner ran
+        them, from ``planner_start``), with the cores counted; stages of under 2 s left out."""
+        shares: dict[str, Any] = {"cores": os.cpu_count()}
+        at = planner_start
+        for stage, wall in stage_wall_s.items():
+            if wall >= 2.0:
+                shares[stage] = self.share(at, at + wall)
+            at += wall
+        return shares
 
 
 def _outside(times: dict[str, float], spawned_at: float, exited_at: float) -> dict[str, float]:

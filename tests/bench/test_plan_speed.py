@@ -82,3 +82,23 @@ def test_the_variable_the_rows_read_is_the_one_the_fork_server_reads(load_bench)
     from memadvisor.strategy import RUNS_COMPILE_VARIABLE
 
     assert load_bench("plan_speed").RUNS_COMPILE_VARIABLE == RUNS_COMPILE_VARIABLE
+
+
+def test_the_hosts_busy_share_of_a_stage_is_its_busy_jiffies_over_all_in_its_window(
+    load_bench,
+) -> None:
+    """Rule: a stage's ``host_cpu_busy`` share is the busy jiffies over all jiffies between
+    the samples inside its window (the stages laid end to end from the planner's start in the
+    plan's order); a stage under 2 s, or a window with fewer than two samples, has none."""
+    cpu = load_bench("plan_speed").HostCpu()
+    # (wall time, busy, total): 1 s apart; busy 50% for 4 s, then all busy for 4 s
+    busy = [50 * t if t <= 4 else 200 + 100 * (t - 4) for t in range(9)]
+    cpu.samples = [(100.0 + t, busy[t], 100 * t) for t in range(9)]
+    shares = cpu.by_stage(100.0, {"probes": 4.0, "search": 1.0, "compile": 3.0})
+    assert shares["probes"] == 0.5
+    assert "search" not in shares  # under 2 s
+    assert shares["compile"] == 1.0  # samples at 105..108
+    assert cpu.share(100.2, 100.9) is None  # no sample inside
+    assert shares["cores"] == os.cpu_count()
+    read = cpu.read()
+    assert read is None or 0 <= read[0] <= read[1]

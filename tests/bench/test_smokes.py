@@ -99,6 +99,7 @@ SMOKES: dict[str, list[str] | list[list[str]]] = {
 FIELDS: dict[str, set[str]] = {
     "plan_speed": {
         "model", "plan_wall_s", "compile_s", "cache", "pick", "plan_saved", "outside_planner_s",
+        "host_cpu_busy",
     },
     "user_path": {
         "model", "plan_wall_s", "compile_s", "pick", "verified_samples_per_s", "hand_grid",
