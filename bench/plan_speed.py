@@ -72,6 +72,7 @@ def _child(
     out: Path,
     device: str,
     compile_search: dict[str, Any] | None = None,
+    runs_at_once: int | None = None,
 ) -> None:
     import logging
 
@@ -92,6 +93,8 @@ def _child(
     config = PlanConfig(
         budget_bytes=int(budget_gib * 2**30), device=device, options={"compile": compile_policy}
     )
+    if runs_at_once is not None:
+        set_runs_at_once(runs_at_once)
     loaded_at = time.time()  # this process's imports done
     workload = load_target(target)
     built_at = time.time()
@@ -115,6 +118,17 @@ def _child(
     # own clock stopped (its device closing), and the interpreter's exit after the write.
     times = {"loaded_at": loaded_at, "built_at": built_at, "planned_at": planned_at}
     _times_file(out).write_text(json.dumps(times | {"written_at": time.time()}))
+
+
+def set_runs_at_once(n: int) -> int:
+    """The card device's most runs made at once (``memadvisor.device.cuda``'s
+    ``MAX_CONCURRENT_RUNS``, 4) set to ``n`` in this process, for an A/B of it; the value it
+    had. Read where the device says its capabilities, so it holds for the plan after it."""
+    from memadvisor.device import cuda
+
+    before = cuda.MAX_CONCURRENT_RUNS
+    cuda.MAX_CONCURRENT_RUNS = n
+    return before
 
 
 def _times_file(out: Path) -> Path:
@@ -189,6 +203,7 @@ def plan_one(
     timeout_s: float | None = None,
     compile_search: dict[str, Any] | None = None,
     bytecode_dir: Path | None = None,
+    runs_at_once: int | None = None,
 ) -> dict[str, Any]:
     """Plan ``model`` in a fresh process; its JSON record (``error`` set when it failed).
 
@@ -228,6 +243,8 @@ def plan_one(
         ]
         if compile_search:
             cmd += ["--compile-search", json.dumps(compile_search)]
+        if runs_at_once is not None:
+            cmd += ["--runs-at-once", str(runs_at_once)]
         started, spawned_at = time.perf_counter(), time.time()
         with HostCpu() as cpu:
             try:
@@ -253,6 +270,8 @@ def plan_one(
         }
         if compile_search:
             record["compile_search_overrides"] = compile_search
+        if runs_at_once is not None:
+            record["runs_at_once_max"] = runs_at_once
         if times is not None:
             record["outside_planner_s"] = _outside(times, spawned_at, exited_at)
         if returncode != 0 or not out.exists():
@@ -270,6 +289,10 @@ def plan_one(
     if times is not None:
         # The host's cores, busy share by stage: whether a compile round is the host's.
         record["host_cpu_busy"] = cpu.by_stage(times["built_at"], stage_wall_s)
+    if cpu.min_available_bytes is not None:
+        # The least host memory left while the plan ran: what its processes (each compiling
+        # child with its pool of inductor's workers) took, room for more runs at once or not.
+        record["host_min_available_gib"] = round(cpu.min_available_bytes / 2**30, 1)
     return record | {
         "planner_wall_s": round(plan["plan_wall_ms"] / 1e3, 1),
         "stage_wall_s": stage_wall_s,
@@ -321,12 +344,14 @@ class HostCpu:
     Why: a compile round runs several processes that compile at once, each with its own
     pool of inductor's workers; whether the host's cores are the bound (all busy) or sit
     partly idle (the card, a lock, one process's serial work) decides what shortens a
-    round. Known limitations: Linux only (elsewhere every share is None); the whole host,
+    round; and the least host memory available (``/proc/meminfo``), what runs at once leave.
+    Known limitations: Linux only (elsewhere every share is None); the whole host,
     not the plan's processes alone; a window shorter than ``every_s`` has no share."""
 
     def __init__(self, every_s: float = 0.5) -> None:
         self.every_s = every_s
         self.samples: list[tuple[float, int, int]] = []  # (wall time, busy, total) jiffies
+        self.min_available_bytes: int | None = None  # the least MemAvailable sampled
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -342,11 +367,27 @@ class HostCpu:
         total = sum(fields[:8])  # guest time is counted inside user already
         return total - idle, total
 
+    @staticmethod
+    def available_bytes() -> int | None:
+        """The host memory available now (``/proc/meminfo``'s MemAvailable); None elsewhere."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
     def _sample(self) -> None:
         while True:
-            now, read = time.time(), self.read()
+            now, read, free = time.time(), self.read(), self.available_bytes()
             if read is not None:
                 self.samples.append((now, *read))
+            if free is not None and (
+                self.min_available_bytes is None or free < self.min_available_bytes
+            ):
+                self.min_available_bytes = free
             if self._stop.wait(self.every_s):
                 return
 
@@ -497,11 +538,25 @@ def main() -> None:
         help="JSON of CompileSearch's fields for the compile stage, e.g. "
         "'{\"dynamic_batch\": false}' (the search in static forms)",
     )
+    parser.add_argument(
+        "--runs-at-once",
+        type=int,
+        help="the card device's most runs made at once in the plan (memadvisor.device.cuda's "
+        "MAX_CONCURRENT_RUNS, 4): an A/B of it; the row says runs_at_once_max",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.budget_gb, args.compile, args.out, args.device, args.compile_search)
+        _child(
+            args.child,
+            args.budget_gb,
+            args.compile,
+            args.out,
+            args.device,
+            args.compile_search,
+            args.runs_at_once,
+        )
         # The exit as the command ends (session 38): threads joined, exit handlers run, no
         # teardown of every module.
         from memadvisor.cli import _end
@@ -545,6 +600,7 @@ def main() -> None:
             timeout_s=args.timeout_s,
             compile_search=args.compile_search,
             bytecode_dir=args.bytecode_dir,
+            runs_at_once=args.runs_at_once,
         )
         print(json.dumps(record), flush=True)
         with args.json.open("a") as f:

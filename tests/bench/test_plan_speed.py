@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,30 @@ def test_the_hosts_busy_share_of_a_stage_is_its_busy_jiffies_over_all_in_its_win
     assert shares["cores"] == os.cpu_count()
     read = cpu.read()
     assert read is None or 0 <= read[0] <= read[1]
+
+
+def test_runs_at_once_is_set_for_the_plan_and_the_value_before_is_given_back(load_bench) -> None:
+    """Rule: ``--runs-at-once N`` sets the card device's most runs made at once in the plan's
+    process (memadvisor.device.cuda's MAX_CONCURRENT_RUNS, read where the device says its
+    capabilities) and hands back the value it had."""
+    from memadvisor.device import cuda
+
+    before = cuda.MAX_CONCURRENT_RUNS
+    try:
+        assert load_bench("plan_speed").set_runs_at_once(before + 3) == before
+        assert before + 3 == cuda.MAX_CONCURRENT_RUNS
+    finally:
+        cuda.MAX_CONCURRENT_RUNS = before
+
+
+def test_the_least_host_memory_sampled_is_kept(load_bench) -> None:
+    """Rule: the sampler keeps the least MemAvailable it read (a plan's row says it as
+    host_min_available_gib); where /proc/meminfo is not, there is none."""
+    cpu = load_bench("plan_speed").HostCpu(every_s=0.01)
+    with cpu:
+        time.sleep(0.1)
+    free = cpu.available_bytes()
+    if free is None:
+        assert cpu.min_available_bytes is None
+    else:
+        assert 0 < cpu.min_available_bytes <= free * 2
