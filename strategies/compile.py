@@ -274,7 +274,9 @@ class Compile(Strategy, Measured, Described, Checked, Configured):
     ) -> contextlib.AbstractContextManager | None:
         """On a device that compiles, one inductor cache for the whole plan, set before the
         fork server starts: its children compile into it, and the compiled probes need no
-        fresh server for it."""
+        fresh server for it. And ``MEMADVISOR_RUNS_COMPILE=1``
+        (:data:`~memadvisor.strategy.RUNS_COMPILE_VARIABLE`; a user's ``0`` is kept): the
+        fork server imports inductor's compiler once for its children."""
         if not device.can_compile or policy_of(config) == "off":
             return None
         return self._whole_plan_cache()

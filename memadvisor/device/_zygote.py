@@ -360,13 +360,17 @@ def _warm_compiler() -> None:
     the pipe until the import ends. Nothing is compiled and no compile worker is started
     (a child starts its own pool; inductor resets pools in a forked child anyway).
 
+    Measured on an H200 (docs/design.md, session 39): the import took 1.1-2.6 s from
+    bytecode and 4.1-4.5 s from source, and left CUDA unstarted; with it, the compiled
+    children's first steps were 0.8-2.1 s shorter, but a round waits for its slowest run and
+    the llama and cnn examples' plans took as long (61.5 against 61.8 s, 67.5 against 67.6 s).
+
     Known limitations:
         * Where the import asked CUDA to start (no torch seen so far does), every child
           after it answers ``unforkable`` and the device falls back to a fresh process per
           run; this says so on the zygote's stderr.
         * The first run of a plan whose profile is shorter than the server's start plus the
-          import waits for the import (1.4-1.7 s on this project's CPU machine with
-          bytecode, more without it).
+          import waits for the import.
     """
     import torch
 
