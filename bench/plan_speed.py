@@ -12,7 +12,10 @@ process's seconds around the planner: start and imports, the build, plan_workloa
 the write, the exit, ended as the command ends since session 38: memadvisor.cli's ``_end``,
 without Python's teardown of every module), host_cpu_busy (the share of the host's cores
 busy in each stage of 2 s or more, from ``/proc/stat``: whether a compile round is the
-host's). ``--save-plans DIR`` keeps each plan as
+host's), host_min_available_gib (the least host memory available while it ran) and, with
+``--runs-at-once N``, runs_at_once_max (the card's most runs made at once set to N for the
+plan, an A/B of ``memadvisor.device.cuda.MAX_CONCURRENT_RUNS``). ``--save-plans DIR`` keeps
+each plan as
 ``DIR/<model>.json`` (``bench/user_path.py --plan`` runs the user's loop and the hand grid from it);
 ``--timeout-s`` ends a plan that runs longer and records that.
 
@@ -571,6 +574,8 @@ def main() -> None:
             CompileSearch(**args.compile_search)
         except (TypeError, ValidationError) as e:
             sys.exit(f"--compile-search {json.dumps(args.compile_search)}: {e}")
+    if args.runs_at_once is not None and args.runs_at_once < 1:
+        sys.exit(f"--runs-at-once {args.runs_at_once}: give 1 or more runs at once")
     if args.table:
         records = [json.loads(line) for line in args.table.read_text().splitlines() if line]
         print(table(records))
