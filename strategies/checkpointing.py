@@ -114,7 +114,11 @@ def _without_mutable_cache(
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     name = type(module).__name__
-    if name not in _warned:
+    # Not while dynamo traces: ``warnings.warn`` is a builtin it cannot trace, so the call
+    # broke the graph at every checkpointed block of a compiled Hugging Face model and left
+    # its checkpointed forwards eager (docs/design.md, session 39); an eager step (the
+    # plan's profile, an eager probe, a loop's first uncompiled step) still warns.
+    if name not in _warned and not torch.compiler.is_compiling():
         _warned.add(name)
         warnings.warn(
             f"{name} is checkpointed while training with a KV cache: it runs with "
