@@ -105,6 +105,10 @@ class CompileResult(BaseModel):
             f"{self.compiled_step_ms:.1f} ms a step vs {self.eager_step_ms:.1f} ms eager; "
             f"{self.graphs} graph(s), {self.graph_breaks} graph break(s)"
         )
+        if self.graph_breaks and self.break_reasons:
+            # Where a break comes from is what a person can change: their code, or a
+            # library's (transformers' warning_once in a loss, a print in a forward).
+            text += f" (the first: {self.break_reasons[0]})"
         if self.loss_rel_diff is not None:
             text += f"; first loss within {self.loss_rel_diff:.1e} of eager's (relative)"
         return text + "."
@@ -342,11 +346,26 @@ def _what_dynamo_did(
     return {
         "graphs": delta("stats", "unique_graphs"),
         "graph_breaks": sum(breaks.values()),
-        "break_reasons": [r.splitlines()[0][:200] for r in list(breaks)[:5]],
+        "break_reasons": [_break_words(r) for r in list(breaks)[:5]],
         "cache_hits": hits,
         "cache_misses": misses,
         "cache_bypasses": bypasses,
     }
+
+
+def _break_words(reason: str) -> str:
+    """A graph break's reason in a line: dynamo's first line, and where its text names the
+    call that broke the graph ("Developer debug context: ..."), that too; 200 characters at
+    most. Why: the first line alone ("Attempted to call function marked as skipped") does not
+    say which call, and the call is what a person can change."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    words = lines[0]
+    context = next((x for x in lines if x.startswith("Developer debug context:")), None)
+    if context is not None:
+        words += ": " + context.removeprefix("Developer debug context:").strip()
+    return words[:200]
 
 
 def _grad_rel_diff(run: _Run, eager: _Run) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 import weakref
 
 import pytest
@@ -256,6 +257,36 @@ def test_graph_breaks_past_the_limit_and_no_graph_at_all_are_not_ok(monkeypatch)
 
     skipped = try_compile(_workload(_Opaque()), "default")
     assert skipped.graphs == 0 and not skipped.ok and "no graph" in skipped.reason
+
+
+class _Warns(nn.Module):
+    """A forward that warns between its layers, as a library's forward may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        warnings.warn("a library's note", stacklevel=1)
+        return self.b(h)
+
+
+def test_the_trial_names_the_call_that_broke_the_graph(monkeypatch) -> None:
+    """Rule: the trial's sentence says where its first graph break came from, with the call
+    dynamo names ("module: _warnings, qualname: warn"), not only its first line ("Attempted
+    to call function marked as skipped"): the call is what a person can change."""
+    monkeypatch.setattr(
+        "memadvisor._torch_private.inductor_backend", lambda mode, budget=None: _eager_backend
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = try_compile(_workload(_Warns()), "default")
+    assert result.ok and result.graph_breaks >= 1, result.summary
+    first = result.break_reasons[0]
+    assert "_warnings" in first and "warn" in first, first
+    assert f"graph break(s) (the first: {first})" in result.summary
 
 
 def test_try_compile_refuses_off_and_a_single_step() -> None:
