@@ -362,8 +362,9 @@ def _warm_compiler() -> None:
 
     Measured on an H200 (docs/design.md, session 39): the import took 1.1-2.6 s from
     bytecode and 4.1-4.5 s from source, and left CUDA unstarted; with it, the compiled
-    children's first steps were 0.8-2.1 s shorter, but a round waits for its slowest run and
-    the llama and cnn examples' plans took as long (61.5 against 61.8 s, 67.5 against 67.6 s).
+    children's first steps were up to 2.1 s shorter (five of six), but a round waits for its
+    slowest run and the llama and cnn examples' plans took as long (61.5 against 61.8 s,
+    67.5 against 67.6 s).
 
     Known limitations:
         * Where the import asked CUDA to start (no torch seen so far does), every child
