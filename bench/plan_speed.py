@@ -54,14 +54,14 @@ from typing import Any
 from _cache import add_cache_flags, cold_cache_env  # bench/, first on sys.path as a script
 from _targets import TARGETS, missing
 
+from memadvisor.device.simulated import host_available_bytes
+from memadvisor.strategy import RUNS_COMPILE_VARIABLE
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 RESULTS = HERE.parent / "results" / "plan_speed.jsonl"
 
 MODELS = dict(TARGETS)
-# memadvisor.strategy.RUNS_COMPILE_VARIABLE (not imported: this parent stays without torch);
-# tests/bench/test_plan_speed.py checks the two agree.
-RUNS_COMPILE_VARIABLE = "MEMADVISOR_RUNS_COMPILE"
 STAGES = ("profiling", "search", "probes", "compile", "verify", "checks")
 
 
@@ -265,9 +265,10 @@ def plan_one(
             "label": label,
             "cache": "warm" if warm_cache else "cold",
             "python_bytecode": _bytecode_words(env),
-            # memadvisor.strategy.RUNS_COMPILE_VARIABLE: "0" keeps the fork server from
-            # importing inductor's compiler for its children (an A/B of that import)
-            "fork_server_imports_compiler": env.get(RUNS_COMPILE_VARIABLE, "1") != "0",
+            # Whether the fork server imported inductor's compiler for its children, by its
+            # rule: compile's plan scope keeps a set value (else "1"), the server imports on
+            # "1" ("0" for an A/B of that import)
+            "fork_server_imports_compiler": (env.get(RUNS_COMPILE_VARIABLE) or "1") == "1",
             "plan_wall_s": round(wall_s, 1),
             "commit": _commit(),
         }
@@ -347,7 +348,8 @@ class HostCpu:
     Why: a compile round runs several processes that compile at once, each with its own
     pool of inductor's workers; whether the host's cores are the bound (all busy) or sit
     partly idle (the card, a lock, one process's serial work) decides what shortens a
-    round; and the least host memory available (``/proc/meminfo``), what runs at once leave.
+    round; and the least host memory available
+    (``memadvisor.device.simulated.host_available_bytes``), what runs at once leave.
     Known limitations: Linux only (elsewhere every share is None); the whole host,
     not the plan's processes alone; a window shorter than ``every_s`` has no share."""
 
@@ -370,21 +372,9 @@ class HostCpu:
         total = sum(fields[:8])  # guest time is counted inside user already
         return total - idle, total
 
-    @staticmethod
-    def available_bytes() -> int | None:
-        """The host memory available now (``/proc/meminfo``'s MemAvailable); None elsewhere."""
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
-
     def _sample(self) -> None:
         while True:
-            now, read, free = time.time(), self.read(), self.available_bytes()
+            now, read, free = time.time(), self.read(), host_available_bytes()
             if read is not None:
                 self.samples.append((now, *read))
             if free is not None and (

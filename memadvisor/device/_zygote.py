@@ -39,8 +39,8 @@ stderr):
 * zygote -> parent: ``{"status": "ready"}`` (or ``unloadable`` / ``error`` as the worker
   answers) after setup (then, where ``memadvisor.strategy.RUNS_COMPILE_VARIABLE`` is set,
   it imports inductor's compiler before reading the next message), then one answer per run,
-  in order, with its ``id``: ``ok``, ``oom``
-  and ``error`` as :mod:`memadvisor.device._worker` answers; ``crashed`` (the child died
+  in order, with its ``id``: ``ok``, ``oom`` and ``error`` as
+  :mod:`memadvisor.device._worker` answers; ``crashed`` (the child died
   without answering: a signal, or an exit of its own); ``unforkable`` (CUDA could not start
   in a forked child; the parent falls back to fresh processes). A ``runs`` message is
   answered as its runs would be one by one: one line per run, in the order given.

@@ -77,14 +77,6 @@ def test_a_runs_words_say_its_reserved_peak_and_host_share_where_its_record_has_
     assert plan_speed._run_words(out) == "probe b42 OOM 6.3s "
 
 
-def test_the_variable_the_rows_read_is_the_one_the_fork_server_reads(load_bench) -> None:
-    """Rule: plan_speed's ``fork_server_imports_compiler`` field reads the very variable the
-    fork server reads (plan_speed keeps its own copy of the name, to stay without torch)."""
-    from memadvisor.strategy import RUNS_COMPILE_VARIABLE
-
-    assert load_bench("plan_speed").RUNS_COMPILE_VARIABLE == RUNS_COMPILE_VARIABLE
-
-
 def test_the_hosts_busy_share_of_a_stage_is_its_busy_jiffies_over_all_in_its_window(
     load_bench,
 ) -> None:
@@ -120,12 +112,15 @@ def test_runs_at_once_is_set_for_the_plan_and_the_value_before_is_given_back(loa
 
 
 def test_the_least_host_memory_sampled_is_kept(load_bench) -> None:
-    """Rule: the sampler keeps the least MemAvailable it read (a plan's row says it as
-    host_min_available_gib); where /proc/meminfo is not, there is none."""
+    """Rule: the sampler keeps the least host memory available it read
+    (memadvisor.device.simulated.host_available_bytes; a plan's row says it as
+    host_min_available_gib); where the host does not say, there is none."""
     cpu = load_bench("plan_speed").HostCpu(every_s=0.01)
     with cpu:
         time.sleep(0.1)
-    free = cpu.available_bytes()
+    from memadvisor.device.simulated import host_available_bytes
+
+    free = host_available_bytes()
     if free is None:
         assert cpu.min_available_bytes is None
     else:
