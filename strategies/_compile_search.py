@@ -10,17 +10,17 @@ therefore measures compiled variants of several eager combinations, not only of 
 1. Candidates (:func:`search_variants`): the eager pick's choices, the same in the plan's
    autocast precision where the pick has none (:func:`_autocast_instead`), then with the
    loss computed as the user's where the pick chunks it and the model is compiled whole
-   (:func:`_users_loss_instead`), then the pick's choices with
-   other checkpointed sets (none, half, all of what checkpointing offers), best by the
-   estimate first, then a partitioner budget in place of the pick's checkpointing; at most
-   :attr:`CompileSearch.max_candidates`. Each is compiled in its *search form*: each
-   repeated block compiled (``regional``) where the profile's blocks repeat, which compiles
-   about as many times faster as there are blocks (7 s against 46 s for 24 layers,
-   ``docs/design.md``, "What a compile costs, by form"), unless the activations outside the
-   blocks are :data:`REGIONAL_OUTSIDE_MAX` of the step's or more (a small LM's head and
-   loss: the regional form leaves them eager) or one block type takes more than
-   :data:`REGIONAL_MAX_SIZES` input sizes (a vision hierarchy's stages): then the whole
-   model is compiled (:func:`regional_pays`); and with a dynamic batch
+   (:func:`_users_loss_instead`), then the pick's choices with other checkpointed sets
+   (none, half, all of what checkpointing offers; with the user's loss where that is
+   searched), best by the estimate first, then a partitioner budget in place of the pick's
+   checkpointing; at most :attr:`CompileSearch.max_candidates`. Each is compiled in its
+   *search form*: each repeated block compiled (``regional``) where the profile's blocks
+   repeat, which compiles about as many times faster as there are blocks (7 s against 46 s
+   for 24 layers, ``docs/design.md``, "What a compile costs, by form"), unless the
+   activations outside the blocks are :data:`REGIONAL_OUTSIDE_MAX` of the step's or more
+   (a small LM's head and loss: the regional form leaves them eager) or one block type
+   takes more than :data:`REGIONAL_MAX_SIZES` input sizes (a vision hierarchy's stages):
+   then the whole model is compiled (:func:`regional_pays`); and with a dynamic batch
    (:attr:`CompileSearch.dynamic_batch`), so one graph in inductor's cache serves every
    batch the candidate's runs try; the pick is handed on static. A candidate that
    checkpoints blocks is measured static where this torch's caches do not take its graph
@@ -502,18 +502,24 @@ def search_variants(
             found.append((lowered, plain[0], start_of(scored)))
             lowered_searched = True
     users_loss = _users_loss_instead(lowered or own, strategies)
+    without_loss: list[dict[str, JsonValue]] = []  # the user's-loss candidates' choices
     if plain and users_loss is not None and not search_form(plain[0], profile, settings).regional:
         scored = stage.score(users_loss)
         if scored is not None:
             found.append((users_loss, plain[0], start_of(scored)))
+            without_loss.append(users_loss)
     others = []
     axis = recompute_axis(stage)
     axis_name = axis[0] if axis is not None else None
     if plain and axis is not None:
         name, options = axis
         # Where the autocast candidate is searched, the checkpointing axis varies it, not
-        # the eager pick's precision (_autocast_instead says why).
+        # the eager pick's precision (_autocast_instead says why); where the user's loss is
+        # searched, it varies that: compiled whole, the chunks cost more than they save
+        # (_users_loss_instead says why).
         base = lowered if lowered_searched and lowered is not None else own
+        if without_loss:
+            base = without_loss[0]
         for option in _spread(options):
             choices = {n: c for n, c in base.items() if n != name}
             if not _neutral(strategies, name, option):
@@ -521,6 +527,8 @@ def search_variants(
             scored = stage.score(choices) if choices not in (own, base) else None
             if scored is not None:
                 others.append((_worth(stage.config.objective, scored), choices, start_of(scored)))
+                if without_loss and base is without_loss[0]:
+                    without_loss.append(choices)
     others.sort(key=lambda item: item[0], reverse=True)
     found += [(choices, plain[0], start) for _, choices, start in others]
     if recomputing:
@@ -543,8 +551,8 @@ def search_variants(
             },
             label=label(choices, form, len(profile.blocks), strategies)
             + (
-                _users_loss_words(own, choices)
-                if choices is users_loss
+                _users_loss_words(own, choices, axis_name)
+                if any(choices is w for w in without_loss)
                 else "".join(f", {w}" for w in [_changed(own, choices, axis_name)] if w)
             ),
             start_batch=start,
@@ -631,11 +639,17 @@ def _users_loss_instead(
     (33,966 samples/s, its near rivals within noise); every compiled candidate kept the
     chunks, and the pick ran 64,013 samples/s where bf16 compiled with the user's loss had
     run 118,749 (session 19). The candidates are the eager pick's choices varied, so this
-    one is searched beside them.
+    one is searched beside them, and where it is, the checkpointing axis's candidates are
+    built on it (:func:`search_variants`): on an H200 (session 40) hf_gpt2's eager pick again
+    chunked the loss with 4 blocks checkpointed, this candidate kept the 4 blocks (57,626
+    samples/s at 859), the axis kept the chunks (no checkpointing: 33,881 at 2153), and the
+    pick ran 63,815 where the same plan's code had picked no checkpointing with the user's
+    loss at 127,565 (session 39, whose eager pick did not chunk).
 
     Known limitations: only where the search form compiles the whole model (regional, the
-    loss stays eager and the chunks keep their saving); one candidate, at the autocast
-    precision where the search adds one, not crossed with the checkpointing axis."""
+    loss stays eager and the chunks keep their saving); at the autocast precision where the
+    search adds one; the chunks are then searched with the eager pick's checkpointed set
+    only."""
     candidate = Candidate(batch_size=1, choices=choices)
     changed = {
         s.name for s, c in chosen_strategies(candidate, strategies) if s.facts(c).loss_changed
@@ -645,9 +659,12 @@ def _users_loss_instead(
     return {n: c for n, c in choices.items() if n not in changed}
 
 
-def _users_loss_words(own: dict[str, JsonValue], choices: dict[str, JsonValue]) -> str:
-    """``', bf16, the loss as yours'``: what sets the user's-loss candidate apart."""
-    precision = _changed(own, choices)
+def _users_loss_words(
+    own: dict[str, JsonValue], choices: dict[str, JsonValue], besides: str | None = None
+) -> str:
+    """``', bf16, the loss as yours'``: what sets a user's-loss candidate apart (not
+    ``besides``'s choice, the checkpointing axis, which the label says in its own words)."""
+    precision = _changed(own, choices, besides)
     return f"{', ' + precision if precision else ''}, the loss as yours"
 
 

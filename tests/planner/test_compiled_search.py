@@ -35,7 +35,13 @@ from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Plan
 from memadvisor.strategy import Strategy
 from strategies._compile_model import Line
-from strategies._compile_search import CONFIRM_RUNS, MIN_SPEEDUP, Search, search_variants
+from strategies._compile_search import (
+    CONFIRM_RUNS,
+    MIN_SPEEDUP,
+    Search,
+    recomputed_count,
+    search_variants,
+)
 from strategies.compile import Compile, CompileResult, CompileSearch, parse_choice
 from tests.fixtures.compile_trials import trial_result
 
@@ -1668,12 +1674,15 @@ def test_where_the_eager_pick_chunks_the_loss_a_candidate_computes_it_as_the_use
     workload, profile, strategies, linear_device, monkeypatch
 ) -> None:
     """Rule: where the eager pick computes the loss another way (a chunked loss head) and the
-    search compiles the whole model, one candidate drops that choice, in the autocast
-    precision where the search adds one; every other candidate keeps the pick's. On an H200
+    search compiles the whole model, one candidate drops that choice with the pick's own
+    checkpointing, in the autocast precision where the search adds one, and the
+    checkpointing axis's candidates drop it too; the pick's own choices keep it. On an H200
     hf_gpt2's eager pick carried the loss in 32 chunks, every compiled candidate kept them,
-    and the pick ran 0.54 of bf16 compiled with the user's loss (sessions 19-20). Where the
-    form is regional (the loss stays eager, the chunks keep their saving), or the pick does
-    not chunk, there is no such candidate."""
+    and the pick ran 0.54 of bf16 compiled with the user's loss (sessions 19-20); with one
+    user's-loss candidate at the pick's 4 checkpointed blocks, the axis's no-checkpointing
+    candidate kept the chunks (33,881 samples/s) and the pick ran 0.50 of session 39's
+    (session 40). Where the form is regional (the loss stays eager, the chunks keep their
+    saving), or the pick does not chunk, there is no such candidate."""
     every = [*strategies, _ChunkedLoss()]
     device = linear_device(EAGER_FLAT)
     space = SearchSpace(profile, [*every, Compile()], _config())
@@ -1689,12 +1698,18 @@ def test_where_the_eager_pick_chunks_the_loss_a_candidate_computes_it_as_the_use
     whole = CompileSearch(regional=False, max_candidates=8)
     found = candidates({"precision": "fp32", "loss_head": 4}, whole)
     users = [v for v in found if "loss_head" not in v.choices]
-    assert len(users) == 1, [v.label for v in found]
+    kept = [v for v in found if v.choices.get("loss_head") == 4]
+    # The pick's own choices keep the chunks; its checkpointing (none here) with the user's
+    # loss, then the axis's other sets (2 and 4 of 4 blocks) on the user's loss.
+    assert [v.label for v in kept] == ["no checkpointing"], [v.label for v in found]
+    assert len(users) == 3 and len(found) == 4, [v.label for v in found]
+    assert [recomputed_count(v.choices, [*every, Compile()]) for v in users] == [0, 2, 4], [
+        v.label for v in found
+    ]
     # The fake precision states no autocast (no lowered candidate): the pick's own precision.
-    assert users[0].choices["precision"] == "fp32"
-    assert users[0].label.endswith(", the loss as yours"), users[0].label
-    assert all(v.choices.get("loss_head") == 4 for v in found if v is not users[0])
-    assert users[0].final_choices.get("loss_head") is None  # handed on as searched
+    assert all(v.choices["precision"] == "fp32" for v in users)
+    assert all(v.label.endswith(", the loss as yours") for v in users), [v.label for v in users]
+    assert all(v.final_choices.get("loss_head") is None for v in users)  # handed on as searched
     # Regional, or an eager pick that does not chunk: none.
     regional = CompileSearch(regional=True, max_candidates=8)
     assert parse_choice(
@@ -1712,9 +1727,11 @@ def test_where_the_eager_pick_chunks_the_loss_a_candidate_computes_it_as_the_use
     )
     found = candidates({"precision": "fp32", "loss_head": 4}, whole)
     users = [v for v in found if "loss_head" not in v.choices]
-    assert len(users) == 1 and users[0].choices["precision"] == "bf16"
-    assert users[0].label.endswith(", bf16, the loss as yours"), users[0].label
-    assert users[0].label.count("bf16") == 1, users[0].label  # said once
+    assert len(users) == 3 and all(v.choices["precision"] == "bf16" for v in users)
+    assert all(v.label.endswith(", bf16, the loss as yours") for v in users), found
+    assert all(v.label.count("bf16") == 1 for v in users), found  # said once
+    # The autocast candidate (the pick's checkpointing, bf16) keeps the chunks.
+    assert [v.choices.get("loss_head") for v in found[:2]] == [4, 4], found
 
 
 def test_a_first_run_that_runs_out_is_retried_at_half_in_its_own_process_where_the_device_can(
