@@ -125,8 +125,9 @@ def _child(
 
 def set_runs_at_once(n: int) -> int:
     """The card device's most runs made at once (``memadvisor.device.cuda``'s
-    ``MAX_CONCURRENT_RUNS``, 4) set to ``n`` in this process, for an A/B of it; the value it
-    had. Read where the device says its capabilities, so it holds for the plan after it."""
+    ``MAX_CONCURRENT_RUNS``, 8; the host's cores bound it too) set to ``n`` in this process,
+    for an A/B of it; the value it had. Read where the device says its capabilities, so it
+    holds for the plan after it."""
     from memadvisor.device import cuda
 
     before = cuda.MAX_CONCURRENT_RUNS
@@ -535,7 +536,7 @@ def main() -> None:
         "--runs-at-once",
         type=int,
         help="the card device's most runs made at once in the plan (memadvisor.device.cuda's "
-        "MAX_CONCURRENT_RUNS, 4): an A/B of it; the row says runs_at_once_max",
+        "MAX_CONCURRENT_RUNS, 8): an A/B of it; the row says runs_at_once_max",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)

@@ -94,22 +94,29 @@ from memadvisor.workload import Workload
 
 __all__ = [
     "IN_PROCESS_NOTE_START",
+    "CORES_PER_RUN",
     "MAX_CONCURRENT_RUNS",
     "PER_PROCESS_BYTES",
     "RESERVE_BYTES",
     "CudaDevice",
     "environment_changed",
     "save_workload",
+    "usable_cores",
 ]
 
 # How the in-process fallback's note begins: the planner finds it and puts it first.
 IN_PROCESS_NOTE_START = "Probes ran in this process, not in fresh ones,"
 MIB = 2**20
 GIB = 2**30
-# Runs made at once, at most: their first steps compile on the CPU (inductor's own workers
-# too), so more than a few contend for the cores more than they overlap, and their timed
-# steps are taken in turn anyway.
-MAX_CONCURRENT_RUNS = 4
+# Runs made at once, at most, and the host's cores each takes: their first steps compile on
+# the CPU, each process's dynamo, AOTAutograd and lowering on one thread with inductor's
+# workers beside it. On an H200's host of 16 cores (docs/design.md, session 40) 8 at once
+# planned hf_gpt2 in 135.0 s and cnn in 67.1 s against 159.0 and 74.7 s at 4 at once, each a
+# better pick (more of pass 2's static forms and graphs in one round), the cores 58% busy at
+# most; each process's compile took longer (passes 1 and 2: first steps of 29.0-40.8 s
+# against 31.1-34.5 s).
+MAX_CONCURRENT_RUNS = 8
+CORES_PER_RUN = 2
 # Left free on the card when runs are made at once: the planner's own process shares it
 # (its cached blocks, a profile's tensors, growth while the children run), and so may
 # whatever else runs there; a child that finds the card full runs out short of its budget.
@@ -117,6 +124,13 @@ RESERVE_BYTES = 2 * GIB
 # Each child's card memory beyond its budget: its CUDA context (kernels, cuBLAS/cuDNN
 # handles; 0.5-1 GiB on an H100) and what its allocator's cap does not count.
 PER_PROCESS_BYTES = 1 * GIB
+
+
+def usable_cores() -> int:
+    """The host's cores this process may run on (its affinity where the OS says, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def save_workload(parts: dict[str, Any], path: Path) -> None:
@@ -248,8 +262,13 @@ class CudaDevice(Device):
         fixed cost dwarfs its steps), its bytes free now, fresh processes until runs fell
         back to this one (a workload that cannot be saved), and the runs :meth:`run_many`
         makes at once: as many children of the fork server as the free bytes hold (each its
-        budget and :data:`PER_PROCESS_BYTES`, :data:`RESERVE_BYTES` left free), at most
-        :data:`MAX_CONCURRENT_RUNS`; 1 without a fork server."""
+        budget and :data:`PER_PROCESS_BYTES`, :data:`RESERVE_BYTES` left free) and the
+        host's cores (:data:`CORES_PER_RUN` each, :func:`usable_cores`), at most
+        :data:`MAX_CONCURRENT_RUNS`; 1 without a fork server.
+
+        Known limitations: the cores' share is from one host of 16 cores, where 8 at once
+        was faster than 4; a host of fewer cores per card is bounded by the same share, not
+        measured."""
         if self._card is None:  # what does not change: read once
             self._card = card_capabilities(self.index)
         free = int(torch.cuda.mem_get_info(self.index)[0])
@@ -257,7 +276,8 @@ class CudaDevice(Device):
         concurrent = 1
         if self.mode == "fork_server":
             room = (free - RESERVE_BYTES) // (self.budget_bytes + PER_PROCESS_BYTES)
-            concurrent = min(MAX_CONCURRENT_RUNS, max(1, room))
+            cores = usable_cores() // CORES_PER_RUN
+            concurrent = max(1, min(MAX_CONCURRENT_RUNS, room, cores))
         return self._card.model_copy(
             update={
                 "free_bytes": free,

@@ -473,11 +473,15 @@ def test_closing_a_device_whose_fork_server_is_still_starting_kills_it_at_once(
     assert time.perf_counter() - t0 < 2.0
 
 
-def _concurrent_stub_device(monkeypatch, tmp_path: Path, free_bytes: int = 70 * GIB) -> tuple:
-    """_stub_runner_device with the fake card's free bytes (for concurrent_runs) and the
-    stub's TURN_BATCHES runs recording their times under ``tmp_path``."""
+def _concurrent_stub_device(
+    monkeypatch, tmp_path: Path, free_bytes: int = 70 * GIB, cores: int = 64
+) -> tuple:
+    """_stub_runner_device with the fake card's free bytes and the host's ``cores`` (for
+    concurrent_runs) and the stub's TURN_BATCHES runs recording their times under
+    ``tmp_path``."""
     from tests.device import zygote_runner
 
+    monkeypatch.setattr("memadvisor.device.cuda.usable_cores", lambda: cores)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free_bytes, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     monkeypatch.setenv(zygote_runner.TIMES_VARIABLE, str(tmp_path))
@@ -494,10 +498,10 @@ def test_run_many_makes_runs_at_once_through_the_fork_server(monkeypatch, tmp_pa
     from memadvisor.errors import PlanningError
     from memadvisor.schema.candidate import Measurement
 
-    device, helpers, stub = _concurrent_stub_device(monkeypatch, tmp_path)
+    device, helpers, stub = _concurrent_stub_device(monkeypatch, tmp_path, cores=8)
     workload = load_target(f"{helpers}:build")
     try:
-        assert device.capabilities.concurrent_runs == 4
+        assert device.capabilities.concurrent_runs == 4  # 8 cores, 2 a run
         runs = [(Candidate(batch_size=b), 2) for b in (40, 1000, 666, 41)]
         answers = device.run_many(workload, runs)
         assert len(answers) == 4
@@ -568,6 +572,22 @@ def test_run_many_makes_no_more_at_once_than_the_card_has_room_for(
         assert recorded[1]["started"] < recorded[0]["first_done"]
         assert recorded[2]["started"] > max(r["turn_to"] for r in recorded[:2])
         assert recorded[2]["lock"] is None  # a group of one is a single run
+    finally:
+        device.close()
+
+
+def test_runs_at_once_take_two_of_the_hosts_cores_each(monkeypatch, tmp_path: Path) -> None:
+    """Rule: a fork server makes no more runs at once than the host's cores hold at
+    CORES_PER_RUN each (each child's compile runs on the CPU), however much the card holds,
+    and at least one: 3 on 6 cores, 1 on 1 core, MAX_CONCURRENT_RUNS on 64."""
+    from memadvisor.device.cuda import CORES_PER_RUN, MAX_CONCURRENT_RUNS, CudaDevice
+
+    _concurrent_stub_device(monkeypatch, tmp_path)[0].close()  # the fake card's patches
+    device = CudaDevice(GIB)
+    try:
+        for cores, runs in ((6, 3), (1, 1), (64, MAX_CONCURRENT_RUNS)):
+            monkeypatch.setattr("memadvisor.device.cuda.usable_cores", lambda c=cores: c)
+            assert device.capabilities.concurrent_runs == runs, (cores, CORES_PER_RUN)
     finally:
         device.close()
 
