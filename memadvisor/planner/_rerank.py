@@ -136,6 +136,8 @@ def best_on_device(
                 continue  # it fitted, or was not run (the estimate ranks it below one that fitted)
             group = _guarded_key(space, s)
             below = safe_below(_start(prober, s), space.config.margin_fraction)
+            # Where the first runs carried their retries (_first_runs_at_once), a candidate
+            # still None here ran out at both batches: _timing reads the record, no run.
             if below < 1 or group in twice_out:
                 continue  # the estimate is as far off for this group's other candidates
             if best is not None and not _could_beat(space, s, below, best):
@@ -308,6 +310,15 @@ def _first_runs_at_once(prober: Prober, timed: Sequence[Scored]) -> dict[str, _T
     Why: the first runs are most of the probes' seconds on a card: lm350m's four took 8.4 s
     one after another, the GPT example's six 24 s (H100, docs/design.md).
 
+    On a device that retries a run in its own process (``retries_in_process``: a card's fork
+    server), each run carries its retry the margin below (:func:`_retry_at`, the batch
+    :func:`best_on_device` would retry it at): a candidate that runs out at its estimated
+    batch is measured there in the same child, within this group, and is that batch's
+    timing. Why: on an H200 (session 40) the Llama example's two checkpointed candidates ran
+    out at 2745 and 2769 and were retried one after another in processes of their own, 4.0 s
+    each, after a group of six that took 5.6 s. Where the retry ran out too, both batches are
+    recorded as run out, and :func:`best_on_device` reads them so, as before.
+
     Raises:
         Exception: a run's error other than running out of memory, as :func:`_timing`.
     """
@@ -315,13 +326,25 @@ def _first_runs_at_once(prober: Prober, timed: Sequence[Scored]) -> dict[str, _T
         (s, Candidate(batch_size=_start(prober, s), choices=s.candidate.choices)) for s in timed
     ]
     steps = timing_steps_at_once(prober.device, prober.config)
-    answers = prober.run_many([c for _, c in runs], steps, "timing")
+    retry_at = None
+    if prober.device.capabilities.retries_in_process:
+        retry_at = [_retry_at(prober, c.batch_size) for _, c in runs]
+    answers = prober.run_many([c for _, c in runs], steps, "timing", retry_at=retry_at)
     first: dict[str, _Timing | None] = {}
-    for (s, candidate), answer in zip(runs, answers, strict=True):
+    for i, ((s, candidate), answer) in enumerate(zip(runs, answers, strict=True)):
         if isinstance(answer, Exception):
             raise answer
+        if answer is not None and answer.ran_out_first is not None and retry_at is not None:
+            candidate = candidate.model_copy(update={"batch_size": retry_at[i]})
         first[s.choices_json] = _Timing(candidate, answer) if answer is not None else None
     return first
+
+
+def _retry_at(prober: Prober, batch: int) -> int | None:
+    """The batch a timing run that ran out at ``batch`` is retried at: the margin below
+    (:func:`~memadvisor.planner._probe.safe_below`), None where there is none."""
+    below = safe_below(batch, prober.space.config.margin_fraction)
+    return below if 0 < below < batch else None
 
 
 def _could_tie(space: SearchSpace, scored: Scored, fitted: Scored) -> bool:

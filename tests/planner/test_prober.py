@@ -149,6 +149,87 @@ def test_timing_runs_made_at_once_on_a_card_take_fewer_steps_and_the_pick_its_ow
     assert steps(together) < steps(alone)
 
 
+def _card_plan_waits(workload, profile, strategies, linear_device, in_process: bool):
+    """A card plan (four runs at once) whose estimate is optimistic: the device holds 1.5x
+    the bytes a sample, so timing runs run out at their estimated batches. (plan, the
+    retry_at of each run_many_retrying call, how many times the planner waited for the
+    device: a group once, a run made alone once)."""
+    from memadvisor.planner import plan_workload
+    from tests.planner.test_compiled_search import EAGER_LM
+
+    lines = {key: 1.5 * mib for key, mib in EAGER_LM.items()}
+    device = linear_device(lines, fixed_ms=3.0, runs_cost_more_than_steps=True)
+    device.capabilities = device.capabilities.model_copy(
+        update={"concurrent_runs": 4, "retries_in_process": in_process}
+    )
+    retried: list[list[tuple[int, int | None]]] = []
+    waits = {"n": 0, "inside": False}
+    real_run, real_many, real_retrying = device.run, device.run_many, device.run_many_retrying
+
+    def run(workload, candidate, steps):
+        waits["n"] += not waits["inside"]
+        return real_run(workload, candidate, steps)
+
+    def grouped(real):
+        def call(workload, runs):
+            outer = not waits["inside"]
+            waits["n"] += outer
+            waits["inside"] = True
+            try:
+                return real(workload, runs)
+            finally:
+                waits["inside"] = not outer
+
+        return call
+
+    def retrying(workload, runs):
+        retried.append([(c.batch_size, r) for c, _, r in runs])
+        return grouped(real_retrying)(workload, runs)
+
+    device.run, device.run_many, device.run_many_retrying = run, grouped(real_many), retrying
+    config = PlanConfig(budget_bytes=100 * MIB, probe_steps=3, timing_steps=3, verify_steps=20)
+    plan = plan_workload(
+        workload, config, profile=profile, device=device, progress=False,
+        strategies=strategies, measure_comparison=False,
+    )  # fmt: skip
+    return plan, retried, waits["n"]
+
+
+def test_timing_runs_at_once_carry_their_retries_where_the_device_retries_in_process(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Rule: on a device that retries a run in its own process (a card's fork server), the
+    first timing runs go together with their retries the margin below (safe_below of each
+    start): a candidate that runs out at its estimated batch is timed there without a run
+    of its own after the group. The plan picks what it picks where the retries are made one
+    after another, with the same probes after the timing runs, and waits for the device
+    fewer times. On an H200 the Llama example's two retries took 4.0 s each, one after the
+    other, after a group of 5.6 s (session 40)."""
+    from memadvisor.planner._probe import safe_below
+
+    apart, not_asked, apart_waits = _card_plan_waits(
+        workload, profile, strategies, linear_device, in_process=False
+    )
+    together, retried, waits = _card_plan_waits(
+        workload, profile, strategies, linear_device, in_process=True
+    )
+    assert not not_asked
+    assert len(retried) == 1, retried
+    margin = PlanConfig(budget_bytes=100 * MIB).margin_fraction
+    assert all(r == safe_below(b, margin) for b, r in retried[0]), retried
+    timing = lambda plan: [(p.batch_size, p.fits) for p in plan.probes if p.stage == "timing"]  # noqa: E731
+    records = timing(together)
+    starts_out = [(b, r) for b, r in retried[0] if (b, False) in records]
+    assert starts_out, (records, retried)  # the estimate was optimistic: some ran out
+    assert all(any(b == r for b, _ in records) for _, r in starts_out), (records, retried)
+    assert set(timing(apart)) <= set(timing(together)), (timing(apart), timing(together))
+    assert together.candidate == apart.candidate
+    assert together.verified == apart.verified
+    after = lambda plan: [(p.batch_size, p.fits) for p in plan.probes if p.stage != "timing"]  # noqa: E731
+    assert after(together) == after(apart)
+    assert waits < apart_waits, (waits, apart_waits)
+
+
 # -- a probe that may run out, paired with the batch searched next if it does ---------------
 
 
