@@ -335,7 +335,7 @@ def _first_runs_at_once(prober: Prober, timed: Sequence[Scored]) -> dict[str, _T
         if isinstance(answer, Exception):
             raise answer
         if answer is not None and answer.ran_out_first is not None and retry_at is not None:
-            candidate = candidate.model_copy(update={"batch_size": retry_at[i]})
+            candidate = Candidate(batch_size=retry_at[i], choices=candidate.choices)
         first[s.choices_json] = _Timing(candidate, answer) if answer is not None else None
     return first
 
