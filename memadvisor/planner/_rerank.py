@@ -14,7 +14,10 @@ Known limitations:
       the estimate is taken to be as far off for the rest of that group. Only the estimate's
       best of such a group gets its batch search continued (when it could still beat the
       winner at half the batch it ran out at: ``_rescued``); the group's other candidates
-      are not run.
+      are not run. On a device that retries in a run's own process (a card's fork server)
+      every candidate's retry goes with its first run (``_first_runs_at_once``), so that
+      rule saves no runs there; a retry after a failed step starts on its child's split
+      allocator and can run out where a fresh process would fit.
 """
 
 from __future__ import annotations
