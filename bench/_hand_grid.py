@@ -28,8 +28,10 @@ Known limitations:
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -448,6 +450,124 @@ def merge_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
+
+
+class Lockstep:
+    """A device shared by several cells' searches, each in a thread of its own: a thread's
+    :meth:`run` waits until every thread still searching has asked for a run, then
+    :meth:`serve` (in the calling thread, the only one that touches the device) makes them
+    together with ``device.run_many``: a card makes them at once, their timed steps in turn
+    (``memadvisor.device.cuda``), so each rate is its own run's.
+
+    Why: the cells' searches are independent, and each of their runs is a fresh process of
+    a few seconds eager and 20-40 s compiled; one after another, the GPT example's grid took
+    a call of its own (session 26) and no other model's was made in sessions 29-40.
+
+    A Ctrl-C (a deadline's SIGINT) in :meth:`serve` answers every run in flight, and every
+    run asked for after it, with a ``KeyboardInterrupt``: each cell's search then ends as
+    it ends when cut alone (:class:`CellInterrupted`, what held so far kept).
+
+    Known limitations: the cells' compiled runs compile at once and autotune their kernels
+    beside each other (a winner timed beside other processes may lose alone: docs/design.md,
+    session 26); a cell's runs wait for the slowest of each group.
+    """
+
+    def __init__(self, device: Any, workload: Any, threads: int) -> None:
+        self._device, self._workload = device, workload
+        self._cond = threading.Condition()
+        self._live = threads
+        self._pending: dict[int, tuple[Any, int]] = {}
+        self._answers: dict[int, Any] = {}
+        self._tickets = itertools.count()
+        self._stopped = False
+        self.groups: list[list[int]] = []  # the batches of each group made, in order
+
+    def is_oom(self, error: BaseException) -> bool:
+        return self._device.is_oom(error)
+
+    def run(self, workload: Any, candidate: Any, steps: int) -> Any:
+        """``candidate`` for ``steps`` steps, made with the other threads' runs; its
+        measurement, or what its run raised."""
+        with self._cond:
+            if self._stopped:
+                raise KeyboardInterrupt
+            ticket = next(self._tickets)
+            self._pending[ticket] = (candidate, steps)
+            self._cond.notify_all()
+            while ticket not in self._answers:
+                self._cond.wait()
+            answer = self._answers.pop(ticket)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def ended(self) -> None:
+        """A thread's search ended: the others no longer wait for its runs."""
+        with self._cond:
+            self._live -= 1
+            self._cond.notify_all()
+
+    def serve(self) -> None:
+        """Make the threads' runs, a group whenever every live thread has asked for one,
+        until every thread ended."""
+        while True:
+            group: list[tuple[int, Any]] = []
+            try:
+                with self._cond:
+                    while self._live and len(self._pending) < self._live:
+                        self._cond.wait(0.5)
+                    if not self._live and not self._pending:
+                        return
+                    group = sorted(self._pending.items())
+                    self._pending.clear()
+                    if self._stopped:
+                        self._answer(group, [KeyboardInterrupt() for _ in group])
+                        continue
+                self.groups.append([c.batch_size for _, (c, _) in group])
+                answers = self._device.run_many(self._workload, [r for _, r in group])
+            except KeyboardInterrupt:
+                with self._cond:
+                    self._stopped = True
+                    self._answer(group, [KeyboardInterrupt() for _ in group])
+                continue
+            with self._cond:
+                self._answer(group, answers)
+
+    def _answer(self, group: list[tuple[int, Any]], answers: list[Any]) -> None:
+        for (ticket, _), answer in zip(group, answers, strict=True):
+            self._answers[ticket] = answer
+        self._cond.notify_all()
+
+
+def measure_at_once(
+    cells: list[str],
+    measure: Callable[[str, Any], dict[str, Any]],
+    device: Any,
+    workload: Any,
+) -> list[dict[str, Any]]:
+    """``measure(cell, device)`` of every cell, each in a thread of its own, their runs made
+    together through a :class:`Lockstep` over ``device``; the records in the cells' order.
+    A cell that raises is a record of its error; one cut by a Ctrl-C, ``skipped``."""
+    lockstep = Lockstep(device, workload, len(cells))
+    records: dict[str, dict[str, Any]] = {}
+
+    def search(cell: str) -> None:
+        try:
+            records[cell] = measure(cell, lockstep)
+        except KeyboardInterrupt:
+            records[cell] = {"config": cell, "skipped": "interrupted"}
+        except Exception as e:  # noqa: BLE001 - one cell failing is a cell, not a crash
+            records[cell] = {"config": cell, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        finally:
+            lockstep.ended()
+
+    threads = [threading.Thread(target=search, args=(c,), daemon=True) for c in cells]
+    for t in threads:
+        t.start()
+    lockstep.serve()
+    for t in threads:
+        t.join()
+    return [records[c] for c in cells]
 
 
 def derive(row: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,9 @@ and appended to ``--json``, default ``bench/results/user_path.jsonl``), then the
   N - 1 more times at its batch, fresh processes: its ``samples_per_s`` is the median of the
   N (``samples_per_s_each``, ``draw_ooms``); with ``--rerun-pick --rerun-repeats N`` the pick
   is set against the cells median to median (``pick_rerun_over_best_hand``).
+  ``--cells-at-once``: the cells' searches run side by side, each in a thread, their runs
+  made together (``_hand_grid.measure_at_once``: at once on a card, timed steps in turn);
+  the row says ``hand_cells_at_once``.
 * ``--rerun-pick``: the pick run once more beside the hand cells, for a rate measured in
   the same call as theirs (``pick_rerun``, ``pick_rerun_over_best_hand``);
   ``--rerun-repeats N`` runs it N times, each a fresh process (``pick_rerun``'s
@@ -554,6 +557,8 @@ def _grid(
     call's ``timeout -s INT``) during a cell ends the grid with the cells before it kept,
     the row still written: session 16 lost a finished cell's rate to a deadline that cut
     the next cell."""
+    if args.cells_at_once:
+        return _grid_at_once(plan, name, args, device, clock)
     workload = workload_of(name)
     out = []
     for cell in grid.cells(args.hand):
@@ -585,6 +590,43 @@ def _grid(
         _say(f"{name}: {cell}: {record.get('runs', record.get('error', record.get('skipped')))}")
         print("HAND_CELL " + json.dumps(record), flush=True)
         out.append(record)
+    return out
+
+
+def _grid_at_once(
+    plan: Any, name: str, args: argparse.Namespace, device: Any, clock: Clock
+) -> list[dict[str, Any]]:
+    """:func:`_grid` with the cells' searches side by side (``--cells-at-once``), their runs
+    made together; each record is printed once every cell has ended."""
+    cells = grid.cells(args.hand)
+    if clock.passed():
+        why = "interrupted" if clock.stopped else "deadline"
+        _say(f"{name}: {why}, no hand cell run")
+        return [{"config": cell, "skipped": why} for cell in cells]
+    _say(f"{name}: hand cells {', '.join(cells)}, side by side")
+    workload = workload_of(name)
+
+    def measure(cell: str, shared: Any) -> dict[str, Any]:
+        return grid.measure_cell(
+            cell,
+            device=shared,
+            workload=workload,
+            profile=plan.profile,
+            config=plan.config,
+            steps=args.hold_steps,
+            say=lambda words: _say(f"{name}: {words}"),
+            dynamic_search=args.hand_search == "dynamic",
+            draws=args.cell_draws,
+        )
+
+    out = grid.measure_at_once(cells, measure, device, workload)
+    for record in out:
+        clock.stopped = clock.stopped or bool(
+            record.get("interrupted") or record.get("draws_stopped")
+        )
+        outcome = record.get("runs", record.get("error", record.get("skipped")))
+        _say(f"{name}: {record['config']}: {outcome}")
+        print("HAND_CELL " + json.dumps(record), flush=True)
     return out
 
 
@@ -671,6 +713,7 @@ def _cells(row: dict[str, Any], plan: Any, name: str, args: Any, clock: Clock) -
     device = device_for(args.device, round(args.budget_gib * GIB), name, plan.profile)
     try:
         row["hand_grid"] = _grid(plan, name, args, device, clock)
+        row["hand_cells_at_once"] = bool(args.cells_at_once)
         row["pick_rerun"] = (
             _rerun_pick(plan, name, args, device)
             if args.rerun_pick and not clock.passed()
@@ -848,6 +891,11 @@ def main() -> None:
         "(a compile per batch)",
     )
     parser.add_argument("--hold-steps", type=int, default=20, help="steps a hand cell holds")
+    parser.add_argument(
+        "--cells-at-once",
+        action="store_true",
+        help="search the hand cells side by side, their runs made together (at once on a card)",
+    )
     parser.add_argument(
         "--rerun-pick", action="store_true", help="run the pick again beside the hand cells"
     )

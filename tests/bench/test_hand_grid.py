@@ -367,7 +367,9 @@ def test_an_interrupted_grid_keeps_the_cells_before_it_and_starts_nothing_more(
     monkeypatch.setattr(user_path.grid, "measure_cell", measure_cell)
     monkeypatch.setattr(user_path, "workload_of", lambda name: None)
     clock = user_path.Clock(None)
-    args = SimpleNamespace(hand="eager", hold_steps=20, hand_search="dynamic", cell_draws=1)
+    args = SimpleNamespace(
+        hand="eager", hold_steps=20, hand_search="dynamic", cell_draws=1, cells_at_once=False
+    )
     plan = SimpleNamespace(profile=None, config=None)
     cells = user_path._grid(plan, "gpt", args, None, clock)
     assert [c["config"] for c in cells] == ["eager", "eager+half", "eager+all"]
@@ -378,3 +380,113 @@ def test_an_interrupted_grid_keeps_the_cells_before_it_and_starts_nothing_more(
         line for line in capsys.readouterr().out.splitlines() if line.startswith("HAND_CELL")
     ]
     assert '"samples_per_s": 9.0' in printed[0]
+
+
+class GroupCard:
+    """A card of :class:`LinearCard` lines by choice set (``edges``: the largest batch of
+    each that holds), whose ``run_many`` notes each group's batches, as a card's device
+    makes a group at once. ``stop_at``: the group (counted from 1) whose run_many a Ctrl-C
+    cuts."""
+
+    def __init__(self, edges: dict[str, int], stop_at: int | None = None) -> None:
+        self.cards = {
+            c: LinearCard(fixed=100, per_sample=10, budget=100 + 10 * e) for c, e in edges.items()
+        }
+        self.groups: list[list[tuple[str, int]]] = []
+        self.stop_at = stop_at
+
+    def is_oom(self, error: BaseException) -> bool:
+        return _is_oom(error)
+
+    def run(self, workload, candidate, steps: int):
+        return self.cards[candidate.choices].run(candidate.batch_size)
+
+    def run_many(self, workload, runs):
+        self.groups.append([(c.choices, c.batch_size) for c, _ in runs])
+        if self.stop_at is not None and len(self.groups) == self.stop_at:
+            raise KeyboardInterrupt
+        answers = []
+        for candidate, steps in runs:
+            try:
+                answers.append(self.run(workload, candidate, steps))
+            except MemoryError as e:
+                answers.append(e)
+        return answers
+
+
+def _search(grid, cell: str, device) -> dict:
+    """A cell's search as measure_cell makes it: largest_holding from batch 20 over
+    ``device.run``; cut, the batch that held so far, marked interrupted."""
+    run = lambda b: device.run(None, SimpleNamespace(batch_size=b, choices=cell), 20)  # noqa: E731
+    try:
+        found = grid.largest_holding(run, 20, 10**9, 65536, device.is_oom, slope_bytes=10)
+    except grid.CellInterrupted as stop:
+        return {"config": cell, "batch": stop.holding.batch, "interrupted": True}
+    return {"config": cell, "batch": found.batch, "tried": found.tried}
+
+
+def test_cells_searched_side_by_side_find_what_they_find_alone_in_fewer_waits(grid) -> None:
+    """Rule: cells searched side by side (``measure_at_once``, ``--cells-at-once``) each find
+    the batch and make the runs they make alone, in the cells' order; their runs go to the
+    device in groups of at most one run a cell, each group made when every cell still
+    searching has asked for its next run, so the device is waited on fewer times than there
+    are runs. A cell that raises is its error's record."""
+    edges = {"eager": 90, "eager+half": 140, "compile": 35}
+    alone = {c: _search(grid, c, GroupCard(edges)) for c in edges}
+    card = GroupCard(edges)
+    cells = [*edges, "broken"]
+
+    def measure(cell: str, device) -> dict:
+        if cell == "broken":
+            raise RuntimeError("inductor failed")
+        return _search(grid, cell, device)
+
+    records = grid.measure_at_once(cells, measure, card, None)
+    assert [r["config"] for r in records] == cells
+    assert records[:3] == [alone[c] for c in edges], records
+    assert records[3]["error"] == "RuntimeError: inductor failed"
+    runs = sum(len(g) for g in card.groups)
+    assert runs == sum(len(alone[c]["tried"]) for c in edges)
+    assert all(len({c for c, _ in g}) == len(g) for g in card.groups), card.groups
+    assert len(card.groups) < runs, card.groups
+    assert len(card.groups[0]) == 3, card.groups  # every cell's first run in the first group
+
+
+def test_a_ctrl_c_during_cells_side_by_side_ends_each_with_what_held_so_far(grid) -> None:
+    """Rule: a Ctrl-C (a deadline's SIGINT) while a group of the cells' runs is made ends
+    every cell's search as a Ctrl-C ends one alone: each keeps the largest batch that held
+    before it, marked interrupted, and no run starts after it."""
+    edges = {"eager": 90, "compile": 35}
+    card = GroupCard(edges, stop_at=2)
+    records = grid.measure_at_once(list(edges), lambda c, d: _search(grid, c, d), card, None)
+    assert len(card.groups) == 2
+    assert [r.get("interrupted") for r in records] == [True, True], records
+    assert [r["batch"] for r in records] == [20, 20], records  # batch 20 held in group 1
+
+
+def test_user_paths_cells_at_once_make_their_first_runs_in_one_group_and_print_each(
+    user_path, monkeypatch, capsys
+) -> None:
+    """Rule: with ``--cells-at-once`` the grid's cells search side by side through the shared
+    device (their first runs in one group), and each cell's record is printed as a
+    HAND_CELL line, in the cells' order, as one at a time prints them."""
+    card = GroupCard({"eager": 90, "eager+half": 140, "eager+all": 200})
+
+    def measure_cell(cell, *, device, steps, **_):
+        m = device.run(None, SimpleNamespace(batch_size=20, choices=cell), steps)
+        return {"config": cell, "batch": 20, "samples_per_s": m.samples_per_s, "runs": "20"}
+
+    monkeypatch.setattr(user_path.grid, "measure_cell", measure_cell)
+    monkeypatch.setattr(user_path, "workload_of", lambda name: None)
+    args = SimpleNamespace(
+        hand="eager", hold_steps=20, hand_search="dynamic", cell_draws=1, cells_at_once=True
+    )
+    plan = SimpleNamespace(profile=None, config=None)
+    cells = user_path._grid(plan, "gpt", args, card, user_path.Clock(None))
+    assert [c["config"] for c in cells] == ["eager", "eager+half", "eager+all"]
+    assert card.groups == [[("eager", 20), ("eager+half", 20), ("eager+all", 20)]]
+    printed = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("HAND_CELL")
+    ]
+    assert len(printed) == 3, printed
+    assert '"config": "eager"' in printed[0] and '"config": "eager+all"' in printed[2]
