@@ -79,7 +79,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -559,7 +559,7 @@ def _grid(
     the next cell."""
     if args.cells_at_once:
         return _grid_at_once(plan, name, args, device, clock)
-    workload = workload_of(name)
+    measure = _cell_measure(plan, name, args)
     out = []
     for cell in grid.cells(args.hand):
         if clock.passed():
@@ -569,17 +569,7 @@ def _grid(
             continue
         _say(f"{name}: hand cell {cell}")
         try:
-            record = grid.measure_cell(
-                cell,
-                device=device,
-                workload=workload,
-                profile=plan.profile,
-                config=plan.config,
-                steps=args.hold_steps,
-                say=lambda words: _say(f"{name}: {words}"),
-                dynamic_search=args.hand_search == "dynamic",
-                draws=args.cell_draws,
-            )
+            record = measure(cell, device)
             cut = record.get("interrupted") or record.get("draws_stopped")
             clock.stopped = clock.stopped or bool(cut)
         except KeyboardInterrupt:
@@ -593,6 +583,29 @@ def _grid(
     return out
 
 
+def _cell_measure(
+    plan: Any, name: str, args: argparse.Namespace
+) -> Callable[[str, Any], dict[str, Any]]:
+    """``measure(cell, device)``: the cell's record (``_hand_grid.measure_cell``) as the
+    arguments ask for it."""
+    workload = workload_of(name)
+
+    def measure(cell: str, device: Any) -> dict[str, Any]:
+        return grid.measure_cell(
+            cell,
+            device=device,
+            workload=workload,
+            profile=plan.profile,
+            config=plan.config,
+            steps=args.hold_steps,
+            say=lambda words: _say(f"{name}: {words}"),
+            dynamic_search=args.hand_search == "dynamic",
+            draws=args.cell_draws,
+        )
+
+    return measure
+
+
 def _grid_at_once(
     plan: Any, name: str, args: argparse.Namespace, device: Any, clock: Clock
 ) -> list[dict[str, Any]]:
@@ -604,22 +617,7 @@ def _grid_at_once(
         _say(f"{name}: {why}, no hand cell run")
         return [{"config": cell, "skipped": why} for cell in cells]
     _say(f"{name}: hand cells {', '.join(cells)}, side by side")
-    workload = workload_of(name)
-
-    def measure(cell: str, shared: Any) -> dict[str, Any]:
-        return grid.measure_cell(
-            cell,
-            device=shared,
-            workload=workload,
-            profile=plan.profile,
-            config=plan.config,
-            steps=args.hold_steps,
-            say=lambda words: _say(f"{name}: {words}"),
-            dynamic_search=args.hand_search == "dynamic",
-            draws=args.cell_draws,
-        )
-
-    out = grid.measure_at_once(cells, measure, device, workload)
+    out = grid.measure_at_once(cells, _cell_measure(plan, name, args), device, workload_of(name))
     for record in out:
         clock.stopped = clock.stopped or bool(
             record.get("interrupted") or record.get("draws_stopped")
