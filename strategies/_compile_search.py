@@ -643,8 +643,8 @@ def _users_loss_instead(
     built on it (:func:`search_variants`): on an H200 (session 40) hf_gpt2's eager pick again
     chunked the loss with 4 blocks checkpointed, this candidate kept the 4 blocks (57,626
     samples/s at 859), the axis kept the chunks (no checkpointing: 33,881 at 2153), and the
-    pick ran 63,815 where the same plan's code had picked no checkpointing with the user's
-    loss at 127,565 (session 39, whose eager pick did not chunk).
+    pick ran 63,815, where session 39's plan of the same model (its eager pick did not
+    chunk) had picked no checkpointing with the user's loss at 127,565.
 
     Known limitations: only where the search form compiles the whole model (regional, the
     loss stays eager and the chunks keep their saving); at the autocast precision where the
