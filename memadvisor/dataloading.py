@@ -24,7 +24,6 @@ Known limitations:
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from memadvisor.errors import BadInputError
+from memadvisor.process_state import usable_cores
 from memadvisor.schema.loader import LoaderAdvice, LoaderTrial
 from memadvisor.workload import batch_size_of, tensor_leaves
 
@@ -159,9 +159,9 @@ def advise_loader(
         raise BadInputError(
             f"dataloader must be a torch.utils.data.DataLoader, but got {type(loader).__name__}."
         )
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = usable_cores()
     if worker_counts is None:
-        worker_counts = tuple(sorted({0, min(2, cpus or 1), min(4, cpus or 1)}))
+        worker_counts = tuple(sorted({0, min(2, cpus), min(4, cpus)}))
     current = time_loader(loader, batches=batches, copy_to_cuda=cuda)
     variants = []
     for workers in worker_counts:

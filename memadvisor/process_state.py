@@ -5,10 +5,10 @@ copies); this guards what lives in the process rather than in the model: the tor
 Python and NumPy random generators (dropout, ``randn`` in a probe draw from them), each
 submodule's train/eval flag (profilers and strategies may call ``eval()``), and the fp32
 matmul precision (TF32 is process-wide), and environment variables set for a while
-(:func:`environ_set`). Restored in a
-``finally``, as Lightning's batch-size finder restores its trainer. The profiler's passes
-and the whole plan both use :func:`rng_restored`; the plan adds the flags
-(:func:`preserved_state`).
+(:func:`environ_set`). Restored in a ``finally``, as Lightning's batch-size finder restores
+its trainer. The profiler's passes and the whole plan both use :func:`rng_restored`; the
+plan adds the flags (:func:`preserved_state`). It also says what the process may use of
+the host's cores (:func:`usable_cores`: the card's runs at once, the loader's workers).
 """
 
 from __future__ import annotations
@@ -24,7 +24,15 @@ from torch import nn
 
 from memadvisor import _torch_private
 
-__all__ = ["preserved_state", "rng_restored"]
+__all__ = ["preserved_state", "rng_restored", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """The host's cores this process may run on (its affinity where the OS says, else all;
+    at least 1)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _numpy_random() -> Any | None:

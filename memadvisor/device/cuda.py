@@ -87,6 +87,7 @@ from memadvisor.errors import (
     ProbeProcessError,
     mark_retry_ran_out,
 )
+from memadvisor.process_state import usable_cores
 from memadvisor.schema.candidate import Candidate, Measurement
 from memadvisor.schema.device import DeviceCapabilities, card_capabilities
 from memadvisor.schema.profile import Profile
@@ -101,7 +102,6 @@ __all__ = [
     "CudaDevice",
     "environment_changed",
     "save_workload",
-    "usable_cores",
 ]
 
 # How the in-process fallback's note begins: the planner finds it and puts it first.
@@ -124,13 +124,6 @@ RESERVE_BYTES = 2 * GIB
 # Each child's card memory beyond its budget: its CUDA context (kernels, cuBLAS/cuDNN
 # handles; 0.5-1 GiB on an H100) and what its allocator's cap does not count.
 PER_PROCESS_BYTES = 1 * GIB
-
-
-def usable_cores() -> int:
-    """The host's cores this process may run on (its affinity where the OS says, else all)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def save_workload(parts: dict[str, Any], path: Path) -> None:
