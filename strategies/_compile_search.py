@@ -502,12 +502,12 @@ def search_variants(
             found.append((lowered, plain[0], start_of(scored)))
             lowered_searched = True
     users_loss = _users_loss_instead(lowered or own, strategies)
-    without_loss: list[dict[str, JsonValue]] = []  # the user's-loss candidates' choices
+    searched_loss: dict[str, JsonValue] | None = None  # users_loss, where it is searched
     if plain and users_loss is not None and not search_form(plain[0], profile, settings).regional:
         scored = stage.score(users_loss)
         if scored is not None:
             found.append((users_loss, plain[0], start_of(scored)))
-            without_loss.append(users_loss)
+            searched_loss = users_loss
     others = []
     axis = recompute_axis(stage)
     axis_name = axis[0] if axis is not None else None
@@ -518,8 +518,8 @@ def search_variants(
         # searched, it varies that: compiled whole, the chunks cost more than they save
         # (_users_loss_instead says why).
         base = lowered if lowered_searched and lowered is not None else own
-        if without_loss:
-            base = without_loss[0]
+        if searched_loss is not None:
+            base = searched_loss
         for option in _spread(options):
             choices = {n: c for n, c in base.items() if n != name}
             if not _neutral(strategies, name, option):
@@ -527,8 +527,6 @@ def search_variants(
             scored = stage.score(choices) if choices not in (own, base) else None
             if scored is not None:
                 others.append((_worth(stage.config.objective, scored), choices, start_of(scored)))
-                if without_loss and base is without_loss[0]:
-                    without_loss.append(choices)
     others.sort(key=lambda item: item[0], reverse=True)
     found += [(choices, plain[0], start) for _, choices, start in others]
     if recomputing:
@@ -538,6 +536,9 @@ def search_variants(
             budget = choice.model_copy(update={"activation_memory_budget": share})
             found.append((without, budget, eager.found_batch))
 
+    # The loss strategies the user's-loss candidates drop: a candidate without them computes
+    # the loss as the user's (the user's-loss candidate and the axis's built on it).
+    dropped = set(own) - set(searched_loss) if searched_loss is not None else set()
     variants: list[Variant] = []
     seen: set[str] = set()
     left_out: list[str] = []
@@ -552,7 +553,7 @@ def search_variants(
             label=label(choices, form, len(profile.blocks), strategies)
             + (
                 _users_loss_words(own, choices, axis_name)
-                if any(choices is w for w in without_loss)
+                if dropped and not dropped & set(choices)
                 else "".join(f", {w}" for w in [_changed(own, choices, axis_name)] if w)
             ),
             start_batch=start,
