@@ -138,10 +138,10 @@ def best_on_device(
             if first.get(s.choices_json, "not run") is not None:
                 continue  # it fitted, or was not run (the estimate ranks it below one that fitted)
             group = _guarded_key(space, s)
-            below = safe_below(_start(prober, s), space.config.margin_fraction)
+            below = _retry_at(prober, _start(prober, s))
             # Where the first runs carried their retries (_first_runs_at_once), a candidate
             # still None here ran out at both batches: _timing reads the record, no run.
-            if below < 1 or group in twice_out:
+            if below is None or group in twice_out:
                 continue  # the estimate is as far off for this group's other candidates
             if best is not None and not _could_beat(space, s, below, best):
                 continue
@@ -344,10 +344,12 @@ def _first_runs_at_once(prober: Prober, timed: Sequence[Scored]) -> dict[str, _T
 
 
 def _retry_at(prober: Prober, batch: int) -> int | None:
-    """The batch a timing run that ran out at ``batch`` is retried at: the margin below
-    (:func:`~memadvisor.planner._probe.safe_below`), None where there is none."""
+    """The batch a timing run that ran out at ``batch`` is retried at, by the first runs
+    and by :func:`best_on_device` alike: the margin below
+    (:func:`~memadvisor.planner._probe.safe_below`, always below ``batch``), None where that
+    is no batch."""
     below = safe_below(batch, prober.space.config.margin_fraction)
-    return below if 0 < below < batch else None
+    return below if below > 0 else None
 
 
 def _could_tie(space: SearchSpace, scored: Scored, fitted: Scored) -> bool:
