@@ -570,17 +570,23 @@ def _grid(
         _say(f"{name}: hand cell {cell}")
         try:
             record = measure(cell, device)
-            cut = record.get("interrupted") or record.get("draws_stopped")
-            clock.stopped = clock.stopped or bool(cut)
         except KeyboardInterrupt:
             clock.stopped = True
             record = {"config": cell, "skipped": "interrupted"}
         except Exception as e:  # noqa: BLE001 - one cell failing is a cell, not a crash
             record = {"config": cell, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        _say(f"{name}: {cell}: {record.get('runs', record.get('error', record.get('skipped')))}")
-        print("HAND_CELL " + json.dumps(record), flush=True)
+        _cell_done(name, record, clock)
         out.append(record)
     return out
+
+
+def _cell_done(name: str, record: dict[str, Any], clock: Clock) -> None:
+    """A cell's record said and printed (a ``HAND_CELL`` line); where it was cut (interrupted,
+    or its draws stopped), the clock stops: nothing more starts."""
+    clock.stopped = clock.stopped or bool(record.get("interrupted") or record.get("draws_stopped"))
+    outcome = record.get("runs", record.get("error", record.get("skipped")))
+    _say(f"{name}: {record['config']}: {outcome}")
+    print("HAND_CELL " + json.dumps(record), flush=True)
 
 
 def _cell_measure(
@@ -619,12 +625,7 @@ def _grid_at_once(
     _say(f"{name}: hand cells {', '.join(cells)}, side by side")
     out = grid.measure_at_once(cells, _cell_measure(plan, name, args), device, workload_of(name))
     for record in out:
-        clock.stopped = clock.stopped or bool(
-            record.get("interrupted") or record.get("draws_stopped")
-        )
-        outcome = record.get("runs", record.get("error", record.get("skipped")))
-        _say(f"{name}: {record['config']}: {outcome}")
-        print("HAND_CELL " + json.dumps(record), flush=True)
+        _cell_done(name, record, clock)
     return out
 
 
