@@ -480,7 +480,6 @@ class Lockstep:
         self._answers: dict[int, Any] = {}
         self._tickets = itertools.count()
         self._stopped = False
-        self.groups: list[list[int]] = []  # the batches of each group made, in order
 
     def is_oom(self, error: BaseException) -> bool:
         return self._device.is_oom(error)
@@ -523,7 +522,6 @@ class Lockstep:
                     if self._stopped:
                         self._answer(group, [KeyboardInterrupt() for _ in group])
                         continue
-                self.groups.append([c.batch_size for _, (c, _) in group])
                 answers = self._device.run_many(self._workload, [r for _, r in group])
             except KeyboardInterrupt:
                 with self._cond:
