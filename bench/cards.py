@@ -22,10 +22,19 @@ plans, its quarters' medians 46.6k to 52.3k samples/s); put such timings after a
 
 In a job, ``$OUT`` is the output folder and ``{card}`` the card's number.
 
+``--split-cores`` gives each card's jobs their own share of this process's cores (card c of
+k takes the c-th of k equal slices of the affinity list), so two plans side by side on a
+machine of two cards each see the cores one card's machine has (a plan sizes its runs at
+once by its usable cores, 2 each) and their compile workers do not take each other's.
+
+    python3 bench/cards.py --jobs J --out $OUT --split-cores     # nvidia-h200-x2: 16 each
+
 Known limitations:
     * A job is one card; a job of two cards (ranks) is not scheduled.
     * Jobs side by side share the host's cores: a plan's compile stage is CPU-bound, so a
       plan's wall beside others is not its wall alone (docs/design.md, session 16's calls).
+      ``--split-cores`` splits the cores; memory bandwidth, disk and the inductor cache's
+      folder (a job's own unless it sets one) stay shared.
     * The order is the file's: the longest jobs first keep the call short.
 """
 
@@ -61,6 +70,21 @@ BARRIER = "wait"
 def _default_sigint() -> None:
     """In a job's process before it runs bash: SIGINT back to its default action."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def core_share(card: int, cards: int, cores: list[int]) -> list[int]:
+    """Card ``card``'s slice of ``cores`` when ``cards`` cards split them equally, in order.
+
+    Raises:
+        ValueError: fewer cores than cards.
+    """
+    if len(cores) < cards:
+        raise ValueError(
+            f"--split-cores: {len(cores)} cores for {cards} cards; run without --split-cores"
+        )
+    ordered = sorted(cores)
+    size = len(ordered) // cards
+    return ordered[card * size : (card + 1) * size]
 
 
 def read_jobs(text: str) -> list[Job]:
@@ -102,18 +126,25 @@ def run_jobs(
     deadline_s: float,
     start_by_s: float,
     every_s: float = 15.0,
+    split_cores: bool = False,
     say=print,
 ) -> list[Job]:
     """Run ``jobs`` over ``cards`` cards (module docstring); returns them, each with its
     card, times and return code (None: never started, or killed without one).
 
     Raises:
-        ValueError: no card to run on.
+        ValueError: no card to run on, or fewer cores than cards with ``split_cores``.
     """
     if cards < 1:
         raise ValueError(
             f"no card to run jobs on (cards={cards}): set CUDA_VISIBLE_DEVICES or pass --cards"
         )
+    shares: dict[int, list[int]] = {}
+    if split_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        shares = {card: core_share(card, cards, cores) for card in range(cards)}
+        for card, share in shares.items():
+            say(f"card {card}: cores {share[0]}-{share[-1]} ({len(share)})")
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "jobs.log").open("a", buffering=1)
     t0 = time.monotonic()
@@ -130,7 +161,7 @@ def run_jobs(
                 if waiting[0].after_wait and running:
                     break  # a barrier: the jobs before it end first
                 job = waiting.pop(0)
-                _start(job, card, out, log)
+                _start(job, card, out, log, shares.get(card))
                 job.started = now
                 running[card] = job
                 say(f"[{now:5.0f} s] job {job.number} on card {card}: {job.command[:150]}")
@@ -172,7 +203,7 @@ def run_jobs(
     return jobs
 
 
-def _start(job: Job, card: int, out: Path, log) -> None:
+def _start(job: Job, card: int, out: Path, log, cores: list[int] | None = None) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(card), "OUT": str(out)}
     command = job.command.replace("{card}", str(card))
     log.write(f"[job {job.number}] card {card}: {command}\n")
@@ -190,9 +221,20 @@ def _start(job: Job, card: int, out: Path, log) -> None:
         text=True,
         bufsize=1,
         start_new_session=True,
-        preexec_fn=_default_sigint,
+        preexec_fn=_default_sigint if cores is None else _pinned(cores),
     )
     os.set_blocking(job.process.stdout.fileno(), False)
+
+
+def _pinned(cores: list[int]):
+    """A ``preexec_fn``: SIGINT to its default, then the job's process (and what it starts)
+    on ``cores`` only."""
+
+    def pin() -> None:
+        _default_sigint()
+        os.sched_setaffinity(0, cores)
+
+    return pin
 
 
 def _drain(job: Job, log) -> None:
@@ -231,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         help="start no job after this (default: the deadline less 120 s, at least half of it)",
     )
     parser.add_argument("--every", type=float, default=15.0, help="seconds between progress lines")
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="each card's jobs on their own equal share of the cores",
+    )
     args = parser.parse_args(argv)
     cards = args.cards if args.cards is not None else count_cards()
     jobs = read_jobs(Path(args.jobs).read_text())
@@ -247,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             deadline_s=args.deadline_s,
             start_by_s=start_by,
             every_s=args.every,
+            split_cores=args.split_cores,
         )
     except ValueError as e:
         print(e, file=sys.stderr)

@@ -85,3 +85,38 @@ def test_jobs_after_a_wait_line_start_only_once_every_job_before_it_has_ended(
     before, after = done[:2], done[2:]
     assert min(j.started for j in after) >= max(j.ended for j in before)
     assert after[1].started < after[0].ended  # side by side after the barrier
+
+
+def test_with_split_cores_each_cards_jobs_run_on_their_own_share_of_the_cores(
+    tmp_path: Path,
+) -> None:
+    """Rule: with split_cores, a job on card c of k sees only the c-th of k equal slices of
+    the cores (os.sched_getaffinity in the job's own process), slices that do not overlap."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    show = f"{sys.executable} -c 'import os; print(\"cores\", sorted(os.sched_getaffinity(0)))'"
+    done, log, said = _run(
+        tmp_path,
+        f"{show}; sleep 0.3\n{show}; sleep 0.3",
+        2,
+        deadline_s=60,
+        start_by_s=50,
+        split_cores=True,
+    )
+    assert [j.returncode for j in done] == [0, 0]
+    cores = sorted(os.sched_getaffinity(0))
+    for j in done:
+        share = cards.core_share(j.card, 2, cores)
+        assert f"[job {j.number}] cores {share}" in log, log
+    assert not set(cards.core_share(0, 2, cores)) & set(cards.core_share(1, 2, cores))
+
+
+def test_core_share_splits_in_order_and_refuses_fewer_cores_than_cards() -> None:
+    """Rule: 32 cores over 2 cards are 0-15 and 16-31; 1 core for 2 cards is an error that
+    says to run without the flag."""
+    assert cards.core_share(1, 2, list(range(32))) == list(range(16, 32))
+    assert cards.core_share(0, 2, list(range(31, -1, -1))) == list(range(16))
+    with pytest.raises(ValueError, match="without --split-cores"):
+        cards.core_share(0, 2, [5])
