@@ -40,7 +40,11 @@ Known limitations:
       candidate's second run, at its predicted batch, measures it.
     * The largest allocation that bounds a prediction at the cap (``cap_bytes``) is eager's
       estimate: a whole-model compile that fuses that tensor away (a loss's logits) is then
-      predicted short of its edge, and its confirmation's upward search finds the rest.
+      predicted short of its edge, and its confirmation's upward search finds the rest
+      where it is the winner (where it is not, its capped line may be why). Two runs'
+      reserved peaks replace it where they draw a bound (:func:`fit_step`); one run's do
+      not: one run's line is eager's shape scaled, and the GPT example's one pass-1 run
+      (151) said 301 where 302 ran out.
 """
 
 from __future__ import annotations
@@ -161,7 +165,14 @@ def fit_step(
             allocator is part of the plan"). A run that fitted only by the allocator
             retrying in most steps is not among ``runs``: it ran out
             (``AllocatorRetriesError``; the GPT example's at 302 did, 2.3x slower a step
-            than at 250, docs/design.md, session 22).
+            than at 250, docs/design.md, session 22). Not drawn where two or more runs
+            give a rising line and their reserved peaks draw the ``reserved`` bound: that
+            bound measures what the allocator keeps beyond the allocated bytes, which the
+            block guesses at. hf_gpt2's compiled form without checkpointing on an H200
+            (every plan of sessions 38-40) held 6.44 GB allocated and 6.52 GB reserved at
+            1020 under expandable segments; eager's 2 MiB a sample of logits capped it at
+            1020 where the line said 1323, and its hand cell held 1339 and ran 135,000
+            samples/s, 1.04x the plan's pick (docs/design.md, session 41).
         reserved: the reserved peaks of ``runs`` that recorded one, by batch (a card's runs;
             only beside allocated ``runs``, the measured margin's). No batch is predicted at
             which a line through them passes ``limit_bytes`` (``reserved_batch``): least
@@ -199,13 +210,17 @@ def fit_step(
         largest = max(0, min(largest, below_failure))
     cap_batch = None
     spare = eager.largest_allocation
-    if cap_bytes is not None and spare is not None:
+    bound = _reserved_bound(points, memory, reserved or {}, limit_bytes, max_batch, lowest_failure)
+    # Two runs' reserved peaks measure what the allocator keeps beyond the allocated bytes,
+    # the block eager's largest allocation guesses at: where they draw a bound, it stands
+    # for the guess (fit_step's ``cap_bytes``).
+    strand_measured = bound is not None and basis == "fitted"
+    if cap_bytes is not None and spare is not None and not strand_measured:
         with_block = Line(memory.fixed + spare.fixed, memory.per_sample + spare.per_sample)
         capped = max(predicted(with_block, cap_bytes, max_batch, lowest_failure), held_fit)
         if capped < largest:
             cap_batch = largest = capped
     reserved_batch = None
-    bound = _reserved_bound(points, memory, reserved or {}, limit_bytes, max_batch, lowest_failure)
     if bound is not None:
         bound = max(bound, held_fit)
         if bound < largest:

@@ -284,3 +284,47 @@ def test_a_confirmation_makes_no_run_above_where_the_reserved_line_bound_the_bat
     assert confirm_ceiling(v) == 50
     v.fit = fit.model_copy(update={"reserved_batch": None})
     assert confirm_ceiling(v) is None
+
+
+# hf_gpt2's compiled form without checkpointing on an H200 under 8 GiB (session 40 call C's
+# plan, the same in every plan of sessions 38-40): two dynamic runs, their reserved peaks,
+# and eager's largest allocation (its logits, 2 MiB a sample).
+HF_RUNS = {637: (4_059_005_952, 9.494), 1020: (6_442_945_536, 9.533)}
+HF_RESERVED = {637: 4_760_535_040, 1020: 6_522_142_720}
+HF_EAGER = EagerLines(
+    bytes=Line(0.5 * GB, 10.0 * MIB), ms=Line(5.0, 0.01), largest_allocation=Line(0.0, 2 * MIB)
+)
+
+
+def test_two_runs_reserved_peaks_stand_for_the_largest_allocations_cap() -> None:
+    """Rule: where two runs give a rising line and their reserved peaks draw a bound, eager's
+    largest allocation does not cap the prediction (the reserved line measures what the
+    allocator keeps beyond the allocated bytes); without the reserved peaks it does. On
+    hf_gpt2's numbers the cap said 1020 (its run's batch), the line 1323; the hand cell
+    held 1339."""
+    cap = 8 * 2**30
+    capped = fit_step(HF_RUNS, HF_EAGER, limit_bytes=T5_LIMIT, max_batch=65536, cap_bytes=cap)
+    assert capped is not None and capped.cap_batch == capped.largest_batch == 1020
+    fit = fit_step(
+        HF_RUNS,
+        HF_EAGER,
+        limit_bytes=T5_LIMIT,
+        max_batch=65536,
+        cap_bytes=cap,
+        reserved=HF_RESERVED,
+    )
+    assert fit is not None and fit.cap_batch is None and fit.reserved_batch is None
+    assert fit.largest_batch == 1323  # the allocated line's; the reserved line says 1413
+
+
+def test_one_runs_reserved_peak_leaves_the_largest_allocations_cap() -> None:
+    """Rule: one run's line is eager's shape scaled, and its reserved peak does not replace
+    the cap: the prediction is capped as without it."""
+    one = {1020: HF_RUNS[1020]}
+    kwargs = dict(limit_bytes=T5_LIMIT, max_batch=65536, cap_bytes=8 * 2**30)
+    without = fit_step(one, HF_EAGER, **kwargs)
+    with_reserved = fit_step(one, HF_EAGER, **kwargs, reserved={1020: HF_RESERVED[1020]})
+    assert without is not None and with_reserved is not None
+    assert without.cap_batch is not None
+    assert with_reserved.largest_batch <= without.largest_batch
+    assert with_reserved.cap_batch is not None or with_reserved.reserved_batch is not None
