@@ -349,9 +349,14 @@ class LinearDevice(FakeDevice):
                 "compile_cache_misses": 1 if blocks else 0,
                 "compile_cache_bypasses": 2 if blocks else 0,
             }
+        peak = max(self.step_peak_bytes, fixed + per_sample * candidate.batch_size)
+        reserved = None
+        if self.reserved_over is not None:  # as FakeDevice's: held at the budget by the cap
+            reserved = min(self.budget_bytes, int(peak * (1 + self.reserved_over)))
         return Measurement(
             steps=steps,
-            peak_bytes=max(self.step_peak_bytes, fixed + per_sample * candidate.batch_size),
+            peak_bytes=peak,
+            reserved_peak_bytes=reserved,
             step_ms=step_ms,
             samples_per_s=candidate.batch_size * candidate.accumulation_steps / step_ms * 1e3,
             host_ms=self.launch_ms(candidate),

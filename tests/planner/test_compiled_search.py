@@ -459,6 +459,43 @@ def test_a_capped_winners_confirmation_probes_nothing_above_its_cap_or_its_large
     assert found is not None and cap < found.candidate.batch_size <= ran, (cap, ran, tried)
 
 
+@pytest.mark.parametrize("reserved_over", [None, 0.02])
+def test_where_two_runs_reserved_peaks_bound_a_candidate_the_largest_allocation_caps_it_not(
+    workload, profile, strategies, linear_device, reserved_over
+) -> None:
+    """Rule: a candidate run at two batches that held within the limit, on a device that
+    records reserved peaks (a card's), is predicted by its lines and its reserved bound, and
+    its confirmation finds a batch above where eager's largest allocation would have capped
+    it; on a device without reserved peaks the cap stands and the prediction stops there.
+    (hf_gpt2's compiled form without checkpointing on an H200, sessions 38-40: capped at 1020
+    where its line said 1323 and its hand cell held 1339.)"""
+
+    def device_of(eager):
+        return linear_device(eager, reserved_over=reserved_over)
+
+    device, space, prober, stage = _stage(workload, profile, strategies, device_of)
+    eager = prober.confirm(space.score_choices(BF16))
+    settings = CompileSearch()
+    variants, _ = search_variants(stage, eager, ["default"], settings, lambda c, b: 0.5)
+    v, search = variants[0], Search(stage, settings, eager)
+    compiled_edge = device.edge(Candidate(batch_size=1, choices=v.choices))
+    _, per_sample = device.line(Candidate(batch_size=1, choices=v.choices))
+    # A largest allocation as large a sample as the line's own: the cap near half the edge.
+    v.eager = dataclasses.replace(v.eager, largest_allocation=Line(0.0, per_sample))
+    for b in (compiled_edge // 4, compiled_edge // 3):
+        assert search._run(v, b, 1, 1)
+    assert all(stage.held_bytes(m) <= stage.limit_bytes for m in v.runs.values())
+    assert v.fit is not None and v.fit.basis == "fitted"
+    if reserved_over is None:
+        assert v.fit.cap_batch == v.fit.largest_batch < compiled_edge * 0.6, v.fit
+        return
+    assert v.fit.cap_batch is None, v.fit
+    assert v.fit.largest_batch > compiled_edge * 0.9, (v.fit.largest_batch, compiled_edge)
+    found = search.confirm(v, 0)
+    assert found is not None and found.candidate.batch_size > compiled_edge * 0.9
+    assert found.candidate.batch_size <= compiled_edge
+
+
 def test_a_confirmation_never_descends_below_a_batch_that_fitted(
     workload, profile, strategies, linear_device
 ) -> None:
