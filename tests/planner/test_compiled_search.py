@@ -425,6 +425,21 @@ def test_a_confirmation_given_a_ceiling_probes_nothing_above_it(
     assert any(b > start + 2 for b in tried_by[None]), tried_by
 
 
+def _with_largest_allocation(workload, profile, strategies, device_of):
+    """(prober, stage, the first compiled candidate of bf16, its Search, the device's edge for
+    it) where eager's largest allocation is as large a sample as the candidate's own line:
+    the cap it draws falls near half the edge."""
+    device, space, prober, stage = _stage(workload, profile, strategies, device_of)
+    eager = prober.confirm(space.score_choices(BF16))
+    settings = CompileSearch()
+    variants, _ = search_variants(stage, eager, ["default"], settings, lambda c, b: 0.5)
+    v, search = variants[0], Search(stage, settings, eager)
+    compiled_edge = device.edge(Candidate(batch_size=1, choices=v.choices))
+    _, per_sample = device.line(Candidate(batch_size=1, choices=v.choices))
+    v.eager = dataclasses.replace(v.eager, largest_allocation=Line(0.0, per_sample))
+    return prober, stage, v, search, compiled_edge
+
+
 def test_a_capped_winners_confirmation_probes_nothing_above_its_cap_or_its_largest_run(
     workload, profile, strategies, linear_device
 ) -> None:
@@ -436,16 +451,9 @@ def test_a_capped_winners_confirmation_probes_nothing_above_its_cap_or_its_large
     its pass-2 runs had fitted at 252 and 256). Between the cap and a larger run the
     confirmation still searches: here the winner's run one under the device's edge held more
     than the pick's limit, and the confirmation finds a batch above the cap below it."""
-    device, space, prober, stage = _stage(workload, profile, strategies, linear_device)
-    eager = prober.confirm(space.score_choices(BF16))
-    settings = CompileSearch()
-    variants, _ = search_variants(stage, eager, ["default"], settings, lambda c, b: 0.5)
-    v, search = variants[0], Search(stage, settings, eager)
-    compiled_edge = device.edge(Candidate(batch_size=1, choices=v.choices))
-    _, per_sample = device.line(Candidate(batch_size=1, choices=v.choices))
-    # The step's largest allocation, a sample's worth of it as large as the line's own: the
-    # cap falls near half the edge.
-    v.eager = dataclasses.replace(v.eager, largest_allocation=Line(0.0, per_sample))
+    prober, stage, v, search, compiled_edge = _with_largest_allocation(
+        workload, profile, strategies, linear_device
+    )
     ran = compiled_edge - 1  # fits on the device, held past the pick's limit (3% headroom)
     for b in (compiled_edge // 4, ran):
         assert search._run(v, b, 1, 1)
@@ -473,15 +481,9 @@ def test_where_two_runs_reserved_peaks_bound_a_candidate_the_largest_allocation_
     def device_of(eager):
         return linear_device(eager, reserved_over=reserved_over)
 
-    device, space, prober, stage = _stage(workload, profile, strategies, device_of)
-    eager = prober.confirm(space.score_choices(BF16))
-    settings = CompileSearch()
-    variants, _ = search_variants(stage, eager, ["default"], settings, lambda c, b: 0.5)
-    v, search = variants[0], Search(stage, settings, eager)
-    compiled_edge = device.edge(Candidate(batch_size=1, choices=v.choices))
-    _, per_sample = device.line(Candidate(batch_size=1, choices=v.choices))
-    # A largest allocation as large a sample as the line's own: the cap near half the edge.
-    v.eager = dataclasses.replace(v.eager, largest_allocation=Line(0.0, per_sample))
+    _, stage, v, search, compiled_edge = _with_largest_allocation(
+        workload, profile, strategies, device_of
+    )
     for b in (compiled_edge // 4, compiled_edge // 3):
         assert search._run(v, b, 1, 1)
     assert all(stage.held_bytes(m) <= stage.limit_bytes for m in v.runs.values())
