@@ -343,35 +343,36 @@ def _bytecode_words(env: dict[str, str]) -> str:
 
 
 class HostCpu:
-    """The host's CPU time, all cores, sampled from ``/proc/stat`` every ``every_s`` in a
-    thread while a plan runs: what share of the cores were busy in a window (a stage).
+    """The host's CPU time on the cores this process may run on (``os.sched_getaffinity``: all
+    of them unless a job is pinned, as ``bench/cards.py --split-cores`` pins each card's),
+    sampled from ``/proc/stat``'s lines per core every ``every_s`` in a thread while a plan
+    runs: what share of those cores were busy in a window (a stage).
 
     Why: a compile round runs several processes that compile at once, each with its own
     pool of inductor's workers; whether the host's cores are the bound (all busy) or sit
     partly idle (the card, a lock, one process's serial work) decides what shortens a
     round; and the least host memory available
     (``memadvisor.device.simulated.host_available_bytes``), what runs at once leave.
-    Known limitations: Linux only (elsewhere every share is None); the whole host,
-    not the plan's processes alone; a window shorter than ``every_s`` has no share."""
+    Known limitations: Linux only (elsewhere every share is None); every process on those
+    cores, not the plan's alone; a window shorter than ``every_s`` has no share."""
 
-    def __init__(self, every_s: float = 0.5) -> None:
+    def __init__(self, every_s: float = 0.5, cores: set[int] | None = None) -> None:
         self.every_s = every_s
+        if cores is None:
+            cores = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+        self.cores = cores  # empty: all of the host's (the aggregate line)
         self.samples: list[tuple[float, int, int]] = []  # (wall time, busy, total) jiffies
         self.min_available_bytes: int | None = None  # the least MemAvailable sampled
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    @staticmethod
-    def read() -> tuple[int, int] | None:
-        """(busy, total) jiffies of all cores so far; None where ``/proc/stat`` is not."""
+    def read(self) -> tuple[int, int] | None:
+        """(busy, total) jiffies of :attr:`cores` so far; None where ``/proc/stat`` is not."""
         try:
             with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
+                return jiffies(f.read(), self.cores)
         except (OSError, ValueError):
             return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        total = sum(fields[:8])  # guest time is counted inside user already
-        return total - idle, total
 
     def _sample(self) -> None:
         while True:
@@ -405,13 +406,39 @@ class HostCpu:
     def by_stage(self, planner_start: float, stage_wall_s: dict[str, float]) -> dict[str, Any]:
         """The busy share in each stage's window (the stages in the order the planner ran
         them, from ``planner_start``), with the cores counted; stages of under 2 s left out."""
-        shares: dict[str, Any] = {"cores": os.cpu_count()}
+        shares: dict[str, Any] = {"cores": len(self.cores) or os.cpu_count()}
         at = planner_start
         for stage, wall in stage_wall_s.items():
             if wall >= 2.0:
                 shares[stage] = self.share(at, at + wall)
             at += wall
         return shares
+
+
+def jiffies(stat: str, cores: set[int]) -> tuple[int, int] | None:
+    """(busy, total) jiffies in ``/proc/stat``'s text ``stat``: summed over the lines of
+    ``cores`` (``cpuN``), or the aggregate ``cpu`` line where ``cores`` is empty; None where
+    no such line is there.
+
+    Raises:
+        ValueError: a line whose fields are not numbers.
+    """
+    busy = total = 0
+    found = False
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu"):
+            continue
+        if cores:
+            if name == "cpu" or int(name[3:]) not in cores:
+                continue
+        elif name != "cpu":
+            continue
+        fields = [int(x) for x in rest.split()]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        line_total = sum(fields[:8])  # guest time is counted inside user already
+        busy, total, found = busy + line_total - idle, total + line_total, True
+    return (busy, total) if found else None
 
 
 def _outside(times: dict[str, float], spawned_at: float, exited_at: float) -> dict[str, float]:

@@ -92,7 +92,7 @@ def test_the_hosts_busy_share_of_a_stage_is_its_busy_jiffies_over_all_in_its_win
     assert "search" not in shares  # under 2 s
     assert shares["compile"] == 1.0  # samples at 105..108
     assert cpu.share(100.2, 100.9) is None  # no sample inside
-    assert shares["cores"] == os.cpu_count()
+    assert shares["cores"] == (len(os.sched_getaffinity(0)) or os.cpu_count())
     read = cpu.read()
     assert read is None or 0 <= read[0] <= read[1]
 
@@ -125,3 +125,25 @@ def test_the_least_host_memory_sampled_is_kept(load_bench) -> None:
         assert cpu.min_available_bytes is None
     else:
         assert 0 < cpu.min_available_bytes <= free * 2
+
+
+def test_the_busy_share_counts_the_cores_the_plan_may_run_on(load_bench) -> None:
+    """Rule: the jiffies read are those of the cores given (a job pinned by
+    ``bench/cards.py --split-cores``: its card's share), summed over their ``cpuN`` lines; no
+    cores given, the aggregate line (every core); a core not listed adds nothing."""
+    jiffies = load_bench("plan_speed").jiffies
+    stat = "\n".join(
+        [
+            "cpu  60 0 40 300 0 0 0 0 0 0",
+            "cpu0 10 0 10 80 0 0 0 0 0 0",
+            "cpu1 20 0 10 70 0 0 0 0 0 0",
+            "cpu2 30 0 20 50 0 0 0 0 0 0",
+            "cpu3 0 0 0 100 0 0 0 0 0 0",
+            "intr 12345 0 0",
+        ]
+    )
+    assert jiffies(stat, set()) == (100, 400)
+    assert jiffies(stat, {0, 1}) == (50, 200)
+    assert jiffies(stat, {2, 3}) == (50, 200)
+    assert jiffies(stat, {3}) == (0, 100)
+    assert jiffies(stat, {7}) is None
