@@ -141,7 +141,7 @@ def run_jobs(
         )
     shares: dict[int, list[int]] = {}
     if split_cores:
-        cores = sorted(os.sched_getaffinity(0))
+        cores = list(os.sched_getaffinity(0))  # core_share orders them
         shares = {card: core_share(card, cards, cores) for card in range(cards)}
         for card, share in shares.items():
             say(f"card {card}: cores {share[0]}-{share[-1]} ({len(share)})")

@@ -182,6 +182,13 @@ class FakeDevice(Device):
     def fits(self, candidate: Candidate, steps: int) -> bool:
         return candidate.batch_size <= self.limit(candidate, steps)
 
+    def reserved_peak(self, peak: int) -> int | None:
+        """A run's reserved peak for its allocated ``peak``: ``reserved_over`` above it, held
+        at the budget by the cap; None without ``reserved_over``."""
+        if self.reserved_over is None:
+            return None
+        return min(self.budget_bytes, int(peak * (1 + self.reserved_over)))
+
     def run(self, workload: Workload, candidate: Candidate, steps: int) -> Measurement:
         self.calls.append((candidate.batch_size, steps, dict(candidate.choices)))
         if self.error is not None and candidate.batch_size >= (self.error_at or 0):
@@ -197,13 +204,10 @@ class FakeDevice(Device):
         # Memory grows linearly with the batch and fills the budget half a sample past the
         # threshold: what a run measures says how far the threshold is, as on a card.
         peak = int(b * self.budget_bytes / (self.limit(candidate, steps) + 0.5))
-        reserved = None
-        if self.reserved_over is not None:
-            reserved = min(self.budget_bytes, int(peak * (1 + self.reserved_over)))
         return Measurement(
             steps=steps,
             peak_bytes=peak,
-            reserved_peak_bytes=reserved,
+            reserved_peak_bytes=self.reserved_peak(peak),
             step_ms=step_ms,
             samples_per_s=b * k / step_ms * 1e3,
         )
@@ -350,13 +354,10 @@ class LinearDevice(FakeDevice):
                 "compile_cache_bypasses": 2 if blocks else 0,
             }
         peak = max(self.step_peak_bytes, fixed + per_sample * candidate.batch_size)
-        reserved = None
-        if self.reserved_over is not None:  # as FakeDevice's: held at the budget by the cap
-            reserved = min(self.budget_bytes, int(peak * (1 + self.reserved_over)))
         return Measurement(
             steps=steps,
             peak_bytes=peak,
-            reserved_peak_bytes=reserved,
+            reserved_peak_bytes=self.reserved_peak(peak),
             step_ms=step_ms,
             samples_per_s=candidate.batch_size * candidate.accumulation_steps / step_ms * 1e3,
             host_ms=self.launch_ms(candidate),
