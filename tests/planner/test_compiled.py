@@ -461,15 +461,29 @@ def test_cuda_compiled_variant_is_trialled_measured_in_fresh_processes_and_judge
         device.close()
     assert outcome is not None and outcome.variants[0].ok, outcome.summary
     variant = outcome.variants[0]
-    assert variant.measured is not None and variant.one_off_ms and variant.one_off_ms > 0
-    assert all(p.fits or p.error for p in prober.probes if p.stage == "compile")
-    assert outcome.picked == (pick is not eager)
+    assert variant.measured is not None and variant.one_off_ms and variant.one_off_ms > 0, (
+        outcome.summary
+    )
+    assert all(p.fits or p.error for p in prober.probes if p.stage == "compile"), outcome.summary
+    assert outcome.picked == (pick is not eager), outcome.summary
     confirmed = [v.measured for v in outcome.variants if v.confirmed and v.measured]
     best = max((m.samples_per_s for m in confirmed), default=0.0)
-    assert outcome.picked == (best >= MIN_SPEEDUP * eager.measured.samples_per_s)
+    assert outcome.picked == (best >= MIN_SPEEDUP * eager.measured.samples_per_s), (
+        best,
+        eager.measured.samples_per_s,
+        outcome.summary,
+    )
     runs = [p for p in prober.probes if p.stage == "compile"]
-    # The winner's static-form run is the search's verdict, not one of its max_runs (cf3ad48).
+    made = [(p.batch_size, p.fits, p.candidate.choices.get("compile")) for p in runs]
+    # The search's own runs are within max_runs; the winner's static-form run (the search's
+    # verdict, cf3ad48) and the CUDA graphs' runs (bets beside pass 1 where the eager pick
+    # waited on the host, and the graphs step's) are counted apart (Search.runs_used). Session
+    # 42 call A: this test failed on an H200, its message lost (it passed in call B); the
+    # bound it had, without the graphs' runs, is the likely cause: hf_gpt2's plan in that call
+    # made 14 compile runs, 8 of the search's, 1 static and 5 of the graphs.
     search = outcome.details["search"]
-    assert len(runs) <= search["max_runs"] + search["static_runs"], [
-        (p.batch_size, p.fits, p.candidate.choices.get("compile")) for p in runs
-    ]
+    assert search["runs"] <= search["max_runs"], (search, made)
+    assert len(runs) >= search["runs"] + search["static_runs"] + search["graphs_runs"], (
+        search,
+        made,
+    )
