@@ -52,7 +52,10 @@ therefore measures compiled variants of several eager combinations, not only of 
    static (checkpointed) and the group compiles cold anyway, a dynamic candidate's line is
    set against it at :data:`STATIC_GAIN_MAX`, and such a rider that then measures more than
    the winner's static confirmation by :data:`MIN_SPEEDUP` is the pick, as is a near
-   rider that did (:meth:`Search.rode_past`).
+   rider that did (:meth:`Search.rode_past`). Where the search form is regional and the
+   model has at most :data:`WHOLE_RIDER_MAX_BLOCKS` blocks, the leader's whole model
+   compiled rides too, in the room left (:meth:`Search._whole_rider`), and is the pick where
+   it ran :data:`MIN_SPEEDUP` more than the winner's static form (:meth:`Search.whole_past`).
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
    from its predicted batch (a line through dynamic-batch runs needs only
    :data:`DYNAMIC_ALLOWANCE` of the bar to be confirmed). Then its static form, the one the
@@ -223,6 +226,13 @@ REGIONAL_OUTSIDE_MAX = 0.25
 # regional static, 3,266 whole (128). t5_base's T5Blocks take 2 (its encoder's and its
 # decoder's sequence): regional ran 153.9 (24 blocks checkpointed, 57), whole at most 128.4.
 REGIONAL_MAX_SIZES = 2
+# Where the search form compiles each repeated block (regional) and the profile has at most
+# this many blocks, pass 2's leader's whole model compiled (its offered form, static) rides
+# with pass 2 (Search._whole_rider): few blocks make the whole compile about as long as the
+# group's checkpointed static runs (cnn's 6 blocks on an H200, session 42 call B: the whole
+# model with 3 blocks checkpointed compiled in 25.2 s against 18.8 s regional, and ran
+# 57,605 samples/s at 3203 against 50,247), where lm350m's 24 took 42-66 s whole (session 27).
+WHOLE_RIDER_MAX_BLOCKS = 8
 # The first torch release (major, minor) whose inductor caches were seen to take a graph with
 # checkpointed blocks (checkpointed_graphs_cached): 2.13 on a CPU; 2.11 on a card never did.
 CHECKPOINTED_CACHED_FROM = (2, 13)
@@ -289,6 +299,16 @@ class CompileSearch(BaseModel):
         "batch it tried, and ran 111.3 samples/s at batch 9 against the regional pick's 112.6 "
         "at batch 10.",
     )
+    whole_rider: bool = Field(
+        True,
+        description="Where the search form is regional and the model has at most "
+        "WHOLE_RIDER_MAX_BLOCKS blocks, pass 2's leader's whole model compiled (static, at "
+        "its predicted batch) rides with pass 2 where its group has room, and is the pick "
+        "where it ran MIN_SPEEDUP faster than the winner's static form: one cold compile "
+        "beside the group, where confirm_offered is a batch search of its own after it "
+        "(cnn at 8 GiB on an H200, session 42: whole 57,605 samples/s against regional "
+        "50,247 at 3203).",
+    )
     graphs_when_host_bound: bool = Field(
         True,
         description="Where the compiled pick's card waited on the host (host_bound_share), "
@@ -332,6 +352,9 @@ class Variant:
     # failed (Search._static_instead), the compiler's error in one line.
     static_because: str | None = None
     trialled_as: JsonValue | None = None  # the form whose trial stands for it, where it moved
+    # Its choices with the offered form, static (the whole model where the search form is
+    # regional): what its whole-model rider runs (Search._whole_rider).
+    offered_choices: dict[str, JsonValue] | None = None
 
     @property
     def static_pending(self) -> bool:
@@ -558,6 +581,7 @@ def search_variants(
             ),
             start_batch=start,
             eager=EagerLines.of(profile, choices, stage.strategies, start),
+            offered_choices={**choices, COMPILE: choice.static().to_json()},
         )
         key = repr(sorted(variant.choices.items()))
         if key in seen:
@@ -814,6 +838,9 @@ class Search:
         # Candidates whose static form rode with pass 2, by id: rode_past weighs their
         # riders against the pick.
         self.rode: set[int] = set()
+        # The whole model's riders (_whole_rider): the offered choices that rode, by the
+        # candidate's id; whole_past weighs them against the winner's static form.
+        self.whole_riders: dict[int, dict[str, JsonValue]] = {}
 
     @property
     def runs_used(self) -> int:
@@ -1223,13 +1250,17 @@ class Search:
                 self._run(v, batch, *ask.of(v), retry=retry)
                 continue
             riding = ""
-            statics = [b for c, b in extra if c not in self.graphs_riding]
+            wholes = list(self.whole_riders.values())
+            statics = [b for c, b in extra if c not in self.graphs_riding and c not in wholes]
             graphs = [b for c, b in extra if c in self.graphs_riding]
+            whole = [b for c, b in extra if c in wholes]
             if statics:
                 forms = "form at batch" if len(statics) == 1 else "forms at batches"
                 riding = f"; the static {forms} {', '.join(str(b) for b in statics)}"
             if graphs:
                 riding += f"; CUDA graphs at batch {', '.join(str(b) for b in graphs)}"
+            if whole:
+                riding += f"; the whole model at batch {', '.join(str(b) for b in whole)}"
             self.stage.describe(
                 f"compiling candidates {', '.join(str(ask.of(v)[0]) for v, _ in group)}"
                 f"/{ask.total} at once ({'; '.join(v.label for v, _ in group)}{riding})"
@@ -1369,7 +1400,86 @@ class Search:
                 self.graphs_riding.append(graphs[0][0])
                 batches = ", ".join(str(b) for _, b in graphs)
                 self.riders.append(f"CUDA graphs of {leader.label} at {batches}")
+        if by_rate:
+            whole = self._whole_rider(leader, room - len(riders))
+            if whole is not None:
+                riders.append(whole)
         return riders
+
+    def _whole_rider(self, leader: Variant, room: int) -> tuple[dict[str, JsonValue], int] | None:
+        """The leader's whole model compiled (its offered form, static) at its predicted
+        batch, to go with pass 2 (:meth:`_static_riders`, after the static riders, the
+        fallbacks and the CUDA graphs' first round, in the room they leave); None where the
+        leader is searched whole already, the model has more than
+        :data:`WHOLE_RIDER_MAX_BLOCKS` blocks, :attr:`CompileSearch.whole_rider` is off or
+        :attr:`CompileSearch.confirm_offered` on (the offered form gets a confirmation of its
+        own), or no room is left.
+
+        Why: whole or regional is chosen from the profile, for the compile's cost
+        (:func:`regional_pays`), and the whole model compiled has run faster: cnn's hand
+        cell (the whole model, 3 blocks checkpointed) 59,119 samples/s at 2820 against the
+        regional pick's 53,673 at 2026 (0.908); with the offered form confirmed after the
+        search (H200, session 42 call B), the whole model ran 57,605 at 3203 where the
+        regional one ran 50,247, at a compile stage of 75.9 s against 36.5 s. As a rider
+        it is one cold compile beside pass 2's group, whose checkpointed candidates compile
+        cold too; :meth:`whole_past` takes it where it ran :data:`MIN_SPEEDUP` faster.
+
+        Known limitations: it rides at the leader's batch, not at the whole form's own edge
+        (the whole model held 2820 where the regional held 2631, cnn's cells); where the
+        winner is not the leader, its run was spent; where it is the pick, the plan's checks
+        compile the whole model again in the planner's process (10.3 s for cnn, 18.0 s for
+        the Llama example, session 42 call B)."""
+        settings = self.settings
+        if not settings.whole_rider or settings.confirm_offered:
+            return None
+        offered, fit = leader.offered_choices, leader.fit
+        searched = parse_choice(leader.form)
+        if offered is None or fit is None or searched is None or not searched.regional:
+            return None
+        if offered == leader.static_choices or fit.largest_batch < 1:
+            return None
+        blocks = len(self.stage.profile.blocks)
+        if blocks > WHOLE_RIDER_MAX_BLOCKS:
+            self.not_riding[f"the whole model of {leader.label}"] = (
+                f"{blocks} blocks, more than {WHOLE_RIDER_MAX_BLOCKS}: a whole compile of each "
+                "costs more than the group's runs"
+            )
+            return None
+        if room <= 0:
+            self.not_riding[f"the whole model of {leader.label}"] = "no room beside pass 2"
+            return None
+        self.whole_riders[id(leader)] = offered
+        self.riders.append(f"the whole model of {leader.label} at {fit.largest_batch}")
+        return (offered, fit.largest_batch)
+
+    def whole_past(self, winner: Variant, found: Confirmed) -> Confirmed | None:
+        """The winner's whole model compiled, where it rode with pass 2
+        (:meth:`_whole_rider`), fitted within the pick's limit and measured more than
+        ``found`` (the winner's static confirmation) by :data:`MIN_SPEEDUP`, confirmed from
+        that run (no device run); None elsewhere. The margin is :meth:`rode_past`'s: one
+        run of the verifying steps a side."""
+        offered = self.whole_riders.get(id(winner))
+        if offered is None:
+            return None
+        rode = [
+            p.batch_size
+            for p in self.stage.probes[self.runs_before :]
+            if p.fits and p.candidate is not None and p.candidate.choices == offered
+        ]
+        if not rode:
+            return None
+        before = len(self.stage.probes)
+        try:  # no run left to make: answered from the rider's record
+            c = self.stage.confirm(offered, max(rode), max_runs=0, within=MIN_SPEEDUP - 1.0)
+        finally:
+            self.static_runs += len(self.stage.probes) - before
+        if c is None or self.stage.held_bytes(c.measured) > self.stage.limit_bytes:
+            return None
+        objective = self.stage.config.objective
+        margin = MIN_SPEEDUP if objective != "largest_batch" else 1.0
+        bar = worth(objective, found.candidate.batch_size, margin * found.measured.samples_per_s)
+        key = worth(objective, c.candidate.batch_size, c.measured.samples_per_s)
+        return c if key > bar else None
 
     def _fallback(self, v: Variant, batch: int) -> tuple[dict[str, JsonValue], int] | None:
         """The run to make ahead beside ``v``'s pass-2 run at ``batch`` (its static form at

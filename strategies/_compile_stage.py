@@ -237,7 +237,7 @@ def compiled_pick(
 
         winner = search.measure(variants, meanwhile=trial, then=then)
         measurable = [v for v in variants if _ok(trials, v)]
-        found = final = searched = displaced = None
+        found = final = searched = displaced = whole = None
         final_why = static_why = rode_words = ""
         if winner is not None:
             differs = winner.final_differs
@@ -303,6 +303,9 @@ def compiled_pick(
                     rode_words = _rode_words(rode, winner, found)
                     winner, found = rode
                     searched, static_why = None, ""
+                # The winner's whole model compiled, run beside pass 2 and faster by
+                # MIN_SPEEDUP (Search.whole_past): the pick, beside the regional form.
+                whole = search.whole_past(winner, found)
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(stage.probes) > runs_before
         cache_report = shared.report() if ran else None
@@ -322,6 +325,12 @@ def compiled_pick(
             records.append(record)
             if final is not None:
                 confirmed.append((record, final))
+        elif whole is not None:
+            whole_choices = whole.candidate.choices
+            record = _final_record(stage, winner, whole, "", runs_before, whole_choices)
+            records.append(record)
+            confirmed.append((record, whole))
+            rode_words = f"{rode_words} {_whole_words(winner, whole, found)}".strip()
     best = _best(objective, confirmed)
     picked = best is not None and _beats(objective, best[1], eager_best)
     graphs = graphs_note = None
@@ -463,6 +472,18 @@ def _rode_words(rode: tuple[Variant, Confirmed], winner: Variant, found: Confirm
         f"{found.candidate.batch_size}, the best by the lines"
         f"{'' if is_dynamic(winner.form) else ' (searched static)'}: it is the pick, its run "
         "the verification."
+    )
+
+
+def _whole_words(winner: Variant, whole: Confirmed, found: Confirmed) -> str:
+    """Why the pick is the winner's whole model compiled (Search.whole_past), in a sentence."""
+    rate, regional = whole.measured.samples_per_s, found.measured.samples_per_s
+    return (
+        f"The whole model compiled ({winner.label}), run beside the second pass at batch "
+        f"{whole.candidate.batch_size}, ran {rate:.1f} samples/s, {rate / regional:.2f}x each "
+        f"repeated block compiled ({regional:.1f} at batch {found.candidate.batch_size}): it "
+        "is the pick, its run the verification; its first step compiles the whole model, "
+        "longer than block by block."
     )
 
 
@@ -710,15 +731,22 @@ def _graphs_record(
 
 
 def _final_record(
-    stage: PickStage, winner: Variant, final: Confirmed | None, why: str, runs_before: int
+    stage: PickStage,
+    winner: Variant,
+    final: Confirmed | None,
+    why: str,
+    runs_before: int,
+    choices: dict[str, JsonValue] | None = None,
 ) -> StageVariant:
-    """The winner in its offered form, confirmed from its batch (not trialled here: the
+    """The winner in its offered form (``choices``, else its ``final_choices``: the whole
+    model's rider's, Search.whole_past), confirmed from its batch (not trialled here: the
     search trialled its search form)."""
+    choices = choices if choices is not None else winner.final_choices
     record = StageVariant(
-        choices=winner.final_choices,
+        choices=choices,
         ok=True,
         trial="not trialled here: the search compiled its search form; the device ran this one.",
-        device_wall_ms=_wall_ms(stage, winner.final_choices, runs_before),
+        device_wall_ms=_wall_ms(stage, choices, runs_before),
         error=why or None,
     )
     if final is not None:

@@ -23,6 +23,7 @@ import pytest
 import torch
 from pydantic import JsonValue
 
+import strategies._compile_search as search_module
 import strategies._compile_stage as stage_module
 from memadvisor.errors import ProbeProcessError
 from memadvisor.planner import Progress, plan_workload
@@ -1506,11 +1507,15 @@ def test_pass_twos_leader_takes_its_static_form_along_where_its_group_has_room(
         return device
 
     # max_batch 50: the leader's line from one run puts it there, and the confirmation too.
-    alone = _plan(workload, profile, strategies, device_of(1), verify_steps=2, max_batch=50)
+    # The whole model's rider is its own rule (test_pass_twos_leaders_whole_model_rides_...).
+    search = CompileSearch(whole_rider=False)
+    alone = _plan(workload, profile, strategies, device_of(1), search, verify_steps=2, max_batch=50)
     device = device_of(4)
     calls = _forms_at_once(device)
     with caplog.at_level(logging.DEBUG, logger="memadvisor"):
-        together = _plan(workload, profile, strategies, device, verify_steps=2, max_batch=50)
+        together = _plan(
+            workload, profile, strategies, device, search, verify_steps=2, max_batch=50
+        )
     assert together.stages[0].picked and alone.stages[0].picked
     assert together.candidate == alone.candidate and together.verified == alone.verified
     statics = [p for p in together.probes if _static_form(p)]
@@ -1525,6 +1530,100 @@ def test_pass_twos_leader_takes_its_static_form_along_where_its_group_has_room(
     # The progress line says the static form goes along.
     lines = [r.getMessage() for r in caplog.records]
     assert any(re.search(r"at once \(.*; the static form at batch 50\)", m) for m in lines), lines
+
+
+def _whole_rider_plan(
+    workload, profile, strategies, linear_device, at_once: int, regional_speed: float, **search
+) -> Plan:
+    """A plan on a device of ``at_once`` runs at once whose whole-model compiled step runs
+    ``1 / regional_speed`` times the regional one's (the search form: the profile's blocks
+    repeat), its leader's line from one run at max_batch 50."""
+    device = linear_device(
+        EAGER_FLAT, fixed_ms=0.01, speedup=1.2 / 0.95, regional_speed=regional_speed
+    )
+    device.capabilities = device.capabilities.model_copy(update={"concurrent_runs": at_once})
+    settings = CompileSearch(**search)
+    return _plan(workload, profile, strategies, device, settings, verify_steps=2, max_batch=50)
+
+
+def _whole_runs(plan: Plan) -> list:
+    """The compile stage's runs of the whole model (a compile form that is not regional)."""
+    return [
+        p
+        for p in plan.probes
+        if p.stage == "compile"
+        and (form := parse_choice(p.candidate.choices.get("compile"))) is not None
+        and not form.regional
+    ]
+
+
+def test_pass_twos_leaders_whole_model_rides_with_pass_two_and_is_the_pick_where_faster(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the search compiles each repeated block (regional) and the model has at
+    most WHOLE_RIDER_MAX_BLOCKS blocks, pass 2's leader's whole model compiled (static, at
+    the leader's predicted batch) goes with pass 2's group where it has room; where it ran
+    MIN_SPEEDUP more than the winner's static form, it is the pick, its run the
+    verification, with no device run of the search's more (cnn on an H200, session 42 call
+    B: the whole model ran 57,605 samples/s at 3203 where the regional one ran 50,247)."""
+    # Whole 1/0.95 = 1.053x the regional form: past MIN_SPEEDUP.
+    plan = _whole_rider_plan(workload, profile, strategies, linear_device, 4, 0.95)
+    without = _whole_rider_plan(
+        workload, profile, strategies, linear_device, 4, 0.95, whole_rider=False
+    )
+    stage, off = plan.stages[0], without.stages[0]
+    assert stage.picked and off.picked
+    pick = parse_choice(plan.candidate.choices["compile"])
+    assert pick is not None and not pick.regional and not pick.dynamic_batch, plan.candidate
+    assert parse_choice(without.candidate.choices["compile"]).regional
+    # One whole-model run, at the batch it is picked at: the rider's run is the verification.
+    whole = _whole_runs(plan)
+    assert [p.batch_size for p in whole] == [plan.candidate.batch_size]
+    assert _whole_runs(without) == []
+    assert plan.verified.samples_per_s >= MIN_SPEEDUP * without.verified.samples_per_s
+    search = stage.details["search"]
+    assert any(r.startswith("the whole model of") for r in search["riders"]), search
+    # A static run beside the group, not one of the search's.
+    assert search["runs"] == off.details["search"]["runs"]
+    assert search["static_runs"] == off.details["search"]["static_runs"] + 1
+    assert "The whole model compiled" in stage.summary, stage.summary
+
+
+def test_the_whole_models_rider_not_faster_by_min_speedup_leaves_the_regional_pick(
+    workload, profile, strategies, linear_device, trials
+) -> None:
+    """Rule: where the whole model's rider ran less than MIN_SPEEDUP more than the winner's
+    static form (the Llama example on an H200, session 42 call B: 55,464 against 54,731 at
+    1603), the regional pick stands; the rider was a static run spent. On a device of one
+    run at a time no rider goes: the pick is the regional one, as without the rider."""
+    # Whole 1/0.99 = 1.01x the regional form: within MIN_SPEEDUP.
+    plan = _whole_rider_plan(workload, profile, strategies, linear_device, 4, 0.99)
+    without = _whole_rider_plan(
+        workload, profile, strategies, linear_device, 4, 0.99, whole_rider=False
+    )
+    assert plan.candidate == without.candidate, (plan.candidate, without.candidate)
+    assert len(_whole_runs(plan)) == 1
+    search = plan.stages[0].details["search"]
+    assert search["static_runs"] == without.stages[0].details["search"]["static_runs"] + 1
+    assert "The whole model compiled" not in plan.stages[0].summary
+    alone = _whole_rider_plan(workload, profile, strategies, linear_device, 1, 0.95)
+    assert _whole_runs(alone) == []
+    assert parse_choice(alone.candidate.choices["compile"]).regional
+
+
+def test_a_model_of_more_blocks_than_whole_rider_max_blocks_sends_no_whole_model_rider(
+    workload, profile, strategies, linear_device, trials, monkeypatch
+) -> None:
+    """Rule: the whole model rides only where the profile has at most WHOLE_RIDER_MAX_BLOCKS
+    blocks: each block is compiled again in a whole compile, and lm350m's 24 took 42-66 s
+    cold, longer than pass 2's group; the plan says why it did not ride."""
+    monkeypatch.setattr(search_module, "WHOLE_RIDER_MAX_BLOCKS", len(profile.blocks) - 1)
+    plan = _whole_rider_plan(workload, profile, strategies, linear_device, 4, 0.95)
+    assert _whole_runs(plan) == []
+    assert parse_choice(plan.candidate.choices["compile"]).regional
+    not_riding = plan.stages[0].details["search"]["not_riding"]
+    why = [w for k, w in not_riding.items() if k.startswith("the whole model of")]
+    assert why and f"{len(profile.blocks)} blocks" in why[0], not_riding
 
 
 def test_a_rider_whose_leader_moves_is_counted_static_and_the_pick_verified_where_it_went(
@@ -2512,7 +2611,9 @@ def test_a_static_pass_two_run_takes_its_fallback_along_and_it_answers_where_tha
     out by the allocator's retries, then 51 and 43 in a round of their own, 41.6 s); where
     it fits, the fallback is neither logged nor counted. Same pick, same search runs, a
     round fewer."""
-    search = CompileSearch(checkpointed_static=True)
+    # The whole model's rider (its own rule: test_pass_twos_leaders_whole_model_rides_...)
+    # would take the group's room and the pick.
+    search = CompileSearch(checkpointed_static=True, whole_rider=False)
     edge: dict[str, object] = {}
 
     def device_of():
