@@ -841,6 +841,9 @@ class Search:
         # The whole model's riders (_whole_rider): the offered choices that rode, by the
         # candidate's id; whole_past weighs them against the winner's static form.
         self.whole_riders: dict[int, dict[str, JsonValue]] = {}
+        # The whole model's trial in this process (the plan's compile check reuses it), made
+        # beside pass 2's group where its whole model rides: set by the compile stage.
+        self.trial_whole: Callable[[dict[str, JsonValue]], None] = lambda choices: None
 
     @property
     def runs_used(self) -> int:
@@ -955,7 +958,18 @@ class Search:
         ]
         pass_two = second + retries
         riders = self._static_riders(ranked, pass_two, reserve)
-        self._run_in_groups(pass_two, ask, reserve, riders=riders)
+        wholes = [c for c, _ in riders if c in self.whole_riders.values()]
+        if wholes:
+            # The whole model's trial here while the group runs: where its rider is the pick,
+            # the plan's compile check finds it made (the Llama example on an H200, session
+            # 42 call D: 13.5 s of checks after the search where it was made after).
+            def trial() -> dict[int, str | None]:
+                self.trial_whole(wholes[0])
+                return {}
+
+            self._beside(pass_two, ask, reserve, 0, trial, riders=riders)
+        else:
+            self._run_in_groups(pass_two, ask, reserve, riders=riders)
         winner = self.best([v for v in variants if v.error is None or v.runs])
         if winner is None or not could_beat(objective, winner.fit, self.eager, _allowance(winner)):
             return None
@@ -1401,16 +1415,23 @@ class Search:
                 batches = ", ".join(str(b) for _, b in graphs)
                 self.riders.append(f"CUDA graphs of {leader.label} at {batches}")
         if by_rate:
-            whole = self._whole_rider(leader, room - len(riders))
+            # The first candidate by its line whose static form rides, else the leader.
+            target = next((v for v in ranked if id(v) in self.rode), leader)
+            whole = self._whole_rider(target, room - len(riders))
             if whole is not None:
                 riders.append(whole)
         return riders
 
     def _whole_rider(self, leader: Variant, room: int) -> tuple[dict[str, JsonValue], int] | None:
-        """The leader's whole model compiled (its offered form, static) at its predicted
+        """``leader``'s whole model compiled (its offered form, static) at its predicted
         batch, to go with pass 2 (:meth:`_static_riders`, after the static riders, the
-        fallbacks and the CUDA graphs' first round, in the room they leave); None where the
-        leader is searched whole already, the model has more than
+        fallbacks and the CUDA graphs' first round, in the room they leave). ``leader`` is
+        the first candidate by its line whose static form rides, else pass 2's leader: the
+        riders are the candidates whose static form may decide the pick (:meth:`rode_past`),
+        and in session 42 call D's four plans (cnn and the Llama example on an H200) the
+        pick was that candidate each time, pass 2's leader once (cnn's leader, 6 of 6 blocks
+        checkpointed by its line, lost to no checkpointing, which rode static). None where
+        it is searched whole already, the model has more than
         :data:`WHOLE_RIDER_MAX_BLOCKS` blocks, :attr:`CompileSearch.whole_rider` is off or
         :attr:`CompileSearch.confirm_offered` on (the offered form gets a confirmation of its
         own), or no room is left.
@@ -1424,11 +1445,13 @@ class Search:
         it is one cold compile beside pass 2's group, whose checkpointed candidates compile
         cold too; :meth:`whole_past` takes it where it ran :data:`MIN_SPEEDUP` faster.
 
-        Known limitations: it rides at the leader's batch, not at the whole form's own edge
-        (the whole model held 2820 where the regional held 2631, cnn's cells); where the
-        winner is not the leader, its run was spent; where it is the pick, the plan's checks
-        compile the whole model again in the planner's process (10.3 s for cnn, 18.0 s for
-        the Llama example, session 42 call B)."""
+        Known limitations: it rides at the candidate's predicted batch, not at the whole
+        form's own edge (the whole model held 2820 where the regional held 2631, cnn's
+        cells); where the winner is another candidate, its run was spent (cnn, session 42
+        call D, when it rode for pass 2's leader: a group of 29-33 s against 18.7 s); the
+        whole model's trial, which the plan's compile check reuses, is made in the planner's
+        process beside the group (10.3 s for cnn, 18.0 s for the Llama example after the
+        search, session 42 call B), whose timed steps wait for it."""
         settings = self.settings
         if not settings.whole_rider or settings.confirm_offered:
             return None

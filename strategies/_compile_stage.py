@@ -214,6 +214,7 @@ def compiled_pick(
     with stage.progress(), scope as shared:
         search = Search(stage, settings, eager_best)
         search.graphs_ahead = lambda v: _graphs_ahead(stage, settings, v)
+        search.trial_whole = lambda choices: _trial_beside(stage, strategy, choices)
         search.graphs_bet = lambda v, batch, room: bets_within(
             stage, settings, v.static_choices, batch, eager_best.measured, room
         )
@@ -1092,6 +1093,18 @@ def _batch_twin(form: JsonValue) -> JsonValue | None:
     if parsed is None:
         return None
     return parsed.model_copy(update={"dynamic_batch": not parsed.dynamic_batch}).to_json()
+
+
+def _trial_beside(stage: PickStage, strategy: Compile, choices: dict[str, JsonValue]) -> None:
+    """``choices``' compile form trialled here at the sample batch (:func:`_trial`), unless
+    a trial of it was kept: the whole model's, beside pass 2's group where it rides
+    (``Search.trial_whole``), so that the plan's compile check of a whole-model pick
+    (``Compile.check``) reuses it instead of compiling after the search. Its answer is
+    the check's; the rider's device run is the measurement."""
+    parsed = _parse(choices[COMPILE])
+    if parsed is None or strategy._result_for(parsed) is not None:
+        return
+    _trial(stage, strategy, choices, stage.workload.sample_batch_size)
 
 
 def _trial(

@@ -1611,6 +1611,40 @@ def test_the_whole_models_rider_not_faster_by_min_speedup_leaves_the_regional_pi
     assert parse_choice(alone.candidate.choices["compile"]).regional
 
 
+def test_the_whole_model_rides_for_the_first_rider_and_is_trialled_beside_pass_two(
+    workload, profile, strategies, linear_device, trials, record_run_many, caplog
+) -> None:
+    """Rule: the whole model rides for the first candidate by its line whose static form
+    rides with pass 2, not for pass 2's leader where that is another (cnn on an H200,
+    session 42 call D: its leader, 6 of 6 blocks checkpointed and searched static, lost to
+    no checkpointing, whose static form rode, and the whole model's rider, sent for the
+    leader, was spent). And the whole model's trial, which the plan's compile check of a
+    whole-model pick reuses, is made in this process beside pass 2's group, not after the
+    search (the Llama example: 13.5 s of checks after it). Here pass 2's leader checkpoints
+    2 blocks (static), and no checkpointing's static form rides at the static form's gain
+    (a dynamic step 1.3x its static one)."""
+    device = linear_device(
+        EAGER_FLAT, fixed_ms=1.0, recompute=0.4, uncached_checkpointed=True, dynamic_slowdown=1.3
+    )
+    _concurrent(device, 8, record_run_many)
+    search = CompileSearch(checkpointed_static=True)
+    with caplog.at_level(logging.DEBUG, logger="memadvisor"):
+        plan = _plan(workload, profile, strategies, device, search, verify_steps=2)
+    details = plan.stages[0].details["search"]
+    riders = details["riders"]
+    assert "no checkpointing at 60" in riders, details
+    assert "the whole model of no checkpointing at 60" in riders, details
+    assert not any(r.startswith("the whole model of checkpoint") for r in riders), details
+    assert "searched static" in details["not_riding"]["checkpoint 2/4 blocks"], details
+    assert _blocks(plan.candidate.choices) == 0 and plan.candidate.choices["compile"] == "default"
+    # The whole model's trial: once (the compile check reused it), within the compile stage.
+    assert [c for c, _ in trials].count("default") == 1, trials
+    lines = [r.getMessage() for r in caplog.records]
+    trialled = [i for i, m in enumerate(lines) if "compiling default mode in this" in m]
+    checks = next(i for i, m in enumerate(lines) if m.startswith("checks"))
+    assert trialled and trialled[0] < checks, lines[:checks]
+
+
 def test_a_model_of_more_blocks_than_whole_rider_max_blocks_sends_no_whole_model_rider(
     workload, profile, strategies, linear_device, trials, monkeypatch
 ) -> None:
