@@ -88,7 +88,9 @@ Known limitations:
       the two thresholds come from six models on an H100 (``docs/design.md``, "Whole or
       regional"), and a model near them may search the slower form. The whole form compiles
       every candidate whole: hf_gpt2's compile stage took 169.6 s whole against 62.0 s
-      regional (session 18), for a pick 1.66x faster.
+      regional (session 18), for a pick 1.66x faster. A regional search of a model of few
+      blocks measures one candidate whole beside pass 2 (:meth:`Search._whole_rider`), not
+      the others.
     * Where the winner's confirmation finds less than another candidate's own run measured,
       that candidate is confirmed too (:meth:`Search.rival`), one rival only; a candidate
       whose line was close but whose runs measured less is not.
