@@ -1486,19 +1486,8 @@ class Search:
         offered = self.whole_riders.get(id(winner))
         if offered is None:
             return None
-        rode = [
-            p.batch_size
-            for p in self.stage.probes[self.runs_before :]
-            if p.fits and p.candidate is not None and p.candidate.choices == offered
-        ]
-        if not rode:
-            return None
-        before = len(self.stage.probes)
-        try:  # no run left to make: answered from the rider's record
-            c = self.stage.confirm(offered, max(rode), max_runs=0, within=MIN_SPEEDUP - 1.0)
-        finally:
-            self.static_runs += len(self.stage.probes) - before
-        if c is None or self.stage.held_bytes(c.measured) > self.stage.limit_bytes:
+        c = self._rider_confirmed(offered)
+        if c is None:
             return None
         objective = self.stage.config.objective
         margin = MIN_SPEEDUP if objective != "largest_batch" else 1.0
@@ -1593,25 +1582,34 @@ class Search:
         for v in variants:
             if v is winner or v.error is not None or id(v) not in self.rode:
                 continue
-            static = v.static_choices
-            rode = [
-                p.batch_size
-                for p in self.stage.probes[self.runs_before :]
-                if p.fits and p.candidate is not None and p.candidate.choices == static
-            ]
-            if not rode:
-                continue
-            before = len(self.stage.probes)
-            try:  # no run left to make: answered from the rider's record
-                c = self.stage.confirm(static, max(rode), max_runs=0, within=MIN_SPEEDUP - 1.0)
-            finally:
-                self.static_runs += len(self.stage.probes) - before
-            if c is None or self.stage.held_bytes(c.measured) > self.stage.limit_bytes:
+            c = self._rider_confirmed(v.static_choices)
+            if c is None:
                 continue
             key = worth(objective, c.candidate.batch_size, c.measured.samples_per_s)
             if key > bar:
                 best, bar = (v, c), key
         return best
+
+    def _rider_confirmed(self, choices: dict[str, JsonValue]) -> Confirmed | None:
+        """``choices``' rider (a static form or the whole model that rode with pass 2) as a
+        confirmation at the largest batch it fitted, answered from its record without a
+        device run (counted static where one is made); None where it fitted nowhere or
+        holds more than the pick's limit."""
+        rode = [
+            p.batch_size
+            for p in self.stage.probes[self.runs_before :]
+            if p.fits and p.candidate is not None and p.candidate.choices == choices
+        ]
+        if not rode:
+            return None
+        before = len(self.stage.probes)
+        try:  # no run left to make: answered from the rider's record
+            c = self.stage.confirm(choices, max(rode), max_runs=0, within=MIN_SPEEDUP - 1.0)
+        finally:
+            self.static_runs += len(self.stage.probes) - before
+        if c is None or self.stage.held_bytes(c.measured) > self.stage.limit_bytes:
+            return None
+        return c
 
     def _again_static(self, group: list[tuple[Variant, int]]) -> None:
         """The runs of ``group`` that :meth:`_static_instead` sent static, made again in that
