@@ -307,6 +307,8 @@ def compiled_pick(
                 # The winner's whole model compiled, run beside pass 2 and faster by
                 # MIN_SPEEDUP (Search.whole_past): the pick, beside the regional form.
                 whole = search.whole_past(winner, found)
+                if whole is not None and not _trial_compiled(strategy, whole):
+                    whole = None  # its trial here (beside pass 2) failed: not handed on
         # The cache is the device runs' (the trials run here): only they make it worth a note.
         ran = len(stage.probes) > runs_before
         cache_report = shared.report() if ran else None
@@ -1105,6 +1107,14 @@ def _trial_beside(stage: PickStage, strategy: Compile, choices: dict[str, JsonVa
     if parsed is None or strategy._result_for(parsed) is not None:
         return
     _trial(stage, strategy, choices, stage.workload.sample_batch_size)
+
+
+def _trial_compiled(strategy: Compile, found: Confirmed) -> bool:
+    """Whether ``found``'s compile form compiled in the trial kept for it here (True where
+    none was kept: the plan's compile check then trials it)."""
+    parsed = _parse(found.candidate.choices[COMPILE])
+    result = strategy._result_for(parsed) if parsed is not None else None
+    return result is None or result.ok
 
 
 def _trial(

@@ -1645,6 +1645,26 @@ def test_the_whole_model_rides_for_the_first_rider_and_is_trialled_beside_pass_t
     assert trialled and trialled[0] < checks, lines[:checks]
 
 
+def test_a_whole_model_whose_trial_failed_is_not_the_pick_though_its_rider_ran_faster(
+    workload, profile, strategies, linear_device, monkeypatch
+) -> None:
+    """Rule: the whole model's rider is handed on only where its trial in this process
+    (made beside pass 2's group) compiled: a device run says how fast it is, the trial
+    whether it compiles and matches eager, which the plan's compile check repeats. Here the
+    whole model runs 1.05x the regional form on the device but its trial fails."""
+
+    def stand_in(workload, choice, *, candidate=None, device=None, **kwargs) -> CompileResult:
+        if not parse_choice(choice).regional:
+            return trial_result(choice, candidate, ok=False, error="dynamo: unsupported op")
+        return trial_result(choice, candidate)
+
+    monkeypatch.setattr("strategies.compile.try_compile", stand_in)
+    plan = _whole_rider_plan(workload, profile, strategies, linear_device, 4, 0.95)
+    assert len(_whole_runs(plan)) == 1  # it rode, and ran faster
+    assert parse_choice(plan.candidate.choices["compile"]).regional, plan.candidate
+    assert "The whole model compiled" not in plan.stages[0].summary
+
+
 def test_a_model_of_more_blocks_than_whole_rider_max_blocks_sends_no_whole_model_rider(
     workload, profile, strategies, linear_device, trials, monkeypatch
 ) -> None:
