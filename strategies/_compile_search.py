@@ -1450,7 +1450,7 @@ class Search:
         Known limitations: it rides at the candidate's predicted batch, not at the whole
         form's own edge (the whole model held 2820 where the regional held 2631, cnn's
         cells); where the winner is another candidate, its run was spent (cnn, session 42
-        call D, when it rode for pass 2's leader: a group of 29-33 s against 18.7 s); the
+        call D, when it rode for pass 2's leader: a group of 29-34 s against 18.7 s); the
         whole model's trial, which the plan's compile check reuses, is made in the planner's
         process beside the group (10.3 s for cnn, 18.0 s for the Llama example after the
         search, session 42 call B), whose timed steps wait for it."""
