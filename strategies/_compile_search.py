@@ -53,8 +53,9 @@ therefore measures compiled variants of several eager combinations, not only of 
    set against it at :data:`STATIC_GAIN_MAX`, and such a rider that then measures more than
    the winner's static confirmation by :data:`MIN_SPEEDUP` is the pick, as is a near
    rider that did (:meth:`Search.rode_past`). Where the search form is regional and the
-   model has at most :data:`WHOLE_RIDER_MAX_BLOCKS` blocks, the leader's whole model
-   compiled rides too, in the room left (:meth:`Search._whole_rider`), and is the pick where
+   model has at most :data:`WHOLE_RIDER_MAX_BLOCKS` blocks, the whole model compiled rides
+   too for the first candidate whose static form rides (else the leader), in the room left
+   (:meth:`Search._whole_rider`), and is the pick where
    it ran :data:`MIN_SPEEDUP` more than the winner's static form (:meth:`Search.whole_past`).
 4. The best by its line is confirmed by the device's batch search (``PickStage.confirm``)
    from its predicted batch (a line through dynamic-batch runs needs only
@@ -229,7 +230,7 @@ REGIONAL_OUTSIDE_MAX = 0.25
 # decoder's sequence): regional ran 153.9 (24 blocks checkpointed, 57), whole at most 128.4.
 REGIONAL_MAX_SIZES = 2
 # Where the search form compiles each repeated block (regional) and the profile has at most
-# this many blocks, pass 2's leader's whole model compiled (its offered form, static) rides
+# this many blocks, one candidate's whole model compiled (its offered form, static) rides
 # with pass 2 (Search._whole_rider): few blocks make the whole compile about as long as the
 # group's checkpointed static runs (cnn's 6 blocks on an H200, session 42 call B: the whole
 # model with 3 blocks checkpointed compiled in 25.2 s against 18.8 s regional, and ran
@@ -304,8 +305,9 @@ class CompileSearch(BaseModel):
     whole_rider: bool = Field(
         True,
         description="Where the search form is regional and the model has at most "
-        "WHOLE_RIDER_MAX_BLOCKS blocks, pass 2's leader's whole model compiled (static, at "
-        "its predicted batch) rides with pass 2 where its group has room, and is the pick "
+        "WHOLE_RIDER_MAX_BLOCKS blocks, the whole model compiled (static, at its predicted "
+        "batch) of the first candidate whose static form rides with pass 2 (else pass 2's "
+        "leader) rides with pass 2 where its group has room, and is the pick "
         "where it ran MIN_SPEEDUP faster than the winner's static form: one cold compile "
         "beside the group, where confirm_offered is a batch search of its own after it "
         "(cnn at 8 GiB on an H200, session 42: whole 57,605 samples/s against regional "
@@ -1424,14 +1426,14 @@ class Search:
                 riders.append(whole)
         return riders
 
-    def _whole_rider(self, leader: Variant, room: int) -> tuple[dict[str, JsonValue], int] | None:
-        """``leader``'s whole model compiled (its offered form, static) at its predicted
-        batch, to go with pass 2 (:meth:`_static_riders`, after the static riders, the
-        fallbacks and the CUDA graphs' first round, in the room they leave). ``leader`` is
-        the first candidate by its line whose static form rides, else pass 2's leader: the
-        riders are the candidates whose static form may decide the pick (:meth:`rode_past`),
-        and in session 42 call D's four plans (cnn and the Llama example on an H200) the
-        pick was that candidate each time, pass 2's leader once (cnn's leader, 6 of 6 blocks
+    def _whole_rider(self, v: Variant, room: int) -> tuple[dict[str, JsonValue], int] | None:
+        """``v``'s whole model compiled (its offered form, static) at its predicted batch,
+        to go with pass 2 (:meth:`_static_riders`, after the static riders, the fallbacks
+        and the CUDA graphs' first round, in the room they leave). ``v`` is the first
+        candidate by its line whose static form rides, else pass 2's leader: the riders are
+        the candidates whose static form may decide the pick (:meth:`rode_past`), and in
+        session 42 call D's four plans (cnn and the Llama example on an H200) the pick was
+        that candidate each time, pass 2's leader once (cnn's leader, 6 of 6 blocks
         checkpointed by its line, lost to no checkpointing, which rode static). None where
         it is searched whole already, the model has more than
         :data:`WHOLE_RIDER_MAX_BLOCKS` blocks, :attr:`CompileSearch.whole_rider` is off or
@@ -1457,24 +1459,24 @@ class Search:
         settings = self.settings
         if not settings.whole_rider or settings.confirm_offered:
             return None
-        offered, fit = leader.offered_choices, leader.fit
-        searched = parse_choice(leader.form)
+        offered, fit = v.offered_choices, v.fit
+        searched = parse_choice(v.form)
         if offered is None or fit is None or searched is None or not searched.regional:
             return None
-        if offered == leader.static_choices or fit.largest_batch < 1:
+        if offered == v.static_choices or fit.largest_batch < 1:
             return None
         blocks = len(self.stage.profile.blocks)
         if blocks > WHOLE_RIDER_MAX_BLOCKS:
-            self.not_riding[f"the whole model of {leader.label}"] = (
+            self.not_riding[f"the whole model of {v.label}"] = (
                 f"{blocks} blocks, more than {WHOLE_RIDER_MAX_BLOCKS}: a whole compile of each "
                 "costs more than the group's runs"
             )
             return None
         if room <= 0:
-            self.not_riding[f"the whole model of {leader.label}"] = "no room beside pass 2"
+            self.not_riding[f"the whole model of {v.label}"] = "no room beside pass 2"
             return None
-        self.whole_riders[id(leader)] = offered
-        self.riders.append(f"the whole model of {leader.label} at {fit.largest_batch}")
+        self.whole_riders[id(v)] = offered
+        self.riders.append(f"the whole model of {v.label} at {fit.largest_batch}")
         return (offered, fit.largest_batch)
 
     def whole_past(self, winner: Variant, found: Confirmed) -> Confirmed | None:
@@ -1490,10 +1492,8 @@ class Search:
         if c is None:
             return None
         objective = self.stage.config.objective
-        margin = MIN_SPEEDUP if objective != "largest_batch" else 1.0
-        bar = worth(objective, found.candidate.batch_size, margin * found.measured.samples_per_s)
         key = worth(objective, c.candidate.batch_size, c.measured.samples_per_s)
-        return c if key > bar else None
+        return c if key > self._rider_bar(found) else None
 
     def _fallback(self, v: Variant, batch: int) -> tuple[dict[str, JsonValue], int] | None:
         """The run to make ahead beside ``v``'s pass-2 run at ``batch`` (its static form at
@@ -1573,11 +1573,7 @@ class Search:
         the winner's static form stands where a card with room beside pass 2 may pick a
         rider's that is faster by more than the noise."""
         objective = self.stage.config.objective
-        # Ahead by the runs' noise at least (MIN_SPEEDUP): a rider a hair ahead of the
-        # winner's static run is two 20-step runs alike, and the winner stands, as on a
-        # device of one run at a time.
-        margin = MIN_SPEEDUP if objective != "largest_batch" else 1.0
-        bar = worth(objective, found.candidate.batch_size, margin * found.measured.samples_per_s)
+        bar = self._rider_bar(found)
         best: tuple[Variant, Confirmed] | None = None
         for v in variants:
             if v is winner or v.error is not None or id(v) not in self.rode:
@@ -1589,6 +1585,15 @@ class Search:
             if key > bar:
                 best, bar = (v, c), key
         return best
+
+    def _rider_bar(self, found: Confirmed) -> tuple:
+        """What a rider must be worth to displace ``found`` (the winner's static
+        confirmation): ahead by the runs' noise at least (:data:`MIN_SPEEDUP`) under a rate
+        objective, since a rider a hair ahead of the winner's static run is two 20-step runs
+        alike, and the winner stands, as on a device of one run at a time."""
+        objective = self.stage.config.objective
+        margin = MIN_SPEEDUP if objective != "largest_batch" else 1.0
+        return worth(objective, found.candidate.batch_size, margin * found.measured.samples_per_s)
 
     def _rider_confirmed(self, choices: dict[str, JsonValue]) -> Confirmed | None:
         """``choices``' rider (a static form or the whole model that rode with pass 2) as a
