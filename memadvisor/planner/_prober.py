@@ -731,10 +731,27 @@ class Prober:
         if slope <= 0:
             return safe_below(failed, cfg.margin_fraction)
         measured, near_edge = self._slope_and_basis(choices)
-        if measured <= 0 or not near_edge:
+        if measured <= 0 or not near_edge or self._failure_beyond_window(choices, failed):
             slope = max(slope, self._edge_slope(choices, failed))
         samples = max(1, math.ceil(HEADROOM_FRACTION * cfg.budget_bytes / slope))
         return max(0, failed - samples)
+
+    def _failure_beyond_window(self, choices: dict[str, JsonValue], failed: int) -> bool:
+        """Whether ``failed`` lies beyond :data:`_SLOPE_WINDOW` above the largest batch of
+        ``choices`` that fitted below it: the fits near that batch then measure a sample's
+        bytes there, not on the way to the failure.
+
+        Why: a step's peak may stay in a fixed phase well past the fits near the edge of what
+        was run. lm350m's CUDA graphs form on an H200 (session 43 call C) held 10 and 11 at
+        7.016 and 7.020 GB allocated (its pool and the weights' state, the same whatever the
+        batch) and ran out at 17; their slope, 4 MB a sample, put the 3% headroom 62 samples
+        below 17, and the graphs search descended to batch 1 for a 12 s run at 11.9
+        samples/s. The climb the failure proves (:meth:`_edge_slope`) then bounds the slope
+        from below, as where the fits' peaks did not grow at all. A failure within the window
+        (the GPT example at 1 GiB: 543 fitted, 552 ran out) keeps the fits' slope: there it
+        may be the allocator's fragmentation, not a sample's bytes."""
+        fits = [b for b in self._fits(choices) if b < failed]
+        return bool(fits) and max(fits) < failed * (1.0 - _SLOPE_WINDOW)
 
     def _edge_slope(self, choices: dict[str, JsonValue], failed: int) -> float:
         """The least a sample of ``choices`` adds near their edge: between the largest batch
@@ -747,15 +764,18 @@ class Prober:
         in samples then reached far below the failure (lm350m's compiled candidate, 13 fitted
         at 7.28 GB and 2 at 7.39 GB under 8 GiB, 17 ran out: its line fell to batch 2 on a
         card). The climb the failure proves bounds the slope from below. :meth:`below` takes
-        it only where the runs' peaks did not grow, or where their slope comes from two fits
-        far apart (fewer than two within :data:`_SLOPE_WINDOW` of the largest): a failure can
+        it only where the runs' peaks did not grow, where their slope comes from two fits
+        far apart (fewer than two within :data:`_SLOPE_WINDOW` of the largest), or where the
+        failure lies beyond that window above the largest fit: a failure near the fits can
         also be the allocator's fragmentation at the cap (the GPT example at 1 GiB: 543
         fitted at 963 MB allocated, 552 ran out), where the bound would be the
         fragmentation's bytes, not a sample's, and fits near the edge measure the slope
         better. Two fits far apart, the smaller in the fixed phase and the larger just past
         it, grow a little: their slope is low and put the margin below every fit (lm350m's
         compiled candidate on a card: 14 and 16 fitted, 19 ran out, and the plan kept eager
-        at half the compiled rate).
+        at half the compiled rate). And fits near each other in the fixed phase, with the
+        failure far above them (:meth:`_failure_beyond_window`), grow by the allocator's
+        rounding only.
         """
         fitted = self._fits(choices)
         fits = [b for b in fitted if b < failed]

@@ -608,6 +608,41 @@ def test_two_fits_far_apart_across_a_flat_phase_do_not_put_the_margin_below_ever
     assert found is not None and found.candidate.batch_size == large
 
 
+def test_fits_near_each_other_in_a_flat_phase_far_below_the_failure_keep_the_margin_above_them(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Where the fits near the largest grow by the allocator's rounding only (a flat phase:
+    the step's peak its fixed bytes) and the failure lies beyond the slope's window above
+    them, their slope says nothing of the way to the failure: the climb the failure proves
+    bounds it from below, so the margin below the failure stays above the fits and a search
+    whose runs are spent answers with the largest fit. lm350m's CUDA graphs on an H200
+    (session 43 call C): 10 and 11 held at 7.016 and 7.020 GB, 17 ran out; the 4 MB slope
+    put the margin 62 samples below 17 and the graphs search ran batch 1."""
+    device, prober, stage, edge, (fixed, per_sample) = _bf16_stage(
+        workload, profile, strategies, linear_device, 40.0
+    )
+    choices = BF16
+    low, high = edge - 9, edge - 8
+    assert high < (edge + 1) * 0.9  # the failure lies beyond the fits' window
+    device.step_peak_bytes = fixed + per_sample * (edge - 2)  # both fits in the flat phase
+    real_run = device.run
+
+    def rounded(workload, candidate, steps):  # the allocator rounds the larger a block up
+        m = real_run(workload, candidate, steps)
+        if candidate.batch_size == high:
+            m = m.model_copy(update={"peak_bytes": m.peak_bytes + 4 * 2**20 // 1000})
+        return m
+
+    device.run = rounded
+    runs = [stage.run(choices, low), stage.run(choices, high)]
+    assert all(r is not None for r in runs)
+    assert 0 < runs[1].peak_bytes - runs[0].peak_bytes < per_sample / 100  # rounding only
+    assert stage.run(choices, edge + 1) is None
+    assert high <= stage.below_failure(choices, edge + 1) <= edge
+    found = stage.confirm(choices, edge + 1, max_runs=0)
+    assert found is not None and found.candidate.batch_size == high
+
+
 def test_a_winner_whose_confirmation_found_nothing_is_not_called_a_loss(
     workload, profile, strategies, linear_device, trials, monkeypatch
 ) -> None:
