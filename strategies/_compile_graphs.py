@@ -21,7 +21,10 @@ compiled as eager: the GPT example on one H200 lease, session 30, compiled 0.95x
 1. Reads the pick's own run: the host's share of a step (``Measurement.host_ms`` over
    ``step_ms``, the device's probes time both). Below :attr:`CompileSearch.host_bound_share`
    the card was busy through the step, and graphs, which save launches only, are not tried
-   (nothing is run).
+   (nothing is run). But where graphs runs of the pick's own choices were made ahead (bets,
+   below) and one held within the limit, that run is weighed, as a compile is against eager
+   (``beats_eager``, :data:`~strategies._compile_search.MIN_SPEEDUP`), at no run more
+   (:func:`_made_under_bar`).
 2. Otherwise runs the pick's choices with the compile mode ``reduce-overhead`` at
    :data:`START_SHARE` of the pick's batch (graphs hold more than the form they replay).
    Where it held, a line through that run's reserved bytes (the graphs' pool keeps segments
@@ -89,6 +92,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,6 +187,9 @@ class Graphs:
     # Not tried because the graphs of another checkpointed set, made ahead in the same form,
     # still waited on the host (:func:`waited_elsewhere`); else None.
     elsewhere: Elsewhere | None = None
+    # Found among runs made ahead, for a pick under the host's bar (:func:`_made_under_bar`):
+    # that bar, said in the words (else None).
+    made_under: float | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,9 @@ def graphs_pick(
     share = host_share(pick.measured)
     choices = _graphs_choices(settings, pick.candidate.choices, share)
     if choices is None:
+        made = _made_under_bar(stage, settings, pick, objective, against, share)
+        if made is not None:
+            return dataclasses.replace(made, against=beaten)
         # Under the bar alone where the pick has a graphs form: the summary says so of a
         # compiled pick (against eager, the pick is eager's and the share not its own).
         under = (
@@ -268,6 +278,55 @@ def graphs_pick(
     wins = beats_eager(objective, found.candidate.batch_size, rate, against, allowance)
     return Graphs(
         host_share=share, tried=True, found=found, wins=wins, against=beaten, still_waits=still
+    )
+
+
+def _made_under_bar(
+    stage: PickStage,
+    settings: CompileSearch,
+    pick: Confirmed,
+    objective: str,
+    against: Confirmed,
+    share: float | None,
+) -> Graphs | None:
+    """The graphs form of ``pick``, whose host took ``share`` of its step, under
+    :attr:`CompileSearch.host_bound_share`, where runs of it were made ahead (bets, beside a
+    confirmation or a static run) and the largest that held within the pick's limit, below
+    the margin under any that ran out (``PickStage.confirm`` with no run left), ran
+    :data:`~strategies._compile_search.MIN_SPEEDUP` faster than ``against`` (a compile's
+    bar against eager, not :data:`HOST_BOUND_TIE`: the pick's rate is not the host's); None
+    elsewhere, and no device run either way.
+
+    Why: the bets go with a candidate whose own runs waited on the host, and the pick may
+    then read under the bar at its own batch, the graphs runs made and left unused. hf_gpt2
+    on H200s (session 42 call A, session 43 call C): bf16, 4 blocks checkpointed, 2267, its
+    host 0.75-0.79 of a step, 120,487-122,891 samples/s, where its graphs form, made ahead
+    beside the confirmation at 2768, held 8.07 GB allocated and ran 123,710-129,716, 1.02-1.08x;
+    the hand grid's best was 135,000.
+
+    Known limitations: the runs made ahead are a bet's batches (the confirmation's line), not
+    the graphs form's own edge; they were timed beside the group's other runs, in turn."""
+    graphs = graphs_of(settings, pick.candidate.choices)
+    if graphs is None or share is None or objective == "largest_batch":
+        return None
+    made = _made(stage, graphs)
+    held = [b for b, ok in made.items() if ok]
+    if not held:
+        return None
+    before = len(stage.probes)
+    found = stage.confirm(graphs, max(held), like=against, max_runs=0, ceiling=max(held))
+    assert len(stage.probes) == before  # no run was left to make
+    if found is None:
+        return None
+    rate = found.measured.samples_per_s
+    if not beats_eager(objective, found.candidate.batch_size, rate, against):
+        return None
+    return Graphs(
+        host_share=share,
+        tried=True,
+        found=found,
+        wins=True,
+        made_under=settings.host_bound_share,
     )
 
 
@@ -763,6 +822,11 @@ def graphs_words(
     )
     if graphs.elsewhere is not None:
         return f"{opening} {_elsewhere_words(graphs.elsewhere)}"
+    if graphs.made_under is not None:
+        opening = (
+            f"{opening[:-1]}, under the {graphs.made_under:.0%} at which CUDA graphs are tried, "
+            "but graphs runs of it were made ahead beside other runs."
+        )
     stays = "eager" if eager else "in default mode"
     if graphs.error is not None:
         return f"{opening} Replayed as CUDA graphs ({GRAPHS_MODE} mode) it failed: {graphs.error}."

@@ -545,6 +545,8 @@ def _details(
             "error": graphs.error,
             # Not tried: the bets on another checkpointed set still waited on the host.
             "waited_elsewhere": dataclasses.asdict(graphs.elsewhere) if graphs.elsewhere else None,
+            # Found among the runs made ahead for a pick under the host's bar: that bar.
+            "made_under_bar": graphs.made_under,
         }
     return out
 

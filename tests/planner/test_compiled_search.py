@@ -34,7 +34,7 @@ from memadvisor.schema.candidate import Candidate
 from memadvisor.schema.config import PlanConfig
 from memadvisor.schema.facts import Facts
 from memadvisor.schema.plan import Plan
-from memadvisor.strategy import Strategy
+from memadvisor.strategy import Confirmed, Strategy
 from strategies._compile_model import Line
 from strategies._compile_search import (
     CONFIRM_RUNS,
@@ -2752,6 +2752,44 @@ def test_a_static_pass_two_run_takes_its_fallback_along_and_it_answers_where_tha
     assert at in taken.fit.batches, taken.fit
     (kept,) = [v for v in alone.stages[0].variants if v.choices == leader and v.fit]
     assert at not in kept.fit.batches, kept.fit
+
+
+@pytest.mark.parametrize(("pick_share_of_graphs", "wins"), [(0.9, True), (0.99, False)])
+def test_graphs_made_ahead_for_a_pick_under_the_host_bar_are_answered_from_the_stages_runs(
+    workload, profile, strategies, linear_device, pick_share_of_graphs: float, wins: bool
+) -> None:
+    """Rule: for a pick whose host took less than the bar of its step, the graphs step makes
+    no device run; where runs of the pick's graphs form were made (bets), the largest that
+    held within the limit is read from the stage's runs (PickStage.confirm with no run left)
+    and is the pick where it ran MIN_SPEEDUP faster (here the pick at 0.9 of its rate: 1.11x;
+    at 0.99: 1.01x, not enough)."""
+    from strategies._compile_graphs import GRAPHS_MODE, graphs_pick
+
+    device, _, prober, stage = _stage(workload, profile, strategies, linear_device)
+    default = {"precision": "bf16", "compile": "default"}
+    graphs = {**default, "compile": GRAPHS_MODE}
+    edge = device.edge(Candidate(batch_size=1, choices=graphs))
+    made = [edge // 3, edge - 2]
+    ran = [stage.run(graphs, b) for b in made]  # the bets, made beside other runs
+    assert all(m is not None for m in ran)
+    rate = ran[1].samples_per_s * pick_share_of_graphs
+    step_ms = edge / rate * 1e3
+    pick_measured = ran[1].model_copy(
+        update={"step_ms": step_ms, "samples_per_s": rate, "host_ms": 0.5 * step_ms}
+    )
+    pick = Confirmed(
+        candidate=Candidate(batch_size=edge, choices=default),
+        found_batch=edge,
+        measured=pick_measured,
+    )
+    before = len(prober.probes)
+    got = graphs_pick(stage, CompileSearch(), pick, "throughput", 0)
+    assert len(prober.probes) == before  # no device run
+    assert got.wins is wins
+    if wins:
+        assert got.found is not None and got.found.candidate.batch_size == made[1]
+        assert got.found.measured.samples_per_s == ran[1].samples_per_s
+        assert got.made_under == CompileSearch().host_bound_share
 
 
 def test_graphs_are_not_searched_for_a_pick_where_the_bets_on_another_set_still_waited(

@@ -709,3 +709,85 @@ def test_graphs_are_not_tried_where_the_bets_on_another_set_still_waited_and_did
     else:
         assert got.elsewhere is None
         assert got.tried or stage.ran or stage.confirms
+
+
+class _MadeUnderBar(_Stage):
+    """A stage whose probes hold graphs runs of the pick's own choices made ahead (``made``:
+    by batch, the rate it ran, None: ran out); confirm answers from them, as PickStage.confirm
+    with no run left does (the largest that held at or below ``ceiling``), and records its
+    arguments."""
+
+    def __init__(self, made: dict[int, float | None]) -> None:
+        super().__init__(None)
+        self.rates = made
+        self.probes = tuple(
+            Probe(
+                batch_size=b,
+                fits=rate is not None,
+                steps=5,
+                candidate=Candidate(batch_size=b, choices={"compile": GRAPHS_MODE}),
+            )
+            for b, rate in made.items()
+        )
+
+    def run(self, choices, batch):
+        raise AssertionError(f"no graphs run is made under the bar (asked for {batch})")
+
+    def confirm(self, choices, start_batch, **kwargs):
+        self.confirms.append((start_batch, kwargs))
+        held = [b for b, r in self.rates.items() if r is not None and b <= kwargs["ceiling"]]
+        b = max(held)
+        return Confirmed(
+            candidate=Candidate(batch_size=b, choices=choices),
+            found_batch=b,
+            measured=_measured(b / self.rates[b] * 1e3, 0.3 * b / self.rates[b] * 1e3, batch=b),
+        )
+
+
+# hf_gpt2 on an H200 (session 43 call C's first plan): its pick bf16, 4 blocks, default
+# mode, 2267 at 120,487 samples/s, its host 0.75 of a step (the bar is 0.80); its graphs
+# form made ahead beside the confirmation held 844, 1350 and 2768 (129,716 samples/s).
+_HF_PICK = Confirmed(
+    candidate=Candidate(batch_size=2267, choices={"compile": "default"}),
+    found_batch=2267,
+    measured=_measured(2267 / 120_487 * 1e3, 0.75 * 2267 / 120_487 * 1e3, batch=2267),
+)
+
+
+@pytest.mark.parametrize(
+    ("made", "wins"),
+    [
+        ({844: 103_523.0, 1350: 114_273.0, 2768: 129_716.0}, True),  # 1.077x: it pays
+        ({844: 103_455.0, 1350: 115_309.0, 2768: 123_710.0}, False),  # 1.027x: under 3%
+        ({2846: None}, False),  # none held
+        ({}, False),  # none made
+    ],
+)
+def test_graphs_made_ahead_for_a_pick_under_the_host_bar_are_weighed_at_no_run_more(
+    made: dict[int, float | None], wins: bool
+) -> None:
+    """Rule: where the pick's host took less than CompileSearch.host_bound_share of its step,
+    graphs are not searched; but where runs of its own graphs form were made ahead (bets)
+    and the largest that held within the limit (PickStage.confirm with no run left) ran
+    MIN_SPEEDUP (3%) faster than the pick, that run is the pick, its run the verification,
+    and the words say the share was under the bar. No graphs run is made either way; where
+    they do not pay, the step reads as before (not tried, the bar said)."""
+    from strategies._compile_graphs import graphs_pick
+    from strategies._compile_search import MIN_SPEEDUP, CompileSearch
+
+    settings = CompileSearch()
+    assert settings.host_bound_share == 0.8 and MIN_SPEEDUP == 1.03
+    stage = _MadeUnderBar(made)
+    got = graphs_pick(stage, settings, _HF_PICK, "throughput", 0)
+    assert all(kwargs["max_runs"] == 0 for _, kwargs in stage.confirms)
+    assert got.wins is wins and got.tried is wins
+    words = graphs_words(got, _HF_PICK, 5)
+    if wins:
+        assert got.found is not None and got.found.candidate.batch_size == 2768
+        assert got.found.candidate.choices == {"compile": GRAPHS_MODE}
+        assert "(75%), under the 80% at which CUDA graphs are tried, but graphs runs" in words
+        assert words.endswith("the pick, its run the verification.")
+    else:
+        assert got.found is None and got.bar == 0.8
+        assert "under the 80% at which CUDA graphs" in words
+        assert "graphs runs of it were made ahead" not in words
