@@ -291,11 +291,11 @@ def _made_under_bar(
 ) -> Graphs | None:
     """The graphs form of ``pick``, whose host took ``share`` of its step, under
     :attr:`CompileSearch.host_bound_share`, where runs of it were made ahead (bets, beside a
-    confirmation or a static run) and the largest that held within the pick's limit, below
-    the margin under any that ran out (``PickStage.confirm`` with no run left), ran
-    :data:`~strategies._compile_search.MIN_SPEEDUP` faster than ``against`` (a compile's
-    bar against eager, not :data:`HOST_BOUND_TIE`: the pick's rate is not the host's); None
-    elsewhere, and no device run either way.
+    confirmation or a static run) and the largest that held below the lowest that ran out
+    (:func:`_from_made_bounds`), within the pick's limit (``PickStage.confirm`` with no run
+    left), ran :data:`~strategies._compile_search.MIN_SPEEDUP` faster than ``against`` (a
+    compile's bar against eager, not :data:`HOST_BOUND_TIE`: the pick's rate is not the
+    host's); None elsewhere, and no device run either way.
 
     Why: the bets go with a candidate whose own runs waited on the host, and the pick may
     then read under the bar at its own batch, the graphs runs made and left unused. hf_gpt2
@@ -310,11 +310,14 @@ def _made_under_bar(
     if graphs is None or share is None or objective == "largest_batch":
         return None
     made = _made(stage, graphs)
-    held = [b for b, ok in made.items() if ok]
-    if not held:
+    if not made:
+        return None
+    # The largest that held below the lowest that ran out, as the graphs search's own start.
+    _, _, start = _from_made_bounds(made, max(made))
+    if start is None:
         return None
     # No run left: answered from the runs made (PickStage.confirm's max_runs).
-    found = stage.confirm(graphs, max(held), like=against, max_runs=0, ceiling=max(held))
+    found = stage.confirm(graphs, start, like=against, max_runs=0, ceiling=start)
     if found is None:
         return None
     rate = found.measured.samples_per_s

@@ -760,6 +760,8 @@ _HF_PICK = Confirmed(
         ({844: 103_523.0, 1350: 114_273.0, 2768: 129_716.0}, True),  # 1.077x: it pays
         ({844: 103_455.0, 1350: 115_309.0, 2768: 123_710.0}, False),  # 1.027x: under 3%
         ({2846: None}, False),  # none held
+        # a failure below the fastest: the search's start is the largest held under it
+        ({1350: 114_273.0, 2000: None, 2768: 129_716.0}, False),
         ({}, False),  # none made
     ],
 )
