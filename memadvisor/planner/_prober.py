@@ -66,6 +66,11 @@ _SLOPE_WINDOW = 0.1
 # Halving after this many margin-sized step-downs: a pick that keeps failing is far off.
 _MARGIN_STEP_DOWNS = 3
 
+# How much faster a smaller batch of the pick's choices, run as long as the pick and held
+# within its limit, must have run to be the pick instead of the largest batch that fits
+# (Prober.faster_fit): above the few percent two runs of one candidate differ by.
+_FASTER_BELOW = 1.05
+
 
 @dataclass
 class Confirmed(strategy.Confirmed):
@@ -806,9 +811,61 @@ class Prober:
             candidate, m = self.stepping_down(candidate, self.steps, stage)
             if m is None:
                 return None
+        candidate, m = self.faster_fit(candidate, m)
         return Confirmed(
             candidate=candidate, found_batch=found.batch, measured=m, scored=scored, search=found
         )
+
+    def faster_fit(
+        self, candidate: Candidate, measured: Measurement
+    ) -> tuple[Candidate, Measurement]:
+        """``candidate`` and its run, or a smaller batch of its choices that ran
+        :data:`_FASTER_BELOW` faster: the fastest run of them as long as ``measured``, held
+        within the pick's limit (:meth:`pick_limit_bytes`), without accumulation. Only by the
+        throughput objective, on a device whose step times rank candidates (a card's; a CPU
+        meter's differ by more than that between two runs of one batch).
+
+        Why: the largest batch that fits is the fastest only while a step's time grows with
+        the batch. Near the edge it may not: lm350m's compiled confirmation on an H200
+        (session 44 call A) ran 23 at 109.1 samples/s (211 ms a step, 196 of them the
+        host's), where 22 had run 136.0 (162 ms) in the same plan and 21 140.0; the plan
+        then weighed CUDA graphs against 109.1, took them at 11 (108.0), and left a quarter
+        of the rate the runs had shown. A slower largest batch is a step the allocator or
+        the host stalls, which a smaller batch does not pay.
+
+        Known limitations:
+            * Runs made in different company (alone, beside another run's compile) are
+              compared as they are: the faster one may owe some of its lead to the quieter
+              moment it ran in. Either batch fits; the smaller is the safer pick.
+        """
+        if (
+            candidate.accumulation_steps != 1
+            or self.config.objective != "throughput"
+            or not self.device.capabilities.step_times_rank
+        ):
+            return candidate, measured
+        choices = candidate.choices
+        limit = self.pick_limit_bytes(choices, candidate.batch_size)
+        best_b, best_m = candidate.batch_size, measured
+        for b, m in self._fits(choices).items():
+            if (
+                b < candidate.batch_size
+                and m.steps >= measured.steps
+                and self.held(m) <= limit
+                and m.samples_per_s >= _FASTER_BELOW * measured.samples_per_s
+                and m.samples_per_s > best_m.samples_per_s
+            ):
+                best_b, best_m = b, m
+        if best_b == candidate.batch_size:
+            return candidate, measured
+        self.notes.append(
+            f"Kept batch {best_b}, not {candidate.batch_size}: both fitted in runs of "
+            f"{measured.steps} steps or more, and {best_b} ran {best_m.samples_per_s:.1f} "
+            f"samples/s ({fmt_ms(best_m.step_ms)} a step) where {candidate.batch_size} ran "
+            f"{measured.samples_per_s:.1f} ({fmt_ms(measured.step_ms)}): near the edge the "
+            "larger batch's step stalled (the allocator, or the host)."
+        )
+        return Candidate(batch_size=best_b, choices=choices), best_m
 
     def stepping_down(
         self, candidate: Candidate, steps: int, stage: str

@@ -148,8 +148,9 @@ class ProberStage(PickStage):
 
     def _best_measured(self, scored: Scored) -> Confirmed | None:
         """The largest batch of ``scored``'s choices that fitted within the pick's limit, below
-        the margin under its lowest failure: a search whose runs were spent (None: none, or
-        the objective's batch there needs accumulation, which no run measured)."""
+        the margin under its lowest failure, or a smaller one that ran faster
+        (:meth:`Prober.faster_fit`): a search whose runs were spent (None: none, or the
+        objective's batch there needs accumulation, which no run measured)."""
         prober, choices = self._prober, scored.candidate.choices
         fitted, failure = prober.measured_runs(choices)
         known = self._known_fit(choices, fitted, failure)
@@ -162,12 +163,11 @@ class ProberStage(PickStage):
         search = BatchSearch(
             batch=batch, largest_fit=max(fitted), lowest_failure=failure, tried=tried
         )
+        candidate, measured = prober.faster_fit(
+            Candidate(batch_size=batch, choices=choices), fitted[batch]
+        )
         return Confirmed(
-            candidate=Candidate(batch_size=batch, choices=choices),
-            found_batch=batch,
-            measured=fitted[batch],
-            scored=scored,
-            search=search,
+            candidate=candidate, found_batch=batch, measured=measured, scored=scored, search=search
         )
 
     def run(self, choices: dict[str, JsonValue], batch: int) -> Measurement | None:

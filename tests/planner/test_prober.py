@@ -594,3 +594,81 @@ def test_a_run_made_ahead_is_logged_and_counted_only_where_a_run_of_it_is_asked_
     assert prober.run(out, prober.steps, "compile") is None
     assert [b for b, _, _ in device.calls] == [31, 20, 32] and prober.runs_left == 2
     assert [p.batch_size for p in prober.probes] == [32, 20, 31]
+
+
+class StallDevice(EstimateDevice):
+    """A card whose step stalls (``stall`` times as long) from ``stall_from`` up: the
+    allocator's retries or the host near the edge, in fewer steps than decide a failure."""
+
+    def __init__(self, profile, strategies, budget_bytes: int, stall_from: int, stall: float):
+        super().__init__(profile, strategies, budget_bytes)
+        self.stall_from, self.stall = stall_from, stall
+
+    def run(self, workload, candidate: Candidate, steps: int) -> Measurement:
+        measured = super().run(workload, candidate, steps)
+        if candidate.batch_size < self.stall_from:
+            return measured
+        step_ms = measured.step_ms * self.stall
+        return measured.model_copy(
+            update={"step_ms": step_ms, "samples_per_s": candidate.batch_size / step_ms * 1e3}
+        )
+
+
+def _confirm_after(
+    profile, strategies, workload, stall_from: int, stall: float, ran: int, steps, objective
+):
+    """The prober's confirmation of bf16 from batch 40 on a StallDevice, after a run of
+    ``ran`` for ``steps`` steps (None: the prober's own)."""
+    budget = 160 * MIB
+    device = StallDevice(profile, strategies, budget, stall_from, stall)
+    config = PlanConfig(
+        budget_bytes=budget, probe_steps=2, timing_steps=2, verify_steps=4, objective=objective
+    )
+    prober = Prober(device, workload, SearchSpace(profile, strategies, config), config)
+    if ran:
+        ran_for = prober.steps if steps is None else steps
+        assert prober.run(Candidate(batch_size=ran, choices=BF16), ran_for, "x") is not None
+    start = Candidate(batch_size=40, choices=BF16)
+    scored = Scored(
+        candidate=start, estimate=estimate(profile, start, strategies),
+        largest_batch=start.batch_size, active=1,
+    )  # fmt: skip
+    return prober, prober.confirm(scored, "compile")
+
+
+@pytest.mark.parametrize(
+    ("stall", "steps", "objective", "kept_below"),
+    [
+        (1.3, None, "throughput", True),
+        (1.02, None, "throughput", False),
+        (1.3, 2, "throughput", False),
+        (1.3, None, "largest_batch", False),
+    ],
+    ids=["stalled-by-30%", "within-noise", "the-faster-run-was-shorter", "largest-batch"],
+)
+def test_a_smaller_batch_that_ran_faster_as_long_as_the_pick_is_the_pick(
+    strategies, workload, stall: float, steps: int | None, objective: str, kept_below: bool
+) -> None:
+    """Rule: by the throughput objective, where a smaller batch of the pick's choices ran at
+    least 5% faster than the largest batch that fits, in a run as long as the pick's and
+    within the pick's limit, the confirmation takes it, its run the measurement; within the
+    few percent two runs differ by, from a shorter run, or by the largest-batch objective,
+    the largest batch stays. lm350m's compiled confirmation on an H200 (session 44 call A)
+    ran 23 at 109.1 samples/s where 22 had run 136.0, and the plan took CUDA graphs at 11
+    (108.0) against the stalled rate."""
+    profile = make_profile(param_mib=20)
+    _, plain = _confirm_after(profile, strategies, workload, 10**6, 1.0, 0, None, objective)
+    assert plain is not None
+    edge = plain.candidate.batch_size
+    below = edge - 2
+    prober, found = _confirm_after(
+        profile, strategies, workload, edge, stall, below, steps, objective
+    )
+    assert found is not None and found.found_batch == edge
+    if kept_below:
+        assert found.candidate.batch_size == below, found.candidate
+        assert found.measured.samples_per_s > plain.measured.samples_per_s / stall
+        assert any(f"Kept batch {below}, not {edge}" in n for n in prober.notes), prober.notes
+    else:
+        assert found.candidate.batch_size == edge, found.candidate
+        assert not any("Kept batch" in n for n in prober.notes), prober.notes
