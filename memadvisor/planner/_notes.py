@@ -5,13 +5,10 @@ What a person should know that the numbers do not say; each sentence is made her
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
-from pydantic import JsonValue
-
 from memadvisor.errors import ran_out_by_retries
-from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Tie
+from memadvisor.planner._prober import HEADROOM_FRACTION, Confirmed, Tie, describe_choices
 from memadvisor.planner._rerank import TIE_FRACTION
 from memadvisor.schema.advice import Check
 from memadvisor.schema.candidate import Candidate, Measurement
@@ -156,22 +153,13 @@ def tie_note(tie: Tie | None, final: Candidate) -> str | None:
     if tie is None or tie.taken.candidate.choices != final.choices:
         return None
     others = "; ".join(
-        f"{_describe_choices(s.candidate.choices)} {rate:.1f}" for s, rate in tie.others
+        f"{describe_choices(s.candidate.choices)} {rate:.1f}" for s, rate in tie.others
     )
     return (
-        f"Tie: {_describe_choices(tie.taken.candidate.choices)} ran {tie.rate:.1f} samples/s "
+        f"Tie: {describe_choices(tie.taken.candidate.choices)} ran {tie.rate:.1f} samples/s "
         f"and {others} samples/s, within {TIE_FRACTION:.0%} of the best, the spread two runs "
         "of one configuration show; the plan takes the one with the fewest strategies turned "
         "on (a fixed rule: the same inputs give the same pick)."
-    )
-
-
-def _describe_choices(choices: dict[str, JsonValue]) -> str:
-    if not choices:
-        return "the plain step"
-    return ", ".join(
-        f"{name} {len(c)} blocks" if isinstance(c, list) else f"{name} {json.dumps(c)}"
-        for name, c in sorted(choices.items())
     )
 
 

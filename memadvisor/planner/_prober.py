@@ -45,6 +45,7 @@ __all__ = [
     "Run",
     "RunsSpent",
     "Tie",
+    "describe_choices",
     "run_steps",
     "timing_steps_at_once",
     "verify_steps",
@@ -859,7 +860,8 @@ class Prober:
         if best_b == candidate.batch_size:
             return candidate, measured
         self.notes.append(
-            f"Kept batch {best_b}, not {candidate.batch_size}: both fitted in runs of "
+            f"Kept batch {best_b}, not {candidate.batch_size}, of {describe_choices(choices)}: "
+            f"both fitted in runs of "
             f"{measured.steps} steps or more, and {best_b} ran {best_m.samples_per_s:.1f} "
             f"samples/s ({fmt_ms(best_m.step_ms)} a step) where {candidate.batch_size} ran "
             f"{measured.samples_per_s:.1f} ({fmt_ms(measured.step_ms)}): near the edge the "
@@ -893,6 +895,17 @@ class Prober:
             candidate = Candidate(
                 batch_size=batch, accumulation_steps=accumulation, choices=candidate.choices
             )
+
+
+def describe_choices(choices: dict[str, JsonValue]) -> str:
+    """``choices`` in a note's words: each strategy's choice (a checkpointed set by its
+    count of blocks)."""
+    if not choices:
+        return "the plain step"
+    return ", ".join(
+        f"{name} {len(c)} blocks" if isinstance(c, list) else f"{name} {json.dumps(c)}"
+        for name, c in sorted(choices.items())
+    )
 
 
 def _held(measured: Measurement, measured_margin: bool) -> int:
