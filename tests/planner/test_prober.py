@@ -668,7 +668,7 @@ def test_a_smaller_batch_that_ran_faster_as_long_as_the_pick_is_the_pick(
     if kept_below:
         assert found.candidate.batch_size == below, found.candidate
         assert found.measured.samples_per_s > plain.measured.samples_per_s / stall
-        note = f"Kept batch {below}, not {edge}, of precision \"bf16\""
+        note = f'Kept batch {below}, not {edge}, of precision "bf16"'
         assert any(n.startswith(note) for n in prober.notes), prober.notes
     else:
         assert found.candidate.batch_size == edge, found.candidate
