@@ -217,10 +217,15 @@ class PickStage(ABC):
         runs: Sequence[tuple[dict[str, JsonValue], int]],
         retry_at: Sequence[int | None] | None = None,
         ahead: Sequence[bool] | None = None,
+        steps: int | None = None,
     ) -> list[Measurement | None | Exception]:
         """Each ``(choices, batch)`` of ``runs`` as :meth:`run` makes it, on the device at once
         where it can (:attr:`concurrent_runs`); per run, in order: its measurement, None (it
         ran out), or the error of a run that failed otherwise. Default: one after another.
+
+        ``steps``: the steps each run takes where not the stage's own (None): a run that only
+        ranks or draws a line may take fewer; a later ask for the stage's steps runs it
+        again. Default: ignored, each run as :meth:`run` makes it.
 
         ``retry_at``: per run, a smaller batch measured where the run runs out (in the same
         process where the device keeps it: ``Device.run_many_retrying``); that run's answer

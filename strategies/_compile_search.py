@@ -336,6 +336,16 @@ class CompileSearch(BaseModel):
         description="Device runs of the CUDA-graphs confirmation at most (each a compile), "
         "beyond max_runs.",
     )
+    pass_one_steps: int | None = Field(
+        None,
+        ge=2,
+        description="Steps of each pass-1 run where not the plan's (None, the default): pass "
+        "1's runs rank the candidates and draw their lines, and a card's runs made at once "
+        "take their timed steps in turn (t5_base's pass 1 on an H200, session 44: 18.3 s of "
+        "its 48.1 s). 8, as the timing round's runs at once take, would leave 7 timed steps a "
+        "run; a pick at a pass-1 batch is then run again for its own measurement. An A/B "
+        "setting, not measured on a card yet.",
+    )
 
 
 @dataclass
@@ -1290,6 +1300,7 @@ class Search:
                 [(v.choices, batch) for v, batch in group] + extra,
                 retry_at=halves + [None] * len(extra) if any(halves) else None,
                 ahead=ahead if any(ahead) else None,
+                **self._pass_one_steps(retry),
             )
             counted: list[dict[str, JsonValue]] = []
             for rider in extra:
@@ -1648,12 +1659,15 @@ class Search:
         failed otherwise (``v.error``). ``retry``: :meth:`_run_in_groups`' (pass 1)."""
         self.stage.describe(f"compiling candidate {index}/{total} ({v.label})")
         half = self._half(v, batch) if retry else None
-        if half is None:
+        shorter = self._pass_one_steps(retry)
+        if half is None and not shorter:
             taken = self._take(v, batch, self._answer(v, batch))
         else:
             before = len(self.stage.probes)
             try:
-                answer = self.stage.run_many([(v.choices, batch)], retry_at=[half])[0]
+                answer = self.stage.run_many(
+                    [(v.choices, batch)], retry_at=[half] if half else None, **shorter
+                )[0]
             except Exception as e:  # noqa: BLE001 - as _answer: the run's error is its answer
                 answer = e
             taken = self._take_retried(v, batch, answer, half, before)
@@ -1661,6 +1675,13 @@ class Search:
             self._again_static([(v, batch)])
             return True if v.runs else (False if v.lowest_failure is not None else None)
         return taken
+
+    def _pass_one_steps(self, pass_one: bool) -> dict[str, int]:
+        """``PickStage.run_many``'s ``steps`` for a pass-1 run where
+        :attr:`CompileSearch.pass_one_steps` sets them ({} elsewhere: the stage's own steps,
+        and no keyword a stage of the contract before it would not take)."""
+        steps = self.settings.pass_one_steps
+        return {"steps": steps} if pass_one and steps is not None else {}
 
     def _half(self, v: Variant, batch: int) -> int | None:
         """The batch a pass-1 run of ``v`` at ``batch`` is retried at in its own process

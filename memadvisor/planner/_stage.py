@@ -153,6 +153,8 @@ class ProberStage(PickStage):
         objective's batch there needs accumulation, which no run measured)."""
         prober, choices = self._prober, scored.candidate.choices
         fitted, failure = prober.measured_runs(choices)
+        # A shorter run (CompileSearch.pass_one_steps) ranks, but is no pick's measurement.
+        fitted = {b: m for b, m in fitted.items() if m.steps >= prober.steps}
         known = self._known_fit(choices, fitted, failure)
         if not known:
             return None
@@ -179,11 +181,11 @@ class ProberStage(PickStage):
         runs: Sequence[tuple[dict[str, JsonValue], int]],
         retry_at: Sequence[int | None] | None = None,
         ahead: Sequence[bool] | None = None,
+        steps: int | None = None,
     ) -> list[Measurement | None | Exception]:
         candidates = [Candidate(batch_size=max(1, b), choices=c) for c, b in runs]
-        return self._prober.run_many(
-            candidates, self._prober.steps, self._name, retry_at, ahead=ahead
-        )
+        steps = self._prober.steps if steps is None else max(2, steps)
+        return self._prober.run_many(candidates, steps, self._name, retry_at, ahead=ahead)
 
     @property
     def concurrent_runs(self) -> int:

@@ -347,6 +347,27 @@ def test_a_bounded_batch_search_answers_from_its_runs(
     assert prober.runs_left is None  # the bound ends with the search
 
 
+def test_a_bounded_batch_search_answers_from_runs_as_long_as_the_stages_only(
+    workload, profile, strategies, linear_device
+) -> None:
+    """Rule: a search whose runs are spent answers from runs of the stage's own steps: a
+    shorter run (CompileSearch.pass_one_steps) fitted, but is no pick's measurement, so with
+    only such a run the answer is none, and with a full one below it, that one."""
+    device = linear_device(EAGER_FLAT)
+    space = SearchSpace(profile, [*strategies, Compile()], _config(probe_steps=6))
+    prober = Prober(device, workload, space, space.config)
+    stage = ProberStage(prober, "compile", Progress(enabled=False))
+    choices = {"precision": "bf16"}
+    edge = device.edge(Candidate(batch_size=1, choices=choices))
+    (short,) = stage.run_many([(choices, 10)], steps=3)
+    assert short is not None and short.steps == 3 < prober.steps == 6
+    assert stage.confirm(choices, edge + 5, max_runs=0) is None
+    assert stage.run(choices, 8) is not None
+    found = stage.confirm(choices, edge + 5, max_runs=0)
+    assert found is not None and found.candidate.batch_size == 8
+    assert found.measured.steps == prober.steps
+
+
 def test_a_candidates_line_stays_the_plans_margin_below_its_failure(
     workload, profile, strategies, linear_device
 ) -> None:
@@ -2843,3 +2864,41 @@ def test_graphs_are_not_searched_for_a_pick_where_the_bets_on_another_set_still_
     assert other.candidate == plan.candidate
     assert len(runs) < len(_graphs_runs(other, searched))
     assert other.stages[0].details["graphs"]["tried"]
+
+
+@pytest.mark.parametrize("runs_at_once", [1, 4])
+def test_pass_one_runs_take_the_steps_the_search_sets_and_the_pick_is_measured_in_full(
+    workload, profile, strategies, linear_device, trials, record_run_many, runs_at_once: int
+) -> None:
+    """Rule: with CompileSearch.pass_one_steps, pass 1's runs take that many steps, one at a
+    time or at once; no other run does, and the pick's measurement and verification are runs
+    of the plan's own steps. On this device, whose lines are exact, the pick is the one the
+    search makes without the setting. Why: a card's runs at once take their timed steps in
+    turn, 18.3 s of t5_base's 48.1 s pass 1 on an H200 (session 44)."""
+
+    def plan(search: CompileSearch) -> Plan:
+        device = linear_device(EAGER_LM, compiled_per_sample=COMPILED_LM, fixed_ms=3.0)
+        if runs_at_once > 1:
+            _concurrent(device, runs_at_once, record_run_many)
+        return _plan(workload, profile, strategies, device, search, probe_steps=6, verify_steps=6)
+
+    full, short = plan(CompileSearch()), plan(CompileSearch(pass_one_steps=3))
+    assert short.candidate == full.candidate
+    assert all(p.steps == 6 for p in _compile_runs(full) if p.fits)
+    runs = [p for p in short.probes if p.stage == "compile" and p.fits]
+    shortened = [p for p in runs if p.steps == 3]
+    assert shortened and all(p.steps in (3, 6) for p in runs)
+    # Pass 1: one run of each candidate at its first batch; those are the short ones.
+    first = {json.dumps(p.candidate.choices, sort_keys=True): p for p in reversed(runs)}
+    assert {id(p) for p in shortened} <= {id(p) for p in first.values()}
+    assert short.verified is not None and short.verified.steps >= 6
+    assert short.stages[0].picked
+    pick = short.candidate
+    own = [
+        p
+        for p in runs
+        if p.batch_size == pick.batch_size
+        and p.candidate.choices.get("compile") == pick.choices.get("compile")
+        and _blocks(p.candidate.choices) == _blocks(pick.choices)
+    ]
+    assert own and all(p.steps == 6 for p in own), own
