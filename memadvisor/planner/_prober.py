@@ -830,8 +830,8 @@ class Prober:
         the batch. Near the edge it may not: lm350m's compiled confirmation on an H200
         (session 44 call A) ran 23 at 109.1 samples/s (211 ms a step, 196 of them the
         host's), where 22 had run 136.0 (162 ms) in the same plan and 21 140.0; the plan
-        then weighed CUDA graphs against 109.1, took them at 11 (108.0), and left a quarter
-        of the rate the runs had shown. A slower largest batch is a step the allocator or
+        then weighed CUDA graphs against 109.1, took them at 11 (108.0), and left about a
+        fifth of the rate the runs had shown. A slower largest batch is a step the allocator or
         the host stalls, which a smaller batch does not pay.
 
         Known limitations:
